@@ -1,0 +1,52 @@
+"""From a Hydra config to a validated `Job`: every bad input is reported here, before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from batchgen.confdir import conf_dir
+from batchgen.job import Job
+from batchgen.latency import Efficiency
+from batchgen.memory import ConfigError, MemorySettings
+from batchgen.policy import make_policy, policy_names
+from batchgen.specs import ClusterSpec, ModelSpec
+from batchgen.workload import build_workload
+
+BACKENDS = ("sim",)
+
+
+def _plain(node: Any) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+
+
+def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
+    """Validate the config and build the job; raises ConfigError with a message that says how to fix it."""
+    if cfg.get("policy") is None:
+        raise ConfigError(f"no policy chosen: add +policy=<name> with one of {', '.join(policy_names())}, "
+                          "e.g. python -m batchgen.experiment +policy=coroutine")
+    backend = cfg.get("backend", {}).get("name")
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    try:
+        policy = make_policy(_plain(cfg.policy))
+        model = ModelSpec.from_dict(_plain(cfg.model))
+        cluster = ClusterSpec.from_config(_plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
+        memory = MemorySettings(**_plain(cfg.get("memory")))
+        efficiency = Efficiency(**_plain(cfg.get("efficiency")))
+        page_tokens = int(cfg.get("page_tokens", 64))
+        workload = build_workload(cfg.workload, seed=int(cfg.get("seed", 0)), base_dir=base_dir)
+    except ConfigError:
+        raise
+    except TypeError as e:  # unknown keyword in memory / efficiency
+        raise ConfigError(f"bad setting: {e}") from e
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+    skew = float(cfg.get("routing_skew", 0.0))
+    if skew < 0:
+        raise ConfigError(f"routing_skew must be >= 0, got {skew}")
+    return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
+               efficiency=efficiency, page_tokens=page_tokens, routing_skew=skew,
+               check_invariants=bool(cfg.get("check_invariants", False)))

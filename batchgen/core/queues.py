@@ -1,0 +1,88 @@
+"""A FIFO of sequence ids stored as numpy chunks.
+
+Pools hold up to millions of ids and move them in bulk (a refill takes thousands at once), so a deque of
+Python ints would put a Python operation per sequence on the hot path; chunks keep it per batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class IdQueue:
+    """First in, first out; push and pop whole arrays."""
+
+    __slots__ = ("_chunks", "_head", "_len")
+
+    def __init__(self, ids: np.ndarray | None = None):
+        self._chunks: deque[np.ndarray] = deque()
+        self._head = 0  # offset into the first chunk
+        self._len = 0
+        if ids is not None:
+            self.push(ids)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size:
+            self._chunks.append(ids.copy())
+            self._len += ids.size
+
+    def push_front(self, ids: np.ndarray) -> None:
+        """Put ids back at the head (a preempted sequence keeps its turn)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not ids.size:
+            return
+        if self._head:
+            self._chunks[0] = self._chunks[0][self._head:]
+            self._head = 0
+        self._chunks.appendleft(ids.copy())
+        self._len += ids.size
+
+    def peek(self, n: int) -> np.ndarray:
+        """The first n ids (fewer if the queue is shorter), without removing them."""
+        n = min(max(int(n), 0), self._len)
+        if n == 0:
+            return _EMPTY
+        parts, need, head = [], n, self._head
+        for chunk in self._chunks:
+            take = chunk[head:head + need]
+            parts.append(take)
+            need -= take.size
+            head = 0
+            if need == 0:
+                break
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def pop(self, n: int) -> np.ndarray:
+        """Remove and return the first n ids."""
+        out = self.peek(n).copy()
+        need = out.size
+        self._len -= need
+        while need:
+            chunk = self._chunks[0]
+            avail = chunk.size - self._head
+            if avail <= need:
+                self._chunks.popleft()
+                self._head = 0
+                need -= avail
+            else:
+                self._head += need
+                need = 0
+        return out
+
+    def take_head_ids(self, ids: np.ndarray) -> None:
+        """Pop exactly these ids, which must be the queue's head in order (what peek returned)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        popped = self.pop(ids.size)
+        if not np.array_equal(popped, ids):
+            raise ValueError("ids taken from a queue must be its head, in FIFO order")
+
+    def to_array(self) -> np.ndarray:
+        return self.peek(self._len)

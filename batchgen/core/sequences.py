@@ -1,0 +1,88 @@
+"""Per-sequence state of a batch job, as columns.
+
+A job holds up to millions of sequences, so each field is one numpy array indexed by sequence id rather than
+one object per sequence. `where` is the single source of truth for a sequence's place: it lives in exactly one
+of the pending pool, the host (suspended, KV checkpointed), one GPU, or the finished set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PENDING = -1    # prompt not yet prefilled; no KV anywhere
+SUSPENDED = -2  # yielded: KV checkpointed in the host memory of node `host_node`
+FINISHED = -3   # produced all its tokens
+# where >= 0: running on that (global) GPU index, KV resident in its paged cache
+
+PLACE_NAMES = {PENDING: "pending", SUSPENDED: "suspended", FINISHED: "finished"}
+
+
+class InvariantError(AssertionError):
+    """The state broke a rule that must always hold: a bug in a policy or a backend, never bad input."""
+
+
+@dataclass
+class SequenceTable:
+    input_len: np.ndarray
+    output_len: np.ndarray  # ground truth (when EOS comes); policies never see it
+    decoded: np.ndarray = field(init=False)         # tokens generated so far (prefill makes the first)
+    where: np.ndarray = field(init=False)
+    host_node: np.ndarray = field(init=False)       # node whose host memory holds the KV copy, -1 if none
+    pages: np.ndarray = field(init=False)           # KV pages allocated on the GPU while running
+    home_gpu: np.ndarray = field(init=False)        # GPU a sequence is pinned to (-1: free to move)
+    tp: np.ndarray = field(init=False)              # GPUs a running sequence is partitioned over
+    instance: np.ndarray = field(init=False)
+    first_token_time: np.ndarray = field(init=False)
+    finish_time: np.ndarray = field(init=False)
+    yields: np.ndarray = field(init=False)
+    migrations: np.ndarray = field(init=False)
+    recomputes: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.input_len = np.asarray(self.input_len, dtype=np.int64)
+        self.output_len = np.asarray(self.output_len, dtype=np.int64)
+        n = self.input_len.size
+        if self.output_len.size != n:
+            raise ValueError("input_len and output_len must have the same length")
+        self.decoded = np.zeros(n, np.int64)
+        self.where = np.full(n, PENDING, np.int32)
+        self.host_node = np.full(n, -1, np.int32)
+        self.pages = np.zeros(n, np.int64)
+        self.home_gpu = np.full(n, -1, np.int32)
+        self.tp = np.ones(n, np.int32)
+        self.instance = np.zeros(n, np.int32)
+        self.first_token_time = np.full(n, np.nan)
+        self.finish_time = np.full(n, np.nan)
+        self.yields = np.zeros(n, np.int32)
+        self.migrations = np.zeros(n, np.int32)
+        self.recomputes = np.zeros(n, np.int32)
+
+    def __len__(self) -> int:
+        return self.input_len.size
+
+    def context(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens whose KV a sequence needs: its prompt plus what it has generated."""
+        return self.input_len[ids] + self.decoded[ids]
+
+    def remaining(self, ids: np.ndarray) -> np.ndarray:
+        return self.output_len[ids] - self.decoded[ids]
+
+    def check(self) -> None:
+        """Rules that hold for every sequence at every boundary."""
+        if np.any(self.decoded < 0) or np.any(self.decoded > self.output_len):
+            bad = np.flatnonzero((self.decoded < 0) | (self.decoded > self.output_len))[:5]
+            raise InvariantError(f"sequences {bad.tolist()} decoded outside [0, output_len]")
+        done = self.where == FINISHED
+        if not np.array_equal(done, self.decoded == self.output_len):
+            bad = np.flatnonzero(done != (self.decoded == self.output_len))[:5]
+            raise InvariantError(f"sequences {bad.tolist()}: finished must mean exactly output_len tokens")
+        if np.any(np.isnan(self.finish_time[done])) or np.any(~np.isnan(self.finish_time[~done])):
+            raise InvariantError("finish_time must be set exactly for finished sequences")
+        if np.any(self.pages[self.where < 0] != 0):
+            raise InvariantError("only running sequences may hold GPU pages")
+        if np.any((self.where == SUSPENDED) & (self.host_node < 0)):
+            raise InvariantError("a suspended sequence must have its KV on some node's host memory")
+        if np.any((self.where == PENDING) & (self.host_node >= 0)):
+            raise InvariantError("a pending sequence has no KV, so no host copy")

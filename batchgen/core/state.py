@@ -1,0 +1,342 @@
+"""Where every sequence lives, and the coroutine primitives that move it.
+
+Both backends keep their bookkeeping here: the simulator charges time for the bytes each primitive reports,
+the executor moves the tensors. Every primitive checks its preconditions, so a policy that asks for something
+impossible (admit a sequence that is not suspended, overfill a GPU) fails loudly at the step that did it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchgen.core.queues import IdQueue
+from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node and which expert-parallel instance each GPU belongs to."""
+
+    gpu_node: np.ndarray      # node of each global GPU index
+    gpu_instance: np.ndarray  # instance of each global GPU index
+    num_nodes: int
+    num_instances: int
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpu_node.size
+
+    def instance_gpus(self, instance: int) -> np.ndarray:
+        return np.flatnonzero(self.gpu_instance == instance)
+
+
+@dataclass
+class Moves:
+    """Bytes a batch of primitives moved, per GPU, for the backend to turn into time."""
+
+    h2d: np.ndarray       # host -> device (restore KV on COMBINE)
+    d2h: np.ndarray       # device -> host (checkpoint KV)
+    network: np.ndarray   # node -> node (MIGRATE), charged to the receiving GPU
+    peer: np.ndarray      # GPU -> GPU inside a node (NVLink), charged to the receiving GPU
+
+    @classmethod
+    def zeros(cls, num_gpus: int) -> "Moves":
+        return cls(*(np.zeros(num_gpus) for _ in range(4)))
+
+
+def _pages(tokens: np.ndarray, page_tokens: int) -> np.ndarray:
+    return -(-tokens // page_tokens)
+
+
+class ClusterState:
+    def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
+                 host_kv_tokens: np.ndarray, kv_bytes_per_token: float):
+        self.table = table
+        self.topo = topo
+        self.page_tokens = int(page_tokens)
+        self.gpu_pages = np.asarray(gpu_pages, dtype=np.int64)            # capacity per GPU
+        self.host_kv_tokens = np.asarray(host_kv_tokens, dtype=np.int64)  # capacity per node
+        self.kv_bytes_per_token = float(kv_bytes_per_token)
+        self.pages_used = np.zeros(topo.num_gpus, np.int64)
+        self.peak_pages = np.zeros(topo.num_gpus, np.int64)
+        self.host_used = np.zeros(topo.num_nodes, np.int64)
+        self.peak_host = np.zeros(topo.num_nodes, np.int64)
+        self.pending = [IdQueue() for _ in range(topo.num_instances)]      # not yet pinned
+        self.pinned = [IdQueue() for _ in range(topo.num_gpus)]            # pending, pinned to a GPU
+        self.suspended = [IdQueue() for _ in range(topo.num_nodes)]        # KV on that node's host
+        self.active = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
+        self.num_finished = 0
+
+    # ---- placement at the start -------------------------------------------------------------------
+    def assign_instances(self, instance_of_seq: np.ndarray) -> None:
+        """The upper-level split of the input over instances; each instance's pool keeps input order."""
+        self.table.instance[:] = instance_of_seq
+        for inst in range(self.topo.num_instances):
+            self.pending[inst].push(np.flatnonzero(instance_of_seq == inst))
+
+    def pin(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
+        """Bind pending sequences to GPUs (what serving engines do at arrival)."""
+        self.pending[instance].take_head_ids(ids)
+        self.table.home_gpu[ids] = gpus
+        order = np.argsort(gpus, kind="stable")
+        ids, gpus = ids[order], gpus[order]
+        bounds = np.flatnonzero(np.diff(gpus)) + 1
+        for chunk_ids, chunk_gpus in zip(np.split(ids, bounds), np.split(gpus, bounds)):
+            if chunk_ids.size:
+                self.pinned[int(chunk_gpus[0])].push(chunk_ids)
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def active_ids(self, instance: int) -> np.ndarray:
+        return self.active[instance]
+
+    def remaining_work(self, instance: int) -> bool:
+        gpus = self.topo.instance_gpus(instance)
+        return bool(self.active[instance].size or len(self.pending[instance])
+                    or any(len(self.pinned[g]) for g in gpus))
+
+    def all_finished(self) -> bool:
+        return self.num_finished == len(self.table)
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
+        t = self.table
+        gpus = t.where[ids]
+        delta = pages - t.pages[ids]
+        t.pages[ids] = pages
+        np.add.at(self.pages_used, gpus, delta)
+        over = self.pages_used > self.gpu_pages
+        if over.any():
+            g = int(np.flatnonzero(over)[0])
+            raise InvariantError(f"GPU {g} would hold {self.pages_used[g]} KV pages, capacity {self.gpu_pages[g]}: "
+                                 "the policy must yield or evict before it grows")
+        np.maximum(self.peak_pages, self.pages_used, out=self.peak_pages)
+
+    def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
+        """Grow running sequences' pages lazily so that the next `lookahead_tokens` fit."""
+        need = _pages(self.table.context(ids) + lookahead_tokens, self.page_tokens)
+        grow = need > self.table.pages[ids]
+        if grow.any():
+            self._set_pages(ids[grow], need[grow])
+
+    def _host_add(self, nodes: np.ndarray, tokens: np.ndarray) -> None:
+        np.add.at(self.host_used, nodes, tokens)
+        over = self.host_used > self.host_kv_tokens
+        if over.any():
+            n = int(np.flatnonzero(over)[0])
+            raise InvariantError(f"node {n} host memory would hold {self.host_used[n]} KV tokens, "
+                                 f"capacity {self.host_kv_tokens[n]}")
+        np.maximum(self.peak_host, self.host_used, out=self.peak_host)
+
+    def _host_drop(self, ids: np.ndarray) -> None:
+        t = self.table
+        keep = t.host_node[ids] >= 0
+        if keep.any():
+            np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))
+            t.host_node[ids[keep]] = -1
+
+    # ---- primitives -----------------------------------------------------------------------------------
+    def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
+        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        self.table.tp[ids] = 1
+        self.active[instance] = np.setdiff1d(self.active[instance], ids, assume_unique=True)
+
+    def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int) -> None:
+        if np.any(self.topo.gpu_instance[gpus] != instance):
+            raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
+        self.table.where[ids] = gpus
+        self.table.instance[ids] = instance
+        self.active[instance] = np.concatenate([self.active[instance], ids])
+        self.reserve(ids, lookahead_tokens)
+
+    def _require(self, ids: np.ndarray, ok: np.ndarray, what: str) -> None:
+        if not ok.all():
+            raise InvariantError(f"sequences {ids[~ok][:5].tolist()} are not {what}")
+
+    def yield_(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
+        """YIELD: suspend running sequences; their KV is checkpointed to their node's host memory."""
+        t = self.table
+        gpus = t.where[ids]
+        self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance),
+                      f"running on instance {instance}")
+        ctx = t.context(ids)
+        nodes = self.topo.gpu_node[gpus]
+        fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
+        np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
+        self._host_add(nodes[fresh], ctx[fresh])
+        t.host_node[ids[fresh]] = nodes[fresh]
+        self._leave_gpu(instance, ids)
+        t.where[ids] = SUSPENDED
+        t.yields[ids] += 1
+        self._push_by_node(ids, t.host_node[ids])
+
+    def _push_by_node(self, ids: np.ndarray, nodes: np.ndarray) -> None:
+        for node in np.unique(nodes):
+            self.suspended[int(node)].push(ids[nodes == node])
+
+    def combine(self, instance: int, node: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves,
+                lookahead_tokens: int) -> None:
+        """COMBINE: resume suspended sequences from `node`'s pool (its head, FIFO) on GPUs of `instance`.
+
+        A GPU on another node pulls the KV over the network (that is MIGRATE folded into the resume).
+        """
+        t = self.table
+        self.suspended[node].take_head_ids(ids)
+        bytes_ = t.context(ids) * self.kv_bytes_per_token
+        remote = self.topo.gpu_node[gpus] != node
+        np.add.at(moves.h2d, gpus[~remote], bytes_[~remote])
+        if remote.any():
+            np.add.at(moves.network, gpus[remote], bytes_[remote])
+            self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
+        self._join_gpu(instance, ids, gpus, lookahead_tokens)
+
+    def _migrate_host_copy(self, ids: np.ndarray, nodes: np.ndarray) -> None:
+        t = self.table
+        ctx = t.context(ids)
+        np.subtract.at(self.host_used, t.host_node[ids], ctx)
+        self._host_add(nodes, ctx)
+        t.host_node[ids] = nodes
+        t.migrations[ids] += 1
+
+    def migrate(self, src_node: int, dst_node: int, count: int, moves: Moves, charge_gpu: int) -> np.ndarray:
+        """MIGRATE suspended sequences (head of `src_node`'s pool) to `dst_node`'s host memory."""
+        ids = self.suspended[src_node].pop(count)
+        moves.network[charge_gpu] += float(self.table.context(ids).sum()) * self.kv_bytes_per_token
+        self._migrate_host_copy(ids, np.full(ids.size, dst_node))
+        self.suspended[dst_node].push(ids)
+        return ids
+
+    def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
+        """MIGRATE running sequences to other GPUs of their instance, KV and all (straggler rebalancing)."""
+        t = self.table
+        src = t.where[ids]
+        self._require(ids, (src >= 0) & (self.topo.gpu_instance[np.maximum(src, 0)] == instance),
+                      f"running on instance {instance}")
+        bytes_ = t.context(ids) * self.kv_bytes_per_token
+        cross = self.topo.gpu_node[src] != self.topo.gpu_node[gpus]
+        np.add.at(moves.network, gpus[cross], bytes_[cross])
+        np.add.at(moves.peer, gpus[~cross], bytes_[~cross])
+        pages = t.pages[ids].copy()
+        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        t.where[ids] = gpus
+        self._set_pages(ids, pages)
+        t.migrations[ids] += 1
+        if np.any(t.host_node[ids] >= 0):
+            # the host copy follows the sequence to its new node
+            have = ids[t.host_node[ids] >= 0]
+            dst = self.topo.gpu_node[t.where[have]]
+            moving = t.host_node[have] != dst
+            if moving.any():
+                ctx = t.context(have[moving])
+                np.subtract.at(self.host_used, t.host_node[have[moving]], ctx)
+                self._host_add(dst[moving], ctx)
+                t.host_node[have[moving]] = dst[moving]
+
+    def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
+        """PARTITION running sequences over `degree` GPUs each (heads split; the group starts at the lead GPU)."""
+        t = self.table
+        gpus = t.where[ids]
+        self._require(ids, gpus >= 0, "running")
+        n_gpus = self.topo.instance_gpus(instance).size
+        if np.any(degree < 1) or np.any(degree > n_gpus):
+            raise InvariantError(f"partition degree must be within 1..{n_gpus}")
+        t.tp[ids] = degree
+
+    def evict(self, instance: int, ids: np.ndarray) -> None:
+        """Drop running sequences' KV; they go back to the head of their queue and will be recomputed."""
+        t = self.table
+        gpus = t.where[ids].copy()
+        self._require(ids, gpus >= 0, "running")
+        self._host_drop(ids)
+        self._leave_gpu(instance, ids)
+        t.where[ids] = PENDING
+        t.recomputes[ids] += 1
+        # Recompute means prefilling prompt + generated tokens again: fold generated tokens into the prompt
+        # cost by keeping `decoded`; the backend charges prefill over the whole context.
+        pinned = t.home_gpu[ids] >= 0
+        for g in np.unique(gpus[pinned]):
+            self.pinned[int(g)].push_front(ids[pinned & (gpus == g)])
+        if (~pinned).any():
+            self.pending[instance].push_front(ids[~pinned])
+
+    def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
+        """Remove sequences about to be prefilled from the head of their queue."""
+        queue = self.pending[instance] if gpu is None else self.pinned[gpu]
+        queue.take_head_ids(ids)
+
+    def prefilled_to_host(self, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
+        """Prefill output offloaded layer by layer: the sequences join their node's suspended pool."""
+        t = self.table
+        self._require(ids, t.where[ids] == PENDING, "pending")
+        nodes = self.topo.gpu_node[gpus]
+        ctx = t.context(ids)
+        np.add.at(moves.d2h, gpus, ctx * self.kv_bytes_per_token)
+        self._host_add(nodes, ctx)
+        t.host_node[ids] = nodes
+        t.where[ids] = SUSPENDED
+        self._push_by_node(ids, nodes)
+
+    def prefilled_to_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int) -> None:
+        """Prefill output kept in the GPU's paged cache (serving-engine style)."""
+        self._require(ids, self.table.where[ids] == PENDING, "pending")
+        self._join_gpu(instance, ids, gpus, lookahead_tokens)
+
+    def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
+        """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync)."""
+        t = self.table
+        t.decoded[ids] += tokens
+        if host_sync:
+            copy = t.host_node[ids] >= 0
+            if copy.any():
+                self._host_add(t.host_node[ids[copy]], tokens[copy])
+
+    def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
+        t = self.table
+        self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")
+        running = t.where[ids] >= 0
+        self._host_drop(ids)
+        if running.any():
+            self._leave_gpu(instance, ids[running])
+        t.where[ids] = FINISHED
+        t.finish_time[ids] = times
+        self.num_finished += ids.size
+
+    # ---- invariants ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Recount everything from the table and compare with the incremental bookkeeping."""
+        t = self.table
+        t.check()
+        running = t.where >= 0
+        if not np.array_equal(np.bincount(t.where[running], t.pages[running], self.topo.num_gpus)
+                              .astype(np.int64), self.pages_used):
+            raise InvariantError("GPU page counts drifted from the per-sequence pages")
+        if np.any(self.pages_used > self.gpu_pages):
+            raise InvariantError("a GPU holds more KV pages than its capacity")
+        host = t.host_node >= 0
+        recount = np.bincount(t.host_node[host], t.context(np.flatnonzero(host)), self.topo.num_nodes)
+        if not np.array_equal(recount.astype(np.int64), self.host_used):
+            raise InvariantError("host KV accounting drifted from the per-sequence host copies")
+        if np.any(self.host_used > self.host_kv_tokens):
+            raise InvariantError("a node's host memory holds more KV than its capacity")
+        places = np.zeros(len(t), np.int64)
+        for q in [*self.pending, *self.pinned]:
+            ids = q.to_array()
+            places[ids] += 1
+            if np.any(t.where[ids] != PENDING):
+                raise InvariantError("a queued sequence is not marked pending")
+        for node, q in enumerate(self.suspended):
+            ids = q.to_array()
+            places[ids] += 1
+            if np.any(t.where[ids] != SUSPENDED) or np.any(t.host_node[ids] != node):
+                raise InvariantError(f"node {node}'s pool holds a sequence that is not suspended there")
+        for inst, ids in enumerate(self.active):
+            places[ids] += 1
+            if np.any(t.where[ids] < 0) or np.any(self.topo.gpu_instance[t.where[ids]] != inst):
+                raise InvariantError(f"instance {inst}'s active set holds a sequence not running on it")
+        places[t.where == FINISHED] += 1
+        if np.any(places != 1):
+            bad = np.flatnonzero(places != 1)[:5]
+            raise InvariantError(f"sequences {bad.tolist()} are in {places[bad].tolist()} places, not exactly one")
+        if self.num_finished != int((t.where == FINISHED).sum()):
+            raise InvariantError("finished count drifted")

@@ -1,0 +1,240 @@
+"""The engine loop, written once for every backend: snapshot -> decide -> apply -> run to the next boundary.
+
+A backend only has to execute a `StepPlan` (advance the clock by the latency model, or run real tensors) and
+report what each sequence produced. Everything else, the bookkeeping of where sequences live, applying a
+policy's decision through the coroutine primitives and recording results, lives here and in core/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generator, Protocol
+
+import numpy as np
+
+from batchgen.core.state import ClusterState, Moves
+from batchgen.core.sequences import InvariantError
+from batchgen.policy.base import Decision, Lengths, Phase, Policy, Snapshot
+
+
+@dataclass
+class StepPlan:
+    """One run of an instance between two boundaries, as the backend must execute it."""
+
+    instance: int
+    gpus: np.ndarray
+    decode_ids: np.ndarray
+    decode_rank: np.ndarray
+    decode_tp: np.ndarray
+    prefill_ids: np.ndarray
+    prefill_rank: np.ndarray
+    steps: int
+    stop: str
+    micro_batch: int
+    pad_rows: np.ndarray       # per rank
+    pad_context: np.ndarray    # per rank: summed context of the padding rows
+    moves: Moves               # bytes moved by this boundary's primitives (indexed by global GPU)
+    host_sync: bool
+    prefill_to_host: bool
+    padded: bool
+
+    @property
+    def phase(self) -> Phase:
+        if self.prefill_ids.size:
+            return "prefill"
+        return "decode" if self.decode_ids.size else "idle"
+
+
+@dataclass
+class StepResult:
+    duration: float
+    iterations: int
+    produced: np.ndarray        # tokens each decode sequence generated
+    finished: np.ndarray        # bool per decode sequence
+    finish_offset: np.ndarray   # seconds after the start at which each decode sequence produced its last token
+    prefill_finished: np.ndarray  # bool per prefill sequence (a one-token output ends at prefill)
+    rank_busy: np.ndarray       # compute seconds per rank
+    rank_comm: np.ndarray       # seconds per rank in collectives and copies not hidden by compute
+    expert_tokens: float        # tokens entering the gate, summed over iterations (one MoE layer)
+    expert_calls: int           # iterations that ran the MoE layers
+    tokens: int                 # tokens processed (prefill + decode)
+
+
+class Backend(Protocol):
+    state: ClusterState
+
+    def now(self) -> float: ...
+    def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]: ...
+
+
+@dataclass
+class StepRecord:
+    instance: int
+    start: float
+    duration: float
+    phase: str
+    iterations: int
+    tokens: int
+    running: int
+    expert_tokens: float
+    expert_calls: int
+    rank_busy: np.ndarray
+    rank_comm: np.ndarray
+
+
+@dataclass
+class InstanceProgress:
+    """Per-instance state that is not per-sequence: static padding rows and the last phase."""
+
+    num_ranks: int
+    last_phase: Phase = "idle"
+    pad_rows: np.ndarray = field(default=None)     # type: ignore[assignment]
+    pad_context: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        self.pad_rows = np.zeros(self.num_ranks, np.int64)
+        self.pad_context = np.zeros(self.num_ranks, np.int64)
+
+
+def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
+                  gpus_per_node: int) -> Snapshot:
+    topo, t = state.topo, state.table
+    gpus = topo.instance_gpus(instance)
+    rank_of_gpu = np.full(topo.num_gpus, -1, np.int64)
+    rank_of_gpu[gpus] = np.arange(gpus.size)
+    ids = state.active[instance]
+    node_instance = np.full(topo.num_nodes, -1, np.int64)
+    node_instance[topo.gpu_node] = topo.gpu_instance
+    return Snapshot(
+        now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
+        rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus].copy(),
+        pad_rows=progress.pad_rows.copy(),
+        active_ids=ids, active_rank=rank_of_gpu[t.where[ids]], active_context=t.context(ids),
+        active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
+        pending=state.pending[instance], pinned=[state.pinned[g] for g in gpus], suspended=state.suspended,
+        node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens, host_used_tokens=state.host_used.copy(),
+        lengths=Lengths(t.input_len, t.decoded), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
+    )
+
+
+def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress) -> StepPlan:
+    """Carry out a decision through the coroutine primitives and describe the run that follows."""
+    topo, t = state.topo, state.table
+    gpus = topo.instance_gpus(instance)
+    moves = Moves.zeros(topo.num_gpus)
+    if d.pin_ids.size:
+        state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
+    if d.evict_ids.size:
+        state.evict(instance, d.evict_ids)
+    if d.yield_ids.size:
+        state.yield_(instance, d.yield_ids, moves)
+    if d.move_ids.size:
+        state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+    prefill = d.prefill_ids.size > 0
+    steps = 1 if prefill else max(int(d.steps), 1)
+    for admit in d.admits:
+        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps)
+    if d.partition_ids.size:
+        state.partition(instance, d.partition_ids, d.partition_degree)
+    if prefill:
+        _take_prefill(state, instance, d, gpus)
+    decode_ids = state.active[instance]
+    if prefill and not d.prefill_to_host:
+        decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
+    state.reserve(decode_ids, steps)
+    if not d.padded:
+        progress.pad_rows[:] = 0
+        progress.pad_context[:] = 0
+    rank_of_gpu = {int(g): r for r, g in enumerate(gpus)}
+    to_rank = np.vectorize(rank_of_gpu.__getitem__, otypes=[np.int64])
+    return StepPlan(
+        instance=instance, gpus=gpus, decode_ids=decode_ids,
+        decode_rank=to_rank(t.where[decode_ids]) if decode_ids.size else decode_ids,
+        decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, pad_rows=progress.pad_rows.copy(),
+        pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
+        prefill_to_host=d.prefill_to_host, padded=d.padded,
+    )
+
+
+def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
+    ids, ranks = d.prefill_ids, d.prefill_ranks
+    if d.prefill_pinned:
+        for r in np.unique(ranks):
+            state.take_pending(instance, ids[ranks == r], int(gpus[r]))
+    else:
+        state.take_pending(instance, ids)
+    if not d.prefill_to_host:
+        # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
+        state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
+
+
+def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: float,
+                   progress: InstanceProgress, padded: bool) -> None:
+    """Fold what the run produced back into the state: tokens, finishes, prefilled sequences."""
+    t = state.table
+    inst = plan.instance
+    if plan.decode_ids.size:
+        ids = plan.decode_ids
+        state.advance(ids, res.produced, plan.host_sync)
+        done = ids[res.finished]
+        if done.size:
+            if padded:
+                ranks = plan.decode_rank[res.finished]
+                np.add.at(progress.pad_rows, ranks, 1)
+                np.add.at(progress.pad_context, ranks, t.context(done))
+            state.finish(inst, done, start + res.finish_offset[res.finished])
+    if plan.prefill_ids.size:
+        ids = plan.prefill_ids
+        gpus = plan.gpus[plan.prefill_rank]
+        t.decoded[ids] += 1  # prefill produces the first token
+        t.first_token_time[ids] = np.where(np.isnan(t.first_token_time[ids]), start + res.duration,
+                                           t.first_token_time[ids])
+        done = ids[res.prefill_finished]
+        if plan.prefill_to_host:
+            live = ~res.prefill_finished
+            state.prefilled_to_host(ids[live], gpus[live], plan.moves)
+        if done.size:
+            state.finish(inst, done, np.full(done.size, start + res.duration))
+    if padded:
+        drained = np.bincount(_ranks_of(state, plan), minlength=plan.gpus.size) == 0
+        progress.pad_rows[drained] = 0
+        progress.pad_context[drained] = 0
+
+
+def _ranks_of(state: ClusterState, plan: StepPlan) -> np.ndarray:
+    ids = state.active[plan.instance]
+    rank_of_gpu = np.full(state.topo.num_gpus, -1, np.int64)
+    rank_of_gpu[plan.gpus] = np.arange(plan.gpus.size)
+    return rank_of_gpu[state.table.where[ids]]
+
+
+def instance_loop(policy: Policy, backend: Backend, instance: int, records: list[StepRecord], *,
+                  gpus_per_node: int, check_invariants: bool = False, max_idle_decisions: int = 3
+                  ) -> Generator[Any, Any, None]:
+    """Drive one expert-parallel instance until its policy has nothing left to run."""
+    state = backend.state
+    progress = InstanceProgress(state.topo.instance_gpus(instance).size)
+    idle = 0
+    while True:
+        now = backend.now()
+        snap = make_snapshot(state, instance, now, progress, gpus_per_node)
+        decision = policy.decide(snap)
+        plan = apply_decision(state, instance, decision, progress)
+        if plan.phase == "idle":
+            if not state.remaining_work(instance):
+                return  # nothing here any more; other instances may still run
+            idle += 1
+            if idle > max_idle_decisions:
+                raise InvariantError(f"policy {policy.name!r} made no progress on instance {instance} although "
+                                     "it still has queued sequences (no prefill, no decode)")
+            continue
+        idle = 0
+        result = yield from backend.execute(plan)
+        record_outcome(state, plan, result, now, progress, decision.padded)
+        progress.last_phase = plan.phase
+        records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
+                                  int(plan.decode_ids.size + plan.prefill_ids.size), result.expert_tokens,
+                                  result.expert_calls, result.rank_busy, result.rank_comm))
+        if check_invariants:
+            state.check()

@@ -1,0 +1,67 @@
+"""A batch job, fully specified: what to run (model, workload), where (cluster) and how (policy, settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchgen.core.sequences import SequenceTable
+from batchgen.core.state import ClusterState, Topology
+from batchgen.latency import Efficiency, LatencyModel
+from batchgen.memory import MemoryBudget, MemorySettings, check_prompts_fit, plan_memory
+from batchgen.policy.base import Policy
+from batchgen.specs import ClusterSpec, ModelSpec
+from batchgen.workload import Workload
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    policy: Policy
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    page_tokens: int = 64
+    routing_skew: float = 0.0
+    check_invariants: bool = False
+
+    def __post_init__(self):
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+
+
+@dataclass
+class Prepared:
+    """What every backend builds from a job before running it; building it validates the job."""
+
+    latency: LatencyModel
+    budget: MemoryBudget
+    state: ClusterState
+
+
+def topology(cluster: ClusterSpec) -> Topology:
+    gpus = np.arange(cluster.num_gpus)
+    return Topology(gpu_node=gpus // cluster.node_size, gpu_instance=gpus // cluster.instance_size,
+                    num_nodes=cluster.num_nodes, num_instances=cluster.num_instances)
+
+
+def prepare(job: Job) -> Prepared:
+    m, c = job.model, job.cluster
+    lat = LatencyModel(m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
+                       routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1)
+    budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
+                         can_stream_weights=job.policy.can_stream_weights, uses_host_kv=job.policy.uses_host_kv,
+                         policy_name=job.policy.name)
+    w = job.workload
+    if len(w):
+        check_prompts_fit(m, w.input_lens, w.output_lens, budget)
+    topo = topology(c)
+    state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
+                         gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
+                         host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
+                         kv_bytes_per_token=m.kv_bytes_per_token)
+    # The upper-level split of the input over instances: round-robin keeps their loads statistically equal.
+    state.assign_instances(np.arange(len(w)) % c.num_instances)
+    return Prepared(lat, budget, state)

@@ -1,0 +1,228 @@
+"""Roofline latency model of one MoE (or dense) transformer on one GPU type; see `batchgen.latency`."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchgen.latency.efficiency import Efficiency
+
+_EXPERT_CHUNK = 4096  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
+
+
+def _arr(x, what: str) -> np.ndarray:
+    """`x` as a float array; negative amounts of work are a caller bug, so they raise."""
+    a = np.asarray(x, dtype=float)
+    if np.any(a < 0) or np.any(np.isnan(a)):
+        raise ValueError(f"{what} must be >= 0, got {x!r}")
+    return a
+
+
+def _out(a: np.ndarray):
+    """0-d results come back as plain floats, arrays as arrays."""
+    a = np.asarray(a, dtype=float)
+    return float(a) if a.ndim == 0 else a
+
+
+class LatencyModel:
+    """Seconds per module for `model` on `gpu`, vectorised: every argument broadcasts as numpy arrays.
+
+    Unless a method says otherwise, a cost is for ONE layer on ONE rank. `ep_ranks` GPUs form one
+    expert-parallel instance (data-parallel attention, experts placed round-robin), `gpus_per_node` of them
+    per node. `routing_skew` s >= 0 makes expert e's share of routed tokens proportional to (e+1)^-s
+    (0 = uniform). `use_fp8` runs weight GEMMs at the FP8 peak when the GPU has one and the weights are 1 byte.
+    """
+
+    def __init__(self, model, gpu, eff: Efficiency = Efficiency(), *, ep_ranks: int = 1,
+                 gpus_per_node: int = 8, routing_skew: float = 0.0, use_fp8: bool = False) -> None:
+        if not (isinstance(ep_ranks, (int, np.integer)) and ep_ranks >= 1):
+            raise ValueError(f"ep_ranks must be an integer >= 1, got {ep_ranks!r}")
+        if not (isinstance(gpus_per_node, (int, np.integer)) and gpus_per_node >= 1):
+            raise ValueError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
+        if not (math.isfinite(routing_skew) and routing_skew >= 0):
+            raise ValueError(f"routing_skew must be finite and >= 0, got {routing_skew!r}")
+        if ep_ranks > gpus_per_node and model.is_moe and not gpu.network_bw > 0:
+            raise ValueError(f"ep_ranks={ep_ranks} spans nodes of {gpus_per_node} GPUs, but {gpu.name} has no "
+                             "network (network_bw == 0)")
+        self.model, self.gpu, self.eff = model, gpu, eff
+        self.ep_ranks, self.gpus_per_node = int(ep_ranks), int(gpus_per_node)
+        self.routing_skew, self.use_fp8 = float(routing_skew), bool(use_fp8)
+        fp8 = use_fp8 and gpu.flops_fp8 > 0 and model.weight_bytes == 1
+        self.gemm_flops = (gpu.flops_fp8 if fp8 else gpu.flops_bf16) * eff.compute  # achieved, weight GEMMs
+        self.score_flops = gpu.flops_bf16 * eff.compute  # achieved, attention scores (bf16 kernels)
+        self.mem_bw = gpu.hbm_bw * eff.memory  # achieved HBM bytes/s
+        self._act_row = model.hidden_size * model.act_bytes  # bytes of one token's hidden state
+        self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
+
+    # ---- the roofline -----------------------------------------------------------------------------------
+
+    def _roofline(self, active, gemm_flops, bytes_, launches=1, score_flops=0.0):
+        """max(compute time, memory time) + launches * kernel_s where `active`, else 0."""
+        compute = gemm_flops / self.gemm_flops + score_flops / self.score_flops
+        t = np.maximum(compute, bytes_ / self.mem_bw) + launches * self.eff.kernel_s
+        return _out(np.where(active, t, 0.0))
+
+    def _gemm(self, tokens, params, calls=1):
+        """A weight GEMM pass over `tokens` rows in `calls` (at least 1) launches: (effective FLOPs, weight
+        bytes read)."""
+        calls = np.maximum(calls, 1)
+        return 2.0 * params * (tokens + self.eff.gemm_pad_rows * calls), params * self.model.weight_bytes * calls
+
+    # ---- attention --------------------------------------------------------------------------------------
+
+    def attention_decode(self, tokens, context_sum, micro_batches=1):
+        """Decode attention for `tokens` sequences (one query each) whose context lengths sum to `context_sum`.
+
+        Each micro-batch re-reads the attention weights and pays one launch; the KV of every context token is
+        read once and each query appends one token's KV.
+        """
+        t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
+        m = self.model
+        flops, w_bytes = self._gemm(t, m.attention_params_per_layer, mb)
+        kv = (ctx + t) * m.kv_bytes_per_token_per_layer
+        return self._roofline(t > 0, flops, w_bytes + kv + 2 * t * self._act_row, mb,
+                              score_flops=m.attention_score_flops_decode * ctx)
+
+    def attention_prefill(self, tokens, context_sq_sum, micro_batches=1):
+        """Prefill attention over `tokens` prompt tokens; `context_sq_sum` = sum over prompts of length^2.
+
+        Causal masking halves the score FLOPs; each prompt token's KV is written once.
+        """
+        t, sq, mb = _arr(tokens, "tokens"), _arr(context_sq_sum, "context_sq_sum"), _arr(micro_batches, "micro_batches")
+        m = self.model
+        flops, w_bytes = self._gemm(t, m.attention_params_per_layer, mb)
+        kv = t * m.kv_bytes_per_token_per_layer
+        return self._roofline(t > 0, flops, w_bytes + kv + 2 * t * self._act_row, mb,
+                              score_flops=0.5 * m.attention_score_flops_prefill * sq)
+
+    # ---- FFN modules ------------------------------------------------------------------------------------
+
+    def _ffn(self, tokens, params, what):
+        """One replicated weight block (dense FFN, shared experts, router) applied to this rank's tokens."""
+        t = _arr(tokens, what)
+        flops, w_bytes = self._gemm(t, params)
+        return self._roofline((t > 0) & (params > 0), flops, w_bytes + 2 * t * self._act_row)
+
+    def dense_ffn(self, tokens):
+        """A dense layer's FFN on this rank's tokens (weights replicated on every rank)."""
+        return self._ffn(tokens, self.model.dense_ffn_params, "tokens")
+
+    def shared_experts(self, tokens):
+        """All shared experts of one MoE layer on this rank's tokens; 0 if the model has none."""
+        return self._ffn(tokens, self.model.shared_expert_params if self.model.is_moe else 0, "tokens")
+
+    def router(self, tokens):
+        """The gate's linear layer and top-k on this rank's tokens; 0 for a dense model."""
+        return self._ffn(tokens, self.model.router_params if self.model.is_moe else 0, "tokens")
+
+    def lm_head(self, tokens):
+        """Final projection and sampling, once per step (not per layer): fp32 logits written and read back."""
+        t = _arr(tokens, "tokens")
+        params = self.model.vocab_size * self.model.hidden_size
+        flops, w_bytes = self._gemm(t, params)
+        return self._roofline(t > 0, flops, w_bytes + t * self._act_row + 2 * t * self.model.vocab_size * 4)
+
+    # ---- routed experts ---------------------------------------------------------------------------------
+
+    def _expert_shares_by_rank(self) -> np.ndarray:
+        """(ep_ranks, slots) routing shares p_e, expert e at [e % R, e // R]; empty slots hold 0."""
+        e = self.model.num_experts
+        p = np.arange(1, e + 1, dtype=float) ** -self.routing_skew
+        p /= p.sum()
+        slots = -(-e // self.ep_ranks)
+        padded = np.zeros(slots * self.ep_ranks)
+        padded[:e] = p
+        return padded.reshape(slots, self.ep_ranks).T
+
+    def _expert_rank_times(self, total_tokens: np.ndarray) -> np.ndarray:
+        """(n, ep_ranks) expected expert time of each rank for a 1-D array of global gate batches."""
+        m, p = self.model, self._rank_p
+        assignments = total_tokens[:, None, None] * m.top_k  # (n, 1, 1)
+        tokens = assignments[..., 0] * p.sum(axis=1)  # (n, R) expected token-expert pairs per rank
+        if self.routing_skew == 0:  # uniform shares: one power per batch size instead of one per expert
+            miss = np.power(1.0 - 1.0 / m.num_experts, assignments[..., 0])  # (n, 1)
+            touched = (p > 0).sum(axis=1) * (1.0 - miss)  # (n, R) experts with >= 1 token
+        else:
+            touched = (1.0 - np.power(1.0 - p, assignments)).sum(axis=2)
+        flops = 2.0 * m.expert_params * (tokens + self.eff.gemm_pad_rows * touched)
+        bytes_ = touched * m.expert_params * m.weight_bytes + 2 * tokens * self._act_row
+        return np.asarray(self._roofline(tokens > 0, flops, bytes_))
+
+    def experts(self, total_tokens):
+        """Routed experts of one MoE layer for `total_tokens` entering the gate across the instance.
+
+        Returns (max_rank_s, mean_rank_s): the slowest rank sets the pace of lockstep expert parallelism; the
+        mean is for idle accounting. Costs are expectations (see the package docstring). Dense -> (0, 0).
+        """
+        t = _arr(total_tokens, "total_tokens")
+        if not self.model.is_moe:
+            return _out(np.zeros_like(t)), _out(np.zeros_like(t))
+        values, inverse = np.unique(t, return_inverse=True)  # a grid repeats few distinct batch sizes
+        worst, mean = np.empty_like(values), np.empty_like(values)
+        for i in range(0, values.size, _EXPERT_CHUNK):
+            ranks = self._expert_rank_times(values[i:i + _EXPERT_CHUNK])
+            worst[i:i + _EXPERT_CHUNK], mean[i:i + _EXPERT_CHUNK] = ranks.max(axis=1), ranks.mean(axis=1)
+        return _out(worst[inverse].reshape(t.shape)), _out(mean[inverse].reshape(t.shape))
+
+    def expert_batch_per_expert(self, total_tokens):
+        """Mean tokens per routed expert: total_tokens * top_k / num_experts (0 for a dense model)."""
+        t = _arr(total_tokens, "total_tokens")
+        m = self.model
+        return _out(t * m.top_k / m.num_experts if m.is_moe else np.zeros_like(t))
+
+    # ---- communication ----------------------------------------------------------------------------------
+
+    def all_to_all(self, total_tokens):
+        """Dispatch + combine of one MoE layer across the instance's ep_ranks; 0 if ep_ranks == 1 or dense.
+
+        Each rank sends (total_tokens / R) * top_k hidden states, (R - 1) / R of them to other ranks, each
+        way; peers on the same node are reached over NVLink, the rest over the network, in parallel. Each of
+        the two phases costs collective_s + collective_per_peer_s * (R - 1) + its slower link's time.
+        """
+        t = _arr(total_tokens, "total_tokens")
+        r, m = self.ep_ranks, self.model
+        if r == 1 or not m.is_moe:
+            return _out(np.zeros_like(t))
+        sent = (t / r) * m.top_k * self._act_row * (r - 1) / r
+        local_peers = min(r, self.gpus_per_node) - 1
+        remote_peers = r - 1 - local_peers
+        intra_s = sent * local_peers / (r - 1) / self.gpu.nvlink_bw if local_peers else 0.0
+        inter_s = sent * remote_peers / (r - 1) / self.gpu.network_bw if remote_peers else 0.0
+        link = np.maximum(intra_s, inter_s) / self.eff.link
+        phase = self.eff.collective_s + self.eff.collective_per_peer_s * (r - 1) + link
+        return _out(np.where(t > 0, 2.0 * phase, 0.0))
+
+    def _copy(self, nbytes, bandwidth, fixed_s):
+        n = _arr(nbytes, "nbytes")
+        return _out(np.where(n > 0, fixed_s + n / (bandwidth * self.eff.link), 0.0))
+
+    def h2d(self, nbytes):
+        """Host-to-device copy over PCIe (one launch plus bytes at the achieved link bandwidth)."""
+        return self._copy(nbytes, self.gpu.pcie_bw, self.eff.kernel_s)
+
+    def d2h(self, nbytes):
+        """Device-to-host copy over PCIe."""
+        return self._copy(nbytes, self.gpu.pcie_bw, self.eff.kernel_s)
+
+    def network(self, nbytes, cross_node):
+        """Point-to-point transfer: NVLink within a node, the network across nodes (`cross_node` broadcasts)."""
+        bw = np.where(np.asarray(cross_node, dtype=bool), self.gpu.network_bw, self.gpu.nvlink_bw)
+        return self._copy(nbytes, bw, self.eff.collective_s)
+
+    # ---- conveniences for the simulator -----------------------------------------------------------------
+
+    def layer_counts(self) -> tuple[int, int]:
+        """(num_dense_layers, num_moe_layers)."""
+        return self.model.num_dense_layers, self.model.num_moe_layers
+
+    def weight_bytes_per_rank(self) -> float:
+        """Bytes of weights one rank holds: every non-expert weight (replicated) + embeddings + LM head + its
+        routed experts (round-robin, so the busiest rank's ceil(num_experts / ep_ranks) per MoE layer)."""
+        m = self.model
+        replicated = (m.num_layers * m.attention_params_per_layer + m.num_dense_layers * m.dense_ffn_params
+                      + m.embedding_params)
+        if m.is_moe:
+            per_rank_experts = -(-m.num_experts // self.ep_ranks)
+            replicated += m.num_moe_layers * (m.shared_expert_params + m.router_params
+                                              + per_rank_experts * m.expert_params)
+        return float(replicated * m.weight_bytes)

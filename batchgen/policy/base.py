@@ -1,0 +1,125 @@
+"""The one interface between scheduling policies and backends.
+
+A policy sees a read-only `Snapshot` of one expert-parallel instance at a scheduling boundary and returns a
+`Decision`. It imports neither simpy nor torch: the simulator and the executor build the same snapshot and
+apply the same decision, so a policy tested here behaves the same at 128 simulated GPUs and on real ones.
+Output lengths are not in the snapshot: like a real engine, a policy learns a sequence ended when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence
+
+import numpy as np
+
+EMPTY = np.empty(0, dtype=np.int64)
+
+Stop = Literal["none", "first_finish", "rank_drains"]
+Phase = Literal["prefill", "decode", "idle"]
+
+
+class PoolView(Protocol):
+    """A FIFO pool of sequence ids, read-only."""
+
+    def __len__(self) -> int: ...
+    def peek(self, n: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Per-sequence lengths a real engine knows: the prompt and what was generated so far."""
+
+    input_len: np.ndarray
+    decoded: np.ndarray
+
+    def context(self, ids: np.ndarray) -> np.ndarray:
+        return self.input_len[ids] + self.decoded[ids]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    instance: int
+    page_tokens: int
+    gpus: np.ndarray               # global GPU index of each rank of this instance
+    rank_node: np.ndarray          # node of each rank
+    pages_capacity: np.ndarray     # KV pages per rank
+    pages_used: np.ndarray
+    pad_rows: np.ndarray           # finished rows still occupying a static batch, per rank
+    # running sequences of this instance
+    active_ids: np.ndarray
+    active_rank: np.ndarray        # rank (0..R-1) of each running sequence
+    active_context: np.ndarray
+    active_decoded: np.ndarray
+    active_pages: np.ndarray
+    active_tp: np.ndarray
+    # queues
+    pending: PoolView              # not yet prefilled and not pinned (this instance)
+    pinned: Sequence[PoolView]     # not yet prefilled, pinned to each rank
+    suspended: Sequence[PoolView]  # prefilled, KV on the host of each node (all nodes of the cluster)
+    node_instance: np.ndarray      # instance that owns each node (-1 if shared)
+    host_capacity_tokens: np.ndarray  # KV tokens each node's host memory may hold
+    host_used_tokens: np.ndarray
+    lengths: Lengths
+    last_phase: Phase
+    gpus_per_node: int
+
+    @property
+    def num_ranks(self) -> int:
+        return self.gpus.size
+
+    def rank_count(self) -> np.ndarray:
+        return np.bincount(self.active_rank, minlength=self.num_ranks)
+
+    def own_nodes(self) -> np.ndarray:
+        return np.unique(self.rank_node)
+
+
+@dataclass(frozen=True)
+class Admit:
+    """COMBINE sequences from the head of `node`'s suspended pool onto ranks (MIGRATE if remote)."""
+
+    node: int
+    ids: np.ndarray
+    ranks: np.ndarray
+
+
+@dataclass
+class Decision:
+    """What to change at this boundary, and how long to run before the next one.
+
+    Applied in field order: pin, evict, yield, move, admit, partition, prefill; then the instance runs one
+    forward pass if anything prefills, else up to `steps` decode iterations (stopping early per `stop`).
+    """
+
+    pin_ids: np.ndarray = field(default_factory=lambda: EMPTY)
+    pin_ranks: np.ndarray = field(default_factory=lambda: EMPTY)
+    evict_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # drop KV, recompute later
+    yield_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # YIELD: KV to host, suspended
+    move_ids: np.ndarray = field(default_factory=lambda: EMPTY)      # MIGRATE running sequences ...
+    move_ranks: np.ndarray = field(default_factory=lambda: EMPTY)    # ... to these ranks (KV over links)
+    admits: list[Admit] = field(default_factory=list)
+    partition_ids: np.ndarray = field(default_factory=lambda: EMPTY)  # PARTITION running sequences ...
+    partition_degree: np.ndarray = field(default_factory=lambda: EMPTY)  # ... over this many ranks each
+    prefill_ids: np.ndarray = field(default_factory=lambda: EMPTY)   # from the head of pending / pinned
+    prefill_ranks: np.ndarray = field(default_factory=lambda: EMPTY)
+    prefill_pinned: bool = False     # prefill ids come from the ranks' pinned queues, not the shared pool
+    prefill_to_host: bool = False    # offload prefill KV to host (suspended) instead of keeping it running
+    host_sync: bool = False          # keep the host KV copy of running sequences up to date (every page)
+    steps: int = 64
+    stop: Stop = "none"
+    micro_batch: int = 0             # B_attn: attention runs in micro-batches of this many sequences (0 = one)
+    padded: bool = False             # static batches: finished rows keep costing until the whole batch ends
+
+    @property
+    def phase(self) -> Phase:
+        if self.prefill_ids.size:
+            return "prefill"
+        return "decode"
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, snap: Snapshot) -> Decision: ...

@@ -1,0 +1,75 @@
+"""Small decisions several policies share, each a pure function over snapshot arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.policy.base import PoolView
+
+
+def pages_for(tokens: np.ndarray, page_tokens: int) -> np.ndarray:
+    return -(-np.asarray(tokens, dtype=np.int64) // page_tokens)
+
+
+def per_rank(rank: np.ndarray, values: np.ndarray, num_ranks: int) -> np.ndarray:
+    return np.bincount(rank, weights=values, minlength=num_ranks).astype(np.int64)
+
+
+def shed_to_fit(rank: np.ndarray, need: np.ndarray, order_key: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """Indices to remove so that each rank's summed `need` fits its capacity, removing the highest
+    `order_key` first. Vectorised: sort by (rank, key descending), and on each rank drop the prefix whose
+    removal brings the total under capacity."""
+    R = capacity.size
+    total = per_rank(rank, need, R)
+    excess = total - capacity
+    if not np.any(excess > 0):
+        return np.empty(0, np.int64)
+    order = np.lexsort((-order_key, rank))
+    r_sorted, n_sorted = rank[order], need[order]
+    start = np.searchsorted(r_sorted, np.arange(R))
+    cum = np.cumsum(n_sorted)
+    cum_before_rank = np.where(start > 0, cum[np.maximum(start - 1, 0)], 0)
+    freed = cum - cum_before_rank[r_sorted]          # freed on its rank if we drop up to and including this one
+    prev_freed = freed - n_sorted
+    drop = prev_freed < excess[r_sorted]             # still short before dropping this one
+    return order[drop]
+
+
+def fill_ranks(candidate_need: np.ndarray, slots: np.ndarray, free: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Assign a FIFO run of candidates to `ranks` in turn, each taking what fits in its slots and free pages.
+
+    Returns the rank of each assigned candidate (a prefix of the candidates; -1 where none fits, after which
+    nothing more is taken, to keep FIFO order)."""
+    out = np.full(candidate_need.size, -1, np.int64)
+    pos = 0
+    for r in ranks:
+        if pos >= candidate_need.size:
+            break
+        if slots[r] <= 0 or free[r] <= 0:
+            continue
+        window = candidate_need[pos:pos + int(slots[r])]
+        take = int(np.searchsorted(np.cumsum(window), free[r], side="right"))
+        out[pos:pos + take] = r
+        pos += take
+    if pos < out.size:
+        out[pos:] = -1
+    return out[:pos]
+
+
+def head(pool: PoolView, n: int) -> np.ndarray:
+    return pool.peek(n) if n > 0 else np.empty(0, np.int64)
+
+
+def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarray:
+    """Give FIFO candidates to ranks in order so that each rank's token sum stays within its budget (each rank
+    with budget takes at least one candidate). Returns the rank of each taken candidate (a prefix)."""
+    out, pos = [], 0
+    for r, budget in enumerate(budget_per_rank):
+        if pos >= tokens.size:
+            break
+        if budget <= 0:
+            continue
+        take = max(1, int(np.searchsorted(np.cumsum(tokens[pos:]), budget, side="right")))
+        out.append(np.full(min(take, tokens.size - pos), r))
+        pos += take
+    return np.concatenate(out) if out else np.empty(0, np.int64)

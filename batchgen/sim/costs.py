@@ -1,0 +1,133 @@
+"""Turn one run of an instance (a fixed batch for up to N iterations) into time, without a per-token loop.
+
+Between two boundaries a batch only changes when sequences end, so the per-iteration load of every rank is a
+step function of the iteration index: built with one bincount and a reversed cumulative sum, then priced on a
+(ranks x iterations) grid by the latency model. The instance runs in lockstep: at every MoE layer each rank
+waits for the slowest one (the all-to-all), which is where stragglers cost time; `rank_busy` keeps each rank's
+own compute so the idle share is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchgen.latency import LatencyModel
+
+
+@dataclass
+class RunCost:
+    iteration_s: np.ndarray      # duration of each iteration (compute, lockstep), length K
+    rank_busy: np.ndarray        # compute seconds of each rank over the run
+    rank_comm: np.ndarray        # collective seconds of each rank over the run
+    expert_tokens: np.ndarray    # tokens at the gate per iteration (whole instance)
+
+    @property
+    def compute_s(self) -> float:
+        return float(self.iteration_s.sum())
+
+
+@dataclass
+class RankLoad:
+    """What each rank computes in each iteration: (ranks x iterations) arrays."""
+
+    attn_tokens: np.ndarray     # decode queries in attention (partitioned sequences count fractionally)
+    attn_context: np.ndarray    # summed context those decode queries attend to
+    gate_tokens: np.ndarray     # tokens that enter this rank's FFN / router
+    prefill_sq: np.ndarray      # sum of squared prompt lengths (prefill attention), else 0
+    prefill_tokens: np.ndarray  # prompt tokens prefilled
+    micro_batches: np.ndarray   # attention launches (B_attn micro-batches)
+
+
+def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,
+                         num_ranks: int) -> tuple[int, np.ndarray]:
+    """How many iterations the run lasts and how many tokens each sequence makes in it."""
+    if remaining.size == 0:
+        return max(steps, 1), remaining
+    k = steps
+    if stop == "first_finish":
+        k = min(k, int(remaining.min()))
+    elif stop == "rank_drains":
+        longest = np.zeros(num_ranks, np.int64)
+        np.maximum.at(longest, rank, remaining)
+        k = min(k, int(longest[longest > 0].min()))
+    k = max(k, 1)
+    return k, np.minimum(remaining, k)
+
+
+def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
+                num_ranks: int, iterations: int, micro_batch: int,
+                pad_rows: np.ndarray, pad_context: np.ndarray) -> RankLoad:
+    """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
+    K, R = iterations, num_ranks
+    # A partitioned sequence spreads its attention over tp consecutive ranks (heads split); its token enters
+    # the gate once, on its lead rank.
+    rep = np.repeat(np.arange(rank.size), tp)
+    offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
+    a_rank = (rank[rep] + offset) % R
+    a_weight = 1.0 / tp[rep]
+    attn_tokens = _alive(a_rank, alive_for[rep], a_weight, R, K)
+    attn_ctx0 = _alive(a_rank, alive_for[rep], a_weight * context[rep], R, K)
+    gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
+    ks = np.arange(K)
+    attn_ctx = attn_ctx0 + attn_tokens * ks  # every live sequence's context grows by one per iteration
+    attn_tokens = attn_tokens + pad_rows[:, None]
+    attn_ctx = attn_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
+    gate = gate + pad_rows[:, None]
+    mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
+    zeros = np.zeros((R, K))
+    return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0))
+
+
+def _alive(rank: np.ndarray, alive_for: np.ndarray, weight: np.ndarray, R: int, K: int) -> np.ndarray:
+    """sum of weight over sequences on each rank still running at each iteration: (R, K)."""
+    hist = np.bincount(rank * (K + 1) + alive_for, weights=weight, minlength=R * (K + 1)).reshape(R, K + 1)
+    # alive at iteration k <=> alive_for > k: reversed cumulative sum over alive_for = k+1..K
+    return np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]
+
+
+def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_rank: np.ndarray,
+                 decode_context: np.ndarray, num_ranks: int, micro_batch: int) -> RankLoad:
+    """One forward pass in which some ranks prefill whole prompts and the others decode one token."""
+    R = num_ranks
+    p_tok = np.bincount(prefill_rank, weights=prefill_context.astype(float), minlength=R)
+    p_sq = np.bincount(prefill_rank, weights=prefill_context.astype(float) ** 2, minlength=R)
+    p_seq = np.bincount(prefill_rank, minlength=R)
+    d_tok = np.bincount(decode_rank, minlength=R).astype(float)
+    d_ctx = np.bincount(decode_rank, weights=decode_context.astype(float), minlength=R)
+    seqs = p_seq + d_tok
+    mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
+    col = lambda a: a[:, None].astype(float)  # noqa: E731
+    return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)))
+
+
+def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0) -> RunCost:
+    """Seconds per iteration for an instance in lockstep, and each rank's own busy time."""
+    n_dense, n_moe = lat.layer_counts()
+    attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches)
+            + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1))
+    gate = load.gate_tokens
+    head = lat.lm_head(gate).max(axis=0)
+    busy = np.zeros(gate.shape)
+    iteration = head.copy()
+    comm = np.zeros(gate.shape[1])
+    if n_dense:
+        dense = attn + lat.dense_ffn(gate)
+        iteration += n_dense * dense.max(axis=0)
+        busy += n_dense * dense
+    if n_moe:
+        total = gate.sum(axis=0)
+        local = attn + lat.shared_experts(gate) + lat.router(gate)
+        slowest, mean = lat.experts(total)
+        a2a = lat.all_to_all(total)
+        iteration += n_moe * (local.max(axis=0) + a2a + slowest)
+        busy += n_moe * (local + mean)
+        comm = n_moe * a2a
+    busy += lat.lm_head(gate)
+    if weight_stream_s > 0:
+        iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
+    active = gate.sum(axis=0) > 0
+    iteration = np.where(active, iteration, 0.0)
+    rank_comm = np.full(gate.shape[0], float(comm[active].sum()))
+    return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0))

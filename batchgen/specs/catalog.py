@@ -1,0 +1,76 @@
+"""Look up the specs shipped as YAML under conf/ by name.
+
+The simulator and the planner need hardware specs by name outside Hydra (a cluster names its GPU; scripts
+compare GPUs), so these loaders read the same files Hydra composes, from the same conf directory.
+"""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from batchgen.specs.hardware import ClusterSpec, HardwareSpec
+from batchgen.specs.model import ModelSpec
+
+
+def _fallback_conf_dir() -> Path:
+    """The checkout's top-level conf/ when running from a clone, else batchgen/conf inside an installed wheel."""
+    here = Path(__file__).resolve()
+    checkout = here.parents[2] / "conf"
+    return checkout if checkout.is_dir() else here.parents[1] / "conf"
+
+
+def _conf_dir(conf_dir: str | Path | None) -> Path:
+    if conf_dir is not None:
+        return Path(conf_dir)
+    try:  # batchgen.confdir is the single place that decides where conf/ lives
+        from batchgen.confdir import conf_dir as shared_conf_dir
+    except ImportError:
+        return _fallback_conf_dir()
+    return Path(shared_conf_dir())
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _load_yaml(folder: Path, name: str, what: str) -> dict:
+    names = _names(folder)
+    if name not in names:
+        valid = ", ".join(names) or "(none)"
+        raise ValueError(f"unknown {what} {name!r}: choose one of {valid} (files in {folder})")
+    path = folder / f"{name}.yaml"
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of field names to values")
+    return data
+
+
+def hardware_names(conf_dir: str | Path | None = None) -> list[str]:
+    return _names(_conf_dir(conf_dir) / "hardware")
+
+
+def model_names(conf_dir: str | Path | None = None) -> list[str]:
+    return _names(_conf_dir(conf_dir) / "model")
+
+
+def cluster_names(conf_dir: str | Path | None = None) -> list[str]:
+    return _names(_conf_dir(conf_dir) / "cluster")
+
+
+def load_hardware_file(name: str, hardware_dir: str | Path | None = None) -> HardwareSpec:
+    """Load `<hardware_dir>/<name>.yaml` (default: conf/hardware)."""
+    folder = Path(hardware_dir) if hardware_dir is not None else _conf_dir(None) / "hardware"
+    return HardwareSpec.from_dict(_load_yaml(folder, name, "GPU"))
+
+
+def load_hardware(name: str, conf_dir: str | Path | None = None) -> HardwareSpec:
+    return load_hardware_file(name, _conf_dir(conf_dir) / "hardware")
+
+
+def load_model(name: str, conf_dir: str | Path | None = None) -> ModelSpec:
+    return ModelSpec.from_dict(_load_yaml(_conf_dir(conf_dir) / "model", name, "model"))
+
+
+def load_cluster(name: str, conf_dir: str | Path | None = None) -> ClusterSpec:
+    root = _conf_dir(conf_dir)
+    return ClusterSpec.from_config(_load_yaml(root / "cluster", name, "cluster"), root / "hardware")

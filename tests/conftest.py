@@ -1,0 +1,26 @@
+import numpy as np
+import pytest
+
+from batchgen.job import Job
+from batchgen.policy import make_policy
+from batchgen.specs import load_cluster, load_model
+from batchgen.workload import Workload
+
+
+def make_job(policy="coroutine", model="tiny_moe", cluster="h100_8", inputs=None, outputs=None, n=50, seed=0,
+             policy_overrides=None, cluster_overrides=None, **job_kwargs) -> Job:
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(16, 256, n) if inputs is None else np.asarray(inputs)
+    outputs = rng.integers(1, 300, n) if outputs is None else np.asarray(outputs)
+    c = load_cluster(cluster)
+    if cluster_overrides:
+        from dataclasses import replace
+        c = replace(c, **cluster_overrides)
+    job_kwargs.setdefault("check_invariants", True)
+    return Job(model=load_model(model), cluster=c, workload=Workload("test", inputs, outputs),
+               policy=make_policy({"name": policy, **(policy_overrides or {})}), **job_kwargs)
+
+
+@pytest.fixture
+def job_factory():
+    return make_job
