@@ -39,6 +39,7 @@ class SequenceTable:
     yields: np.ndarray = field(init=False)
     migrations: np.ndarray = field(init=False)
     recomputes: np.ndarray = field(init=False)
+    partitions: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.input_len = np.asarray(self.input_len, dtype=np.int64)
@@ -58,6 +59,7 @@ class SequenceTable:
         self.yields = np.zeros(n, np.int32)
         self.migrations = np.zeros(n, np.int32)
         self.recomputes = np.zeros(n, np.int32)
+        self.partitions = np.zeros(n, np.int32)
 
     def __len__(self) -> int:
         return self.input_len.size

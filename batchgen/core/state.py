@@ -241,6 +241,7 @@ class ClusterState:
         n_gpus = self.topo.instance_gpus(instance).size
         if np.any(degree < 1) or np.any(degree > n_gpus):
             raise InvariantError(f"partition degree must be within 1..{n_gpus}")
+        t.partitions[ids[t.tp[ids] != degree]] += 1
         t.tp[ids] = degree
 
     def evict(self, instance: int, ids: np.ndarray) -> None:

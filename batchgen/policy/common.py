@@ -36,24 +36,35 @@ def shed_to_fit(rank: np.ndarray, need: np.ndarray, order_key: np.ndarray, capac
 
 
 def fill_ranks(candidate_need: np.ndarray, slots: np.ndarray, free: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Assign a FIFO run of candidates to `ranks` in turn, each taking what fits in its slots and free pages.
+    """Assign a FIFO run of candidates to `ranks` in turn, each taking up to its slots within its free pages.
 
-    Returns the rank of each assigned candidate (a prefix of the candidates; -1 where none fits, after which
-    nothing more is taken, to keep FIFO order)."""
-    out = np.full(candidate_need.size, -1, np.int64)
-    pos = 0
-    for r in ranks:
-        if pos >= candidate_need.size:
-            break
-        if slots[r] <= 0 or free[r] <= 0:
-            continue
-        window = candidate_need[pos:pos + int(slots[r])]
-        take = int(np.searchsorted(np.cumsum(window), free[r], side="right"))
-        out[pos:pos + take] = r
-        pos += take
-    if pos < out.size:
-        out[pos:] = -1
-    return out[:pos]
+    Returns the rank of each assigned candidate: a prefix of the candidates, cut at the first one that does
+    not fit, so that FIFO order holds."""
+    caps = np.maximum(slots[ranks], 0) * (free[ranks] > 0)
+    n = min(int(caps.sum()), candidate_need.size)
+    if n == 0:
+        return np.empty(0, np.int64)
+    owner = np.repeat(ranks, caps)[:n]
+    need = candidate_need[:n]
+    cum = np.cumsum(need)
+    first = np.r_[0, np.flatnonzero(owner[1:] != owner[:-1]) + 1]      # first candidate of each rank's run
+    start = np.repeat(cum[first] - need[first], np.diff(np.r_[first, n]))
+    fits = cum - start <= free[owner]
+    cut = n if fits.all() else int(np.argmin(fits))
+    return owner[:cut]
+
+
+def level_slots(count: np.ndarray, slots: np.ndarray, n: int) -> np.ndarray:
+    """Slots per rank that spread n newcomers evenly: fill the emptiest ranks up to a common level first
+    (water-filling), never beyond each rank's own slots."""
+    lo, hi = int(count.min(initial=0)), int(count.max(initial=0)) + n
+    while lo < hi:  # smallest level whose room holds all n
+        mid = (lo + hi) // 2
+        if np.minimum(slots, np.maximum(mid - count, 0)).sum() >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    return np.minimum(slots, np.maximum(lo - count, 0))
 
 
 def head(pool: PoolView, n: int) -> np.ndarray:
@@ -63,13 +74,14 @@ def head(pool: PoolView, n: int) -> np.ndarray:
 def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarray:
     """Give FIFO candidates to ranks in order so that each rank's token sum stays within its budget (each rank
     with budget takes at least one candidate). Returns the rank of each taken candidate (a prefix)."""
-    out, pos = [], 0
+    cum = np.cumsum(tokens)
+    out, pos, base = [], 0, 0
     for r, budget in enumerate(budget_per_rank):
         if pos >= tokens.size:
             break
         if budget <= 0:
             continue
-        take = max(1, int(np.searchsorted(np.cumsum(tokens[pos:]), budget, side="right")))
-        out.append(np.full(min(take, tokens.size - pos), r))
-        pos += take
+        end = max(pos + 1, int(np.searchsorted(cum, base + budget, side="right")))
+        out.append(np.full(end - pos, r))
+        pos, base = end, int(cum[end - 1])
     return np.concatenate(out) if out else np.empty(0, np.int64)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.policy.base import Admit, Decision, Snapshot
-from batchgen.policy.common import fill_ranks, pages_for, per_rank, shed_to_fit, split_by_budget
+from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,9 @@ class CoroutinePolicy:
         cand = snap.suspended[node].peek(skip + int(slots[open_ranks].sum()))[skip:]
         need = pages_for(snap.lengths.context(cand) + P, P)
         order = open_ranks[np.argsort(count[open_ranks], kind="stable")]  # least-loaded first
-        assigned = fill_ranks(need, slots, free, order)
+        caps = np.zeros_like(slots)
+        caps[open_ranks] = level_slots(count[open_ranks], slots[open_ranks], cand.size)
+        assigned = fill_ranks(need, caps, free, order)
         if not assigned.size:
             return
         d.admits.append(Admit(node, cand[:assigned.size], assigned))

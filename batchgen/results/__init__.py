@@ -1,0 +1,9 @@
+"""Results of a finished run: headline metrics, files on disk, a comparison table and a timeline plot."""
+
+from batchgen.results.metrics import device_table, step_arrays, summarize
+from batchgen.results.plot import plot_timeline
+from batchgen.results.summary import explain, format_table
+from batchgen.results.writer import write_results
+
+__all__ = ["device_table", "explain", "format_table", "plot_timeline", "step_arrays", "summarize",
+           "write_results"]

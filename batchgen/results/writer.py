@@ -1,0 +1,75 @@
+"""A run's results as files: one JSON summary and CSV tables that any tool (pandas, a spreadsheet) can read.
+
+The tables are written with numpy.savetxt from whole columns, never one Python dict per row, because a job
+can hold a million sequences.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchgen.results.metrics import StepArrays, device_table, step_arrays
+
+SEQUENCE_COLUMNS = ("id", "input_len", "output_len", "first_token_s", "finish_s", "instance", "yields",
+                    "migrations", "recomputes")
+STEP_COLUMNS = ("instance", "start_s", "duration_s", "phase", "iterations", "tokens", "running", "expert_tokens",
+                "expert_calls", "busy_mean_s", "busy_max_s")
+
+
+def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str, Any] | None = None,
+                  sequences_csv: bool = True) -> dict[str, Path]:
+    """The step arrays are built once here and shared by steps.csv and devices.csv (100K+ records).
+    sequences_csv=False skips the one-row-per-sequence file (large at millions of sequences)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = step_arrays(out)
+    names = ("results.json", "sequences.csv", "steps.csv", "devices.csv")
+    paths = {name: run_dir / name for name in names if sequences_csv or name != "sequences.csv"}
+    _write_json(paths["results.json"], summary, config)
+    if sequences_csv:
+        _write_sequences(paths["sequences.csv"], out)
+    _write_steps(paths["steps.csv"], steps)
+    _write_devices(paths["devices.csv"], device_table(out, steps))
+    return paths
+
+
+def _write_json(path: Path, summary: dict[str, Any], config: dict[str, Any] | None) -> None:
+    doc = dict(summary)
+    if config is not None:
+        doc["config"] = config
+    # default=str: a config may carry a Path or an enum; the summary itself is plain already.
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _write_sequences(path: Path, out) -> None:
+    t = out.prepared.state.table
+    cols = (np.arange(len(t)), t.input_len, t.output_len, t.first_token_time, t.finish_time, t.instance,
+            t.yields, t.migrations, t.recomputes)
+    fmt = ["%d", "%d", "%d", "%.6f", "%.6f", "%d", "%d", "%d", "%d"]
+    np.savetxt(path, np.column_stack(cols), fmt=fmt, delimiter=",", header=",".join(SEQUENCE_COLUMNS),
+               comments="")
+
+
+def _write_steps(path: Path, s: StepArrays) -> None:
+    ranks = max(s.busy.shape[1], 1)
+    busy_mean = s.busy.sum(axis=1) / ranks
+    busy_max = s.busy.max(axis=1, initial=0.0)
+    cols = (s.instance, s.start, s.duration, s.phase, s.iterations, s.tokens, s.running, s.expert_tokens,
+            s.expert_calls, busy_mean, busy_max)
+    table = np.empty((len(s), len(cols)), dtype=object)
+    for j, c in enumerate(cols):
+        table[:, j] = c
+    fmt = ["%d", "%.6f", "%.6f", "%s", "%d", "%d", "%d", "%.1f", "%d", "%.6f", "%.6f"]
+    np.savetxt(path, table, fmt=fmt, delimiter=",", header=",".join(STEP_COLUMNS), comments="")
+
+
+def _write_devices(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["gpu"])
+        w.writeheader()
+        w.writerows(rows)

@@ -1,0 +1,116 @@
+"""Policies as pure decisions: tested on hand-made states, with no simulator running."""
+
+import subprocess
+import sys
+
+import numpy as np
+
+from batchgen.core.state import Moves
+from batchgen.engine import InstanceProgress, make_snapshot
+from batchgen.job import prepare
+from batchgen.memory import MemorySettings
+from batchgen.sim.run import simulate
+from conftest import make_job
+
+
+def squeezed(job, kv_tokens_per_gpu):
+    """The same job with a KV pool of about `kv_tokens_per_gpu` tokens per GPU."""
+    import dataclasses
+    probe = prepare(job)
+    usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
+    kv_gb = kv_tokens_per_gpu * job.model.kv_bytes_per_token / 1e9
+    reserve = usable - probe.budget.weights_per_gpu_bytes / 1e9 - kv_gb
+    return dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve))
+
+
+def snapshot(state, instance=0, last_phase="decode"):
+    return make_snapshot(state, instance, 0.0, InstanceProgress(state.topo.instance_gpus(instance).size),
+                         gpus_per_node=8)
+
+
+def run_on_gpu(state, ids, gpu):
+    state.take_pending(0, ids)
+    state.prefilled_to_gpu(0, ids, np.full(ids.size, gpu), lookahead_tokens=1)
+
+
+def test_policy_modules_import_neither_simpy_nor_torch():
+    code = ("import sys, batchgen.policy, batchgen.policy.coroutine, batchgen.policy.continuous, "
+            "batchgen.policy.static; bad = [m for m in ('simpy', 'torch') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_coroutine_yields_most_decoded_first_under_memory_pressure():
+    job = squeezed(make_job("coroutine", n=8, inputs=np.full(8, 60), outputs=np.full(8, 200),
+                            cluster_overrides={"num_gpus": 1}), kv_tokens_per_gpu=12 * 64 + 32)
+    state = prepare(job).state
+    ids = np.arange(8)
+    run_on_gpu(state, ids, 0)
+    state.table.decoded[ids] = np.array([3, 1, 0, 2, 4, 0, 1, 0])  # context 60..64: one page each
+    state.reserve(ids, 0)
+    d = job.policy.decide(snapshot(state))
+    assert state.gpu_pages[0] == 12
+    # the next page needs 2 pages per sequence (16) but the GPU has 12: the two most-decoded ones go
+    assert sorted(d.yield_ids.tolist()) == [0, 4]
+
+
+def test_coroutine_refills_drained_rank_from_pool_in_fifo_order():
+    job = make_job("coroutine", n=20, inputs=np.full(20, 100), outputs=np.full(20, 500),
+                   cluster_overrides={"num_gpus": 2})
+    state = prepare(job).state
+    moves = Moves.zeros(2)
+    pool = state.pending[0].peek(20)
+    state.take_pending(0, pool)
+    state.prefilled_to_host(pool, np.zeros(20, np.int64), moves)
+    state.table.decoded[pool] = 1
+    state.host_used[:] = state.table.context(np.arange(20)).sum()
+    d = job.policy.decide(snapshot(state, last_phase="prefill"))
+    admitted = np.concatenate([a.ids for a in d.admits])
+    assert np.array_equal(admitted, np.arange(20))  # FIFO: the pool's order
+    ranks = np.concatenate([a.ranks for a in d.admits])
+    assert set(ranks.tolist()) == {0, 1}  # both ranks get work
+
+
+def test_continuous_pins_round_robin_and_prefills_first():
+    job = make_job("continuous", n=10, inputs=np.full(10, 100), outputs=np.full(10, 50),
+                   cluster_overrides={"num_gpus": 2})
+    state = prepare(job).state
+    d = job.policy.decide(snapshot(state))
+    assert np.array_equal(d.pin_ranks, np.arange(10) % 2)
+    assert d.prefill_ids.size == 10 and d.prefill_pinned and not d.prefill_to_host
+
+
+def test_static_waits_for_the_whole_batch():
+    job = make_job("static", n=6, inputs=np.full(6, 10), outputs=np.full(6, 100), cluster_overrides={"num_gpus": 1},
+                   policy_overrides={"batch_size": 3})
+    state = prepare(job).state
+    run_on_gpu(state, np.arange(3), 0)
+    state.pending[0].take_head_ids(np.empty(0, np.int64))
+    d = job.policy.decide(snapshot(state))
+    assert d.prefill_ids.size == 0  # the running batch is not done: nothing new joins
+    assert d.padded and d.stop == "rank_drains"
+
+
+def test_memory_pressure_makes_each_policy_yield_or_preempt_and_still_finish():
+    inputs, outputs = np.full(40, 200), np.full(40, 600)
+    for policy, counter in (("coroutine", "yields"), ("continuous", "recomputes"), ("static", "recomputes")):
+        job = squeezed(make_job(policy, n=40, inputs=inputs, outputs=outputs, cluster_overrides={"num_gpus": 2}),
+                       kv_tokens_per_gpu=4000)
+        out = simulate(job)
+        t = out.prepared.state.table
+        assert np.array_equal(t.decoded, t.output_len)
+        assert getattr(t, counter).sum() > 0, policy
+        assert np.all(out.prepared.state.peak_pages <= out.prepared.state.gpu_pages)
+
+
+def test_coroutine_partitions_the_last_stragglers():
+    outputs = np.full(64, 50)
+    outputs[:2] = 3000  # two stragglers
+    job = make_job("coroutine", n=64, inputs=np.full(64, 500), outputs=outputs)
+    out = simulate(job)
+    t = out.prepared.state.table
+    assert t.partitions[:2].min() >= 1 and t.partitions[2:].sum() == 0
+    no_part = simulate(make_job("coroutine", n=64, inputs=np.full(64, 500), outputs=outputs,
+                                policy_overrides={"partition": False}))
+    assert t.finish_time.max() < no_part.prepared.state.table.finish_time.max()

@@ -1,0 +1,175 @@
+"""Results: the summary agrees with the run it describes, the files read back, the plot renders, and the
+explanation's ratios are the ones in the table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from batchgen.job import Job
+from batchgen.policy import make_policy, policy_names
+from batchgen.results import device_table, explain, format_table, plot_timeline, summarize, write_results
+from batchgen.results.metrics import step_arrays
+from batchgen.results.plot import _binned_mean
+from batchgen.sim.run import simulate
+from batchgen.specs import load_cluster, load_model
+from batchgen.workload import build_workload
+
+WORKLOAD = {"name": "t", "num_sequences": 200, "input": {"kind": "uniform", "low": 64, "high": 512},
+            "output": {"kind": "longtail", "mean": 128, "max": 512}}
+POLICIES = policy_names()
+TOL = 1e-5  # summaries keep six significant digits
+
+
+def _run(policy: str, model: str = "qwen3_30b_a3b", instances: int = 1):
+    cluster = load_cluster("h100_8")
+    cluster = replace(cluster, gpus_per_instance=cluster.num_gpus // instances)
+    job = Job(load_model(model), cluster, build_workload(WORKLOAD, seed=0), make_policy({"name": policy}))
+    return simulate(job)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {p: _run(p) for p in POLICIES}
+
+
+@pytest.fixture(scope="module")
+def summaries(runs):
+    return {p: summarize(out) for p, out in runs.items()}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_summary_matches_the_run(runs, summaries, policy):
+    out, s = runs[policy], summaries[policy]
+    t = out.prepared.state.table
+    assert s["policy"] == policy and s["backend"] == "sim" and s["workload"] == "t"
+    assert s["num_sequences"] == 200 and s["num_gpus"] == 8 and s["num_instances"] == 1
+    assert s["bct_s"] == pytest.approx(np.max(t.finish_time), rel=TOL)
+    assert s["sct_p99_s"] <= s["bct_s"] and s["sct_p50_s"] <= s["sct_p99_s"]
+    assert s["output_tokens"] == int(out.job.workload.output_lens.sum())
+    assert s["prompt_tokens"] == int(out.job.workload.input_lens.sum())
+    assert s["tokens_per_s"] == pytest.approx(s["output_tokens"] / s["bct_s"], rel=TOL)
+    assert s["steps"] == len(out.records)
+    assert s["prefill_s"] + s["decode_s"] == pytest.approx(sum(r.duration for r in out.records), rel=TOL)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_time_fractions_add_up(summaries, policy):
+    s = summaries[policy]
+    for key in ("gpu_busy_frac", "gpu_comm_frac", "gpu_idle_frac", "tail_idle_frac", "peak_kv_frac",
+                "peak_host_frac"):
+        assert 0.0 <= s[key] <= 1.0, key
+    assert s["gpu_busy_frac"] + s["gpu_comm_frac"] + s["gpu_idle_frac"] == pytest.approx(1.0, abs=1e-4)
+    assert s["tail_idle_frac"] <= s["gpu_idle_frac"] + 1e-6
+    assert s["tail_idle_frac"] == 0.0  # one instance: nothing drains before the end of the run
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_expert_batch_follows_from_gate_tokens(runs, summaries, policy):
+    s, m = summaries[policy], runs[policy].job.model
+    calls = sum(r.expert_calls for r in runs[policy].records)
+    gate = sum(r.expert_tokens for r in runs[policy].records) / calls
+    assert s["mean_gate_tokens"] == pytest.approx(gate, rel=TOL)
+    assert s["mean_expert_batch"] == pytest.approx(s["mean_gate_tokens"] * m.top_k / m.num_experts, rel=TOL)
+
+
+def test_summary_is_plain_json(summaries):
+    s = summaries["coroutine"]
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_dense_model_has_no_expert_batch():
+    s = summarize(_run("continuous", model="llama2_7b"))
+    assert s["mean_expert_batch"] is None and s["mean_gate_tokens"] is None
+
+
+def test_tail_idle_counts_instances_that_drained_early():
+    out = _run("continuous", instances=2)
+    s, steps = summarize(out), step_arrays(out)
+    ends = [steps.end[steps.instance == i].max() for i in range(2)]
+    expected = sum((max(ends) - e) * 4 for e in ends) / (8 * max(ends))
+    assert s["num_instances"] == 2
+    assert s["tail_idle_frac"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def test_device_table_accounts_every_gpu(runs, summaries):
+    out, s = runs["coroutine"], summaries["coroutine"]
+    rows = device_table(out)
+    assert [r["gpu"] for r in rows] == list(range(8))
+    busy = sum(r["busy_s"] for r in rows)
+    assert busy / (8 * s["bct_s"]) == pytest.approx(s["gpu_busy_frac"], rel=1e-4)
+    for r in rows:
+        assert r["busy_s"] + r["comm_s"] + r["idle_s"] == pytest.approx(s["bct_s"], rel=1e-4)
+        assert 0 <= r["peak_kv_pages"] <= r["kv_pages_capacity"]
+
+
+def test_files_read_back(runs, summaries, tmp_path):
+    out, s = runs["coroutine"], summaries["coroutine"]
+    paths = write_results(out, tmp_path / "run", s, config={"policy": {"name": "coroutine"}})
+    assert set(paths) == {"results.json", "sequences.csv", "steps.csv", "devices.csv"}
+    doc = json.loads(paths["results.json"].read_text())
+    assert doc["config"] == {"policy": {"name": "coroutine"}}
+    assert {k: v for k, v in doc.items() if k != "config"} == s
+    seqs = np.genfromtxt(paths["sequences.csv"], delimiter=",", names=True)
+    assert seqs.size == s["num_sequences"]
+    assert seqs["finish_s"].max() == pytest.approx(s["bct_s"], rel=TOL)
+    assert int(seqs["output_len"].sum()) == s["output_tokens"]
+    with paths["steps.csv"].open() as fh:
+        steps = list(csv.DictReader(fh))
+    assert len(steps) == len(out.records) and {r["phase"] for r in steps} <= {"prefill", "decode"}
+    with paths["devices.csv"].open() as fh:
+        assert len(list(csv.DictReader(fh))) == s["num_gpus"]
+
+
+def test_plot_is_a_png(runs, tmp_path):
+    path = plot_timeline(runs["coroutine"], tmp_path / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_binning_keeps_the_integral():
+    start = np.array([0.0, 1.0, 1.5, 4.0])
+    end = np.array([1.0, 1.5, 3.0, 5.0])
+    value = np.array([0.5, 1.0, 0.2, 0.8])
+    edges = np.linspace(0, 5, 7)
+    binned = _binned_mean(start, end, value, edges)
+    assert (binned * np.diff(edges)).sum() == pytest.approx((value * (end - start)).sum())
+    assert binned[0] == pytest.approx(0.5)  # the first bin lies inside the first step
+
+
+def test_table_has_one_line_per_run(summaries):
+    text = format_table(list(summaries.values()))
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(summaries)
+    assert len({len(line) for line in lines}) == 1  # fixed width
+    for policy, line in zip(summaries, lines[2:]):
+        assert line.startswith(policy)
+
+
+def test_explain_ratios_match_the_numbers(summaries):
+    rows = list(summaries.values())
+    text = explain(rows)
+    best = min(rows, key=lambda r: r["bct_s"])
+    assert text.splitlines()[0].startswith(f"{best['policy']}: best BCT")
+    found = dict(re.findall(r"^(\w+): (\d+\.\d+)x the BCT of", text, flags=re.M))
+    assert set(found) == {r["policy"] for r in rows} - {best["policy"]}
+    for r in rows:
+        if r is not best:
+            assert found[r["policy"]] == f"{r['bct_s'] / best['bct_s']:.2f}"
+
+
+def test_explain_points_at_what_differs():
+    base = {"policy": "a", "num_gpus": 8, "bct_s": 10.0, "gpu_busy_frac": 0.8, "gpu_comm_frac": 0.1,
+            "gpu_idle_frac": 0.1, "tail_idle_frac": 0.0, "mean_expert_batch": 60.0, "recomputes": 0}
+    worse = {**base, "policy": "b", "bct_s": 15.0, "gpu_busy_frac": 0.5, "gpu_idle_frac": 0.4,
+             "tail_idle_frac": 0.12, "mean_expert_batch": 38.0}
+    text = explain([worse, base])
+    assert "b: 1.50x the BCT of a" in text
+    assert "idle 40%" in text and "(a 10%)" in text and "12% of GPU-time after" in text
+    assert "expert batch 38 vs 60" in text
+    assert "communication" not in text and "recomputed" not in text
+    assert explain([base]) == ""
