@@ -161,9 +161,13 @@ def summarize(out) -> dict[str, Any]:
     res.update(mean_gate_tokens=gate, mean_expert_batch=expert_batch,
                prefill_s=float(steps.duration[steps.phase == "prefill"].sum()),
                decode_s=float(steps.duration[steps.phase == "decode"].sum()),
+               partitions=int(t.partitions.sum()),
                yields=int(t.yields.sum()), migrations=int(t.migrations.sum()), recomputes=int(t.recomputes.sum()),
                steps=len(steps), events=int(out.events), wall_s=float(out.wall_s),
                seqs_per_wall_s=_ratio(len(t), out.wall_s))
+    # Share of instance-time spent in forwards that prefill: in lockstep every rank of the instance waits
+    # for them, so a high share means decode was stalled by prompts (serving engines' prefill-first rule).
+    res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.job.cluster.num_instances)
     res.update(_memory_peaks(out))
     return {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}
 

@@ -21,6 +21,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("busy %", "gpu_busy_frac", lambda v: f"{100 * v:.1f}"),
     ("idle %", "gpu_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("tail idle %", "tail_idle_frac", lambda v: f"{100 * v:.1f}"),
+    ("prefill %", "prefill_frac", lambda v: f"{100 * v:.1f}"),
     ("expert batch", "mean_expert_batch", lambda v: f"{v:.1f}"),
     ("gate tokens", "mean_gate_tokens", lambda v: f"{v:,.0f}"),
     ("yields", "yields", str),
@@ -91,6 +92,10 @@ def _reasons(row: Row, best: Row, best_name: str) -> list[str]:
     comm, best_comm = row.get("gpu_comm_frac") or 0.0, best.get("gpu_comm_frac") or 0.0
     if comm > best_comm + IDLE_POINTS:
         out.append(f"{_pct(comm)} of GPU-time in communication ({best_name} {_pct(best_comm)})")
+    pre, best_pre = row.get("prefill_frac") or 0.0, best.get("prefill_frac") or 0.0
+    if pre > best_pre + IDLE_POINTS and pre * row["bct_s"] > best_pre * best["bct_s"]:
+        out.append(f"{_pct(pre)} of its time in forwards that prefill, stalling decode on every rank "
+                   f"({best_name} {_pct(best_pre)})")
     batch, best_batch = row.get("mean_expert_batch"), best.get("mean_expert_batch")
     if batch is not None and best_batch and batch < BATCH_RATIO * best_batch:
         out.append(f"expert batch {batch:.0f} vs {best_batch:.0f} tokens/expert")
