@@ -88,8 +88,8 @@ class InstanceProgress:
 
     num_ranks: int
     last_phase: Phase = "idle"
-    pad_rows: np.ndarray = field(default=None)     # type: ignore[assignment]
-    pad_context: np.ndarray = field(default=None)  # type: ignore[assignment]
+    pad_rows: np.ndarray = field(init=False)
+    pad_context: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.pad_rows = np.zeros(self.num_ranks, np.int64)
@@ -100,8 +100,6 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
                   gpus_per_node: int) -> Snapshot:
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
-    rank_of_gpu = np.full(topo.num_gpus, -1, np.int64)
-    rank_of_gpu[gpus] = np.arange(gpus.size)
     ids = state.active[instance]
     node_instance = np.full(topo.num_nodes, -1, np.int64)
     node_instance[topo.gpu_node] = topo.gpu_instance
@@ -109,7 +107,7 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus].copy(),
         pad_rows=progress.pad_rows.copy(),
-        active_ids=ids, active_rank=rank_of_gpu[t.where[ids]], active_context=t.context(ids),
+        active_ids=ids, active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
         pending=state.pending[instance], pinned=[state.pinned[g] for g in gpus], suspended=state.suspended,
         node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens, host_used_tokens=state.host_used.copy(),
@@ -145,11 +143,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     if not d.padded:
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
-    rank_of_gpu = {int(g): r for r, g in enumerate(gpus)}
-    to_rank = np.vectorize(rank_of_gpu.__getitem__, otypes=[np.int64])
     return StepPlan(
-        instance=instance, gpus=gpus, decode_ids=decode_ids,
-        decode_rank=to_rank(t.where[decode_ids]) if decode_ids.size else decode_ids,
+        instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
         decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
@@ -187,7 +182,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     if plan.prefill_ids.size:
         ids = plan.prefill_ids
         gpus = plan.gpus[plan.prefill_rank]
-        t.decoded[ids] += 1  # prefill produces the first token
+        state.advance(ids, np.ones(ids.size, np.int64), host_sync=False)  # prefill makes the first token
         t.first_token_time[ids] = np.where(np.isnan(t.first_token_time[ids]), start + res.duration,
                                            t.first_token_time[ids])
         done = ids[res.prefill_finished]
@@ -197,16 +192,10 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
     if padded:
-        drained = np.bincount(_ranks_of(state, plan), minlength=plan.gpus.size) == 0
+        running = state.gpu_rank[t.where[state.active[inst]]]
+        drained = np.bincount(running, minlength=plan.gpus.size) == 0
         progress.pad_rows[drained] = 0
         progress.pad_context[drained] = 0
-
-
-def _ranks_of(state: ClusterState, plan: StepPlan) -> np.ndarray:
-    ids = state.active[plan.instance]
-    rank_of_gpu = np.full(state.topo.num_gpus, -1, np.int64)
-    rank_of_gpu[plan.gpus] = np.arange(plan.gpus.size)
-    return rank_of_gpu[state.table.where[ids]]
 
 
 def instance_loop(policy: Policy, backend: Backend, instance: int, records: list[StepRecord], *,
@@ -215,9 +204,12 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
     """Drive one expert-parallel instance until its policy has nothing left to run."""
     state = backend.state
     progress = InstanceProgress(state.topo.instance_gpus(instance).size)
-    idle = 0
+    idle, last = 0, 0.0
     while True:
         now = backend.now()
+        if now < last:
+            raise InvariantError(f"instance {instance}: the clock went back from {last} to {now}")
+        last = now
         snap = make_snapshot(state, instance, now, progress, gpus_per_node)
         decision = policy.decide(snap)
         plan = apply_decision(state, instance, decision, progress)

@@ -25,6 +25,15 @@ class Topology:
     num_instances: int
 
     @property
+    def gpu_rank(self) -> np.ndarray:
+        """Rank of each GPU within its instance (GPUs of an instance in increasing order)."""
+        rank = np.empty(self.gpu_instance.size, np.int64)
+        for inst in range(self.num_instances):
+            gpus = self.instance_gpus(inst)
+            rank[gpus] = np.arange(gpus.size)
+        return rank
+
+    @property
     def num_gpus(self) -> int:
         return self.gpu_node.size
 
@@ -55,6 +64,7 @@ class ClusterState:
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float):
         self.table = table
         self.topo = topo
+        self.gpu_rank = topo.gpu_rank  # computed once: the engine maps GPUs to ranks at every boundary
         self.page_tokens = int(page_tokens)
         self.gpu_pages = np.asarray(gpu_pages, dtype=np.int64)            # capacity per GPU
         self.host_kv_tokens = np.asarray(host_kv_tokens, dtype=np.int64)  # capacity per node

@@ -1,0 +1,136 @@
+"""End-to-end runs of the command line: `python -m batchgen.experiment ...` in a subprocess.
+
+Each run is kept small (a few hundred sequences) so the whole file takes seconds; the default job, which the
+README promises finishes in well under 30 s, is checked once and marked slow.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = "workload.num_sequences=200"
+
+
+def run_cli(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the entry point with cwd=tmp_path; output goes wherever the hydra.*.dir overrides say."""
+    return subprocess.run([sys.executable, "-m", "batchgen.experiment", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def data_rows(path: Path) -> list[list[str]]:
+    with path.open(newline="") as f:
+        rows = [row for row in csv.reader(f) if row]
+    return rows[1:]  # after the header
+
+
+def check_run_dir(run_dir: Path, *, policy: str, num_sequences: int, **expected) -> dict:
+    results = json.loads((run_dir / "results.json").read_text())
+    for key in ("policy", "backend", "num_sequences", "bct_s"):
+        assert key in results, f"results.json lacks {key!r}: {sorted(results)}"
+    assert results["policy"] == policy
+    assert results["backend"] == "sim"
+    assert results["num_sequences"] == num_sequences
+    assert isinstance(results["bct_s"], (int, float)) and results["bct_s"] > 0
+    for key, value in expected.items():
+        assert results[key] == value, f"results.json {key}={results[key]!r}, expected {value!r}"
+    assert len(data_rows(run_dir / "sequences.csv")) == num_sequences
+    for name in ("steps.csv", "devices.csv"):
+        assert (run_dir / name).is_file(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
+        assert data_rows(run_dir / name), f"{name} has no data rows"
+    png = run_dir / "timeline.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "timeline.png missing or not a PNG"
+    return results
+
+
+@pytest.mark.parametrize("policy", ["coroutine", "continuous", "static"])
+def test_main_job_writes_results(tmp_path, policy):
+    run_dir = tmp_path / "run"
+    proc = ok(run_cli(tmp_path, f"+policy={policy}", SMALL, f"hydra.run.dir={run_dir}"))
+    results = check_run_dir(run_dir, policy=policy, num_sequences=200, model="qwen3_30b_a3b", cluster="h100_8",
+                            num_gpus=8, workload="small")
+    assert policy in proc.stdout  # the printed summary table names the policy
+    assert str(run_dir / "results.json") in proc.stdout
+    # The full resolved config travels with the results, so a run can be reproduced from its results.json.
+    assert results["config"]["policy"]["name"] == policy
+    assert results["config"]["workload"]["num_sequences"] == 200
+
+
+def test_overrides_reach_the_results(tmp_path):
+    run_dir = tmp_path / "run"
+    ok(run_cli(tmp_path, "+policy=coroutine", "model=mixtral_8x7b", "cluster=h100_8", "cluster.num_gpus=16",
+               "workload=fixed_1k_1k", "workload.num_sequences=150", "seed=3", f"hydra.run.dir={run_dir}"))
+    results = check_run_dir(run_dir, policy="coroutine", num_sequences=150, model="mixtral_8x7b", num_gpus=16,
+                            workload="fixed_1k_1k")
+    assert results["config"]["seed"] == 3
+    rows = data_rows(run_dir / "sequences.csv")
+    with (run_dir / "sequences.csv").open(newline="") as f:
+        header = next(csv.reader(f))
+    i_in, i_out = header.index("input_len"), header.index("output_len")
+    assert {int(r[i_in]) for r in rows} == {1024} and {int(r[i_out]) for r in rows} == {1024}
+
+
+def test_same_seed_same_results(tmp_path):
+    bcts = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        ok(run_cli(tmp_path, "+policy=coroutine", SMALL, "seed=7", f"hydra.run.dir={run_dir}"))
+        bcts.append(json.loads((run_dir / "results.json").read_text())["bct_s"])
+    assert bcts[0] == bcts[1]
+
+
+def test_output_switches(tmp_path):
+    run_dir = tmp_path / "run"
+    ok(run_cli(tmp_path, "+policy=coroutine", SMALL, "output.sequences_csv=false", "output.plot=false",
+               f"hydra.run.dir={run_dir}"))
+    assert (run_dir / "results.json").is_file()
+    assert not (run_dir / "sequences.csv").exists()
+    assert not (run_dir / "timeline.png").exists()
+
+
+def test_sweep_two_policies_two_gpu_counts(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = ok(run_cli(tmp_path, "-m", "+policy=coroutine,continuous", "cluster.num_gpus=8,16", SMALL,
+                      f"hydra.sweep.dir={sweep_dir}"))
+    found = sorted(sweep_dir.glob("*/results.json"))
+    assert len(found) == 4, found
+    combos = set()
+    for path in found:
+        r = json.loads(path.read_text())
+        assert r["backend"] == "sim" and r["num_sequences"] == 200 and r["bct_s"] > 0
+        combos.add((r["policy"], r["num_gpus"]))
+        assert (path.parent / "sequences.csv").is_file() and (path.parent / "timeline.png").is_file()
+    assert combos == {("coroutine", 8), ("coroutine", 16), ("continuous", 8), ("continuous", 16)}
+    out = proc.stdout
+    assert "sweep summary" in out.lower()
+    summary = out[out.lower().index("sweep summary"):]
+    for policy in ("coroutine", "continuous"):
+        assert policy in summary
+    # One table row per run after the header: each run's policy and GPU count appear on a line together.
+    lines = summary.splitlines()
+    for policy, gpus in combos:
+        assert any(line.split()[:2] == [policy, str(gpus)] for line in lines if line.strip()), \
+            f"no summary row for {policy} on {gpus} GPUs:\n{summary}"
+
+
+@pytest.mark.slow
+def test_default_main_job_is_quick(tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    proc = ok(run_cli(tmp_path, "+policy=coroutine", f"hydra.run.dir={run_dir}"))
+    wall = time.perf_counter() - start
+    assert wall < 60, f"the default job took {wall:.1f} s (promised: well under 30 s)"
+    check_run_dir(run_dir, policy="coroutine", num_sequences=2000, workload="small")
+    assert "coroutine" in proc.stdout
