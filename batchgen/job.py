@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,7 @@ class Prepared:
     latency: LatencyModel
     budget: MemoryBudget
     state: ClusterState
+    cluster: ClusterSpec  # as run: a dense model's GPUs are each their own instance
 
 
 def topology(cluster: ClusterSpec) -> Topology:
@@ -49,6 +51,10 @@ def topology(cluster: ClusterSpec) -> Topology:
 
 def prepare(job: Job) -> Prepared:
     m, c = job.model, job.cluster
+    if not m.is_moe:
+        # A dense model has no experts to spread: every GPU runs its own replica, data parallel, and no
+        # GPU waits for another (tensor parallelism is not modelled yet).
+        c = dataclasses.replace(c, gpus_per_instance=1)
     lat = LatencyModel(m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
                        routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1)
     budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
@@ -64,4 +70,4 @@ def prepare(job: Job) -> Prepared:
                          kv_bytes_per_token=m.kv_bytes_per_token)
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal.
     state.assign_instances(np.arange(len(w)) % c.num_instances)
-    return Prepared(lat, budget, state)
+    return Prepared(lat, budget, state, c)

@@ -70,9 +70,13 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
         resident = weights - experts + ring
         fits_streaming = model.is_moe and resident + page_bytes <= usable
         if not can_stream_weights or not fits_streaming:
-            how = ("use more GPUs per instance (cluster.gpus_per_instance), a GPU with more memory"
-                   + (", or policy=coroutine, which streams expert weights from host memory"
-                      if fits_streaming and not can_stream_weights else ""))
+            if model.is_moe:
+                how = ("use more GPUs per instance (cluster.gpus_per_instance), a GPU with more memory"
+                       + (", or policy=coroutine, which streams expert weights from host memory"
+                          if fits_streaming and not can_stream_weights else ""))
+            else:
+                how = ("a dense model runs one whole replica per GPU (tensor parallelism is not modelled "
+                       "yet): use a GPU with more memory or a smaller model")
             raise ConfigError(
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
                 f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_gb:g} GB are usable "

@@ -111,7 +111,7 @@ def test_device_table_accounts_every_gpu(runs, summaries):
 def test_files_read_back(runs, summaries, tmp_path):
     out, s = runs["coroutine"], summaries["coroutine"]
     paths = write_results(out, tmp_path / "run", s, config={"policy": {"name": "coroutine"}})
-    assert set(paths) == {"results.json", "sequences.csv", "steps.csv", "devices.csv"}
+    assert set(paths) == {"results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv"}
     doc = json.loads(paths["results.json"].read_text())
     assert doc["config"] == {"policy": {"name": "coroutine"}}
     assert {k: v for k, v in doc.items() if k != "config"} == s
@@ -173,3 +173,15 @@ def test_explain_points_at_what_differs():
     assert "expert batch 38 vs 60" in text
     assert "communication" not in text and "recomputed" not in text
     assert explain([base]) == ""
+
+
+def test_device_timeline_slices_add_up_to_the_totals(runs, summaries, tmp_path):
+    out, summary = runs["continuous"], summaries["continuous"]
+    paths = write_results(out, tmp_path, summary)
+    rows = np.loadtxt(paths["device_timeline.csv"], delimiter=",", skiprows=1)
+    busy, comm = rows[:, 3], rows[:, 4]
+    assert np.all(busy + comm <= 1.0 + 1e-3)  # no slice holds more than its own length of work
+    gpus = out.prepared.state.topo.num_gpus
+    assert rows.shape[0] == 100 * gpus
+    # the mean busy share over slices and GPUs is the run's busy share
+    assert busy.mean() == pytest.approx(summary["gpu_busy_frac"], rel=1e-2)

@@ -48,7 +48,7 @@ class StepArrays:
 
 def step_arrays(out) -> StepArrays:
     recs = out.records
-    ranks = int(out.job.cluster.instance_size)
+    ranks = int(out.prepared.cluster.instance_size)
 
     def col(name: str, dtype) -> np.ndarray:
         return np.fromiter((getattr(r, name) for r in recs), dtype, count=len(recs))
@@ -141,7 +141,7 @@ def _identity(out) -> dict[str, Any]:
     return {"policy": job.policy.name, "backend": out.backend, "model": job.model.name,
             "cluster": job.cluster.name, "gpu": job.cluster.gpu.name, "workload": job.workload.name,
             "num_sequences": len(out.prepared.state.table), "num_gpus": int(job.cluster.num_gpus),
-            "num_instances": int(job.cluster.num_instances)}
+            "num_instances": int(out.prepared.cluster.num_instances)}
 
 
 def summarize(out) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def summarize(out) -> dict[str, Any]:
                seqs_per_wall_s=_ratio(len(t), out.wall_s))
     # Share of instance-time spent in forwards that prefill: in lockstep every rank of the instance waits
     # for them, so a high share means decode was stalled by prompts (serving engines' prefill-first rule).
-    res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.job.cluster.num_instances)
+    res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.prepared.cluster.num_instances)
     res.update(_memory_peaks(out))
     return {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}
 

@@ -28,13 +28,14 @@ def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str,
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     steps = step_arrays(out)
-    names = ("results.json", "sequences.csv", "steps.csv", "devices.csv")
+    names = ("results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv")
     paths = {name: run_dir / name for name in names if sequences_csv or name != "sequences.csv"}
     _write_json(paths["results.json"], summary, config)
     if sequences_csv:
         _write_sequences(paths["sequences.csv"], out)
     _write_steps(paths["steps.csv"], steps)
     _write_devices(paths["devices.csv"], device_table(out, steps))
+    _write_device_timeline(paths["device_timeline.csv"], out, steps)
     return paths
 
 
@@ -73,3 +74,28 @@ def _write_devices(path: Path, rows: list[dict[str, Any]]) -> None:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["gpu"])
         w.writeheader()
         w.writerows(rows)
+
+
+def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
+    """Each GPU's busy and communication share in `bins` equal slices of the run (long format: bin, gpu).
+
+    Per-step, per-GPU rows would be millions for a large job; slices keep the shape of the timeline (which
+    GPUs idled when) at a fixed size. A step's seconds are spread over the slices it overlaps, pro rata."""
+    topo = out.prepared.state.topo
+    horizon = max(float(steps.end.max(initial=0.0)), 1e-12)
+    edges = np.linspace(0.0, horizon, bins + 1)
+    overlap = np.clip(np.minimum(steps.end[:, None], edges[None, 1:])
+                      - np.maximum(steps.start[:, None], edges[None, :-1]), 0.0, None)
+    share = overlap / np.maximum(steps.duration, 1e-300)[:, None]   # (steps x bins), rows sum to 1
+    busy = np.zeros((bins, topo.num_gpus))
+    comm = np.zeros((bins, topo.num_gpus))
+    for inst in range(topo.num_instances):
+        mine = steps.instance == inst
+        gpus = topo.instance_gpus(inst)
+        busy[:, gpus] = share[mine].T @ steps.busy[mine]
+        comm[:, gpus] = share[mine].T @ steps.comm[mine]
+    width = horizon / bins
+    b, g = np.meshgrid(np.arange(bins), np.arange(topo.num_gpus), indexing="ij")
+    cols = (b.ravel(), edges[:-1][b.ravel()], g.ravel(), busy.ravel() / width, comm.ravel() / width)
+    np.savetxt(path, np.column_stack(cols), fmt=["%d", "%.6f", "%d", "%.4f", "%.4f"], delimiter=",",
+               header="bin,start_s,gpu,busy_frac,comm_frac", comments="")

@@ -32,7 +32,7 @@ def simulate(job: Job) -> RunOutput:
     backend = SimBackend(env, state, lat, weight_stream_s=float(lat.h2d(stream)) if stream else 0.0)
     records: list[StepRecord] = []
     for inst in range(state.topo.num_instances):
-        env.process(instance_loop(job.policy, backend, inst, records, gpus_per_node=job.cluster.node_size,
+        env.process(instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
                                   check_invariants=job.check_invariants))
     env.run()
     if not state.all_finished():
