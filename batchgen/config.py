@@ -36,17 +36,25 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
         cluster = ClusterSpec.from_config(_plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
         memory = MemorySettings(**_plain(cfg.get("memory")))
         efficiency = Efficiency(**_plain(cfg.get("efficiency")))
-        page_tokens = int(cfg.get("page_tokens", 64))
-        workload = build_workload(cfg.workload, seed=int(cfg.get("seed", 0)), base_dir=base_dir)
+        workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir)
+        return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
+                   efficiency=efficiency, page_tokens=_typed(cfg, "page_tokens", int, 64),
+                   routing_skew=_typed(cfg, "routing_skew", float, 0.0),
+                   check_invariants=_typed(cfg, "check_invariants", bool, False))
     except ConfigError:
         raise
     except TypeError as e:  # unknown keyword in memory / efficiency
         raise ConfigError(f"bad setting: {e}") from e
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
-    skew = float(cfg.get("routing_skew", 0.0))
-    if skew < 0:
-        raise ConfigError(f"routing_skew must be >= 0, got {skew}")
-    return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
-               efficiency=efficiency, page_tokens=page_tokens, routing_skew=skew,
-               check_invariants=bool(cfg.get("check_invariants", False)))
+
+
+def _typed(cfg: DictConfig, key: str, kind: type, default: Any) -> Any:
+    value = cfg.get(key, default)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        what = {int: "a whole number", float: "a number", bool: "true or false"}[kind]
+        raise ConfigError(f"{key} must be {what}, got {value!r}")
+    return value

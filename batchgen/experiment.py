@@ -14,6 +14,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +23,7 @@ from batchgen.config import build_job
 from batchgen.memory import ConfigError
 
 log = logging.getLogger("batchgen")
+ERROR_FILE = "error.txt"
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
@@ -43,12 +45,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
     try:
         run(cfg, run_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if hc.mode != RunMode.MULTIRUN:
+            sys.exit(2)
+        # In a sweep, one impossible point must not throw away the others: note it, and the sweep
+        # summary reports it and makes the whole command fail at the end.
+        (run_dir / ERROR_FILE).write_text(f"{e}\n")
 
 
 class SweepSummary(Callback):
@@ -58,13 +65,24 @@ class SweepSummary(Callback):
         from batchgen.results import explain, format_table
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/results.json"))]
-        for row in rows:
-            row.pop("config", None)
+        job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+                          key=lambda p: int(p.name))
+        rows = []
+        for job in job_dirs:
+            if (job / "results.json").exists():
+                row = json.loads((job / "results.json").read_text())
+                row.pop("config", None)
+                rows.append(row)
+        failed = [(job.name, (job / ERROR_FILE).read_text().strip()) for job in job_dirs
+                  if (job / ERROR_FILE).exists()]
         if rows:
             print("\n== sweep summary ==")
             print(format_table(rows))
             print(explain(rows))
+        for name, message in failed:
+            print(f"run {name} failed: {message}", file=sys.stderr)
+        if failed:
+            sys.exit(2)
 
 
 if __name__ == "__main__":

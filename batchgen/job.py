@@ -31,6 +31,8 @@ class Job:
     def __post_init__(self):
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        if self.routing_skew < 0:
+            raise ValueError(f"routing_skew must be >= 0 (0 routes uniformly), got {self.routing_skew}")
 
 
 @dataclass
@@ -62,7 +64,7 @@ def prepare(job: Job) -> Prepared:
                          policy_name=job.policy.name)
     w = job.workload
     if len(w):
-        check_prompts_fit(m, w.input_lens, w.output_lens, budget)
+        check_prompts_fit(m, w.input_lens, w.output_lens, budget, job.policy.uses_host_kv)
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),

@@ -65,14 +65,21 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
     host_weights = weights * cluster.node_size
     streamed = 0.0
     if weights + page_bytes > usable:
+        if host_weights > host_usable:
+            raise ConfigError(
+                f"{model.name}'s weights fit nowhere: {weights / gb:.1f} GB per GPU exceed the usable "
+                f"{usable / gb:.1f} GB of a {gpu.name}, and a node's share ({host_weights / gb:.0f} GB) exceeds "
+                f"its usable host memory ({host_usable / gb:.0f} GB): add GPUs (cluster.num_gpus) or host "
+                "memory (cluster.host_mem_gb_per_node)")
         experts = weights - _non_expert_bytes(model, lat)
         ring = 2 * experts / max(model.num_moe_layers, 1)
         resident = weights - experts + ring
         fits_streaming = model.is_moe and resident + page_bytes <= usable
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
-                how = ("use more GPUs per instance (cluster.gpus_per_instance), a GPU with more memory"
-                       + (", or policy=coroutine, which streams expert weights from host memory"
+                how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
+                       "it is set), use a GPU with more memory"
+                       + (", or +policy=coroutine, which streams expert weights from host memory"
                           if fits_streaming and not can_stream_weights else ""))
             else:
                 how = ("a dense model runs one whole replica per GPU (tensor parallelism is not modelled "
@@ -81,11 +88,6 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
                 f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_gb:g} GB are usable "
                 f"(policy {policy_name}): {how}")
-        if host_weights > host_usable:
-            raise ConfigError(
-                f"{model.name}'s weights fit nowhere: {weights / gb:.1f} GB per GPU exceed its usable HBM and a "
-                f"node's share ({host_weights / gb:.0f} GB) exceeds its usable host memory "
-                f"({host_usable / gb:.0f} GB): add GPUs or host memory (cluster.host_mem_gb_per_node)")
         streamed, weights = experts - ring, resident
     pages = int((usable - weights) // page_bytes)
     host_kv = 0
@@ -105,7 +107,7 @@ def _non_expert_bytes(model: ModelSpec, lat: LatencyModel) -> float:
 
 
 def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.ndarray,
-                      budget: MemoryBudget) -> None:
+                      budget: MemoryBudget, uses_host_kv: bool) -> None:
     """A sequence longer than the model's context, or than one GPU's KV pool, can never run."""
     total = input_lens + output_lens
     worst = int(np.argmax(total))
@@ -118,3 +120,8 @@ def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.
     if total[worst] + budget.page_tokens > fit:
         raise ConfigError(f"sequence {worst} needs {int(total[worst]):,} tokens of KV but one GPU holds "
                           f"{fit:,}: clip the workload or use a GPU with more memory")
+    host = budget.host_kv_tokens_per_node
+    if uses_host_kv and total[worst] + budget.page_tokens > host:
+        raise ConfigError(f"sequence {worst} needs {int(total[worst]):,} tokens of KV but a node's host memory "
+                          f"holds {host:,} after the weights: raise cluster.host_mem_gb_per_node or "
+                          "memory.host_memory_fraction")

@@ -134,3 +134,17 @@ def test_default_main_job_is_quick(tmp_path):
     assert wall < 60, f"the default job took {wall:.1f} s (promised: well under 30 s)"
     check_run_dir(run_dir, policy="coroutine", num_sequences=2000, workload="small")
     assert "coroutine" in proc.stdout
+
+
+def test_sweep_with_an_impossible_point_runs_the_rest_and_fails_at_the_end(tmp_path):
+    """DeepSeek-R1 does not fit 8 H100s for continuous (it keeps all weights on the GPUs) but does for
+    coroutine (it streams experts): the sweep runs coroutine, reports continuous, and exits 2."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(tmp_path, "-m", "+policy=coroutine,continuous", "model=deepseek_r1", "workload.num_sequences=50",
+                   "output.plot=false", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (sweep / "0" / "results.json").is_file()
+    assert not (sweep / "1" / "results.json").exists()
+    assert "sweep summary" in proc.stdout and "coroutine" in proc.stdout
+    assert "run 1 failed" in proc.stderr and "+policy=coroutine" in proc.stderr

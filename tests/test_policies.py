@@ -114,3 +114,21 @@ def test_coroutine_partitions_the_last_stragglers():
     no_part = simulate(make_job("coroutine", n=64, inputs=np.full(64, 500), outputs=outputs,
                                 policy_overrides={"partition": False}))
     assert t.finish_time.max() < no_part.prepared.state.table.finish_time.max()
+
+
+def test_coroutine_recomputes_instead_of_overflowing_host_memory():
+    """A host pool that holds a few sequences: the job still finishes, and the host is never over capacity."""
+    import dataclasses
+    job = make_job("coroutine", n=60, inputs=np.full(60, 300), outputs=np.full(60, 700),
+                   cluster_overrides={"num_gpus": 2})
+    probe = prepare(job)
+    weights_node = probe.budget.weights_per_gpu_bytes * job.cluster.node_size
+    host_gb = job.cluster.host_mem_gb_per_node
+    fraction = (weights_node + 6000 * job.model.kv_bytes_per_token) / (host_gb * 1e9)
+    job = dataclasses.replace(job, memory=MemorySettings(host_memory_fraction=fraction))
+    out = simulate(job)
+    s, t = out.prepared.state, out.prepared.state.table
+    assert s.host_kv_tokens[0] < 7000
+    assert np.array_equal(t.decoded, t.output_len)
+    assert np.all(s.peak_host <= s.host_kv_tokens)
+    assert t.recomputes.sum() > 0

@@ -25,6 +25,7 @@ jobs = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
     "page_tokens": st.sampled_from([16, 64]),
     "kv_gb": st.sampled_from([None, 0.5]),
+    "host_seqs": st.sampled_from([None, 2, 6]),
 })
 
 
@@ -42,10 +43,17 @@ def build(p):
         need = (p["max_in"] + p["max_out"] + 2 * p["page_tokens"]) * job.model.kv_bytes_per_token / 1e9
         usable = cluster.gpu.hbm_gb * memory.gpu_memory_fraction
         memory = MemorySettings(activation_reserve_gb=max(usable - weights_gb - max(p["kv_gb"], need * 3), 0))
+    if p["host_seqs"]:  # squeeze host memory to a few sequences' worth: host-KV policies must evict
+        from batchgen.job import prepare
+        probe = prepare(dataclasses.replace(job, cluster=cluster, memory=memory))
+        weights_node = probe.budget.weights_per_gpu_bytes * probe.cluster.node_size
+        tokens = p["host_seqs"] * (p["max_in"] + p["max_out"] + 2 * p["page_tokens"])
+        host = weights_node + tokens * job.model.kv_bytes_per_token
+        memory = dataclasses.replace(memory, host_memory_fraction=min(host / (cluster.host_mem_gb_per_node * 1e9), 1.0))
     return dataclasses.replace(job, cluster=cluster, memory=memory)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs)
 def test_every_sequence_finishes_once_with_its_length_and_memory_holds(p):
     try:

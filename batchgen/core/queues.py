@@ -84,5 +84,16 @@ class IdQueue:
         if not np.array_equal(popped, ids):
             raise ValueError("ids taken from a queue must be its head, in FIFO order")
 
+    def remove(self, ids: np.ndarray) -> None:
+        """Take these ids out wherever they are (rare: evicting suspended sequences); keeps the order."""
+        ids = np.asarray(ids, dtype=np.int64)
+        everything = self.to_array()
+        keep = ~np.isin(everything, ids)
+        if everything.size - keep.sum() != ids.size:
+            raise ValueError("ids to remove must all be in the queue")
+        self._chunks.clear()
+        self._head = self._len = 0
+        self.push(everything[keep])
+
     def to_array(self) -> np.ndarray:
         return self.peek(self._len)

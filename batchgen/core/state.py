@@ -103,8 +103,9 @@ class ClusterState:
 
     def remaining_work(self, instance: int) -> bool:
         gpus = self.topo.instance_gpus(instance)
+        nodes = np.unique(self.topo.gpu_node[gpus])
         return bool(self.active[instance].size or len(self.pending[instance])
-                    or any(len(self.pinned[g]) for g in gpus))
+                    or any(len(self.pinned[g]) for g in gpus) or any(len(self.suspended[n]) for n in nodes))
 
     def all_finished(self) -> bool:
         return self.num_finished == len(self.table)
@@ -255,12 +256,17 @@ class ClusterState:
         t.tp[ids] = degree
 
     def evict(self, instance: int, ids: np.ndarray) -> None:
-        """Drop running sequences' KV; they go back to the head of their queue and will be recomputed."""
+        """Drop sequences' KV (running or suspended); they go back to the head of their queue and will be
+        recomputed."""
         t = self.table
         gpus = t.where[ids].copy()
-        self._require(ids, gpus >= 0, "running")
+        self._require(ids, (gpus >= 0) | (gpus == SUSPENDED), "running or suspended")
+        parked = gpus == SUSPENDED
+        for node in np.unique(t.host_node[ids[parked]]):
+            self.suspended[int(node)].remove(ids[parked & (t.host_node[ids] == node)])
         self._host_drop(ids)
-        self._leave_gpu(instance, ids)
+        if (~parked).any():
+            self._leave_gpu(instance, ids[~parked])
         t.where[ids] = PENDING
         t.recomputes[ids] += 1
         # Recompute means prefilling prompt + generated tokens again: fold generated tokens into the prompt

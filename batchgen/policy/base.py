@@ -95,7 +95,7 @@ class Decision:
 
     pin_ids: np.ndarray = field(default_factory=lambda: EMPTY)
     pin_ranks: np.ndarray = field(default_factory=lambda: EMPTY)
-    evict_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # drop KV, recompute later
+    evict_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # drop KV (running or suspended)
     yield_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # YIELD: KV to host, suspended
     move_ids: np.ndarray = field(default_factory=lambda: EMPTY)      # MIGRATE running sequences ...
     move_ranks: np.ndarray = field(default_factory=lambda: EMPTY)    # ... to these ranks (KV over links)

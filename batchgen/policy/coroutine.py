@@ -55,6 +55,7 @@ class CoroutinePolicy:
         R, P = snap.num_ranks, snap.page_tokens
         d = Decision(host_sync=True, micro_batch=self.b_attn, steps=P, stop="none")
         keep = self._yield_for_memory(snap, d)
+        keep &= self._evict_for_host(snap, d, keep)
         ids, rank, ctx = snap.active_ids[keep], snap.active_rank[keep], snap.active_context[keep]
         used = per_rank(rank, pages_for(ctx + P, P), R)
         count = np.bincount(rank, minlength=R)
@@ -63,16 +64,39 @@ class CoroutinePolicy:
         slots_total = self._decode_slots(snap)
         runnable = ids.size + pooled
         pending = len(snap.pending)
-        if pending and self._host_room(snap, own) > 0:
+        # With nothing to run, the host may fill past the watermark: progress beats headroom.
+        watermark = self.host_watermark if runnable else 1.0
+        if pending and self._host_room(snap, own, watermark) > 0:
             refill_low = runnable < self.refill_below * slots_total
             keep_going = snap.last_phase == "prefill" and pooled < self.prefill_ahead * slots_total
             if refill_low or keep_going:
-                self._prefill(snap, d, own)
+                self._prefill(snap, d, watermark)
+        # host room left once evicted copies are dropped and every running copy has grown by a page
+        n_nodes = snap.host_capacity_tokens.size
+        evicted = np.isin(snap.active_ids, d.evict_ids)
+        released = np.bincount(snap.rank_node[snap.active_rank[evicted]], weights=snap.active_context[evicted],
+                               minlength=n_nodes)
+        growth = np.bincount(snap.rank_node[rank], minlength=n_nodes) * P
+        host_free = (snap.host_capacity_tokens - snap.host_used_tokens + released - growth).astype(np.int64)
+        room = _Room(self.b_moe - count, snap.pages_capacity - used, count, host_free, {})
         if d.prefill_ids.size == 0 or ids.size:
-            self._refill(snap, d, own, used, count)
+            self._refill(snap, d, own, room)
         if not pending and not d.admits and not d.prefill_ids.size and not pooled:
-            self._tail(snap, d, ids, rank, ctx)
+            self._tail(snap, d, ids, rank, ctx, room)
+        if pooled and not ids.size and not d.admits and not d.prefill_ids.size:
+            self._unblock_host(snap, d, own, room)
         return d
+
+    def _unblock_host(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room") -> None:
+        """Nothing runs and the host is too full for the pool's head to grow: drop the pool's newest
+        sequences (they will be recomputed) until the head can run a page."""
+        P = snap.page_tokens
+        node = max(own, key=lambda n: len(snap.suspended[n]))
+        queue = snap.suspended[node].peek(len(snap.suspended[node]))
+        short = P - int(room.host_free[node])
+        ctx = snap.lengths.context(queue[::-1][:-1])  # newest first, never the head itself
+        n = int(np.searchsorted(np.cumsum(ctx), short)) + 1
+        d.evict_ids = np.concatenate([d.evict_ids, queue[::-1][:min(n, ctx.size)]])
 
     # -- 1. memory pressure ------------------------------------------------------------------------------
     def _yield_for_memory(self, snap: Snapshot, d: Decision) -> np.ndarray:
@@ -85,6 +109,22 @@ class CoroutinePolicy:
             keep[drop] = False
         return keep
 
+    def _evict_for_host(self, snap: Snapshot, d: Decision, keep: np.ndarray) -> np.ndarray:
+        """Running sequences' host copies grow by a page each: when a node's host memory cannot take that,
+        drop the least-decoded ones (least work lost) to be recomputed later."""
+        P = snap.page_tokens
+        ctx = snap.active_context
+        node = snap.rank_node[snap.active_rank]
+        on_node = np.bincount(node[keep], weights=ctx[keep], minlength=snap.host_capacity_tokens.size)
+        available = snap.host_capacity_tokens - snap.host_used_tokens + on_node.astype(np.int64)
+        idx = np.flatnonzero(keep)
+        drop = idx[shed_to_fit(node[idx], ctx[idx] + P, -snap.active_decoded[idx].astype(float), available)]
+        out = np.ones(keep.size, bool)
+        if drop.size:
+            d.evict_ids = snap.active_ids[drop]
+            out[drop] = False
+        return out
+
     # -- 2. prefill ---------------------------------------------------------------------------------------
     def _decode_slots(self, snap: Snapshot) -> int:
         """Sequences the instance can run at once: b_moe per rank, or what the KV pages hold."""
@@ -94,66 +134,69 @@ class CoroutinePolicy:
         by_memory = snap.pages_capacity.sum() / per_seq
         return int(min(self.b_moe * snap.num_ranks, by_memory))
 
-    def _host_room(self, snap: Snapshot, nodes: np.ndarray) -> int:
-        cap = snap.host_capacity_tokens[nodes] * self.host_watermark
+    def _host_room(self, snap: Snapshot, nodes: np.ndarray, watermark: float) -> int:
+        cap = snap.host_capacity_tokens[nodes] * watermark
         return int(np.maximum(cap - snap.host_used_tokens[nodes], 0).sum())
 
-    def _prefill(self, snap: Snapshot, d: Decision, own: np.ndarray) -> None:
-        """Fill each rank with up to prefill_tokens_per_rank of prompt tokens (at least one prompt), within
-        its share of its node's host room below the watermark."""
-        room = np.maximum(snap.host_capacity_tokens * self.host_watermark - snap.host_used_tokens, 0)
-        ranks_per_node = np.bincount(snap.rank_node, minlength=room.size)
-        room_per_rank = room[snap.rank_node] // np.maximum(ranks_per_node[snap.rank_node], 1)
-        budget = np.minimum(self.prefill_tokens_per_rank, room_per_rank)
+    def _prefill(self, snap: Snapshot, d: Decision, watermark: float) -> None:
+        """Give each rank up to prefill_tokens_per_rank of prompt tokens (at least one prompt), FIFO, while
+        its node's host memory below the watermark can take the KV plus a page of growth per sequence."""
+        n_nodes = snap.host_capacity_tokens.size
+        growth = np.bincount(snap.rank_node[snap.active_rank], minlength=n_nodes) * snap.page_tokens
+        room = np.floor(snap.host_capacity_tokens * watermark - snap.host_used_tokens - growth).astype(np.int64)
+        budget = np.full(snap.num_ranks, self.prefill_tokens_per_rank)
         cand = snap.pending.peek(snap.num_ranks * max(self.prefill_tokens_per_rank // 64, 1))
-        tokens = snap.lengths.context(cand)
+        tokens = snap.lengths.context(cand) + 1  # the prefill's first token lands on host too
         ranks = split_by_budget(tokens, budget)
-        fits = tokens[:ranks.size] <= room_per_rank[ranks]  # an over-budget first prompt still needs room
-        n = ranks.size if fits.all() else int(np.argmin(fits))  # keep FIFO order: stop at the first misfit
+        n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
         d.prefill_ids, d.prefill_ranks = cand[:n], ranks[:n]
         d.prefill_to_host = True
 
     # -- 3. refill -----------------------------------------------------------------------------------------
-    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, used: np.ndarray, count: np.ndarray) -> None:
+    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room") -> None:
         """Local pools to their own node's ranks first; then (MIGRATE) leftovers of this instance's pools to
         any rank; then, once no prompt is waiting here, other instances' pools (work stealing)."""
-        slots = self.b_moe - count
-        free = snap.pages_capacity - used
-        taken: dict[int, int] = {}
         everyone = np.arange(snap.num_ranks)
         for node in own:
-            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), slots, free, count, taken)
+            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room)
         if not self.migrate:
             return
         for node in own:
-            self._offer(snap, d, int(node), everyone, slots, free, count, taken)
+            self._offer(snap, d, int(node), everyone, room)
         if self.migrate_across_instances and not len(snap.pending):
             others = [n for n in range(len(snap.suspended)) if snap.node_instance[n] != snap.instance]
             for node in sorted(others, key=lambda n: -len(snap.suspended[n])):
-                self._offer(snap, d, node, everyone, slots, free, count, taken)
+                self._offer(snap, d, node, everyone, room)
 
-    def _offer(self, snap, d, node, ranks, slots, free, count, taken) -> None:
+    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room") -> None:
+        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages and host room."""
         P = snap.page_tokens
-        open_ranks = ranks[(slots[ranks] > 0) & (free[ranks] > 0)]
-        skip = taken.get(node, 0)
+        open_ranks = ranks[(room.slots[ranks] > 0) & (room.free[ranks] > 0)]
+        skip = room.taken.get(node, 0)
         if not open_ranks.size or len(snap.suspended[node]) <= skip:
             return
-        cand = snap.suspended[node].peek(skip + int(slots[open_ranks].sum()))[skip:]
-        need = pages_for(snap.lengths.context(cand) + P, P)
-        order = open_ranks[np.argsort(count[open_ranks], kind="stable")]  # least-loaded first
-        caps = np.zeros_like(slots)
-        caps[open_ranks] = level_slots(count[open_ranks], slots[open_ranks], cand.size)
-        assigned = fill_ranks(need, caps, free, order)
-        if not assigned.size:
+        cand = snap.suspended[node].peek(skip + int(room.slots[open_ranks].sum()))[skip:]
+        ctx = snap.lengths.context(cand)
+        need = pages_for(ctx + P, P)
+        order = open_ranks[np.argsort(room.count[open_ranks], kind="stable")]  # least-loaded first
+        caps = np.zeros_like(room.slots)
+        caps[open_ranks] = level_slots(room.count[open_ranks], room.slots[open_ranks], cand.size)
+        assigned = fill_ranks(need, caps, room.free, order)
+        dest = snap.rank_node[assigned]
+        # each newcomer's host copy grows by a page; a migrated one also brings its whole KV to `dest`
+        n = _host_prefix(dest, P + np.where(dest != node, ctx[:assigned.size], 0), room.host_free)
+        if not n:
             return
-        d.admits.append(Admit(node, cand[:assigned.size], assigned))
-        taken[node] = skip + assigned.size
-        np.subtract.at(slots, assigned, 1)
-        np.subtract.at(free, assigned, need[:assigned.size])
-        np.add.at(count, assigned, 1)
+        assigned = assigned[:n]
+        d.admits.append(Admit(node, cand[:n], assigned))
+        room.taken[node] = skip + n
+        np.subtract.at(room.slots, assigned, 1)
+        np.subtract.at(room.free, assigned, need[:n])
+        np.add.at(room.count, assigned, 1)
 
     # -- 4. the long tail ---------------------------------------------------------------------------------
-    def _tail(self, snap: Snapshot, d: Decision, ids: np.ndarray, rank: np.ndarray, ctx: np.ndarray) -> None:
+    def _tail(self, snap: Snapshot, d: Decision, ids: np.ndarray, rank: np.ndarray, ctx: np.ndarray,
+              room: "_Room") -> None:
         R, n = snap.num_ranks, ids.size
         if n == 0 or not self.migrate:
             return
@@ -163,16 +206,53 @@ class CoroutinePolicy:
             target = (np.arange(n) * degree) % R
             current_tp = snap.active_tp[np.isin(snap.active_ids, ids)]
             if degree > 1 and not (np.array_equal(target, rank) and np.all(current_tp == degree)):
-                moving = target != rank
-                d.move_ids, d.move_ranks = ids[moving], target[moving]
-                d.partition_ids, d.partition_degree = ids, np.full(n, degree)
+                if self._host_allows(snap, target, rank, ctx, room):
+                    moving = target != rank
+                    d.move_ids, d.move_ranks = ids[moving], target[moving]
+                    d.partition_ids, d.partition_degree = ids, np.full(n, degree)
             return
         load = np.bincount(rank, weights=ctx, minlength=R)
         if load.max() <= self.rebalance_ratio * max(load.mean(), 1.0):
             return
         target = _balance(ctx, R)
-        moving = target != rank
-        d.move_ids, d.move_ranks = ids[moving], target[moving]
+        if self._host_allows(snap, target, rank, ctx, room):
+            moving = target != rank
+            d.move_ids, d.move_ranks = ids[moving], target[moving]
+
+    @staticmethod
+    def _host_allows(snap: Snapshot, target: np.ndarray, rank: np.ndarray, ctx: np.ndarray, room: "_Room") -> bool:
+        """Moving to another node moves the host copy too: all or nothing, within the room there."""
+        src, dst = snap.rank_node[rank], snap.rank_node[target]
+        cross = src != dst
+        incoming = np.bincount(dst[cross], weights=ctx[cross], minlength=room.host_free.size)
+        return bool(np.all(incoming <= room.host_free))
+
+
+@dataclass
+class _Room:
+    """What is still open at this boundary, consumed as admissions are planned."""
+
+    slots: np.ndarray      # sequences each rank may still take (b_moe cap)
+    free: np.ndarray       # KV pages each rank has free
+    count: np.ndarray      # running sequences per rank
+    host_free: np.ndarray  # KV tokens each node's host memory can still take
+    taken: dict[int, int]  # ids already planned from the head of each node's pool
+
+
+def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> int:
+    """Length of the FIFO prefix whose host cost fits each destination node's room (and consume it)."""
+    if not dest.size:
+        return 0
+    order = np.argsort(dest, kind="stable")
+    cum = np.cumsum(cost[order])
+    first = np.r_[0, np.flatnonzero(np.diff(dest[order])) + 1]
+    start = np.repeat(cum[first] - cost[order][first], np.diff(np.r_[first, dest.size]))
+    ok_sorted = cum - start <= host_free[dest[order]]
+    ok = np.empty(dest.size, bool)
+    ok[order] = ok_sorted
+    n = dest.size if ok.all() else int(np.argmin(ok))
+    np.subtract.at(host_free, dest[:n], cost[:n])
+    return n
 
 
 def _balance(ctx: np.ndarray, R: int) -> np.ndarray:

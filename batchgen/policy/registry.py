@@ -31,8 +31,17 @@ def make_policy(cfg: Mapping[str, Any]) -> Policy:
         raise ValueError(f"policy {name} has no setting {', '.join(unknown)}: valid settings are "
                          f"{', '.join(sorted(knobs))}")
     for key, value in cfg.items():
-        default = getattr(cls, key, None)
-        if key != "name" and isinstance(default, (int, float)) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"policy.{key} must be a number, got {value!r}")
+        if key != "name":
+            _check_type(name, key, value, type(getattr(cls, key)))
     return cls(**cfg)
+
+
+def _check_type(policy: str, key: str, value: Any, kind: type) -> None:
+    """Knobs are typed by their defaults: a fraction where a count is due, or a word where a switch is
+    due, is a mistake the user should hear about before the run, not a crash or a silent `True` later."""
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind, lambda v: True)
+    if not ok(value):
+        what = {bool: "true or false", int: "a whole number", float: "a number"}[kind]
+        raise ValueError(f"policy.{key} of policy {policy} must be {what}, got {value!r}")
