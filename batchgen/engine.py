@@ -65,6 +65,11 @@ class Backend(Protocol):
 
     def now(self) -> float: ...
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]: ...
+    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
+        """Block until another instance finishes a step; raise if none can (a deadlock)."""
+        ...
+    def notify_change(self) -> None: ...
+    def instance_done(self, instance: int) -> None: ...
 
 
 @dataclass
@@ -101,8 +106,11 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
     ids = state.active[instance]
-    node_instance = np.full(topo.num_nodes, -1, np.int64)
+    node_instance = np.full(topo.num_nodes, -1, np.int64)  # -1: the node's GPUs serve several instances
     node_instance[topo.gpu_node] = topo.gpu_instance
+    shared = np.bincount(topo.gpu_node, minlength=topo.num_nodes) != np.bincount(
+        topo.gpu_node, weights=(topo.gpu_instance == node_instance[topo.gpu_node]), minlength=topo.num_nodes)
+    node_instance[shared] = -1
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus].copy(),
@@ -110,7 +118,8 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         active_ids=ids, active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
         pending=state.pending[instance], pinned=[state.pinned[g] for g in gpus], suspended=state.suspended,
-        node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens, host_used_tokens=state.host_used.copy(),
+        node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens,
+        host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(t.input_len, t.decoded), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
     )
 
@@ -140,6 +149,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
     state.reserve(decode_ids, steps)
+    _reserve_host(state, instance, d, decode_ids, steps)
     if not d.padded:
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
@@ -152,6 +162,23 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     )
 
 
+def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
+    """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
+    t, node = state.table, state.topo.gpu_node
+    parts_nodes, parts_tokens = [], []
+    if d.host_sync and decode_ids.size:
+        synced = decode_ids[t.host_node[decode_ids] >= 0]
+        parts_nodes.append(t.host_node[synced])
+        parts_tokens.append(np.full(synced.size, steps))
+    if d.prefill_to_host and d.prefill_ids.size:
+        gpus = state.topo.instance_gpus(instance)
+        parts_nodes.append(node[gpus[d.prefill_ranks]])
+        parts_tokens.append(t.context(d.prefill_ids) + 1)
+    empty = np.empty(0, np.int64)
+    state.reserve_host(instance, np.concatenate(parts_nodes) if parts_nodes else empty,
+                       np.concatenate(parts_tokens) if parts_tokens else empty)
+
+
 def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
     ids, ranks = d.prefill_ids, d.prefill_ranks
     if d.prefill_pinned:
@@ -159,7 +186,9 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
             state.take_pending(instance, ids[ranks == r], int(gpus[r]))
     else:
         state.take_pending(instance, ids)
-    if not d.prefill_to_host:
+    if d.prefill_to_host:
+        state.start_prefill_to_host(instance, ids)
+    else:
         # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
 
@@ -188,9 +217,10 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         done = ids[res.prefill_finished]
         if plan.prefill_to_host:
             live = ~res.prefill_finished
-            state.prefilled_to_host(ids[live], gpus[live], plan.moves)
+            state.prefilled_to_host(inst, ids[live], gpus[live], plan.moves)
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
+    state.reserve_host(inst, np.empty(0, np.int64), np.empty(0, np.int64))  # the run's additions are real now
     if padded:
         running = state.gpu_rank[t.where[state.active[inst]]]
         drained = np.bincount(running, minlength=plan.gpus.size) == 0
@@ -215,15 +245,19 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         plan = apply_decision(state, instance, decision, progress)
         if plan.phase == "idle":
             if not state.remaining_work(instance):
+                backend.instance_done(instance)
                 return  # nothing here any more; other instances may still run
             idle += 1
-            if idle > max_idle_decisions:
-                raise InvariantError(f"policy {policy.name!r} made no progress on instance {instance} although "
-                                     "it still has queued sequences (no prefill, no decode)")
+            if idle <= max_idle_decisions:
+                continue  # the decision may have freed something (yields, evictions): decide again
+            # Blocked on what another instance holds (a shared node's host memory): wait until it moves.
+            yield from backend.wait_for_change(instance, policy.name)
+            idle = 0
             continue
         idle = 0
         result = yield from backend.execute(plan)
         record_outcome(state, plan, result, now, progress, decision.padded)
+        backend.notify_change()
         progress.last_phase = plan.phase
         records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
                                   int(plan.decode_ids.size + plan.prefill_ids.size), result.expert_tokens,

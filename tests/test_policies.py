@@ -62,7 +62,8 @@ def test_coroutine_refills_drained_rank_from_pool_in_fifo_order():
     moves = Moves.zeros(2)
     pool = state.pending[0].peek(20)
     state.take_pending(0, pool)
-    state.prefilled_to_host(pool, np.zeros(20, np.int64), moves)
+    state.start_prefill_to_host(0, pool)
+    state.prefilled_to_host(0, pool, np.zeros(20, np.int64), moves)
     state.table.decoded[pool] = 1
     state.host_used[:] = state.table.context(np.arange(20)).sum()
     d = job.policy.decide(snapshot(state, last_phase="prefill"))
@@ -132,3 +133,19 @@ def test_coroutine_recomputes_instead_of_overflowing_host_memory():
     assert np.array_equal(t.decoded, t.output_len)
     assert np.all(s.peak_host <= s.host_kv_tokens)
     assert t.recomputes.sum() > 0
+
+
+def test_drained_instance_steals_suspended_work_from_another():
+    """Round-robin puts every long sequence on instance 0; instance 1 drains early and, with
+    migrate_across_instances, takes suspended sequences from instance 0's host pools (over the network)."""
+    outputs = np.where(np.arange(200) % 2 == 0, 2000, 50)
+    runs = {}
+    for steal in (True, False):
+        job = make_job("coroutine", model="qwen3_30b_a3b", cluster="h100_64", n=200, inputs=np.full(200, 200),
+                       outputs=outputs, cluster_overrides={"num_gpus": 16, "gpus_per_instance": 8},
+                       policy_overrides={"b_moe": 4, "migrate_across_instances": steal})
+        runs[steal] = simulate(job).prepared.state.table
+    stolen = (runs[True].instance[::2] == 1) & (runs[True].migrations[::2] > 0)
+    assert stolen.sum() > 0
+    assert np.all(runs[False].instance[::2] == 0)
+    assert runs[True].finish_time.max() < runs[False].finish_time.max()

@@ -18,7 +18,8 @@ jobs = st.fixed_dictionaries({
     "policy": st.sampled_from(POLICIES),
     "model": st.sampled_from(["tiny_moe", "qwen3_30b_a3b", "mixtral_8x7b"]),
     "cluster": st.sampled_from(["h100_8", "h20_16", "a100_8"]),
-    "num_gpus": st.sampled_from([1, 2, 8]),
+    "num_gpus": st.sampled_from([1, 2, 8, 16]),
+    "instances": st.sampled_from([1, 2, 4]),
     "n": st.integers(1, 120),
     "max_in": st.integers(1, 3000),
     "max_out": st.integers(1, 1500),
@@ -34,7 +35,8 @@ def build(p):
     inputs = rng.integers(1, p["max_in"] + 1, p["n"])
     outputs = rng.integers(1, p["max_out"] + 1, p["n"])
     job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"])
-    cluster = dataclasses.replace(job.cluster, num_gpus=p["num_gpus"], gpus_per_instance=None)
+    per_instance = max(p["num_gpus"] // p["instances"], 1)
+    cluster = dataclasses.replace(job.cluster, num_gpus=p["num_gpus"], gpus_per_instance=per_instance)
     memory = MemorySettings()
     if p["kv_gb"]:  # squeeze the KV pool so that yields, evictions and preemptions happen
         from batchgen.job import prepare

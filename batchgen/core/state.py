@@ -77,6 +77,11 @@ class ClusterState:
         self.pinned = [IdQueue() for _ in range(topo.num_gpus)]            # pending, pinned to a GPU
         self.suspended = [IdQueue() for _ in range(topo.num_nodes)]        # KV on that node's host
         self.active = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
+        # host KV that instances' in-flight runs will add (decode growth, prefill output), per instance and
+        # node: instances sharing a node see each other's reservations, so they cannot overfill it together
+        self.host_reserved = np.zeros((topo.num_instances, topo.num_nodes), np.int64)
+        # prompts being prefilled straight to host: between their queue and the host pool for one step
+        self.prefilling = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
         self.num_finished = 0
 
     # ---- placement at the start -------------------------------------------------------------------
@@ -268,6 +273,7 @@ class ClusterState:
         if (~parked).any():
             self._leave_gpu(instance, ids[~parked])
         t.where[ids] = PENDING
+        t.instance[ids] = instance  # it waits in this instance's queue now
         t.recomputes[ids] += 1
         # Recompute means prefilling prompt + generated tokens again: fold generated tokens into the prompt
         # cost by keeping `decoded`; the backend charges prefill over the whole context.
@@ -282,10 +288,23 @@ class ClusterState:
         queue = self.pending[instance] if gpu is None else self.pinned[gpu]
         queue.take_head_ids(ids)
 
-    def prefilled_to_host(self, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
+    def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
+        self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
+
+    def host_committed(self, except_instance: int) -> np.ndarray:
+        """Host KV in use plus what other instances' runs in flight will add."""
+        others = np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
+        return self.host_used + others
+
+    def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
+        self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
+
+    def prefilled_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
         """Prefill output offloaded layer by layer: the sequences join their node's suspended pool."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending")
+        self._require(ids, np.isin(ids, self.prefilling[instance]), f"being prefilled by instance {instance}")
+        self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         nodes = self.topo.gpu_node[gpus]
         ctx = t.context(ids)
         np.add.at(moves.d2h, gpus, ctx * self.kv_bytes_per_token)
@@ -315,6 +334,8 @@ class ClusterState:
         self._host_drop(ids)
         if running.any():
             self._leave_gpu(instance, ids[running])
+        if self.prefilling[instance].size:
+            self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         t.where[ids] = FINISHED
         t.finish_time[ids] = times
         self.num_finished += ids.size
@@ -351,6 +372,10 @@ class ClusterState:
             places[ids] += 1
             if np.any(t.where[ids] < 0) or np.any(self.topo.gpu_instance[t.where[ids]] != inst):
                 raise InvariantError(f"instance {inst}'s active set holds a sequence not running on it")
+        for ids in self.prefilling:
+            places[ids] += 1
+            if np.any(t.where[ids] != PENDING):
+                raise InvariantError("a sequence being prefilled to host is not marked pending")
         places[t.where == FINISHED] += 1
         if np.any(places != 1):
             bad = np.flatnonzero(places != 1)[:5]

@@ -164,7 +164,7 @@ class CoroutinePolicy:
         for node in own:
             self._offer(snap, d, int(node), everyone, room)
         if self.migrate_across_instances and not len(snap.pending):
-            others = [n for n in range(len(snap.suspended)) if snap.node_instance[n] != snap.instance]
+            others = [n for n in range(len(snap.suspended)) if n not in own]
             for node in sorted(others, key=lambda n: -len(snap.suspended[n])):
                 self._offer(snap, d, node, everyone, room)
 

@@ -12,6 +12,7 @@ from typing import Any, Generator
 import numpy as np
 import simpy
 
+from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
@@ -26,6 +27,26 @@ class SimBackend:
         self.lat = lat
         self.weight_stream_s = weight_stream_s
         self.events = 0
+        self._live = set(range(state.topo.num_instances))
+        self._waiting: set[int] = set()
+        self._changed = env.event()
+
+    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
+        self._waiting.add(instance)
+        if self._live <= self._waiting:
+            raise InvariantError(f"policy {policy_name!r} made no progress on instances {sorted(self._waiting)} "
+                                 "although they still have queued sequences, and no instance is running")
+        yield self._changed
+        self._waiting.discard(instance)
+
+    def notify_change(self) -> None:
+        if self._waiting:
+            changed, self._changed = self._changed, self.env.event()
+            changed.succeed()
+
+    def instance_done(self, instance: int) -> None:
+        self._live.discard(instance)
+        self.notify_change()  # waiting instances look again (and report a deadlock if all are stuck)
 
     def now(self) -> float:
         return float(self.env.now)
