@@ -80,7 +80,7 @@ class CoroutinePolicy:
         host_free = (snap.host_capacity_tokens - snap.host_used_tokens + released - growth).astype(np.int64)
         room = _Room(self.b_moe - count, snap.pages_capacity - used, count, host_free, {})
         if d.prefill_ids.size == 0 or ids.size:
-            self._refill(snap, d, own, room)
+            self._refill(snap, d, own, room, slots_total)
         if not pending and not d.admits and not d.prefill_ids.size and not pooled:
             self._tail(snap, d, ids, rank, ctx, room)
         if pooled and not ids.size and not d.admits and not d.prefill_ids.size:
@@ -153,9 +153,10 @@ class CoroutinePolicy:
         d.prefill_to_host = True
 
     # -- 3. refill -----------------------------------------------------------------------------------------
-    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room") -> None:
+    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room", slots_total: int) -> None:
         """Local pools to their own node's ranks first; then (MIGRATE) leftovers of this instance's pools to
-        any rank; then, once no prompt is waiting here, other instances' pools (work stealing)."""
+        any rank; then, once no prompt is waiting here, what other instances' pools hold beyond what their own
+        GPUs can run (work stealing: taking work a busy instance would run anyway only moves the imbalance)."""
         everyone = np.arange(snap.num_ranks)
         for node in own:
             self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room)
@@ -164,18 +165,23 @@ class CoroutinePolicy:
         for node in own:
             self._offer(snap, d, int(node), everyone, room)
         if self.migrate_across_instances and not len(snap.pending):
+            # instances are the same size, so a node's own ranks can run about this many of its sequences
+            node_slots = int(slots_total * snap.gpus_per_node / snap.num_ranks)
             others = [n for n in range(len(snap.suspended)) if n not in own]
             for node in sorted(others, key=lambda n: -len(snap.suspended[n])):
-                self._offer(snap, d, node, everyone, room)
+                self._offer(snap, d, node, everyone, room, limit=len(snap.suspended[node]) - node_slots)
 
-    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room") -> None:
-        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages and host room."""
+    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room",
+               limit: int | None = None) -> None:
+        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages and host room
+        (and at most `limit` sequences)."""
         P = snap.page_tokens
         open_ranks = ranks[(room.slots[ranks] > 0) & (room.free[ranks] > 0)]
         skip = room.taken.get(node, 0)
-        if not open_ranks.size or len(snap.suspended[node]) <= skip:
+        if not open_ranks.size or len(snap.suspended[node]) <= skip or (limit is not None and limit <= 0):
             return
-        cand = snap.suspended[node].peek(skip + int(room.slots[open_ranks].sum()))[skip:]
+        want = int(room.slots[open_ranks].sum()) if limit is None else min(int(room.slots[open_ranks].sum()), limit)
+        cand = snap.suspended[node].peek(skip + want)[skip:]
         ctx = snap.lengths.context(cand)
         need = pages_for(ctx + P, P)
         order = open_ranks[np.argsort(room.count[open_ranks], kind="stable")]  # least-loaded first

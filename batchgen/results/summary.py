@@ -80,6 +80,8 @@ def _compute_per_token(row: Row) -> float | None:
 def _reasons(row: Row, best: Row, best_name: str) -> list[str]:
     """Clauses for the metrics in which `row` is worse than the best run by a noticeable margin."""
     out = []
+    if row.get("num_gpus") != best.get("num_gpus"):
+        out.append(f"{row.get('num_gpus')} GPUs vs {best.get('num_gpus')}")
     work, best_work = _compute_per_token(row), _compute_per_token(best)
     if work and best_work and work > WORK_RATIO * best_work:
         out.append(f"{work / best_work:.2f}x the GPU compute-seconds per output token")
