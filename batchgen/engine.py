@@ -101,6 +101,28 @@ class InstanceProgress:
         self.pad_context = np.zeros(self.num_ranks, np.int64)
 
 
+class _ReadOnlyPool:
+    """What a policy may do with a pool: count it and look at its head."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue):
+        self._queue = queue
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def peek(self, n: int) -> np.ndarray:
+        return _frozen(self._queue.peek(n))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only view: a policy that writes into the state's arrays fails at the write, not much later."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int) -> Snapshot:
     topo, t = state.topo, state.table
@@ -115,12 +137,13 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus].copy(),
         pad_rows=progress.pad_rows.copy(),
-        active_ids=ids, active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
+        active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
-        pending=state.pending[instance], pinned=[state.pinned[g] for g in gpus], suspended=state.suspended,
+        pending=_ReadOnlyPool(state.pending[instance]), pinned=[_ReadOnlyPool(state.pinned[g]) for g in gpus],
+        suspended=[_ReadOnlyPool(q) for q in state.suspended],
         node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
-        lengths=Lengths(t.input_len, t.decoded), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
+        lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
     )
 
 

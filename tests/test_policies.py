@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from batchgen.core.state import Moves
 from batchgen.engine import InstanceProgress, make_snapshot
@@ -149,3 +150,22 @@ def test_drained_instance_steals_suspended_work_from_another():
     assert stolen.sum() > 0
     assert np.all(runs[False].instance[::2] == 0)
     assert runs[True].finish_time.max() < runs[False].finish_time.max()
+
+
+def test_decide_is_a_pure_function_of_the_snapshot():
+    """Same snapshot, same decision, and the state is untouched: policies keep no hidden state."""
+    job = make_job("coroutine", n=30, inputs=np.full(30, 100), outputs=np.full(30, 400),
+                   cluster_overrides={"num_gpus": 2})
+    state = prepare(job).state
+    run_on_gpu(state, np.arange(10), 0)
+    before = (state.table.where.copy(), state.table.decoded.copy(), len(state.pending[0]))
+    snap = snapshot(state)
+    for policy in ("coroutine", "continuous", "static"):
+        p = make_job(policy).policy
+        a, b = p.decide(snap), p.decide(snap)
+        assert np.array_equal(a.prefill_ids, b.prefill_ids) and np.array_equal(a.yield_ids, b.yield_ids)
+        assert [x.ids.tolist() for x in a.admits] == [x.ids.tolist() for x in b.admits]
+    assert np.array_equal(state.table.where, before[0]) and np.array_equal(state.table.decoded, before[1])
+    assert len(state.pending[0]) == before[2]
+    with pytest.raises(ValueError):
+        snap.lengths.decoded[0] = 5  # the snapshot is read-only

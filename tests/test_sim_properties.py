@@ -27,6 +27,7 @@ jobs = st.fixed_dictionaries({
     "page_tokens": st.sampled_from([16, 64]),
     "kv_gb": st.sampled_from([None, 0.5]),
     "host_seqs": st.sampled_from([None, 2, 6]),
+    "routing_skew": st.sampled_from([0.0, 1.2]),
 })
 
 
@@ -34,7 +35,8 @@ def build(p):
     rng = np.random.default_rng(p["seed"])
     inputs = rng.integers(1, p["max_in"] + 1, p["n"])
     outputs = rng.integers(1, p["max_out"] + 1, p["n"])
-    job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"])
+    job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"],
+                   routing_skew=p["routing_skew"])
     per_instance = max(p["num_gpus"] // p["instances"], 1)
     cluster = dataclasses.replace(job.cluster, num_gpus=p["num_gpus"], gpus_per_instance=per_instance)
     memory = MemorySettings()
