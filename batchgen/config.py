@@ -15,7 +15,7 @@ from batchgen.policy import make_policy, policy_names
 from batchgen.specs import ClusterSpec, ModelSpec
 from batchgen.workload import build_workload
 
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "exec")
 
 
 def _plain(node: Any) -> dict:

@@ -37,6 +37,7 @@ class StepPlan:
     host_sync: bool
     prefill_to_host: bool
     padded: bool
+    start: float = 0.0         # clock reading when the boundary began (before the decision)
 
     @property
     def phase(self) -> Phase:
@@ -124,7 +125,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
-                  gpus_per_node: int) -> Snapshot:
+                  gpus_per_node: int, layerwise_offload: bool = True) -> Snapshot:
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
     ids = state.active[instance]
@@ -144,10 +145,12 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
+        layerwise_offload=layerwise_offload,
     )
 
 
-def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress) -> StepPlan:
+def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress,
+                   now: float = 0.0) -> StepPlan:
     """Carry out a decision through the coroutine primitives and describe the run that follows."""
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
@@ -181,7 +184,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
-        prefill_to_host=d.prefill_to_host, padded=d.padded,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now,
     )
 
 
@@ -263,9 +266,10 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         if now < last:
             raise InvariantError(f"instance {instance}: the clock went back from {last} to {now}")
         last = now
-        snap = make_snapshot(state, instance, now, progress, gpus_per_node)
+        snap = make_snapshot(state, instance, now, progress, gpus_per_node,
+                             getattr(backend, "layerwise_offload", True))
         decision = policy.decide(snap)
-        plan = apply_decision(state, instance, decision, progress)
+        plan = apply_decision(state, instance, decision, progress, now)
         if plan.phase == "idle":
             if not state.remaining_work(instance):
                 backend.instance_done(instance)

@@ -32,7 +32,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     from batchgen.sim.run import simulate
 
     job = build_job(cfg, base_dir=Path.cwd())
-    out = simulate(job)
+    if cfg.backend.name == "exec":
+        from batchgen.exec.run import ExecSettings, execute
+        settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+        try:
+            out = execute(job, ExecSettings(**settings))
+        except TypeError as e:
+            raise ConfigError(f"bad backend setting: {e}") from e
+    else:
+        out = simulate(job)
     summary = summarize(out)
     write_results(out, run_dir, summary, config=OmegaConf.to_container(cfg, resolve=True),
                   sequences_csv=bool(cfg.output.get("sequences_csv", True)))

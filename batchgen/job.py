@@ -51,7 +51,8 @@ def topology(cluster: ClusterSpec) -> Topology:
                     num_nodes=cluster.num_nodes, num_instances=cluster.num_instances)
 
 
-def prepare(job: Job) -> Prepared:
+def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
+    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs."""
     m, c = job.model, job.cluster
     if not m.is_moe:
         # A dense model has no experts to spread: every GPU runs its own replica, data parallel, and no
@@ -62,6 +63,8 @@ def prepare(job: Job) -> Prepared:
     budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
                          can_stream_weights=job.policy.can_stream_weights, uses_host_kv=job.policy.uses_host_kv,
                          policy_name=job.policy.name)
+    if kv_pages_per_gpu is not None:
+        budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages_per_gpu))
     w = job.workload
     if len(w):
         check_prompts_fit(m, w.input_lens, w.output_lens, budget, job.policy.uses_host_kv)

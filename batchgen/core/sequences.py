@@ -42,8 +42,9 @@ class SequenceTable:
     partitions: np.ndarray = field(init=False)
 
     def __post_init__(self):
-        self.input_len = np.asarray(self.input_len, dtype=np.int64)
-        self.output_len = np.asarray(self.output_len, dtype=np.int64)
+        # own copies: an executor learns true output lengths (EOS) and writes them here
+        self.input_len = np.array(self.input_len, dtype=np.int64)
+        self.output_len = np.array(self.output_len, dtype=np.int64)
         n = self.input_len.size
         if self.output_len.size != n:
             raise ValueError("input_len and output_len must have the same length")

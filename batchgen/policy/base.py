@@ -64,6 +64,9 @@ class Snapshot:
     lengths: Lengths
     last_phase: Phase
     gpus_per_node: int
+    # False where prefill KV must sit on the device for the whole forward (the exec backend): a policy then
+    # budgets KV pages for what it prefills. True in the simulator, which models layer-by-layer offload.
+    layerwise_offload: bool = True
 
     @property
     def num_ranks(self) -> int:

@@ -70,7 +70,7 @@ class CoroutinePolicy:
             refill_low = runnable < self.refill_below * slots_total
             keep_going = snap.last_phase == "prefill" and pooled < self.prefill_ahead * slots_total
             if refill_low or keep_going:
-                self._prefill(snap, d, watermark)
+                self._prefill(snap, d, watermark, snap.pages_capacity - used)
         # host room left once evicted copies are dropped and every running copy has grown by a page
         n_nodes = snap.host_capacity_tokens.size
         evicted = np.isin(snap.active_ids, d.evict_ids)
@@ -78,7 +78,11 @@ class CoroutinePolicy:
                                minlength=n_nodes)
         growth = np.bincount(snap.rank_node[rank], minlength=n_nodes) * P
         host_free = (snap.host_capacity_tokens - snap.host_used_tokens + released - growth).astype(np.int64)
-        room = _Room(self.b_moe - count, snap.pages_capacity - used, count, host_free, {})
+        free = snap.pages_capacity - used
+        if not snap.layerwise_offload and d.prefill_ids.size:  # the prefill's KV shares the pages this step
+            free -= np.bincount(d.prefill_ranks, weights=pages_for(snap.lengths.context(d.prefill_ids) + 1, P),
+                                minlength=R).astype(np.int64)
+        room = _Room(self.b_moe - count, free, count, host_free, {})
         if d.prefill_ids.size == 0 or ids.size:
             self._refill(snap, d, own, room, slots_total)
         if not pending and not d.admits and not d.prefill_ids.size and not pooled:
@@ -138,9 +142,10 @@ class CoroutinePolicy:
         cap = snap.host_capacity_tokens[nodes] * watermark
         return int(np.maximum(cap - snap.host_used_tokens[nodes], 0).sum())
 
-    def _prefill(self, snap: Snapshot, d: Decision, watermark: float) -> None:
+    def _prefill(self, snap: Snapshot, d: Decision, watermark: float, free_pages: np.ndarray) -> None:
         """Give each rank up to prefill_tokens_per_rank of prompt tokens (at least one prompt), FIFO, while
-        its node's host memory below the watermark can take the KV plus a page of growth per sequence."""
+        its node's host memory below the watermark can take the KV plus a page of growth per sequence (and,
+        without layer-by-layer offload, while the rank's free KV pages hold the prompts during the forward)."""
         n_nodes = snap.host_capacity_tokens.size
         growth = np.bincount(snap.rank_node[snap.active_rank], minlength=n_nodes) * snap.page_tokens
         room = np.floor(snap.host_capacity_tokens * watermark - snap.host_used_tokens - growth).astype(np.int64)
@@ -149,6 +154,9 @@ class CoroutinePolicy:
         tokens = snap.lengths.context(cand) + 1  # the prefill's first token lands on host too
         ranks = split_by_budget(tokens, budget)
         n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
+        if not snap.layerwise_offload:
+            n = min(n, _host_prefix(ranks[:n], pages_for(tokens[:n], snap.page_tokens),
+                                    np.maximum(free_pages, 0).astype(np.int64)))
         d.prefill_ids, d.prefill_ranks = cand[:n], ranks[:n]
         d.prefill_to_host = True
 
@@ -246,7 +254,8 @@ class _Room:
 
 
 def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> int:
-    """Length of the FIFO prefix whose host cost fits each destination node's room (and consume it)."""
+    """Length of the FIFO prefix whose cost fits each destination's room (and consume it): host KV tokens
+    per node, or KV pages per rank."""
     if not dest.size:
         return 0
     order = np.argsort(dest, kind="stable")

@@ -1,0 +1,219 @@
+"""The exec backend: the engine's runs executed on real tensors, timed by the wall clock.
+
+Placement decisions are already applied to the `ClusterState` when a run starts; `reconcile` makes the
+tensors follow (the bookkeeping is the source of truth): a sequence the state says is suspended is yielded to
+its host copy, one that moved is exported and imported (MIGRATE), an evicted one loses its KV and will be
+prefilled again from prompt + generated tokens (recompute), a finished one is released. Then the run itself:
+one forward with prefills, or up to `steps` decode iterations, each a module-batched forward over every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Generator
+
+import numpy as np
+import torch
+
+from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
+from batchgen.core.state import ClusterState
+from batchgen.engine import StepPlan, StepResult
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.runner import InstanceRunner, RankBatch
+from batchgen.exec.sampling import sample
+from batchgen.exec.sequences import SequenceTokens
+
+
+class ExecBackend:
+    def __init__(self, state: ClusterState, runner: InstanceRunner, caches: list[PagedKVCache],
+                 tokens: SequenceTokens, job_seed: int = 0):
+        if len(caches) != state.topo.num_gpus:
+            raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
+        self.state, self.runner, self.caches, self.tokens = state, runner, caches, tokens
+        self.job_seed = job_seed
+        self.events = 0
+        self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
+        self._t0 = time.perf_counter()
+        self._live = set(range(state.topo.num_instances))
+        self._is_moe = any(runner.model.moe(l) is not None for l in range(runner.model.num_layers))
+        self.layerwise_offload = False  # prefill KV needs device pages: policies must budget for it
+        self._waiting: set[int] = set()
+
+    # ---- Backend protocol ---------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
+        self.reconcile(plan)
+        result = self._prefill(plan) if plan.prefill_ids.size else self._decode(plan)
+        self.events += 1
+        yield None  # one step done: the driver may run another instance now
+        return result
+
+    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
+        self._waiting.add(instance)
+        if self._live <= self._waiting:
+            raise InvariantError(f"policy {policy_name!r} made no progress on instances {sorted(self._waiting)} "
+                                 "although they still have queued sequences, and no instance is running")
+        yield None
+        self._waiting.discard(instance)
+
+    def notify_change(self) -> None:
+        self._waiting.clear()
+
+    def instance_done(self, instance: int) -> None:
+        self._live.discard(instance)
+        self._waiting.clear()
+
+    # ---- tensors follow the bookkeeping --------------------------------------------------------------
+    def reconcile(self, plan: StepPlan) -> None:
+        t = self.state.table
+        for g in plan.gpus:
+            cache = self.caches[g]
+            held = np.array(cache.seq_ids(), dtype=np.int64)
+            if not held.size:
+                continue
+            where = t.where[held]
+            gone = held[(where == FINISHED) | (where == PENDING)]  # finished, or evicted for recompute
+            cache.release(gone.tolist())
+            for sid in gone.tolist():
+                self._holder.pop(sid, None)
+            parked = [s for s in held[where == SUSPENDED].tolist() if cache.on_device(s)]
+            cache.yield_to_host(parked)
+        for g in plan.gpus:
+            running = plan.decode_ids[t.where[plan.decode_ids] == g]
+            missing = [s for s in running.tolist() if not (self._holder.get(s) == g and self.caches[g].on_device(s))]
+            self._bring(missing, int(g))
+
+    def _bring(self, seq_ids: list[int], g: int) -> None:
+        """COMBINE: restore from this GPU's host copies; MIGRATE: adopt KV held by another GPU's cache."""
+        local = [s for s in seq_ids if self._holder.get(s) == g]
+        self.caches[g].restore(local)
+        for sid in seq_ids:
+            src = self._holder.get(sid)
+            if src is None:
+                raise InvariantError(f"sequence {sid} is running on GPU {g} but its KV is nowhere")
+            if src != g:
+                kv = self.caches[src].export(sid)
+                self.caches[g].import_(sid, kv, to_device=True)
+                self.caches[src].release([sid])
+                self._holder[sid] = g
+
+    # ---- runs ----------------------------------------------------------------------------------------
+    def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool) -> list[RankBatch]:
+        """Per rank: each sequence's new tokens (the whole context when `whole`, else its last token)."""
+        out = []
+        for r, g in enumerate(plan.gpus):
+            mine = ids[ranks == r].tolist()
+            batch = RankBatch(self.caches[g], mine, [], [], [])
+            for sid in mine:
+                if whole:
+                    ctx = self.tokens.context(sid)
+                    batch.token_ids.extend(ctx)
+                    batch.new_counts.append(len(ctx))
+                    batch.start_positions.append(0)
+                    self._holder[sid] = int(g)
+                else:
+                    batch.token_ids.append(self.tokens.last_token(sid))
+                    batch.new_counts.append(1)
+                    batch.start_positions.append(self.tokens.context_len(sid) - 1)
+            out.append(batch)
+        return out
+
+    def _sample(self, ids: list[int], logits: torch.Tensor) -> list[int]:
+        steps = [len(self.tokens.generated[s]) for s in ids]
+        params = [self.tokens.params[s] for s in ids]
+        return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
+
+    def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
+        logits, stats = self.runner.forward(batches, plan.micro_batch)
+        ids = [s for b in batches for s in b.seq_ids]
+        rows = [l for l in logits if l.numel()]
+        return ids, (torch.cat(rows) if rows else torch.empty(0)), stats
+
+    def _decode(self, plan: StepPlan) -> StepResult:
+        ids, ranks = plan.decode_ids, plan.decode_rank
+        n, R = ids.size, plan.gpus.size
+        produced = np.zeros(n, np.int64)
+        finished = np.zeros(n, bool)
+        offsets = np.full(n, np.nan)
+        busy, expert_tokens, calls, it = np.zeros(R), 0.0, 0, 0
+        index = {int(s): i for i, s in enumerate(ids.tolist())}
+        for it in range(1, plan.steps + 1):
+            live = ~finished
+            batches = self._rank_batches(plan, ids[live], ranks[live], whole=False)
+            order, logits, stats = self._forward(plan, batches)
+            busy += np.array(stats.rank_attention_s) + stats.ffn_s
+            expert_tokens += stats.gate_tokens
+            calls += 1
+            now = self.now() - plan.start
+            for sid, tok in zip(order, self._sample(order, logits)):
+                i = index[sid]
+                produced[i] += 1
+                if self.tokens.append(sid, tok):
+                    finished[i], offsets[i] = True, now
+            if finished.all() or self._stop(plan.stop, finished, live, ranks, R):
+                break
+        self._true_lengths(ids, produced, finished)
+        if plan.host_sync:
+            self._sync(plan, ids[~finished])
+        return self._result(plan, it, produced, finished, offsets, np.zeros(0, bool), busy, expert_tokens, calls)
+
+    @staticmethod
+    def _stop(rule: str, finished: np.ndarray, was_live: np.ndarray, ranks: np.ndarray, R: int) -> bool:
+        if rule == "first_finish":
+            return bool((finished & was_live).any())
+        if rule == "rank_drains":
+            left = np.bincount(ranks[~finished], minlength=R)
+            had = np.bincount(ranks, minlength=R)
+            return bool(np.any((had > 0) & (left == 0)))
+        return False
+
+    def _prefill(self, plan: StepPlan) -> StepResult:
+        """One forward: prompts (or prompt + generated tokens, for a recompute) and one token for each running
+        sequence. Prefills bound for host are yielded right after it; their KV needs device pages during the
+        forward, which the policy budgets for (this backend has no layer-by-layer offload)."""
+        dec_ids, dec_ranks, pre_ids = plan.decode_ids, plan.decode_rank, plan.prefill_ids
+        batches = self._rank_batches(plan, pre_ids, plan.prefill_rank, whole=True)
+        for b, d in zip(batches, self._rank_batches(plan, dec_ids, dec_ranks, whole=False)):
+            b.seq_ids += d.seq_ids
+            b.token_ids += d.token_ids
+            b.new_counts += d.new_counts
+            b.start_positions += d.start_positions
+        order, logits, stats = self._forward(plan, batches)
+        now = self.now() - plan.start
+        done = dict(zip(order, (self.tokens.append(sid, tok) for sid, tok in zip(order, self._sample(order, logits)))))
+        pre_finished = np.array([done[int(s)] for s in pre_ids], bool)
+        finished = np.array([done[int(s)] for s in dec_ids], bool)
+        produced = np.ones(dec_ids.size, np.int64)
+        if plan.prefill_to_host:
+            for r, g in enumerate(plan.gpus):
+                self.caches[g].yield_to_host(pre_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
+        self._true_lengths(pre_ids, np.ones(pre_ids.size, np.int64), pre_finished)
+        self._true_lengths(dec_ids, produced, finished)
+        if plan.host_sync:
+            self._sync(plan, dec_ids[~finished])
+        busy = np.array(stats.rank_attention_s) + stats.ffn_s
+        offsets = np.where(finished, now, np.nan)
+        return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1)
+
+    def _true_lengths(self, ids: np.ndarray, produced: np.ndarray, finished: np.ndarray) -> None:
+        """A sequence that stopped before its max_tokens (EOS, stop string) has found its output length."""
+        t = self.state.table
+        done = ids[finished]
+        t.output_len[done] = t.decoded[done] + produced[finished]
+
+    def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
+        t = self.state.table
+        for g in plan.gpus:
+            mine = [s for s in ids[t.where[ids] == g].tolist() if self.caches[g].on_device(s)]
+            self.caches[g].sync_to_host(mine)
+
+    def _result(self, plan, iterations, produced, finished, offsets, pre_finished, busy, expert_tokens, calls):
+        duration = self.now() - plan.start
+        return StepResult(duration=duration, iterations=iterations, produced=produced, finished=finished,
+                          finish_offset=np.where(finished, offsets, np.nan), prefill_finished=pre_finished,
+                          rank_busy=busy, rank_comm=np.zeros(plan.gpus.size), expert_tokens=float(expert_tokens),
+                          expert_calls=calls if self._is_moe else 0,
+                          tokens=int(produced.sum() + sum(self.tokens.context_len(int(s)) - 1
+                                                          for s in plan.prefill_ids)))

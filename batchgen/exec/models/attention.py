@@ -1,0 +1,103 @@
+"""GQA attention over the paged KV cache described by `batchgen.exec.metadata.AttentionMetadata`.
+
+One call handles any mix of prefill, decode and recompute: the new tokens' K/V are written into the pool at
+`slot_mapping`, then every sequence's whole context is gathered through `block_table` into a padded batch and
+attended with one SDPA call under an explicit boolean mask. No loop over tokens or sequences.
+
+GQA without copying K/V per query head: the `rep = num_heads // num_kv_heads` query heads that share a KV head
+are folded into the query-length axis, so SDPA sees [B, kv_heads, rep * Q, D] queries against
+[B, kv_heads, L, D] keys. This works with every SDPA backend (unlike `enable_gqa`) and moves rep times less
+K/V than repeating it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.exec.metadata import AttentionMetadata
+from batchgen.exec.models.config import ExecModelConfig
+from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool), each [num_pages, page_size, kv_heads, head_dim]
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, config: ExecModelConfig, rope: RotaryEmbedding, device=None, dtype=None) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sliding_window = c.sliding_window
+        kw = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLayer) -> torch.Tensor:
+        """hidden [T, hidden_size] (already normed) -> [T, hidden_size]; writes this pass's K/V into kv_cache."""
+        T = hidden.shape[0]
+        q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope(meta.positions, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_pool, v_pool = kv_cache
+        flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # a view: the pool must be contiguous
+        flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+
+        out = self._attend(q, k_pool, v_pool, meta)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T, H, D = q.shape
+        Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        B, max_pages = meta.block_table.shape
+        L = max_pages * meta.page_size
+        qlens = meta.query_lens()
+        Q = int(qlens.max())  # the one host sync of the call: the padded query length
+
+        # Flat tokens -> padded [B, Q] slots.
+        seq = torch.repeat_interleave(torch.arange(B, device=q.device), qlens, output_size=T)
+        row = torch.arange(T, device=q.device) - meta.query_starts[seq]
+        q_pad = q.new_zeros(B, Q, H, D)
+        q_pad[seq, row] = q
+        # Padding query slots get position 0 so that their row is never fully masked (SDPA would return NaN);
+        # their output is discarded.
+        q_pos = torch.zeros(B, Q, dtype=torch.long, device=q.device)
+        q_pos[seq, row] = meta.positions
+
+        # Context: pages in order, so gathered slot j holds absolute position j.
+        pages = meta.block_table.clamp(min=0)
+        keys = k_pool[pages].view(B, L, Hkv, D).to(q.dtype)  # advanced indexing: a copy, never the pool
+        values = v_pool[pages].view(B, L, Hkv, D).to(q.dtype)
+        k_pos = torch.arange(L, device=q.device)
+        valid = k_pos[None, :] < meta.context_lens[:, None]  # [B, L]
+        # Unused pool slots may hold NaN/Inf (torch.empty); a masked key still multiplies its value by 0, and
+        # 0 * NaN = NaN, so they are zeroed, not just masked.
+        keys.masked_fill_(~valid[:, :, None, None], 0)
+        values.masked_fill_(~valid[:, :, None, None], 0)
+
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [B, Q, L]
+        if self.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+
+        # Fold the rep query heads of each KV head into the query axis: head h = kv * rep + r (HF's repeat_kv).
+        qf = q_pad.view(B, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * Q, D)
+        maskf = mask[:, None, None, :, :].expand(B, 1, rep, Q, L).reshape(B, 1, rep * Q, L)
+        out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=maskf)
+        out = out.view(B, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, rep, D]
+        return out[seq, row].reshape(T, H, D)

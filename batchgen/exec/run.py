@@ -1,0 +1,108 @@
+"""Run a job on real tensors: build the model and one paged KV cache per rank, then drive every instance's
+engine loop round-robin (one process; each instance runs on one device)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.core.sequences import InvariantError
+from batchgen.engine import StepRecord, instance_loop
+from batchgen.exec.backend import ExecBackend
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.models import ExecModelConfig, MoEDecoder, init_random, load_model
+from batchgen.exec.runner import InstanceRunner
+from batchgen.exec.sampling import SamplingParams
+from batchgen.exec.sequences import SequenceTokens, random_prompts
+from batchgen.job import Job, prepare
+from batchgen.memory import ConfigError
+from batchgen.sim.run import RunOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExecSettings:
+    device: str = "auto"               # cpu, cuda, cuda:N, or auto (cuda when available)
+    dtype: str = "auto"                # float32, bfloat16, or auto (bf16 on GPU, fp32 on CPU)
+    model_path: str | None = None      # a Hugging Face directory; None = random weights from the model spec
+    kv_budget_mb: float = 256.0        # device KV cache per rank
+    weights_seed: int = 0
+    temperature: float = 0.0           # sampling for every request (0 = greedy)
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = True            # run every request to its workload output length (comparable work)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"backend.device={self.device} but this machine has no CUDA device: use cpu or auto")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"backend.dtype={self.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class ExecOutput(RunOutput):
+    tokens: SequenceTokens | None = None
+
+
+def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
+    if settings.model_path:
+        return load_model(settings.model_path, dtype=dtype, device=device)
+    try:
+        config = ExecModelConfig.from_spec(job.model)
+    except ValueError as e:
+        raise ConfigError(f"model {job.model.name} cannot run on the executor: {e}") from e
+    return init_random(config, seed=settings.weights_seed, dtype=dtype, device=device)
+
+
+def execute(job: Job, settings: ExecSettings) -> ExecOutput:
+    start = time.perf_counter()
+    device = settings.torch_device()
+    dtype = settings.torch_dtype(device)
+    model = build_model(job, settings, device, dtype).eval()
+    c = model.config
+    w = job.workload
+    too_long = np.flatnonzero(w.input_lens + w.output_lens > c.max_position_embeddings)
+    if too_long.size:
+        i = int(too_long[0])
+        raise ConfigError(f"sequence {i} needs {int(w.input_lens[i] + w.output_lens[i]):,} positions (input "
+                          f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
+                          f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
+    caches = [PagedKVCache.from_budget(c.num_layers, c.num_kv_heads, c.head_dim, page_size=job.page_tokens,
+                                       budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype, device=device)
+              for _ in range(job.cluster.num_gpus)]
+    prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
+    params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                             max_tokens=int(n), ignore_eos=settings.ignore_eos) for n in w.output_lens]
+    tokens = SequenceTokens(random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1), params,
+                            c.eos_token_ids)
+    backend = ExecBackend(prepared.state, InstanceRunner(model), caches, tokens, job_seed=settings.weights_seed)
+    records: list[StepRecord] = []
+    loops = [instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
+                           check_invariants=job.check_invariants)
+             for inst in range(prepared.state.topo.num_instances)]
+    while loops:  # round-robin: each instance runs one step (or one wait) at a time
+        for loop in list(loops):
+            try:
+                next(loop)
+            except StopIteration:
+                loops.remove(loop)
+    state = prepared.state
+    if not state.all_finished():
+        raise InvariantError(f"policy {job.policy.name!r} stopped with {len(state.table) - state.num_finished} "
+                             "sequences unfinished")
+    state.check()
+    return ExecOutput(job, prepared, records, time.perf_counter() - start, backend.events, backend="exec",
+                      tokens=tokens)

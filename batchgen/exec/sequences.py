@@ -1,0 +1,51 @@
+"""Tokens of every sequence of an executed job: prompts, what was generated, and why each one stopped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchgen.exec.sampling import SamplingParams
+from batchgen.exec.stopping import StopChecker
+
+
+def random_prompts(input_lens: np.ndarray, vocab_size: int, seed: int) -> list[np.ndarray]:
+    """Synthetic prompts of the workload's lengths: what a length-only workload needs to run on real tensors."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, int(n), dtype=np.int64) for n in input_lens]
+
+
+@dataclass
+class SequenceTokens:
+    prompts: list[np.ndarray]
+    params: list[SamplingParams]
+    eos_token_ids: tuple[int, ...] = ()
+    generated: list[list[int]] = field(init=False)
+    stops: list[StopChecker] = field(init=False)
+
+    def __post_init__(self):
+        if len(self.params) != len(self.prompts):
+            raise ValueError("one SamplingParams per prompt")
+        self.generated = [[] for _ in self.prompts]
+        self.stops = [StopChecker(p, self.eos_token_ids) for p in self.params]
+
+    def context(self, sid: int) -> list[int]:
+        """Everything whose KV a sequence needs: the prompt, then what it generated."""
+        return self.prompts[sid].tolist() + self.generated[sid]
+
+    def context_len(self, sid: int) -> int:
+        return len(self.prompts[sid]) + len(self.generated[sid])
+
+    def last_token(self, sid: int) -> int:
+        return self.generated[sid][-1] if self.generated[sid] else int(self.prompts[sid][-1])
+
+    def append(self, sid: int, token: int) -> bool:
+        """Record a new token; True if the sequence has finished with it."""
+        step = len(self.generated[sid])
+        self.generated[sid].append(int(token))
+        return self.stops[sid].check(int(token), step) is not None
+
+    def finish_reason(self, sid: int) -> str | None:
+        finish = self.stops[sid].finish
+        return finish.reason if finish else None
