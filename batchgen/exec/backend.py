@@ -10,6 +10,7 @@ one forward with prefills, or up to `steps` decode iterations, each a module-bat
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Generator
 
 import numpy as np
@@ -33,6 +34,7 @@ class ExecBackend:
         self.job_seed = job_seed
         self.events = 0
         self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
+        self.moves = Counter()  # KV operations carried out: yield, restore, migrate, evict
         self._t0 = time.perf_counter()
         self._live = set(range(state.topo.num_instances))
         self._is_moe = any(runner.model.moe(l) is not None for l in range(runner.model.num_layers))
@@ -68,6 +70,12 @@ class ExecBackend:
     # ---- tensors follow the bookkeeping --------------------------------------------------------------
     def reconcile(self, plan: StepPlan) -> None:
         t = self.state.table
+        # A sequence prefilled again was evicted (possibly in this very decision): its old KV goes first.
+        for sid in plan.prefill_ids.tolist():
+            src = self._holder.pop(sid, None)
+            if src is not None:
+                self.caches[src].release([sid])
+                self.moves["evict"] += 1
         for g in plan.gpus:
             cache = self.caches[g]
             held = np.array(cache.seq_ids(), dtype=np.int64)
@@ -76,10 +84,12 @@ class ExecBackend:
             where = t.where[held]
             gone = held[(where == FINISHED) | (where == PENDING)]  # finished, or evicted for recompute
             cache.release(gone.tolist())
+            self.moves["evict"] += int((where == PENDING).sum())
             for sid in gone.tolist():
                 self._holder.pop(sid, None)
             parked = [s for s in held[where == SUSPENDED].tolist() if cache.on_device(s)]
             cache.yield_to_host(parked)
+            self.moves["yield"] += len(parked)
         for g in plan.gpus:
             running = plan.decode_ids[t.where[plan.decode_ids] == g]
             missing = [s for s in running.tolist() if not (self._holder.get(s) == g and self.caches[g].on_device(s))]
@@ -89,6 +99,7 @@ class ExecBackend:
         """COMBINE: restore from this GPU's host copies; MIGRATE: adopt KV held by another GPU's cache."""
         local = [s for s in seq_ids if self._holder.get(s) == g]
         self.caches[g].restore(local)
+        self.moves["restore"] += len(local)
         for sid in seq_ids:
             src = self._holder.get(sid)
             if src is None:
@@ -98,6 +109,7 @@ class ExecBackend:
                 self.caches[g].import_(sid, kv, to_device=True)
                 self.caches[src].release([sid])
                 self._holder[sid] = g
+                self.moves["migrate"] += 1
 
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool) -> list[RankBatch]:

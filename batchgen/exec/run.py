@@ -55,6 +55,7 @@ class ExecSettings:
 @dataclass
 class ExecOutput(RunOutput):
     tokens: SequenceTokens | None = None
+    kv_moves: dict | None = None  # KV operations the executor carried out (yield, restore, migrate, evict)
 
 
 def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
@@ -105,4 +106,4 @@ def execute(job: Job, settings: ExecSettings) -> ExecOutput:
                              "sequences unfinished")
     state.check()
     return ExecOutput(job, prepared, records, time.perf_counter() - start, backend.events, backend="exec",
-                      tokens=tokens)
+                      tokens=tokens, kv_moves=dict(backend.moves))
