@@ -6,12 +6,19 @@ budget, so an over-eager policy fails at the step that caused it instead of runn
 
 Layout decisions (the paper is silent on them):
 
-- All layers' K and V live in one device tensor [num_layers, 2, num_pages, page_size, kv_heads, head_dim].
-  `layer(l)` hands attention contiguous per-layer views, while sync/restore move every layer of every
-  sequence in a call with one gather / one index_copy over the whole pool.
+- All layers' K and V live in one device tensor [num_layers, planes, num_pages, page_size, kv_heads, head_dim],
+  planes = 2 (K, V) or 1 (K only, see MLA below). `layer(l)` hands attention contiguous per-layer views, while
+  sync/restore move every layer of every sequence in a call with one gather / one index_copy over the pool.
+- MLA (DeepSeek-V3) caches the compressed latent, not per-head K/V: per token and layer one "head" of width
+  kv_lora_rank + qk_rope_head_dim holding [c_kv (after kv_a_layernorm) | k_pe (after RoPE)], in the K pool,
+  and no V pool at all (`v_head_dim=0`; `layer(l)` then returns a zero-width V tensor), so every byte of the
+  budget holds latent and `bytes_per_token` is layers x (kv_lora_rank + qk_rope_head_dim) x dtype size.
+  Attention re-derives per-head k_nope and v from c_kv with kv_b_proj. Build any model's cache from its
+  geometry: `PagedKVCache.from_budget(**model.kv_cache_geometry()._asdict(), page_size=..., budget_bytes=...)`.
+  A V pool must be as wide as K (v_head_dim == head_dim) or absent: no architecture here needs another width.
 - A sequence holds exactly the pages its context needs, extended lazily by `prepare` (or ahead of time by
   `reserve`, which lets a scheduler claim memory at a boundary and never fail mid-step).
-- The host copy of a sequence is one CPU tensor [capacity, num_layers, 2, kv_heads, head_dim], token-major so
+- The host copy of a sequence is one CPU tensor [capacity, num_layers, planes, kv_heads, head_dim], token-major so
   that a sequence's prefix is contiguous (one memcpy per sequence to stage, export or restore it), grown
   geometrically (capacity doubles, in whole pages) so that syncing one page at a time costs amortised O(1)
   copies and few pinned allocations, which are slow. Pinned when the device is CUDA (unless host_pinned=False)
@@ -44,7 +51,7 @@ class CacheFullError(RuntimeError):
 class HostKV:
     """A sequence's KV in host memory: what YIELD checkpoints and MIGRATE carries between caches."""
 
-    kv: torch.Tensor  # [capacity, num_layers, 2, kv_heads, head_dim] on CPU; rows [:length] are valid
+    kv: torch.Tensor  # [capacity, num_layers, planes, kv_heads, head_dim] on CPU; rows [:length] are valid
     length: int
 
     @property
@@ -71,16 +78,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _v_width(head_dim: int, v_head_dim: int | None) -> int:
+    """The V pool's width: head_dim (None: the default) or 0 (no V pool)."""
+    if v_head_dim is None or v_head_dim == head_dim:
+        return head_dim
+    if v_head_dim == 0:
+        return 0
+    raise ValueError(f"v_head_dim must be head_dim ({head_dim}) or 0 (no V pool, e.g. MLA's latent cache), "
+                     f"got {v_head_dim}")
+
+
 class PagedKVCache:
     """One device's paged KV pool for all layers, plus the host copy that is each sequence's source of truth."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 host_pinned: bool | None = None):
+                 host_pinned: bool | None = None, v_head_dim: int | None = None):
+        """v_head_dim: None or head_dim for a V pool like the K pool; 0 for no V pool (MLA's latent cache)."""
         if min(num_layers, num_kv_heads, head_dim, page_size, num_pages) < 1:
             raise ValueError(f"KV cache dimensions must be positive: num_layers={num_layers} "
                              f"num_kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
                              f"num_pages={num_pages}")
+        self.v_head_dim = _v_width(head_dim, v_head_dim)
+        self.planes = 2 if self.v_head_dim else 1  # K and V, or K only
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages = page_size, num_pages
         self.dtype, self.device = dtype, torch.device(device)
@@ -88,37 +108,43 @@ class PagedKVCache:
         if self.host_pinned and not torch.cuda.is_available():
             raise ValueError("host_pinned=True needs CUDA (pinned memory is allocated through the CUDA driver)")
         # zeros, not empty: attention may read padding slots with zero weight, and 0 * NaN garbage is NaN
-        self._kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+        self._kv = torch.zeros(num_layers, self.planes, num_pages, page_size, num_kv_heads, head_dim,
                                dtype=dtype, device=self.device)
+        self._no_v = None if self.v_head_dim else torch.zeros(num_pages, page_size, num_kv_heads, 0, dtype=dtype,
+                                                             device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack; page 0 is handed out first
         self._seqs: dict[int, _Seq] = {}
 
     @staticmethod
-    def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                   v_head_dim: int | None = None) -> int:
+        width = head_dim + _v_width(head_dim, v_head_dim)
+        return num_layers * page_size * num_kv_heads * width * torch.empty(0, dtype=dtype).element_size()
 
     @classmethod
     def from_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
                     budget_bytes: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    host_pinned: bool | None = None) -> "PagedKVCache":
+                    host_pinned: bool | None = None, v_head_dim: int | None = None) -> "PagedKVCache":
         """As many pages as fit in the device-memory budget given to the KV cache (the budget is a hard cap)."""
-        per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype)
+        per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype, v_head_dim)
         num_pages = int(budget_bytes) // per_page
         if num_pages < 1:
+            pools = "K only" if v_head_dim == 0 else "K,V"
             raise ValueError(f"KV budget of {int(budget_bytes)} bytes holds no page: one page of {page_size} "
-                             f"tokens x {num_layers} layers x K,V x {num_kv_heads} heads x {head_dim} dims "
+                             f"tokens x {num_layers} layers x {pools} x {num_kv_heads} heads x {head_dim} dims "
                              f"in {dtype} takes {per_page} bytes")
         return cls(num_layers, num_kv_heads, head_dim, page_size=page_size, num_pages=num_pages, dtype=dtype,
-                   device=device, host_pinned=host_pinned)
+                   device=device, host_pinned=host_pinned, v_head_dim=v_head_dim)
 
     # ---- views and queries --------------------------------------------------------------------------
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer l's K and V pools, [num_pages, page_size, kv_heads, head_dim], contiguous (attention writes)."""
-        return self._kv[l, 0], self._kv[l, 1]
+        """Layer l's K and V pools, [num_pages, page_size, kv_heads, head_dim], contiguous (attention writes).
+        Without a V pool (v_head_dim=0) the V tensor is [num_pages, page_size, kv_heads, 0]: it holds nothing."""
+        return self._kv[l, 0], (self._kv[l, 1] if self._no_v is None else self._no_v)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype)
+        return self.page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype, self.v_head_dim)
 
     def free_pages(self) -> int:
         return len(self._free)
@@ -251,10 +277,11 @@ class PagedKVCache:
 
     # ---- moving KV between device and host --------------------------------------------------------
     def _flat(self) -> torch.Tensor:
-        return self._kv.view(self.num_layers, 2, self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+        return self._kv.view(self.num_layers, self.planes, self.num_pages * self.page_size, self.num_kv_heads,
+                             self.head_dim)
 
     def _gather(self, seq_ids, starts, ends) -> torch.Tensor:
-        """Device KV of the spans, token-major [T, L, 2, H, D] on CPU: one gather and one D2H for all."""
+        """Device KV of the spans, token-major [T, L, planes, H, D] on CPU: one gather and one D2H for all."""
         _, slots = self._slots(self._block_table(seq_ids), torch.tensor(starts), torch.tensor(ends))
         picked = self._flat().index_select(2, slots.to(self.device))
         return picked.permute(2, 0, 1, 3, 4).contiguous().cpu()
@@ -267,7 +294,7 @@ class PagedKVCache:
 
     def _new_host(self, capacity: int) -> torch.Tensor:
         capacity = _cdiv(capacity, self.page_size) * self.page_size
-        return torch.empty(capacity, self.num_layers, 2, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+        return torch.empty(capacity, self.num_layers, self.planes, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                            pin_memory=self.host_pinned)
 
     def _host_append(self, s: _Seq, kv: torch.Tensor) -> None:
@@ -316,7 +343,7 @@ class PagedKVCache:
             return 0
         tokens = {sid: self._seqs[sid].synced for sid in seq_ids}
         self._grow_to(tokens, f"restoring {len(seq_ids)} sequences ({sum(tokens.values())} tokens)")
-        staged = torch.empty(sum(tokens.values()), self.num_layers, 2, self.num_kv_heads, self.head_dim,
+        staged = torch.empty(sum(tokens.values()), self.num_layers, self.planes, self.num_kv_heads, self.head_dim,
                              dtype=self.dtype, device=self.device)
         offset = 0
         for sid in seq_ids:
@@ -362,7 +389,7 @@ class PagedKVCache:
         return self.restore([seq_id]) if to_device else 0
 
     def _check_host_kv(self, seq_id: int, host_kv: HostKV) -> None:
-        want = (self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        want = (self.num_layers, self.planes, self.num_kv_heads, self.head_dim)
         if tuple(host_kv.kv.shape[1:]) != want:
             raise ValueError(f"sequence {seq_id}: host KV rows are {tuple(host_kv.kv.shape[1:])}, this cache "
                              f"stores (layers, K/V, kv_heads, head_dim) = {want}")

@@ -13,7 +13,8 @@ from batchgen.core.sequences import InvariantError
 from batchgen.engine import StepRecord, instance_loop
 from batchgen.exec.backend import ExecBackend
 from batchgen.exec.kv_cache import PagedKVCache
-from batchgen.exec.models import ExecModelConfig, MoEDecoder, init_random, load_model
+from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
+                                  init_random, load_model)
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
@@ -60,7 +61,10 @@ class ExecOutput(RunOutput):
 
 def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
     if settings.model_path:
-        return load_model(settings.model_path, dtype=dtype, device=device)
+        try:
+            return load_model(settings.model_path, dtype=dtype, device=device)
+        except (ModelLoadError, UnsupportedModelError) as e:  # bad input: say so before any work starts
+            raise ConfigError(f"backend.model_path: {e}") from e
     try:
         config = ExecModelConfig.from_spec(job.model)
     except ValueError as e:
@@ -68,7 +72,9 @@ def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: t
     return init_random(config, seed=settings.weights_seed, dtype=dtype, device=device)
 
 
-def execute(job: Job, settings: ExecSettings) -> ExecOutput:
+def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None) -> ExecOutput:
+    """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
+    synthetic prompts of those lengths (seeded by `settings.weights_seed`)."""
     start = time.perf_counter()
     device = settings.torch_device()
     dtype = settings.torch_dtype(device)
@@ -87,8 +93,15 @@ def execute(job: Job, settings: ExecSettings) -> ExecOutput:
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
     params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                              max_tokens=int(n), ignore_eos=settings.ignore_eos) for n in w.output_lens]
-    tokens = SequenceTokens(random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1), params,
-                            c.eos_token_ids)
+    if prompts is None:
+        prompts = random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
+    else:
+        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+        lens = [len(p) for p in prompts]
+        if lens != [int(n) for n in w.input_lens]:
+            raise ConfigError(f"prompts: {len(prompts)} prompts of lengths {lens[:8]} do not match the workload's "
+                              f"{len(w.input_lens)} input lengths {[int(n) for n in w.input_lens[:8]]}")
+    tokens = SequenceTokens(prompts, params, c.eos_token_ids)
     backend = ExecBackend(prepared.state, InstanceRunner(model), caches, tokens, job_seed=settings.weights_seed)
     records: list[StepRecord] = []
     loops = [instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,

@@ -36,6 +36,9 @@ def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str,
     _write_steps(paths["steps.csv"], steps)
     _write_devices(paths["devices.csv"], device_table(out, steps))
     _write_device_timeline(paths["device_timeline.csv"], out, steps)
+    if getattr(out, "tokens", None) is not None:  # the executor's generated tokens, in input order
+        paths["outputs.jsonl"] = run_dir / "outputs.jsonl"
+        _write_outputs(paths["outputs.jsonl"], out)
     return paths
 
 
@@ -99,3 +102,12 @@ def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
     cols = (b.ravel(), edges[:-1][b.ravel()], g.ravel(), busy.ravel() / width, comm.ravel() / width)
     np.savetxt(path, np.column_stack(cols), fmt=["%d", "%.6f", "%d", "%.4f", "%.4f"], delimiter=",",
                header="bin,start_s,gpu,busy_frac,comm_frac", comments="")
+
+
+def _write_outputs(path: Path, out) -> None:
+    tokens = out.tokens
+    with path.open("w") as f:
+        for sid in range(len(tokens.prompts)):
+            f.write(json.dumps({"id": sid, "prompt_tokens": int(len(tokens.prompts[sid])),
+                                "output_token_ids": tokens.generated[sid],
+                                "finish_reason": tokens.finish_reason(sid)}) + "\n")

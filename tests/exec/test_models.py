@@ -219,11 +219,14 @@ def test_tiny_moe_spec_random_init_bf16_and_fp32():
     assert diff < 0.1 * results[torch.float32].abs().max().item()
 
 
-def test_from_spec_refuses_mla():
+def test_from_spec_refuses_shared_experts_with_gqa():
+    """MLA specs build DeepSeek-V3 configs (tests/exec/test_deepseek.py); shared experts exist only there."""
+    from dataclasses import replace
+
     from batchgen.specs import load_model as load_spec
 
-    with pytest.raises(UnsupportedModelError, match="MLA"):
-        ExecModelConfig.from_spec(load_spec("deepseek_v3"))
+    with pytest.raises(UnsupportedModelError, match="shared experts"):
+        ExecModelConfig.from_spec(replace(load_spec("tiny_moe"), num_shared_experts=1))
 
 
 def test_from_hf_config_names_unsupported_model_type():

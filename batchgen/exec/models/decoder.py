@@ -1,4 +1,7 @@
-"""A Mixtral / Qwen3-MoE style decoder whose layers are exposed module by module, for module-based batching.
+"""A Mixtral / Qwen3-MoE / DeepSeek-V3 style decoder whose layers are exposed module by module, for module-based
+batching. DeepSeek-V3 (architecture "deepseek_v3") swaps in MLA attention (`mla.py`) and the group-routed MoE
+with shared experts (`deepseek.py`); its KV cache holds one latent per token: build caches from
+`kv_cache_geometry()`, which is right for every architecture.
 
 A runner calls `embed`, then for each layer `attention_block` on micro-batches of sequences (each with its own
 metadata and the same layer's KV pool) and `ffn_block` once on their concatenated hidden states, then
@@ -16,8 +19,10 @@ from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.attention import KVCacheLayer, PagedAttention
-from batchgen.exec.models.config import ExecModelConfig
+from batchgen.exec.models.config import ExecModelConfig, KVCacheGeometry
+from batchgen.exec.models.deepseek import DeepseekMoE
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from batchgen.exec.models.mla import MLARotaryEmbedding, MLAttention
 from batchgen.exec.models.moe import SparseMoE
 
 
@@ -26,10 +31,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.self_attn = PagedAttention(config, rope, **kw)
+        self.self_attn = (MLAttention if config.is_mla else PagedAttention)(config, rope, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp = (SparseMoE(config, **kw) if self.is_moe
+        moe = DeepseekMoE if config.architecture == "deepseek_v3" else SparseMoE
+        self.mlp = (moe(config, **kw) if self.is_moe
                     else SwiGLUMLP(config.hidden_size, config.intermediate_size, **kw))
 
 
@@ -41,7 +47,8 @@ class MoEDecoder(nn.Module):
         self.config = config
         self.num_layers = config.num_layers
         kw = dict(device=device, dtype=dtype)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rope = (MLARotaryEmbedding(config) if config.is_mla
+                     else RotaryEmbedding(config.head_dim, config.rope_theta))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(config, layer, self.rope, **kw)
                                     for layer in range(config.num_layers))
@@ -88,11 +95,17 @@ class MoEDecoder(nn.Module):
 
     # ---- KV cache geometry ----
 
+    def kv_cache_geometry(self) -> KVCacheGeometry:
+        """What to build the paged KV cache with, for any architecture:
+        `PagedKVCache.from_budget(**model.kv_cache_geometry()._asdict(), page_size=..., budget_bytes=...)`.
+        MLA: one latent "head" of kv_lora_rank + qk_rope_head_dim in the K pool and no V pool."""
+        return self.config.kv_cache_geometry()
+
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-        """Shape of one of a layer's two pools (K and V)."""
-        return (num_pages, page_size, self.config.num_kv_heads, self.config.head_dim)
+        """Shape of a layer's K pool (and of its V pool, if the geometry has one; MLA reads only the K pool)."""
+        g = self.kv_cache_geometry()
+        return (num_pages, page_size, g.num_kv_heads, g.head_dim)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """All layers, K and V."""
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+        """All layers, K and V (MLA: the latent only)."""
+        return self.kv_cache_geometry().bytes_per_token(torch.empty((), dtype=dtype).element_size())

@@ -4,10 +4,16 @@ Checkpoint names are the Hub's. Two expert layouts are accepted, because both ex
 
 - per expert (what the Hub holds and what transformers 5.24's `save_pretrained` writes): Mixtral
   `block_sparse_moe.experts.{i}.w1/w3/w2.weight` (gate/up/down) and `block_sparse_moe.gate.weight`; Qwen3-MoE
-  `mlp.experts.{i}.gate_proj/up_proj/down_proj.weight` and `mlp.gate.weight`;
+  `mlp.experts.{i}.gate_proj/up_proj/down_proj.weight` and `mlp.gate.weight`; DeepSeek-V3 the same, plus
+  `mlp.gate.e_score_correction_bias` and `mlp.shared_experts.gate_proj/up_proj/down_proj.weight`;
 - fused (transformers 5's in-memory state dict, e.g. saved with `safetensors.torch.save_file`):
   `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, then up) and `mlp.experts.down_proj` [E, H, I],
   router `mlp.gate.weight` (Mixtral included: transformers 5 renames its `block_sparse_moe` to `mlp`).
+
+DeepSeek-V3's attention is MLA (`self_attn.q_a_proj`/`q_a_layernorm`/`q_b_proj` or `q_proj`,
+`kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`), its first `first_k_dense_replace` layers are dense
+(`mlp.gate_proj/up_proj/down_proj`), and its multi-token-prediction layers (`model.layers.{n}.*` for n >=
+num_hidden_layers, which transformers also skips) are ignored.
 
 Every tensor in the files must map to a parameter and every parameter must be filled exactly once: a
 checkpoint for another model fails loudly instead of running with some weights left uninitialised.
@@ -25,8 +31,9 @@ from batchgen.exec.models.config import ExecModelConfig, UnsupportedModelError
 from batchgen.exec.models.decoder import MoEDecoder
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
-_PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
-_MOE_PREFIXES = {"mixtral": ("block_sparse_moe", "mlp"), "qwen3_moe": ("mlp",)}
+_PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                     "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
+_MOE_PREFIXES = {"mixtral": ("block_sparse_moe", "mlp"), "qwen3_moe": ("mlp",), "deepseek_v3": ("mlp",)}
 
 
 class ModelLoadError(ValueError):
@@ -69,6 +76,9 @@ def _sources(model: MoEDecoder) -> dict[str, _Source]:
             continue
         E, I = c.num_experts, c.moe_intermediate_size
         w_gate, w_up, w_down = (f"{ours}.mlp.{p}" for p in EXPERT_PARAMS)
+        for name in shapes:  # DeepSeek: the router's e_score_correction_bias and the shared experts
+            if name.startswith(f"{ours}.mlp.") and name not in (w_gate, w_up, w_down, f"{ours}.mlp.gate.weight"):
+                direct("model." + name, name)
         for prefix in _MOE_PREFIXES[c.architecture]:
             ckpt = f"model.{ours}.{prefix}"
             direct(f"{ckpt}.gate.weight", f"{ours}.mlp.gate.weight")
@@ -149,6 +159,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     if source is None:
                         if key == "lm_head.weight" and config.tie_word_embeddings:
                             continue  # a tied head saved anyway: it is the embedding
+                        if _is_mtp_layer(key, config):
+                            continue
                         raise ModelLoadError(f"{file}: unexpected parameter {key!r}, which a "
                                              f"{config.architecture} model with this config.json does not have")
                     shape = tuple(f.get_slice(key).get_shape())
@@ -163,6 +175,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                 raise ModelLoadError(f"parameter {_canonical_name(name, e, config.architecture)!r} is missing "
                                      f"from the weights in {path} ({', '.join(f.name for f in files)})")
     return model.eval().requires_grad_(False)
+
+
+def _is_mtp_layer(key: str, config: ExecModelConfig) -> bool:
+    """DeepSeek-V3's multi-token-prediction modules sit after the last decoder layer; generation ignores them."""
+    parts = key.split(".")
+    return (config.architecture == "deepseek_v3" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 
 def _copy(tensor: torch.Tensor, source: _Source, params: dict, filled: dict, key: str, file: Path) -> None:

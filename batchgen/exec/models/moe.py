@@ -66,6 +66,10 @@ class SparseMoE(nn.Module):
         weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
         return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
 
+    def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The layer's always-on part, added to `experts`'s output: DeepSeek's shared experts; None here."""
+        return None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(hidden)
         return self.experts(hidden, ids, weights)

