@@ -50,20 +50,26 @@ class InstanceRunner:
         pieces = []   # (rank index, row slice in the flat batch, metadata, cache)
         tokens, last_rows, offset = [], [], 0
         for r, batch in enumerate(ranks):
-            if not batch.seq_ids:
-                last_rows.append([])
-                continue
-            rows_of_rank = []
-            for lo, hi in _chunks(len(batch.seq_ids), mb):
-                ids, counts = batch.seq_ids[lo:hi], batch.new_counts[lo:hi]
-                meta = batch.cache.prepare(ids, counts, batch.start_positions[lo:hi]).to(self.device)
-                n = sum(counts)
-                pieces.append((r, slice(offset, offset + n), meta, batch.cache))
-                ends = torch.cumsum(torch.tensor(counts), 0) - 1 + offset
-                rows_of_rank.extend(ends.tolist())
-                offset += n
-            tokens.extend(batch.token_ids)
-            last_rows.append(rows_of_rank)
+            starts = [0]
+            for n in batch.new_counts:
+                starts.append(starts[-1] + n)
+            last = [0] * len(batch.seq_ids)
+            # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
+            # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
+            prompts = [i for i, n in enumerate(batch.new_counts) if n > 1]
+            decodes = [i for i, n in enumerate(batch.new_counts) if n == 1]
+            for group in (prompts, decodes):
+                for lo, hi in _chunks(len(group), mb):
+                    idx = group[lo:hi]
+                    meta = batch.cache.prepare([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
+                                               [batch.start_positions[i] for i in idx]).to(self.device)
+                    n = sum(batch.new_counts[i] for i in idx)
+                    pieces.append((r, slice(offset, offset + n), meta, batch.cache))
+                    for i in idx:
+                        tokens.extend(batch.token_ids[starts[i]:starts[i + 1]])
+                        offset += batch.new_counts[i]
+                        last[i] = offset - 1
+            last_rows.append(last)
         if not pieces:
             return [torch.empty(0) for _ in ranks], stats
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
