@@ -87,7 +87,8 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         raise ConfigError(f"sequence {i} needs {int(w.input_lens[i] + w.output_lens[i]):,} positions (input "
                           f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
-    caches = [PagedKVCache.from_budget(c.num_layers, c.num_kv_heads, c.head_dim, page_size=job.page_tokens,
+    geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
+    caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens,
                                        budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype, device=device)
               for _ in range(job.cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)

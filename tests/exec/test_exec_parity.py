@@ -1,5 +1,6 @@
-"""Greedy outputs of the executor, under every policy, equal transformers' `generate` on the same weights,
-even when a small KV budget forces yields, migrations between ranks and evictions in mid-sequence."""
+"""Greedy outputs of the executor, under every policy, equal transformers' `generate` on the same weights
+(Mixtral, Qwen3-MoE and DeepSeek-V3 styles), even when a small KV budget forces yields, migrations between
+ranks and evictions in mid-sequence."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.models import read_config
 from batchgen.exec.run import ExecSettings, execute
 from conftest import make_job
 
+from .test_deepseek import tiny_hf as tiny_deepseek
 from .test_models import tiny_hf
 
 N = 10
@@ -23,18 +27,25 @@ def hf_greedy(model, prompt: np.ndarray, new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "deepseek_v3"])
 def saved(request, tmp_path_factory):
-    model = tiny_hf(request.param)
+    model = tiny_deepseek() if request.param == "deepseek_v3" else tiny_hf(request.param)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return model, path
 
 
-@pytest.mark.parametrize("policy,kv_mb", [("coroutine", 0.06), ("continuous", 0.06), ("static", 0.06),
-                                          ("coroutine", 4.0)])
-def test_greedy_matches_hf_generate(saved, policy, kv_mb):
+def kv_mb_for(path, tokens: int) -> float:
+    """A KV budget of about `tokens` tokens for this model (MLA's latent cache is much smaller per token)."""
+    geometry = read_config(path).kv_cache_geometry()._asdict()
+    return PagedKVCache.page_bytes(**geometry, page_size=tokens, dtype=torch.float32) / 2**20
+
+
+@pytest.mark.parametrize("policy,kv_tokens", [("coroutine", 80), ("continuous", 80), ("static", 80),
+                                              ("coroutine", 5000)])
+def test_greedy_matches_hf_generate(saved, policy, kv_tokens):
     model, path = saved
+    kv_mb = kv_mb_for(path, kv_tokens)
     rng = np.random.default_rng(3)
     inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
@@ -43,7 +54,7 @@ def test_greedy_matches_hf_generate(saved, policy, kv_mb):
     for sid in range(N):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
     t = out.prepared.state.table
-    if kv_mb < 1:  # the budget holds a few sequences per rank: the policies had to make room
+    if kv_tokens < 1000:  # the budget holds a few sequences per rank: the policies had to make room
         moved = out.kv_moves
         if policy == "coroutine":
             assert moved.get("yield", 0) > 0 and moved.get("restore", 0) + moved.get("migrate", 0) > 0
