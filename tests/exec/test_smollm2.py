@@ -121,6 +121,18 @@ def test_upcycled_model_matches_dense_and_transformers(smol):
         assert min(moe.moe(moe.num_layers - 1).last_tokens_per_expert) > 0
 
 
+def test_transformers_reads_the_upcycled_directory_as_mixtral(smol):
+    from transformers import AutoModelForCausalLM
+
+    mixtral = AutoModelForCausalLM.from_pretrained(str(smol.moe_dir), dtype=torch.float32).eval()
+    assert type(mixtral).__name__ == "MixtralForCausalLM"
+    toks = torch.from_numpy(smol.prompts[0])[None]
+    with torch.no_grad():
+        diff = (mixtral(toks).logits - smol.hf(toks).logits).abs().max().item()
+    print(f"\ntransformers Mixtral vs dense: max |logit diff| {diff:.2e}")
+    assert diff < LOGIT_TOL
+
+
 @pytest.mark.parametrize("policy", ["coroutine", "continuous"])
 def test_executor_greedy_text_equals_transformers_dense(smol, policy):
     """Two ranks and a KV budget of ~2 sequences per rank: the policies move KV (coroutine: migrations and
