@@ -51,13 +51,15 @@ def topology(cluster: ClusterSpec) -> Topology:
                     num_nodes=cluster.num_nodes, num_instances=cluster.num_instances)
 
 
+def effective_cluster(job: Job) -> ClusterSpec:
+    """The cluster as it runs: a dense model has no experts to spread, so every GPU runs its own replica,
+    data parallel, and no GPU waits for another (tensor parallelism is not modelled yet)."""
+    return job.cluster if job.model.is_moe else dataclasses.replace(job.cluster, gpus_per_instance=1)
+
+
 def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
     """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs."""
-    m, c = job.model, job.cluster
-    if not m.is_moe:
-        # A dense model has no experts to spread: every GPU runs its own replica, data parallel, and no
-        # GPU waits for another (tensor parallelism is not modelled yet).
-        c = dataclasses.replace(c, gpus_per_instance=1)
+    m, c = job.model, effective_cluster(job)
     lat = LatencyModel(m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
                        routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1)
     budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,

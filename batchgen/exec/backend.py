@@ -26,18 +26,22 @@ from batchgen.exec.sequences import SequenceTokens
 
 
 class ExecBackend:
-    def __init__(self, state: ClusterState, runner: InstanceRunner, caches: list[PagedKVCache],
+    def __init__(self, state: ClusterState, runners: list[InstanceRunner], caches: list[PagedKVCache],
                  tokens: SequenceTokens, job_seed: int = 0):
+        """One runner per instance (its device's copy of the model), one KV cache per GPU rank."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
-        self.state, self.runner, self.caches, self.tokens = state, runner, caches, tokens
+        if len(runners) != state.topo.num_instances:
+            raise ValueError(f"one runner per instance: {state.topo.num_instances} instances, {len(runners)}")
+        self.state, self.runners, self.caches, self.tokens = state, runners, caches, tokens
         self.job_seed = job_seed
         self.events = 0
         self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
         self.moves = Counter()  # KV operations carried out: yield, restore, migrate, evict
         self._t0 = time.perf_counter()
         self._live = set(range(state.topo.num_instances))
-        self._is_moe = any(runner.model.moe(l) is not None for l in range(runner.model.num_layers))
+        model = runners[0].model
+        self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
         self.layerwise_offload = False  # prefill KV needs device pages: policies must budget for it
         self._waiting: set[int] = set()
 
@@ -138,7 +142,7 @@ class ExecBackend:
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
 
     def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
-        logits, stats = self.runner.forward(batches, plan.micro_batch)
+        logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch)
         ids = [s for b in batches for s in b.seq_ids]
         rows = [l for l in logits if l.numel()]
         return ids, (torch.cat(rows) if rows else torch.empty(0)), stats

@@ -3,7 +3,9 @@ engine loop round-robin (one process; each instance runs on one device)."""
 
 from __future__ import annotations
 
+import copy
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,11 +16,11 @@ from batchgen.engine import StepRecord, instance_loop
 from batchgen.exec.backend import ExecBackend
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
-                                  init_random, load_model)
+                                  init_random, load_model, load_tokenizer)
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
-from batchgen.job import Job, prepare
+from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError
 from batchgen.sim.run import RunOutput
 
@@ -27,8 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class ExecSettings:
-    device: str = "auto"               # cpu, cuda, cuda:N, or auto (cuda when available)
-    dtype: str = "auto"                # float32, bfloat16, or auto (bf16 on GPU, fp32 on CPU)
+    device: str | list[str] = "auto"   # cpu, cuda, cuda:N, auto (cuda when available), or one per instance
+    dtype: str = "auto"                # float32, bfloat16, or auto (bf16 when every device is a GPU, else fp32)
     model_path: str | None = None      # a Hugging Face directory; None = random weights from the model spec
     kv_budget_mb: float = 256.0        # device KV cache per rank
     weights_seed: int = 0
@@ -36,18 +38,34 @@ class ExecSettings:
     top_p: float = 1.0
     top_k: int = 0
     ignore_eos: bool = True            # run every request to its workload output length (comparable work)
+    stop: tuple[str, ...] = ()         # stop strings for every request (needs the model directory's tokenizer)
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+
+    def instance_devices(self, num_instances: int) -> list[torch.device]:
+        names = list(self.device) if isinstance(self.device, (list, tuple)) else [self.device] * num_instances
+        if len(names) != num_instances:
+            raise ConfigError(f"backend.device lists {len(names)} devices but the job has {num_instances} "
+                              "instances: give one device per instance, or a single device for all")
+        return [self._device(n) for n in names]
+
+    @staticmethod
+    def _device(name: str) -> torch.device:
+        if name == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(name)
+        except RuntimeError as e:
+            raise ConfigError(f"backend.device={name!r} is not a device: use cpu, cuda, cuda:N or auto") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"backend.device={self.device} but this machine has no CUDA device: use cpu or auto")
+            raise ConfigError(f"backend.device={name} but this machine has no CUDA device: use cpu or auto")
         return dev
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
+    def torch_dtype(self, devices: list[torch.device]) -> torch.dtype:
+        """One dtype everywhere: a sequence migrating between devices keeps exactly its KV."""
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return torch.bfloat16 if all(d.type == "cuda" for d in devices) else torch.float32
         if self.dtype not in DTYPES:
             raise ConfigError(f"backend.dtype={self.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
         return DTYPES[self.dtype]
@@ -76,9 +94,13 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
     synthetic prompts of those lengths (seeded by `settings.weights_seed`)."""
     start = time.perf_counter()
-    device = settings.torch_device()
-    dtype = settings.torch_dtype(device)
-    model = build_model(job, settings, device, dtype).eval()
+    cluster = effective_cluster(job)
+    devices = settings.instance_devices(cluster.num_instances)
+    dtype = settings.torch_dtype(devices)
+    model = build_model(job, settings, devices[0], dtype).eval()
+    models = {devices[0]: model}
+    for dev in devices[1:]:  # one copy of the weights per device that runs an instance
+        models.setdefault(dev, copy.deepcopy(model).to(dev))
     c = model.config
     w = job.workload
     too_long = np.flatnonzero(w.input_lens + w.output_lens > c.max_position_embeddings)
@@ -89,11 +111,23 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
     geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
     caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens,
-                                       budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype, device=device)
-              for _ in range(job.cluster.num_gpus)]
+                                       budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype,
+                                       device=devices[gpu // cluster.instance_size])
+              for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
-    params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                             max_tokens=int(n), ignore_eos=settings.ignore_eos) for n in w.output_lens]
+    try:
+        params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                                 max_tokens=int(n), ignore_eos=settings.ignore_eos, stop=settings.stop)
+                  for n in w.output_lens]
+    except ValueError as e:
+        raise ConfigError(f"backend sampling settings: {e}") from e
+    decode = None
+    if settings.model_path and (Path(settings.model_path) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(settings.model_path)
+        decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    elif settings.stop:
+        raise ConfigError("backend.stop needs a tokenizer: set backend.model_path to a directory with "
+                          "tokenizer.json")
     if prompts is None:
         prompts = random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
     else:
@@ -102,8 +136,9 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         if lens != [int(n) for n in w.input_lens]:
             raise ConfigError(f"prompts: {len(prompts)} prompts of lengths {lens[:8]} do not match the workload's "
                               f"{len(w.input_lens)} input lengths {[int(n) for n in w.input_lens[:8]]}")
-    tokens = SequenceTokens(prompts, params, c.eos_token_ids)
-    backend = ExecBackend(prepared.state, InstanceRunner(model), caches, tokens, job_seed=settings.weights_seed)
+    tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode)
+    runners = [InstanceRunner(models[dev]) for dev in devices]
+    backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
     records: list[StepRecord] = []
     loops = [instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
                            check_invariants=job.check_invariants)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,14 +22,18 @@ class SequenceTokens:
     prompts: list[np.ndarray]
     params: list[SamplingParams]
     eos_token_ids: tuple[int, ...] = ()
+    decode: Callable[[Sequence[int]], str] | None = None  # a tokenizer's decode: needed for stop strings
     generated: list[list[int]] = field(init=False)
     stops: list[StopChecker] = field(init=False)
 
     def __post_init__(self):
         if len(self.params) != len(self.prompts):
             raise ValueError("one SamplingParams per prompt")
+        if self.decode is None and any(p.stop for p in self.params):
+            raise ValueError("stop strings need a tokenizer to decode with (a model directory with tokenizer.json)")
         self.generated = [[] for _ in self.prompts]
-        self.stops = [StopChecker(p, self.eos_token_ids) for p in self.params]
+        self.stops = [StopChecker(p, self.eos_token_ids, context_ids=prompt[-4:].tolist())
+                      for p, prompt in zip(self.params, self.prompts)]
 
     def context(self, sid: int) -> list[int]:
         """Everything whose KV a sequence needs: the prompt, then what it generated."""
@@ -44,7 +49,11 @@ class SequenceTokens:
         """Record a new token; True if the sequence has finished with it."""
         step = len(self.generated[sid])
         self.generated[sid].append(int(token))
-        return self.stops[sid].check(int(token), step) is not None
+        return self.stops[sid].check(int(token), step, self.decode) is not None
+
+    def text(self, sid: int) -> str | None:
+        """The output text (without EOS, stop tokens or the matched stop string), when a tokenizer is known."""
+        return self.stops[sid].text if self.decode is not None else None
 
     def finish_reason(self, sid: int) -> str | None:
         finish = self.stops[sid].finish

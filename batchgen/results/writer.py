@@ -108,6 +108,9 @@ def _write_outputs(path: Path, out) -> None:
     tokens = out.tokens
     with path.open("w") as f:
         for sid in range(len(tokens.prompts)):
-            f.write(json.dumps({"id": sid, "prompt_tokens": int(len(tokens.prompts[sid])),
-                                "output_token_ids": tokens.generated[sid],
-                                "finish_reason": tokens.finish_reason(sid)}) + "\n")
+            row = {"id": sid, "prompt_tokens": int(len(tokens.prompts[sid])),
+                   "output_token_ids": tokens.generated[sid], "finish_reason": tokens.finish_reason(sid)}
+            text = tokens.text(sid)
+            if text is not None:
+                row["text"] = text
+            f.write(json.dumps(row) + "\n")

@@ -33,3 +33,13 @@ def test_exec_rejects_a_missing_model_directory(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_exec_rejects_a_prompt_longer_than_the_context(tmp_path):
+    """tiny_moe allows 4,096 positions: a 5,000-token prompt is refused before the model runs."""
+    proc = subprocess.run([sys.executable, "-m", "batchgen.experiment", "+policy=continuous", "backend=exec",
+                           "model=tiny_moe", "workload=fixed_1k_1k", "workload.input.value=5000",
+                           "workload.max_input=6000", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "4,096" in proc.stderr and "sequence 0" in proc.stderr and "Traceback" not in proc.stderr

@@ -62,3 +62,28 @@ def test_greedy_matches_hf_generate(saved, policy, kv_tokens):
             assert t.recomputes.sum() > 0 and moved.get("evict", 0) > 0
     else:
         assert out.kv_moves.get("migrate", 0) > 0 or out.kv_moves.get("restore", 0) > 0
+
+
+def _devices():
+    out = [["cpu", "cpu"]]
+    if torch.cuda.is_available():
+        out.append(["cpu", "cuda"])
+    return out
+
+
+@pytest.mark.parametrize("devices", _devices())
+def test_instances_on_their_own_devices_steal_work_without_changing_outputs(saved, devices):
+    """Two one-rank instances, each with its own copy of the model on its own device: the one that drains
+    first takes suspended sequences from the other (KV moved between devices) and greedy outputs still equal
+    transformers'."""
+    model, path = saved
+    outputs = np.where(np.arange(N) % 2 == 0, 36, 6)  # instance 0 (even ids) gets the long ones
+    inputs = np.random.default_rng(5).integers(4, 30, N)
+    job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": 2, "gpus_per_instance": 1}, policy_overrides={"b_moe": 2})
+    out = execute(job, ExecSettings(device=devices, dtype="float32", model_path=str(path),
+                                    kv_budget_mb=kv_mb_for(path, 400)))
+    for sid in range(N):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    assert out.kv_moves.get("migrate", 0) > 0
+    assert (out.prepared.state.table.instance[::2] == 1).any()  # a long one finished on the other instance

@@ -154,3 +154,17 @@ def test_executor_greedy_text_equals_transformers_dense(smol, policy):
         assert text == smol.hf_tok.decode(expected, skip_special_tokens=True)
     assert "Paris" in tok.decode(out.tokens.generated[0])  # real weights, really loaded
     assert sum(out.kv_moves.values()) > 0
+
+
+def test_stop_string_ends_the_text_before_it(smol):
+    """The first chat's answer is 'The capital of France is Paris.': stopping at ' Paris' ends the text just
+    before it, whatever tokens the stop string spans."""
+    prompt = smol.prompts[1]
+    job = make_job("coroutine", model="tiny_moe", inputs=[len(prompt)], outputs=[NEW_TOKENS], page_tokens=8,
+                   cluster_overrides={"num_gpus": 1})
+    settings = ExecSettings(device="cpu", dtype="float32", model_path=str(smol.moe_dir), kv_budget_mb=KV_MB,
+                            ignore_eos=False, stop=(" Paris",))
+    out = execute(job, settings, prompts=[prompt])
+    assert out.tokens.finish_reason(0) == "stop_string"
+    assert out.tokens.text(0) == "The capital of France is"
+    assert out.prepared.state.table.output_len[0] == len(out.tokens.generated[0]) < NEW_TOKENS
