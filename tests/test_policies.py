@@ -169,3 +169,15 @@ def test_decide_is_a_pure_function_of_the_snapshot():
     assert len(state.pending[0]) == before[2]
     with pytest.raises(ValueError):
         snap.lengths.decoded[0] = 5  # the snapshot is read-only
+
+
+def test_decisions_serialise_for_a_multi_process_backend():
+    """Rank 0 will decide and broadcast decisions (pickled by torch.distributed): they must round-trip."""
+    import pickle
+    job = make_job("coroutine", n=30, inputs=np.full(30, 100), outputs=np.full(30, 400),
+                   cluster_overrides={"num_gpus": 2})
+    state = prepare(job).state
+    d = job.policy.decide(snapshot(state))
+    back = pickle.loads(pickle.dumps(d))
+    assert np.array_equal(back.prefill_ids, d.prefill_ids) and back.steps == d.steps
+    assert [a.ids.tolist() for a in back.admits] == [a.ids.tolist() for a in d.admits]

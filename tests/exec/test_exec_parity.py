@@ -87,3 +87,22 @@ def test_instances_on_their_own_devices_steal_work_without_changing_outputs(save
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
     assert out.kv_moves.get("migrate", 0) > 0
     assert (out.prepared.state.table.instance[::2] == 1).any()  # a long one finished on the other instance
+
+
+def test_sampled_outputs_do_not_depend_on_the_policy(saved):
+    """Temperature and top-p sampling: a sequence's random draws belong to it (keyed by its id and step), so
+    batching, yields, migrations and recomputes under different policies give the same tokens."""
+    _, path = saved
+    rng = np.random.default_rng(11)
+    inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
+    runs = {}
+    for policy in ("coroutine", "continuous", "static"):
+        job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 2})
+        out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 80),
+                                        temperature=0.8, top_p=0.9, weights_seed=4))
+        runs[policy] = [list(g) for g in out.tokens.generated]
+    assert runs["coroutine"] == runs["continuous"] == runs["static"]
+    greedy = execute(make_job("continuous", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8),
+                     ExecSettings(device="cpu", model_path=str(path), weights_seed=4))
+    assert runs["continuous"] != [list(g) for g in greedy.tokens.generated]  # it really sampled
