@@ -1,7 +1,7 @@
 """Executor throughput on CPU: coroutine and continuous on our engine against transformers `generate` with
 static batches, same weights, same prompts, same KV memory budget, measured side by side in one run.
 
-    python benchmarks/exec_throughput.py [--prompts 256] [--kv-mb 24] [--threads 2]
+    python benchmarks/exec_throughput.py [--prompts 256] [--kv-mb 24] [--threads 2] [--device cpu|cuda]
 
 Throughput counts each request's own output tokens (static batches also compute padding, which is their
 cost, not output). The last line reads `coroutine/hf_generate=<ratio> coroutine/continuous=<ratio>`.
@@ -63,8 +63,11 @@ def hf_generate(model, prompts: list[np.ndarray], outputs: np.ndarray, batch: in
                 ids[i, width - len(p):] = torch.tensor(p)
                 mask[i, width - len(p):] = 1
             new = int(outputs[lo:lo + batch].max())
+            ids, mask = ids.to(model.device), mask.to(model.device)
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            pad_token_id=0)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     for h in hooks:
         h.remove()
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--kv-mb", type=float, default=24.0, help="KV cache budget for every engine")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: every engine runs there")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,10 +94,10 @@ def main() -> None:
     import dataclasses
     cluster = dataclasses.replace(cluster, num_gpus=1)
     page = 16
-    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (4 if args.dtype == "float32" else 2)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = hf_model(spec, Path(tmp))
-        settings = ExecSettings(device="cpu", dtype="float32", model_path=tmp, kv_budget_mb=args.kv_mb)
+        hf = hf_model(spec, Path(tmp)).to(device=args.device, dtype=getattr(torch, args.dtype))
+        settings = ExecSettings(device=args.device, dtype=args.dtype, model_path=tmp, kv_budget_mb=args.kv_mb)
         results = {}
         for name in ("coroutine", "continuous"):
             policy = make_policy(OmegaConf.to_container(OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")))
