@@ -19,6 +19,7 @@ from torch import nn
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from batchgen.exec.models.padding import gather_context, pad_queries
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool), each [num_pages, page_size, kv_heads, head_dim]
 
@@ -65,39 +66,15 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H, D = q.shape
         Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        B, max_pages = meta.block_table.shape
-        L = max_pages * meta.page_size
-        qlens = meta.query_lens()
-        Q = int(qlens.max())  # the one host sync of the call: the padded query length
-
-        # Flat tokens -> padded [B, Q] slots.
-        seq = torch.repeat_interleave(torch.arange(B, device=q.device), qlens, output_size=T)
-        row = torch.arange(T, device=q.device) - meta.query_starts[seq]
-        q_pad = q.new_zeros(B, Q, H, D)
-        q_pad[seq, row] = q
-        # Padding query slots get position 0 so that their row is never fully masked (SDPA would return NaN);
-        # their output is discarded.
-        q_pos = torch.zeros(B, Q, dtype=torch.long, device=q.device)
-        q_pos[seq, row] = meta.positions
-
-        # Context: pages in order, so gathered slot j holds absolute position j.
-        pages = meta.block_table.clamp(min=0)
-        keys = k_pool[pages].view(B, L, Hkv, D).to(q.dtype)  # advanced indexing: a copy, never the pool
-        values = v_pool[pages].view(B, L, Hkv, D).to(q.dtype)
-        k_pos = torch.arange(L, device=q.device)
-        valid = k_pos[None, :] < meta.context_lens[:, None]  # [B, L]
-        # Unused pool slots may hold NaN/Inf (torch.empty); a masked key still multiplies its value by 0, and
-        # 0 * NaN = NaN, so they are zeroed, not just masked.
-        keys.masked_fill_(~valid[:, :, None, None], 0)
-        values.masked_fill_(~valid[:, :, None, None], 0)
-
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [B, Q, L]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        p = pad_queries(q, meta, self.sliding_window)
+        keys = gather_context(k_pool, meta, p.valid, q.dtype)    # [B, L, Hkv, D]
+        values = gather_context(v_pool, meta, p.valid, q.dtype)
+        B, Q, L = p.mask.shape
+        mask, q_pad = p.mask, p.q
 
         # Fold the rep query heads of each KV head into the query axis: head h = kv * rep + r (HF's repeat_kv).
         qf = q_pad.view(B, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * Q, D)
         maskf = mask[:, None, None, :, :].expand(B, 1, rep, Q, L).reshape(B, 1, rep * Q, L)
         out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=maskf)
         out = out.view(B, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, rep, D]
-        return out[seq, row].reshape(T, H, D)
+        return p.unpad(out).reshape(T, H, D)

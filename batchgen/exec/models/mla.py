@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
+from batchgen.exec.models.padding import gather_context, pad_queries
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -183,24 +184,9 @@ class MLAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, N, Dq = q.shape
-        B, max_pages = meta.block_table.shape
-        L = max_pages * meta.page_size
-        qlens = meta.query_lens()
-        Q = int(qlens.max())  # the one host sync of the call: the padded query length
-
-        seq = torch.repeat_interleave(torch.arange(B, device=q.device), qlens, output_size=T)
-        row = torch.arange(T, device=q.device) - meta.query_starts[seq]
-        q_pad = q.new_zeros(B, Q, N, Dq)
-        q_pad[seq, row] = q
-        q_pos = torch.zeros(B, Q, dtype=torch.long, device=q.device)  # padding rows: position 0, never all-masked
-        q_pos[seq, row] = meta.positions
-
-        # Context latents, pages in order (slot j = position j); unwritten slots zeroed, not just masked.
-        pages = meta.block_table.clamp(min=0)
-        latents = latent_pool[pages].view(B, L, self.rank + self.rope_dim).to(q.dtype)
-        k_pos = torch.arange(L, device=q.device)
-        valid = k_pos[None, :] < meta.context_lens[:, None]  # [B, L]
-        latents.masked_fill_(~valid[:, :, None], 0)
+        p = pad_queries(q, meta)
+        B, Q, L = p.mask.shape
+        latents = gather_context(latent_pool[:, :, 0], meta, p.valid, q.dtype)  # [B, L, rank + rope]
         c_kv, k_pe = torch.split(latents, [self.rank, self.rope_dim], dim=-1)
 
         # The naive expansion: per-head k_nope and v for every context token.
@@ -208,7 +194,6 @@ class MLAttention(nn.Module):
         k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, L, N, self.rope_dim)], dim=-1)
 
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [B, Q, L]
-        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask[:, None], scale=self.scale)  # [B, N, Q, v]
-        return out.transpose(1, 2)[seq, row]  # [T, N, v]
+        out = F.scaled_dot_product_attention(p.q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=p.mask[:, None], scale=self.scale)  # [B, N, Q, v]
+        return p.unpad(out.transpose(1, 2))  # [T, N, v]
