@@ -215,14 +215,6 @@ class ClusterState:
         t.host_node[ids] = nodes
         t.migrations[ids] += 1
 
-    def migrate(self, src_node: int, dst_node: int, count: int, moves: Moves, charge_gpu: int) -> np.ndarray:
-        """MIGRATE suspended sequences (head of `src_node`'s pool) to `dst_node`'s host memory."""
-        ids = self.suspended[src_node].pop(count)
-        moves.network[charge_gpu] += float(self.table.context(ids).sum()) * self.kv_bytes_per_token
-        self._migrate_host_copy(ids, np.full(ids.size, dst_node))
-        self.suspended[dst_node].push(ids)
-        return ids
-
     def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
         """MIGRATE running sequences to other GPUs of their instance, KV and all (straggler rebalancing)."""
         t = self.table

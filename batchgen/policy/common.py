@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen.policy.base import PoolView
-
 
 def pages_for(tokens: np.ndarray, page_tokens: int) -> np.ndarray:
     return -(-np.asarray(tokens, dtype=np.int64) // page_tokens)
@@ -65,10 +63,6 @@ def level_slots(count: np.ndarray, slots: np.ndarray, n: int) -> np.ndarray:
         else:
             lo = mid + 1
     return np.minimum(slots, np.maximum(lo - count, 0))
-
-
-def head(pool: PoolView, n: int) -> np.ndarray:
-    return pool.peek(n) if n > 0 else np.empty(0, np.int64)
 
 
 def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarray:
