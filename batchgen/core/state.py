@@ -205,15 +205,16 @@ class ClusterState:
         if remote.any():
             np.add.at(moves.network, gpus[remote], bytes_[remote])
             self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
+            t.migrations[ids[remote]] += 1
         self._join_gpu(instance, ids, gpus, lookahead_tokens)
 
     def _migrate_host_copy(self, ids: np.ndarray, nodes: np.ndarray) -> None:
+        """The host copy moves to `nodes` (where the sequence now runs)."""
         t = self.table
         ctx = t.context(ids)
         np.subtract.at(self.host_used, t.host_node[ids], ctx)
         self._host_add(nodes, ctx)
         t.host_node[ids] = nodes
-        t.migrations[ids] += 1
 
     def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
         """MIGRATE running sequences to other GPUs of their instance, KV and all (straggler rebalancing)."""
@@ -230,16 +231,10 @@ class ClusterState:
         t.where[ids] = gpus
         self._set_pages(ids, pages)
         t.migrations[ids] += 1
-        if np.any(t.host_node[ids] >= 0):
-            # the host copy follows the sequence to its new node
-            have = ids[t.host_node[ids] >= 0]
-            dst = self.topo.gpu_node[t.where[have]]
-            moving = t.host_node[have] != dst
-            if moving.any():
-                ctx = t.context(have[moving])
-                np.subtract.at(self.host_used, t.host_node[have[moving]], ctx)
-                self._host_add(dst[moving], ctx)
-                t.host_node[have[moving]] = dst[moving]
+        have = ids[t.host_node[ids] >= 0]
+        stale = have[t.host_node[have] != self.topo.gpu_node[t.where[have]]]
+        if stale.size:  # the host copy follows the sequence to its new node
+            self._migrate_host_copy(stale, self.topo.gpu_node[t.where[stale]])
 
     def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
         """PARTITION running sequences over `degree` GPUs each (heads split; the group starts at the lead GPU)."""
