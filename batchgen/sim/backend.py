@@ -57,13 +57,18 @@ class SimBackend:
         ids = plan.decode_ids
         remaining = t.remaining(ids)
         if plan.prefill_ids.size:
-            load = prefill_load(plan.prefill_rank, t.context(plan.prefill_ids), plan.decode_rank,
-                                t.context(ids), R, plan.micro_batch)
+            prompts = t.context(plan.prefill_ids)
+            if plan.padded:
+                prompts = _padded(prompts, plan.prefill_rank, R)
+            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch)
             iterations, produced = 1, np.ones(ids.size, np.int64)
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
+            context = t.context(ids)
+            if plan.padded:  # a static batch: every row runs every iteration over the longest row's context
+                context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
-            load = decode_load(plan.decode_rank, t.context(ids), alive, plan.decode_tp, R, iterations,
+            load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                plan.micro_batch, plan.pad_rows, plan.pad_context)
         cost = price(self.lat, load, self.weight_stream_s)
         compute = cost.compute_s
@@ -102,3 +107,10 @@ class SimBackend:
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):
             seconds += np.where(arr > 0, lat.network(arr, cross), 0.0)
         return seconds
+
+
+def _padded(lengths: np.ndarray, rank: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Each row's length raised to the longest of its rank's batch (left padding, as `generate` does)."""
+    longest = np.zeros(num_ranks, np.int64)
+    np.maximum.at(longest, rank, lengths)
+    return longest[rank]
