@@ -66,7 +66,7 @@ class CoroutinePolicy:
         pending = len(snap.pending)
         # With nothing to run, the host may fill past the watermark: progress beats headroom.
         watermark = self.host_watermark if runnable else 1.0
-        if pending and self._host_room(snap, own, watermark) > 0:
+        if pending:  # _prefill takes nothing when the host has no room below the watermark
             refill_low = runnable < self.refill_below * slots_total
             keep_going = snap.last_phase == "prefill" and pooled < self.prefill_ahead * slots_total
             if refill_low or keep_going:
@@ -137,10 +137,6 @@ class CoroutinePolicy:
         per_seq = max(typical / snap.page_tokens + 1, 1.0)
         by_memory = snap.pages_capacity.sum() / per_seq
         return int(min(self.b_moe * snap.num_ranks, by_memory))
-
-    def _host_room(self, snap: Snapshot, nodes: np.ndarray, watermark: float) -> int:
-        cap = snap.host_capacity_tokens[nodes] * watermark
-        return int(np.maximum(cap - snap.host_used_tokens[nodes], 0).sum())
 
     def _prefill(self, snap: Snapshot, d: Decision, watermark: float, free_pages: np.ndarray) -> None:
         """Give each rank up to prefill_tokens_per_rank of prompt tokens (at least one prompt), FIFO, while
