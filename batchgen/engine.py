@@ -14,7 +14,7 @@ import numpy as np
 
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import InvariantError
-from batchgen.policy.base import Decision, Lengths, Phase, Policy, Snapshot
+from batchgen.policy.base import Capabilities, Decision, Lengths, Phase, Policy, Snapshot
 
 
 @dataclass
@@ -31,6 +31,8 @@ class StepPlan:
     steps: int
     stop: str
     micro_batch: int
+    decode_host_resident: np.ndarray  # bool per decode sequence: KV restored per layer from host
+    cpu_attention: bool        # host-resident attention on the host CPU instead of the GPU
     pad_rows: np.ndarray       # per rank
     pad_context: np.ndarray    # per rank: summed context of the padding rows
     moves: Moves               # bytes moved by this boundary's primitives (indexed by global GPU)
@@ -63,6 +65,8 @@ class StepResult:
 
 class Backend(Protocol):
     state: ClusterState
+
+    capabilities: Capabilities
 
     def now(self) -> float: ...
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]: ...
@@ -125,7 +129,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
-                  gpus_per_node: int, layerwise_offload: bool = True) -> Snapshot:
+                  gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
     ids = state.active[instance]
@@ -140,12 +144,13 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         pad_rows=progress.pad_rows.copy(),
         active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
+        active_host_resident=t.host_resident[ids].copy(),
         pending=_ReadOnlyPool(state.pending[instance]), pinned=[_ReadOnlyPool(state.pinned[g]) for g in gpus],
         suspended=[_ReadOnlyPool(q) for q in state.suspended],
         node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
-        layerwise_offload=layerwise_offload,
+        capabilities=capabilities,
     )
 
 
@@ -161,12 +166,15 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         state.evict(instance, d.evict_ids)
     if d.yield_ids.size:
         state.yield_(instance, d.yield_ids, moves)
+    if d.offload_ids.size:
+        state.offload(instance, d.offload_ids, moves)
     if d.move_ids.size:
         state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
     prefill = d.prefill_ids.size > 0
     steps = 1 if prefill else max(int(d.steps), 1)
     for admit in d.admits:
-        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps)
+        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
+                      host_resident=admit.host_resident)
     if d.partition_ids.size:
         state.partition(instance, d.partition_ids, d.partition_degree)
     if prefill:
@@ -182,7 +190,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
         decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
-        steps=steps, stop=d.stop, micro_batch=d.micro_batch, pad_rows=progress.pad_rows.copy(),
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
+        cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now,
     )
@@ -192,8 +201,8 @@ def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: n
     """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
     t, node = state.table, state.topo.gpu_node
     parts_nodes, parts_tokens = [], []
-    if d.host_sync and decode_ids.size:
-        synced = decode_ids[t.host_node[decode_ids] >= 0]
+    if decode_ids.size:  # copies kept in sync grow: all of them with host_sync, host-resident ones always
+        synced = decode_ids[(t.host_node[decode_ids] >= 0) & (d.host_sync | t.host_resident[decode_ids])]
         parts_nodes.append(t.host_node[synced])
         parts_tokens.append(np.full(synced.size, steps))
     if d.prefill_to_host and d.prefill_ids.size:
@@ -266,8 +275,7 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         if now < last:
             raise InvariantError(f"instance {instance}: the clock went back from {last} to {now}")
         last = now
-        snap = make_snapshot(state, instance, now, progress, gpus_per_node,
-                             getattr(backend, "layerwise_offload", True))
+        snap = make_snapshot(state, instance, now, progress, gpus_per_node, backend.capabilities)
         decision = policy.decide(snap)
         plan = apply_decision(state, instance, decision, progress, now)
         if plan.phase == "idle":

@@ -14,7 +14,11 @@ import numpy as np
 PENDING = -1    # prompt not yet prefilled; no KV anywhere
 SUSPENDED = -2  # yielded: KV checkpointed in the host memory of node `host_node`
 FINISHED = -3   # produced all its tokens
-# where >= 0: running on that (global) GPU index, KV resident in its paged cache
+# where >= 0: running on that (global) GPU index. Its KV is either device-resident (paged on that GPU) or, with
+# `host_resident`, host-resident: it stays in the host memory of the GPU's node (the source of truth) and is
+# restored layer by layer, one attention micro-batch at a time, into a device staging buffer, with the new
+# token's KV appended back to host. Host-resident sequences hold no GPU pages, so the expert batch can grow far
+# past what device KV holds.
 
 PLACE_NAMES = {PENDING: "pending", SUSPENDED: "suspended", FINISHED: "finished"}
 
@@ -33,6 +37,7 @@ class SequenceTable:
     pages: np.ndarray = field(init=False)           # KV pages allocated on the GPU while running
     home_gpu: np.ndarray = field(init=False)        # GPU a sequence is pinned to (-1: free to move)
     tp: np.ndarray = field(init=False)              # GPUs a running sequence is partitioned over
+    host_resident: np.ndarray = field(init=False)   # running with its KV on host only (see `where`)
     instance: np.ndarray = field(init=False)
     first_token_time: np.ndarray = field(init=False)
     finish_time: np.ndarray = field(init=False)
@@ -54,6 +59,7 @@ class SequenceTable:
         self.pages = np.zeros(n, np.int64)
         self.home_gpu = np.full(n, -1, np.int32)
         self.tp = np.ones(n, np.int32)
+        self.host_resident = np.zeros(n, bool)
         self.instance = np.zeros(n, np.int32)
         self.first_token_time = np.full(n, np.nan)
         self.finish_time = np.full(n, np.nan)
@@ -85,6 +91,11 @@ class SequenceTable:
             raise InvariantError("finish_time must be set exactly for finished sequences")
         if np.any(self.pages[self.where < 0] != 0):
             raise InvariantError("only running sequences may hold GPU pages")
+        if np.any(self.host_resident & (self.where < 0)):
+            raise InvariantError("only running sequences can be host-resident")
+        if np.any(self.host_resident & ((self.pages != 0) | (self.host_node < 0))):
+            bad = np.flatnonzero(self.host_resident & ((self.pages != 0) | (self.host_node < 0)))[:5]
+            raise InvariantError(f"host-resident sequences {bad.tolist()} must hold no GPU pages and have a host copy")
         if np.any((self.where == SUSPENDED) & (self.host_node < 0)):
             raise InvariantError("a suspended sequence must have its KV on some node's host memory")
         if np.any((self.where == PENDING) & (self.host_node >= 0)):

@@ -130,7 +130,9 @@ class ClusterState:
         np.maximum(self.peak_pages, self.pages_used, out=self.peak_pages)
 
     def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
-        """Grow running sequences' pages lazily so that the next `lookahead_tokens` fit."""
+        """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
+        (host-resident ones hold no pages)."""
+        ids = ids[~self.table.host_resident[ids]]
         need = _pages(self.table.context(ids) + lookahead_tokens, self.page_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
@@ -156,12 +158,15 @@ class ClusterState:
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         self.table.tp[ids] = 1
+        self.table.host_resident[ids] = False
         self.active[instance] = np.setdiff1d(self.active[instance], ids, assume_unique=True)
 
-    def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int) -> None:
+    def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
+                  host_resident: np.ndarray | bool = False) -> None:
         if np.any(self.topo.gpu_instance[gpus] != instance):
             raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
         self.table.where[ids] = gpus
+        self.table.host_resident[ids] = host_resident
         self.table.instance[ids] = instance
         self.active[instance] = np.concatenate([self.active[instance], ids])
         self.reserve(ids, lookahead_tokens)
@@ -192,21 +197,24 @@ class ClusterState:
             self.suspended[int(node)].push(ids[nodes == node])
 
     def combine(self, instance: int, node: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves,
-                lookahead_tokens: int) -> None:
+                lookahead_tokens: int, host_resident: np.ndarray | bool = False) -> None:
         """COMBINE: resume suspended sequences from `node`'s pool (its head, FIFO) on GPUs of `instance`.
 
-        A GPU on another node pulls the KV over the network (that is MIGRATE folded into the resume).
+        A GPU on another node pulls the KV over the network (that is MIGRATE folded into the resume). A
+        host-resident resume restores nothing now: its KV is restored layer by layer in every iteration.
         """
         t = self.table
         self.suspended[node].take_head_ids(ids)
+        host_resident = np.broadcast_to(np.asarray(host_resident, bool), ids.shape)
         bytes_ = t.context(ids) * self.kv_bytes_per_token
         remote = self.topo.gpu_node[gpus] != node
-        np.add.at(moves.h2d, gpus[~remote], bytes_[~remote])
+        local = ~remote & ~host_resident
+        np.add.at(moves.h2d, gpus[local], bytes_[local])
         if remote.any():
             np.add.at(moves.network, gpus[remote], bytes_[remote])
             self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
             t.migrations[ids[remote]] += 1
-        self._join_gpu(instance, ids, gpus, lookahead_tokens)
+        self._join_gpu(instance, ids, gpus, lookahead_tokens, host_resident)
 
     def _migrate_host_copy(self, ids: np.ndarray, nodes: np.ndarray) -> None:
         """The host copy moves to `nodes` (where the sequence now runs)."""
@@ -222,10 +230,12 @@ class ClusterState:
         src = t.where[ids]
         self._require(ids, (src >= 0) & (self.topo.gpu_instance[np.maximum(src, 0)] == instance),
                       f"running on instance {instance}")
+        # a host-resident sequence's KV stays in its node's host memory: only a move to another node carries it
         bytes_ = t.context(ids) * self.kv_bytes_per_token
         cross = self.topo.gpu_node[src] != self.topo.gpu_node[gpus]
         np.add.at(moves.network, gpus[cross], bytes_[cross])
-        np.add.at(moves.peer, gpus[~cross], bytes_[~cross])
+        peer = ~cross & ~t.host_resident[ids]
+        np.add.at(moves.peer, gpus[peer], bytes_[peer])
         pages = t.pages[ids].copy()
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.where[ids] = gpus
@@ -235,6 +245,20 @@ class ClusterState:
         stale = have[t.host_node[have] != self.topo.gpu_node[t.where[have]]]
         if stale.size:  # the host copy follows the sequence to its new node
             self._migrate_host_copy(stale, self.topo.gpu_node[t.where[stale]])
+
+    def offload(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
+        """Running device-resident sequences go on running host-resident: KV checkpointed, pages freed."""
+        t = self.table
+        gpus = t.where[ids]
+        self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance)
+                      & ~t.host_resident[ids], f"running device-resident on instance {instance}")
+        ctx = t.context(ids)
+        fresh = t.host_node[ids] < 0
+        np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
+        self._host_add(self.topo.gpu_node[gpus[fresh]], ctx[fresh])
+        t.host_node[ids[fresh]] = self.topo.gpu_node[gpus[fresh]]
+        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        t.host_resident[ids] = True
 
     def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
         """PARTITION running sequences over `degree` GPUs each (heads split; the group starts at the lead GPU)."""
@@ -306,13 +330,13 @@ class ClusterState:
         self._join_gpu(instance, ids, gpus, lookahead_tokens)
 
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
-        """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync)."""
+        """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync).
+        A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
         t = self.table
         t.decoded[ids] += tokens
-        if host_sync:
-            copy = t.host_node[ids] >= 0
-            if copy.any():
-                self._host_add(t.host_node[ids[copy]], tokens[copy])
+        copy = (t.host_node[ids] >= 0) & (host_sync | t.host_resident[ids])
+        if copy.any():
+            self._host_add(t.host_node[ids[copy]], tokens[copy])
 
     def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
         t = self.table
@@ -359,6 +383,9 @@ class ClusterState:
             places[ids] += 1
             if np.any(t.where[ids] < 0) or np.any(self.topo.gpu_instance[t.where[ids]] != inst):
                 raise InvariantError(f"instance {inst}'s active set holds a sequence not running on it")
+            hr = ids[t.host_resident[ids]]
+            if np.any(t.host_node[hr] != self.topo.gpu_node[t.where[hr]]):
+                raise InvariantError(f"instance {inst}: a host-resident sequence's KV is not on its GPU's node")
         for ids in self.prefilling:
             places[ids] += 1
             if np.any(t.where[ids] != PENDING):

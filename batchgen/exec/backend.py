@@ -19,6 +19,7 @@ import torch
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
+from batchgen.policy.base import Capabilities
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
@@ -42,7 +43,8 @@ class ExecBackend:
         self._live = set(range(state.topo.num_instances))
         model = runners[0].model
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
-        self.layerwise_offload = False  # prefill KV needs device pages: policies must budget for it
+        # prefill KV needs device pages (policies budget for it); host-resident decode is not built here yet
+        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=False, cpu_attention=False)
         self._waiting: set[int] = set()
 
     # ---- Backend protocol ---------------------------------------------------------------------------

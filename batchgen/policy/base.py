@@ -38,6 +38,19 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared by the backend (never guessed): policies plan within it."""
+
+    # False where prefill KV must sit on the device for the whole forward (the exec backend today): a policy
+    # then budgets KV pages for what it prefills. True in the simulator, which models layer-by-layer offload.
+    layerwise_offload: bool = True
+    # running sequences may be host-resident (KV restored per layer and micro-batch into a staging buffer)
+    host_resident_decode: bool = True
+    # attention of host-resident sequences may run on the host CPU beside their KV (GQA/MHA models only)
+    cpu_attention: bool = True
+
+
+@dataclass(frozen=True)
 class Snapshot:
     now: float
     instance: int
@@ -54,6 +67,7 @@ class Snapshot:
     active_decoded: np.ndarray
     active_pages: np.ndarray
     active_tp: np.ndarray
+    active_host_resident: np.ndarray  # bool: running with KV on host (no pages), restored per layer
     # queues
     pending: PoolView              # not yet prefilled and not pinned (this instance)
     pinned: Sequence[PoolView]     # not yet prefilled, pinned to each rank
@@ -64,9 +78,11 @@ class Snapshot:
     lengths: Lengths
     last_phase: Phase
     gpus_per_node: int
-    # False where prefill KV must sit on the device for the whole forward (the exec backend): a policy then
-    # budgets KV pages for what it prefills. True in the simulator, which models layer-by-layer offload.
-    layerwise_offload: bool = True
+    capabilities: Capabilities = Capabilities()
+
+    @property
+    def layerwise_offload(self) -> bool:
+        return self.capabilities.layerwise_offload
 
     @property
     def num_ranks(self) -> int:
@@ -86,13 +102,14 @@ class Admit:
     node: int
     ids: np.ndarray
     ranks: np.ndarray
+    host_resident: np.ndarray | bool = False  # run with KV on host (restored per layer), holding no pages
 
 
 @dataclass
 class Decision:
     """What to change at this boundary, and how long to run before the next one.
 
-    Applied in field order: pin, evict, yield, move, admit, partition, prefill; then the instance runs one
+    Applied in field order: pin, evict, yield, offload, move, admit, partition, prefill; then the instance runs one
     forward pass if anything prefills, else up to `steps` decode iterations (stopping early per `stop`).
     """
 
@@ -100,6 +117,7 @@ class Decision:
     pin_ranks: np.ndarray = field(default_factory=lambda: EMPTY)
     evict_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # drop KV (running or suspended)
     yield_ids: np.ndarray = field(default_factory=lambda: EMPTY)     # YIELD: KV to host, suspended
+    offload_ids: np.ndarray = field(default_factory=lambda: EMPTY)   # keep running, host-resident from now
     move_ids: np.ndarray = field(default_factory=lambda: EMPTY)      # MIGRATE running sequences ...
     move_ranks: np.ndarray = field(default_factory=lambda: EMPTY)    # ... to these ranks (KV over links)
     admits: list[Admit] = field(default_factory=list)
@@ -113,6 +131,7 @@ class Decision:
     steps: int = 64
     stop: Stop = "none"
     micro_batch: int = 0             # B_attn: attention runs in micro-batches of this many sequences (0 = one)
+    cpu_attention: bool = False      # host-resident sequences' attention runs on the host CPU beside their KV
     padded: bool = False             # static batches: finished rows keep costing until the whole batch ends
 
     @property

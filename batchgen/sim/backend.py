@@ -16,6 +16,7 @@ from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
+from batchgen.policy.base import Capabilities
 from batchgen.sim.costs import decode_load, decode_participation, prefill_load, price
 
 
@@ -23,6 +24,7 @@ class SimBackend:
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float = 0.0):
         self.env = env
+        self.capabilities = Capabilities()  # layer-by-layer prefill offload, host-resident decode, CPU attention
         self.state = state
         self.lat = lat
         self.weight_stream_s = weight_stream_s
