@@ -24,9 +24,11 @@ def squeezed(job, kv_tokens_per_gpu):
     return dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve))
 
 
-def snapshot(state, instance=0, last_phase="decode"):
-    return make_snapshot(state, instance, 0.0, InstanceProgress(state.topo.instance_gpus(instance).size),
-                         gpus_per_node=8)
+def snapshot(state, instance=0, last_phase="decode", capabilities=None):
+    from batchgen.policy.base import Capabilities
+    progress = InstanceProgress(state.topo.instance_gpus(instance).size, last_phase=last_phase)
+    return make_snapshot(state, instance, 0.0, progress, gpus_per_node=8,
+                         capabilities=capabilities or Capabilities())
 
 
 def run_on_gpu(state, ids, gpu):
@@ -54,6 +56,51 @@ def test_coroutine_yields_most_decoded_first_under_memory_pressure():
     assert state.gpu_pages[0] == 12
     # the next page needs 2 pages per sequence (16) but the GPU has 12: the two most-decoded ones go
     assert sorted(d.yield_ids.tolist()) == [0, 4]
+
+
+def test_snapshot_carries_the_last_phase():
+    """A policy keeps prefilling after a prefill (prefill_ahead): the snapshot must say what ran last."""
+    job = make_job("coroutine", n=4, cluster_overrides={"num_gpus": 1})
+    state = prepare(job).state
+    assert snapshot(state, last_phase="prefill").last_phase == "prefill"
+    assert snapshot(state, last_phase="decode").last_phase == "decode"
+
+
+def test_mixed_residency_fills_device_pages_first_then_admits_host_resident():
+    """kv_residency=mixed: the pool's head goes to device pages while they last, the rest of the b_moe slots
+    run host-resident (no pages); a backend without host-resident decode gets device-resident admits only."""
+    from batchgen.policy.base import Capabilities
+    job = squeezed(make_job("coroutine", n=40, inputs=np.full(40, 100), outputs=np.full(40, 300),
+                            cluster_overrides={"num_gpus": 1},
+                            policy_overrides={"kv_residency": "mixed", "b_moe": 30}), kv_tokens_per_gpu=8 * 64)
+    state = prepare(job).state
+    moves = Moves.zeros(1)
+    pool = state.pending[0].peek(40)
+    state.take_pending(0, pool)
+    state.start_prefill_to_host(0, pool)
+    state.prefilled_to_host(0, pool, np.zeros(40, np.int64), moves)
+    d = job.policy.decide(snapshot(state, last_phase="prefill"))
+    device = np.concatenate([a.ids for a in d.admits if not np.any(a.host_resident)])
+    host = np.concatenate([a.ids for a in d.admits if np.all(a.host_resident)])
+    assert device.size == state.gpu_pages[0] // 3  # 100 tokens + a page of growth: three pages each
+    assert np.array_equal(np.concatenate([device, host]), np.arange(30))  # FIFO, b_moe slots in all
+    d_dev = job.policy.decide(snapshot(state, last_phase="prefill",
+                                       capabilities=Capabilities(host_resident_decode=False)))
+    assert all(not np.any(a.host_resident) for a in d_dev.admits)
+    assert sum(a.ids.size for a in d_dev.admits) == device.size
+
+
+def test_mixed_residency_offloads_instead_of_yielding_under_memory_pressure():
+    job = squeezed(make_job("coroutine", n=8, inputs=np.full(8, 60), outputs=np.full(8, 200),
+                            cluster_overrides={"num_gpus": 1}, policy_overrides={"kv_residency": "mixed"}),
+                   kv_tokens_per_gpu=12 * 64 + 32)
+    state = prepare(job).state
+    ids = np.arange(8)
+    run_on_gpu(state, ids, 0)
+    state.table.decoded[ids] = np.array([3, 1, 0, 2, 4, 0, 1, 0])
+    state.reserve(ids, 0)
+    d = job.policy.decide(snapshot(state))
+    assert d.yield_ids.size == 0 and sorted(d.offload_ids.tolist()) == [0, 4]  # most-decoded, still running
 
 
 def test_coroutine_refills_drained_rank_from_pool_in_fifo_order():
@@ -172,12 +219,22 @@ def test_decide_is_a_pure_function_of_the_snapshot():
 
 
 def test_decisions_serialise_for_a_multi_process_backend():
-    """Rank 0 will decide and broadcast decisions (pickled by torch.distributed): they must round-trip."""
+    """Rank 0 will decide and broadcast decisions (pickled by torch.distributed): every field must round-trip,
+    so the decision under test sets every one of them."""
+    import dataclasses
     import pickle
-    job = make_job("coroutine", n=30, inputs=np.full(30, 100), outputs=np.full(30, 400),
-                   cluster_overrides={"num_gpus": 2})
-    state = prepare(job).state
-    d = job.policy.decide(snapshot(state))
+    from batchgen.policy.base import Admit, Decision
+    arr = lambda *v: np.array(v, np.int64)  # noqa: E731
+    d = Decision(pin_ids=arr(1, 2), pin_ranks=arr(0, 1), evict_ids=arr(3), yield_ids=arr(4), offload_ids=arr(5),
+                 move_ids=arr(6), move_ranks=arr(1), admits=[Admit(0, arr(7, 8), arr(1, 0), np.array([True, False]))],
+                 partition_ids=arr(9), partition_degree=arr(2), prefill_ids=arr(10, 11), prefill_ranks=arr(0, 1),
+                 prefill_pinned=True, prefill_to_host=True, host_sync=True, steps=17, stop="first_finish",
+                 micro_batch=5, cpu_attention=True, padded=True)
     back = pickle.loads(pickle.dumps(d))
-    assert np.array_equal(back.prefill_ids, d.prefill_ids) and back.steps == d.steps
-    assert [a.ids.tolist() for a in back.admits] == [a.ids.tolist() for a in d.admits]
+    for f in dataclasses.fields(Decision):
+        a, b = getattr(d, f.name), getattr(back, f.name)
+        if f.name == "admits":
+            assert [(x.node, x.ids.tolist(), x.ranks.tolist(), np.asarray(x.host_resident).tolist()) for x in a] \
+                == [(x.node, x.ids.tolist(), x.ranks.tolist(), np.asarray(x.host_resident).tolist()) for x in b]
+        else:
+            assert np.array_equal(a, b), f.name

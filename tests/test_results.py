@@ -78,6 +78,18 @@ def test_expert_batch_follows_from_gate_tokens(runs, summaries, policy):
     assert s["mean_expert_batch"] == pytest.approx(s["mean_gate_tokens"] * m.top_k / m.num_experts, rel=TOL)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_expert_batch_and_mean_running_follow_from_the_steps(runs, summaries, policy):
+    s, out = summaries[policy], runs[policy]
+    m = out.job.model
+    decode = [r for r in out.records if r.phase == "decode"]
+    tokens = sum(r.expert_tokens for r in decode) / sum(r.expert_calls for r in decode)
+    assert s["decode_expert_batch"] == pytest.approx(tokens * m.top_k / m.num_experts, rel=TOL)
+    weighted = sum(r.running * r.duration for r in out.records)
+    assert s["mean_running"] == pytest.approx(weighted / s["bct_s"], rel=1e-4)  # one instance
+    assert 0 < s["mean_running"] <= max(r.running for r in out.records)
+
+
 def test_summary_is_plain_json(summaries):
     s = summaries["coroutine"]
     assert json.loads(json.dumps(s)) == s

@@ -28,6 +28,9 @@ jobs = st.fixed_dictionaries({
     "kv_gb": st.sampled_from([None, 0.5]),
     "host_seqs": st.sampled_from([None, 2, 6]),
     "routing_skew": st.sampled_from([0.0, 1.2]),
+    "residency": st.sampled_from(["device", "host", "mixed"]),  # coroutine only: where running KV lives
+    "b_moe": st.sampled_from([4, 64, 2048]),
+    "cpu_attention": st.booleans(),
 })
 
 
@@ -35,8 +38,10 @@ def build(p):
     rng = np.random.default_rng(p["seed"])
     inputs = rng.integers(1, p["max_in"] + 1, p["n"])
     outputs = rng.integers(1, p["max_out"] + 1, p["n"])
+    knobs = ({"kv_residency": p["residency"], "b_moe": p["b_moe"],
+              "attention": "cpu" if p["cpu_attention"] else "gpu"} if p["policy"] == "coroutine" else {})
     job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"],
-                   routing_skew=p["routing_skew"])
+                   routing_skew=p["routing_skew"], policy_overrides=knobs)
     per_instance = max(p["num_gpus"] // p["instances"], 1)
     cluster = dataclasses.replace(job.cluster, num_gpus=p["num_gpus"], gpus_per_instance=per_instance)
     memory = MemorySettings()
@@ -94,3 +99,28 @@ def test_same_seed_same_result(policy):
     assert [r.duration for r in a.records] == [r.duration for r in b.records]
     c = simulate(make_job(policy, "qwen3_30b_a3b", "h20_16", n=300, seed=8))
     assert not np.array_equal(a.prepared.state.table.finish_time, c.prepared.state.table.finish_time)
+
+
+@pytest.mark.parametrize("residency", ["host", "mixed"])
+def test_host_resident_decode_runs_more_sequences_than_device_kv_holds(residency):
+    """With host-resident KV the running set is bounded by b_moe and host memory, not by device pages (the
+    bookkeeping, recounted at every boundary, keeps host-resident sequences page-free); with device-resident KV
+    it is bounded by the pages."""
+    from batchgen.job import prepare
+    inputs, outputs = np.full(64, 200), np.full(64, 300)
+    running = {}
+    for mode in ("device", residency):
+        job = make_job("coroutine", "tiny_moe", "h100_8", inputs, outputs, cluster_overrides={"num_gpus": 1},
+                       policy_overrides={"kv_residency": mode, "b_moe": 64, "b_attn": 16, "attention": "gpu"})
+        probe = prepare(job)
+        usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
+        kv_gb = 4 * 600 * job.model.kv_bytes_per_token / 1e9  # about four sequences' KV
+        reserve = usable - probe.budget.weights_per_gpu_bytes / 1e9 - kv_gb
+        out = simulate(dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve)))
+        state = out.prepared.state
+        assert np.array_equal(state.table.decoded, state.table.output_len)
+        assert np.all(state.peak_pages <= state.gpu_pages)
+        running[mode] = max(r.running for r in out.records if r.phase == "decode")
+        holds = int(state.gpu_pages[0]) // -(-(200 + 1 + job.page_tokens) // job.page_tokens)
+    assert running["device"] <= holds
+    assert running[residency] >= 4 * holds

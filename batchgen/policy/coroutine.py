@@ -13,6 +13,17 @@ Per instance, at every page boundary (page_tokens decode iterations):
    over several ranks (tensor parallel attention).
 Attention runs in micro-batches of `b_attn` sequences; their hidden states are combined into one expert batch
 of all running sequences of the rank, at most `b_moe` (the cap on running sequences per rank).
+
+Where running sequences keep their KV (`kv_residency`, when the backend can decode host-resident):
+- device: in GPU pages, so the running set (and the expert batch) is bounded by device KV, as in serving
+  engines; memory pressure YIELDs.
+- host: every running sequence is host-resident (MoE-Gen's full KV offload): its KV is restored per layer and
+  micro-batch into a staging buffer, so b_moe is bounded by host memory, at the price of PCIe traffic (or of
+  host DRAM bandwidth with `attention=cpu`).
+- mixed: device pages first, the rest of the b_moe slots host-resident; memory pressure OFFLOADs the
+  most-decoded device-resident sequences to host-resident instead of suspending them.
+`auto` (and b_attn / b_moe `auto`) are resolved by the static planner (batchgen.plan) before the job runs; a
+policy that meets an unresolved `auto` uses b_attn 256, b_moe 2048, device-resident KV and GPU attention.
 Decisions where the paper is silent are knobs; defaults are documented in conf/policy/coroutine.yaml.
 """
 
@@ -26,10 +37,17 @@ from batchgen.policy.base import Admit, Decision, Snapshot
 from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
 
 
+RESIDENCIES = ("device", "host", "mixed", "auto")
+ATTENTION_DEVICES = ("gpu", "cpu", "auto")
+FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention": "gpu"}  # unresolved auto
+
+
 @dataclass(frozen=True)
 class CoroutinePolicy:
-    b_attn: int = 256
-    b_moe: int = 2048
+    b_attn: int | str = "auto"
+    b_moe: int | str = "auto"
+    kv_residency: str = "auto"
+    attention: str = "auto"
     prefill_tokens_per_rank: int = 32768
     host_watermark: float = 0.7
     refill_below: float = 0.5
@@ -45,19 +63,43 @@ class CoroutinePolicy:
     uses_host_kv: bool = True
 
     def __post_init__(self):
-        for key in ("b_attn", "b_moe", "prefill_tokens_per_rank", "max_partition_degree"):
+        for key in ("b_attn", "b_moe"):
+            v = getattr(self, key)
+            if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"policy.{key} must be a whole number >= 1 or auto (planned), got {v!r}")
+        if self.kv_residency not in RESIDENCIES:
+            raise ValueError(f"policy.kv_residency must be one of {', '.join(RESIDENCIES)}, got {self.kv_residency!r}")
+        if self.attention not in ATTENTION_DEVICES:
+            raise ValueError(f"policy.attention must be one of {', '.join(ATTENTION_DEVICES)}, got {self.attention!r}")
+        for key in ("prefill_tokens_per_rank", "max_partition_degree"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.host_watermark <= 1:
             raise ValueError(f"policy.host_watermark must be in (0, 1], got {self.host_watermark}")
 
+    def knob(self, key: str):
+        """A knob's value, with the documented fallback for an `auto` no planner resolved."""
+        value = getattr(self, key)
+        return FALLBACK[key] if value == "auto" else value
+
+    def residency(self, snap: Snapshot) -> str:
+        """Where running sequences keep their KV, within what the backend can do."""
+        mode = self.knob("kv_residency")
+        return mode if snap.capabilities.host_resident_decode else "device"
+
     def decide(self, snap: Snapshot) -> Decision:
         R, P = snap.num_ranks, snap.page_tokens
-        d = Decision(host_sync=True, micro_batch=self.b_attn, steps=P, stop="none")
-        keep = self._yield_for_memory(snap, d)
+        mode = self.residency(snap)
+        d = Decision(host_sync=True, micro_batch=self.knob("b_attn"), steps=P, stop="none",
+                     cpu_attention=mode != "device" and self.knob("attention") == "cpu"
+                     and snap.capabilities.cpu_attention)
+        keep = self._yield_for_memory(snap, d, mode)
         keep &= self._evict_for_host(snap, d, keep)
+        if d.offload_ids.size and d.evict_ids.size:
+            d.offload_ids = np.setdiff1d(d.offload_ids, d.evict_ids)
         ids, rank, ctx = snap.active_ids[keep], snap.active_rank[keep], snap.active_context[keep]
-        used = per_rank(rank, pages_for(ctx + P, P), R)
+        on_device = keep & ~snap.active_host_resident & ~np.isin(snap.active_ids, d.offload_ids)
+        used = per_rank(snap.active_rank[on_device], pages_for(snap.active_context[on_device] + P, P), R)
         count = np.bincount(rank, minlength=R)
         own = snap.own_nodes()
         pooled = sum(len(snap.suspended[n]) for n in own)
@@ -82,9 +124,12 @@ class CoroutinePolicy:
         if not snap.layerwise_offload and d.prefill_ids.size:  # the prefill's KV shares the pages this step
             free -= np.bincount(d.prefill_ranks, weights=pages_for(snap.lengths.context(d.prefill_ids) + 1, P),
                                 minlength=R).astype(np.int64)
-        room = _Room(self.b_moe - count, free, count, host_free, {})
+        room = _Room(self.knob("b_moe") - count, free, count, host_free, {})
         if d.prefill_ids.size == 0 or ids.size:
-            self._refill(snap, d, own, room, slots_total)
+            if mode != "host":
+                self._refill(snap, d, own, room, slots_total, host_resident=False)
+            if mode != "device":
+                self._refill(snap, d, own, room, slots_total, host_resident=True)
         if not pending and not d.admits and not d.prefill_ids.size and not pooled:
             self._tail(snap, d, ids, rank, ctx, room)
         if pooled and not ids.size and not d.admits and not d.prefill_ids.size:
@@ -103,14 +148,19 @@ class CoroutinePolicy:
         d.evict_ids = np.concatenate([d.evict_ids, queue[::-1][:min(n, ctx.size)]])
 
     # -- 1. memory pressure ------------------------------------------------------------------------------
-    def _yield_for_memory(self, snap: Snapshot, d: Decision) -> np.ndarray:
+    def _yield_for_memory(self, snap: Snapshot, d: Decision, mode: str) -> np.ndarray:
+        """Device-resident sequences that cannot grow by a page: YIELD them (device mode) or, where running
+        host-resident is allowed, OFFLOAD them (they keep running; `keep` stays true)."""
         P = snap.page_tokens
-        need = pages_for(snap.active_context + P, P)
-        drop = shed_to_fit(snap.active_rank, need, snap.active_decoded, snap.pages_capacity)
+        dev = np.flatnonzero(~snap.active_host_resident)
+        need = pages_for(snap.active_context[dev] + P, P)
+        drop = dev[shed_to_fit(snap.active_rank[dev], need, snap.active_decoded[dev], snap.pages_capacity)]
         keep = np.ones(snap.active_ids.size, bool)
-        if drop.size:
+        if drop.size and mode == "device":
             d.yield_ids = snap.active_ids[drop]
             keep[drop] = False
+        elif drop.size:
+            d.offload_ids = snap.active_ids[drop]
         return keep
 
     def _evict_for_host(self, snap: Snapshot, d: Decision, keep: np.ndarray) -> np.ndarray:
@@ -131,12 +181,15 @@ class CoroutinePolicy:
 
     # -- 2. prefill ---------------------------------------------------------------------------------------
     def _decode_slots(self, snap: Snapshot) -> int:
-        """Sequences the instance can run at once: b_moe per rank, or what the KV pages hold."""
+        """Sequences the instance can run at once: b_moe per rank, or (device-resident KV) what the pages hold."""
+        slots = self.knob("b_moe") * snap.num_ranks
+        if self.residency(snap) != "device":
+            return int(slots)
         ctx = snap.active_context
         typical = float(np.mean(ctx)) if ctx.size else float(np.mean(snap.lengths.input_len))
         per_seq = max(typical / snap.page_tokens + 1, 1.0)
         by_memory = snap.pages_capacity.sum() / per_seq
-        return int(min(self.b_moe * snap.num_ranks, by_memory))
+        return int(min(slots, by_memory))
 
     def _prefill(self, snap: Snapshot, d: Decision, watermark: float, free_pages: np.ndarray) -> None:
         """Give each rank up to prefill_tokens_per_rank of prompt tokens (at least one prompt), FIFO, while
@@ -157,48 +210,52 @@ class CoroutinePolicy:
         d.prefill_to_host = True
 
     # -- 3. refill -----------------------------------------------------------------------------------------
-    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room", slots_total: int) -> None:
+    def _refill(self, snap: Snapshot, d: Decision, own: np.ndarray, room: "_Room", slots_total: int,
+                host_resident: bool) -> None:
         """Local pools to their own node's ranks first; then (MIGRATE) leftovers of this instance's pools to
         any rank; then, once no prompt is waiting here, what other instances' pools hold beyond what their own
-        GPUs can run (work stealing: taking work a busy instance would run anyway only moves the imbalance)."""
+        GPUs can run (work stealing: taking work a busy instance would run anyway only moves the imbalance).
+        Host-resident admissions take b_moe slots but no device pages."""
         everyone = np.arange(snap.num_ranks)
         for node in own:
-            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room)
+            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room, host_resident=host_resident)
         if not self.migrate:
             return
         for node in own:
-            self._offer(snap, d, int(node), everyone, room)
+            self._offer(snap, d, int(node), everyone, room, host_resident=host_resident)
         if self.migrate_across_instances and not len(snap.pending):
             # instances are the same size, so a node's own ranks can run about this many of its sequences
             node_slots = int(slots_total * snap.gpus_per_node / snap.num_ranks)
             others = [n for n in range(len(snap.suspended)) if n not in own]
             for node in sorted(others, key=lambda n: -len(snap.suspended[n])):
-                self._offer(snap, d, node, everyone, room, limit=len(snap.suspended[node]) - node_slots)
+                self._offer(snap, d, node, everyone, room, limit=len(snap.suspended[node]) - node_slots,
+                            host_resident=host_resident)
 
     def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room",
-               limit: int | None = None) -> None:
-        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages and host room
-        (and at most `limit` sequences)."""
+               limit: int | None = None, host_resident: bool = False) -> None:
+        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages (unless host-resident)
+        and host room (and at most `limit` sequences)."""
         P = snap.page_tokens
-        open_ranks = ranks[(room.slots[ranks] > 0) & (room.free[ranks] > 0)]
+        free = np.full_like(room.free, np.iinfo(np.int64).max // 4) if host_resident else room.free
+        open_ranks = ranks[(room.slots[ranks] > 0) & (free[ranks] > 0)]
         skip = room.taken.get(node, 0)
         if not open_ranks.size or len(snap.suspended[node]) <= skip or (limit is not None and limit <= 0):
             return
         want = int(room.slots[open_ranks].sum()) if limit is None else min(int(room.slots[open_ranks].sum()), limit)
         cand = snap.suspended[node].peek(skip + want)[skip:]
         ctx = snap.lengths.context(cand)
-        need = pages_for(ctx + P, P)
+        need = np.zeros(cand.size, np.int64) if host_resident else pages_for(ctx + P, P)
         order = open_ranks[np.argsort(room.count[open_ranks], kind="stable")]  # least-loaded first
         caps = np.zeros_like(room.slots)
         caps[open_ranks] = level_slots(room.count[open_ranks], room.slots[open_ranks], cand.size)
-        assigned = fill_ranks(need, caps, room.free, order)
+        assigned = fill_ranks(need, caps, free, order)
         dest = snap.rank_node[assigned]
         # each newcomer's host copy grows by a page; a migrated one also brings its whole KV to `dest`
         n = _host_prefix(dest, P + np.where(dest != node, ctx[:assigned.size], 0), room.host_free)
         if not n:
             return
         assigned = assigned[:n]
-        d.admits.append(Admit(node, cand[:n], assigned))
+        d.admits.append(Admit(node, cand[:n], assigned, host_resident))
         room.taken[node] = skip + n
         np.subtract.at(room.slots, assigned, 1)
         np.subtract.at(room.free, assigned, need[:n])

@@ -120,6 +120,23 @@ def _expert_numbers(out, steps: StepArrays) -> tuple[float | None, float | None]
     return gate, gate * m.top_k / m.num_experts
 
 
+def _decode_expert_batch(out, steps: StepArrays) -> float | None:
+    """Mean tokens per routed expert over decode iterations only: what module-based batching exists to grow
+    (prefill forwards have huge expert batches in every policy and would hide the difference)."""
+    m = out.job.model
+    decode = steps.phase == "decode"
+    calls = int(steps.expert_calls[decode].sum())
+    if not m.is_moe or calls == 0:
+        return None
+    return float(steps.expert_tokens[decode].sum()) / calls * m.top_k / m.num_experts
+
+
+def _mean_running(out, steps: StepArrays) -> float:
+    """Running sequences per instance, weighted by time over the whole batch (idle time counts as zero)."""
+    horizon = span(out, steps) * out.prepared.cluster.num_instances
+    return _ratio(float((steps.running * steps.duration).sum()), horizon)
+
+
 def _time_fractions(out, steps: StepArrays) -> dict[str, float]:
     horizon = span(out, steps)
     gpu_time = out.prepared.state.topo.num_gpus * horizon
@@ -159,6 +176,7 @@ def summarize(out) -> dict[str, Any]:
                tokens_per_s_per_gpu=_ratio(output_tokens, total_bct * out.job.cluster.num_gpus))
     res.update(_time_fractions(out, steps))
     res.update(mean_gate_tokens=gate, mean_expert_batch=expert_batch,
+               decode_expert_batch=_decode_expert_batch(out, steps), mean_running=_mean_running(out, steps),
                prefill_s=float(steps.duration[steps.phase == "prefill"].sum()),
                decode_s=float(steps.duration[steps.phase == "decode"].sum()),
                partitions=int(t.partitions.sum()),

@@ -23,6 +23,8 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("tail idle %", "tail_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("prefill %", "prefill_frac", lambda v: f"{100 * v:.1f}"),
     ("expert batch", "mean_expert_batch", lambda v: f"{v:.1f}"),
+    ("decode expert batch", "decode_expert_batch", lambda v: f"{v:.1f}"),
+    ("running", "mean_running", lambda v: f"{v:,.0f}"),
     ("gate tokens", "mean_gate_tokens", lambda v: f"{v:,.0f}"),
     ("yields", "yields", str),
     ("migrations", "migrations", str),
