@@ -30,6 +30,15 @@ Simplifications (decisions where the paper is silent):
   caller's (simulator's, planner's) business: every cost here is for the module alone.
 - No contention between concurrent modules on one GPU; norms, residual adds and rotary embeddings are
   folded into kernel_s.
+
+Host side (`HostSpec`: CPU sockets, cores, DRAM bandwidth, FLOP/s of each node). Every PCIe copy reads or
+writes host DRAM, which the node's GPUs share: a GPU's host link runs at min(PCIe x link, DRAM x host_memory /
+GPUs per node). Host-resident decode restores each micro-batch's KV of a layer over that link (`kv_restore`)
+and appends the new token's KV back (`kv_append`); CPU attention (`cpu_attention`, GQA/MHA only: MLA's latent
+KV needs GPU up-projection) is a roofline over the GPU's share of the node's DRAM bandwidth and CPU FLOP/s,
+with the queries, new KV and outputs shipped over PCIe (`cpu_attention_ship`). How these overlap with compute
+is not decided here: batchgen.plan builds the per-layer DAG and takes its critical path. DRAM contention
+between CPU attention and concurrent PCIe copies of the same node is not modelled.
 """
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.roofline import LatencyModel

@@ -26,6 +26,10 @@ class Efficiency:
         reaches M / (M + gemm_pad_rows) of `compute`. This is why measured experts keep gaining throughput
         up to hundreds or thousands of tokens each, far past the pure-roofline crossover (~30 tokens per
         expert on an H20). 0 gives the pure roofline.
+    host_memory: fraction of the host's peak DRAM bandwidth reached (STREAM-like: ~70-80% on current servers);
+        it bounds the PCIe copies of a node's GPUs together and CPU attention.
+    host_compute: fraction of the host CPUs' peak FP32 vector FLOP/s reached by CPU attention kernels.
+    host_kernel_s: fixed cost of one CPU attention call (thread-pool dispatch and synchronisation).
     """
 
     compute: float = 0.6
@@ -35,13 +39,16 @@ class Efficiency:
     collective_s: float = 12e-6
     collective_per_peer_s: float = 0.4e-6
     gemm_pad_rows: float = 64.0
+    host_memory: float = 0.7
+    host_compute: float = 0.5
+    host_kernel_s: float = 20e-6
 
     def __post_init__(self) -> None:
-        for name in ("compute", "memory", "link"):
+        for name in ("compute", "memory", "link", "host_memory", "host_compute"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0.0 < value <= 1.0):
                 raise ValueError(f"Efficiency.{name} must be in (0, 1], got {value!r}")
-        for name in ("kernel_s", "collective_s", "collective_per_peer_s", "gemm_pad_rows"):
+        for name in ("kernel_s", "collective_s", "collective_per_peer_s", "gemm_pad_rows", "host_kernel_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"Efficiency.{name} must be finite and >= 0, got {value!r}")

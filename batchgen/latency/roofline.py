@@ -31,10 +31,11 @@ class LatencyModel:
     expert-parallel instance (data-parallel attention, experts placed round-robin), `gpus_per_node` of them
     per node. `routing_skew` s >= 0 makes expert e's share of routed tokens proportional to (e+1)^-s
     (0 = uniform). `use_fp8` runs weight GEMMs at the FP8 peak when the GPU has one and the weights are 1 byte.
+    `host` is the node's CPUs and DRAM (default: batchgen.specs.DEFAULT_HOST), shared by its gpus_per_node GPUs.
     """
 
     def __init__(self, model, gpu, eff: Efficiency = Efficiency(), *, ep_ranks: int = 1,
-                 gpus_per_node: int = 8, routing_skew: float = 0.0, use_fp8: bool = False) -> None:
+                 gpus_per_node: int = 8, routing_skew: float = 0.0, use_fp8: bool = False, host=None) -> None:
         if not (isinstance(ep_ranks, (int, np.integer)) and ep_ranks >= 1):
             raise ValueError(f"ep_ranks must be an integer >= 1, got {ep_ranks!r}")
         if not (isinstance(gpus_per_node, (int, np.integer)) and gpus_per_node >= 1):
@@ -44,7 +45,10 @@ class LatencyModel:
         if ep_ranks > gpus_per_node and model.is_moe and not gpu.network_bw > 0:
             raise ValueError(f"ep_ranks={ep_ranks} spans nodes of {gpus_per_node} GPUs, but {gpu.name} has no "
                              "network (network_bw == 0)")
-        self.model, self.gpu, self.eff = model, gpu, eff
+        if host is None:
+            from batchgen.specs.host import DEFAULT_HOST
+            host = DEFAULT_HOST
+        self.model, self.gpu, self.eff, self.host = model, gpu, eff, host
         self.ep_ranks, self.gpus_per_node = int(ep_ranks), int(gpus_per_node)
         self.routing_skew, self.use_fp8 = float(routing_skew), bool(use_fp8)
         fp8 = use_fp8 and gpu.flops_fp8 > 0 and model.weight_bytes == 1
@@ -52,6 +56,11 @@ class LatencyModel:
         self.score_flops = gpu.flops_bf16 * eff.compute  # achieved, attention scores (bf16 kernels)
         self.mem_bw = gpu.hbm_bw * eff.memory  # achieved HBM bytes/s
         self._act_row = model.hidden_size * model.act_bytes  # bytes of one token's hidden state
+        # Host side, per GPU: the node's DRAM bandwidth and CPU FLOP/s are shared by its GPUs, and every PCIe
+        # copy reads or writes that DRAM, so a GPU's host link gets min(PCIe, DRAM / GPUs per node).
+        self.host_mem_bw = host.dram_bw * eff.host_memory / self.gpus_per_node  # achieved, this GPU's share
+        self.host_flops = host.flops * eff.host_compute / self.gpus_per_node    # achieved, this GPU's share
+        self.host_link_bw = min(gpu.pcie_bw * eff.link, self.host_mem_bw)       # achieved h2d / d2h bytes/s
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
 
     # ---- the roofline -----------------------------------------------------------------------------------
@@ -192,22 +201,75 @@ class LatencyModel:
         phase = self.eff.collective_s + self.eff.collective_per_peer_s * (r - 1) + link
         return _out(np.where(t > 0, 2.0 * phase, 0.0))
 
-    def _copy(self, nbytes, bandwidth, fixed_s):
+    def _copy(self, nbytes, bandwidth, fixed_s, copies=1):
+        """`copies` launches of fixed_s plus nbytes at `bandwidth` (already achieved, link efficiency in)."""
         n = _arr(nbytes, "nbytes")
-        return _out(np.where(n > 0, fixed_s + n / (bandwidth * self.eff.link), 0.0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = fixed_s * np.maximum(copies, 1) + n / bandwidth
+        return _out(np.where(n > 0, t, 0.0))
 
-    def h2d(self, nbytes):
-        """Host-to-device copy over PCIe (one launch plus bytes at the achieved link bandwidth)."""
-        return self._copy(nbytes, self.gpu.pcie_bw, self.eff.kernel_s)
+    def h2d(self, nbytes, copies=1):
+        """Host-to-device copy over PCIe (a launch per copy plus bytes at `host_link_bw`: the achieved PCIe
+        bandwidth, or this GPU's share of the node's DRAM bandwidth when that is lower)."""
+        return self._copy(nbytes, self.host_link_bw, self.eff.kernel_s, copies)
 
-    def d2h(self, nbytes):
-        """Device-to-host copy over PCIe."""
-        return self._copy(nbytes, self.gpu.pcie_bw, self.eff.kernel_s)
+    def d2h(self, nbytes, copies=1):
+        """Device-to-host copy over PCIe (same link bandwidth as h2d, the other direction)."""
+        return self._copy(nbytes, self.host_link_bw, self.eff.kernel_s, copies)
 
     def network(self, nbytes, cross_node):
         """Point-to-point transfer: NVLink within a node, the network across nodes (`cross_node` broadcasts)."""
         bw = np.where(np.asarray(cross_node, dtype=bool), self.gpu.network_bw, self.gpu.nvlink_bw)
-        return self._copy(nbytes, bw, self.eff.collective_s)
+        return self._copy(nbytes, bw * self.eff.link, self.eff.collective_s)
+
+    # ---- host-resident KV and CPU attention (per layer, per rank) ---------------------------------------
+
+    def kv_restore(self, context_sum, micro_batches=1):
+        """Copy one layer's KV of `context_sum` context tokens from host to a device staging buffer, in
+        `micro_batches` copies (one per attention micro-batch), over this GPU's host link."""
+        ctx = _arr(context_sum, "context_sum")
+        return self.h2d(ctx * self.model.kv_bytes_per_token_per_layer, micro_batches)
+
+    def kv_append(self, tokens, micro_batches=1):
+        """Copy one layer's new KV of `tokens` decode queries from the device back to host memory."""
+        t = _arr(tokens, "tokens")
+        return self.d2h(t * self.model.kv_bytes_per_token_per_layer, micro_batches)
+
+    def _require_cpu_attention(self) -> None:
+        if self.model.attention == "mla":
+            raise ValueError(f"CPU attention is not offered for {self.model.name}: its MLA latent KV must be "
+                             "up-projected per head (or absorbed into the queries) before attention, which is "
+                             "GPU work; use GPU attention (policy.attention=gpu)")
+
+    def cpu_attention(self, tokens, context_sum, micro_batches=1):
+        """Decode attention (scores and weighted sum only; the projections stay on the GPU) of `tokens`
+        queries over `context_sum` context tokens, on this GPU's share of its node's CPUs, beside host KV.
+
+        Roofline over the host: max(score FLOPs / CPU FLOP/s, KV bytes read + new KV written / DRAM bytes/s),
+        both the node's figures divided among its GPUs, plus host_kernel_s per call. GQA/MHA only.
+        """
+        self._require_cpu_attention()
+        t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
+        m = self.model
+        flops = m.attention_score_flops_decode * ctx
+        bytes_ = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * m.num_heads * m.head_dim * m.act_bytes
+        time = np.maximum(flops / self.host_flops, bytes_ / self.host_mem_bw) + np.maximum(mb, 1) * self.eff.host_kernel_s
+        return _out(np.where(t > 0, time, 0.0))
+
+    def cpu_attention_ship(self, tokens, micro_batches=1):
+        """(to host, back) seconds of the PCIe copies around CPU attention for `tokens` queries: their
+        queries and new KV (the append) go down, the attention outputs come back."""
+        self._require_cpu_attention()
+        t = _arr(tokens, "tokens")
+        m = self.model
+        q = t * m.num_heads * m.head_dim * m.act_bytes
+        return (self.d2h(q + t * m.kv_bytes_per_token_per_layer, micro_batches), self.h2d(q, micro_batches))
+
+    def cpu_attention_ship_bytes(self, tokens):
+        """Bytes the copies of `cpu_attention_ship` move, both directions together."""
+        t = _arr(tokens, "tokens")
+        m = self.model
+        return _out(t * (2 * m.num_heads * m.head_dim * m.act_bytes + m.kv_bytes_per_token_per_layer))
 
     # ---- conveniences for the simulator -----------------------------------------------------------------
 

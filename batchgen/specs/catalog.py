@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from batchgen.specs.hardware import ClusterSpec, HardwareSpec
+from batchgen.specs.host import HostSpec
 from batchgen.specs.model import ModelSpec
 
 
@@ -61,6 +62,20 @@ def load_hardware_file(name: str, hardware_dir: str | Path | None = None) -> Har
     """Load `<hardware_dir>/<name>.yaml` (default: conf/hardware)."""
     folder = Path(hardware_dir) if hardware_dir is not None else _conf_dir(None) / "hardware"
     return HardwareSpec.from_dict(_load_yaml(folder, name, "GPU"))
+
+
+def host_names(conf_dir: str | Path | None = None) -> list[str]:
+    return _names(_conf_dir(conf_dir) / "host")
+
+
+def load_host_file(name: str, host_dir: str | Path | None = None) -> HostSpec:
+    """Load `<host_dir>/<name>.yaml` (default: conf/host)."""
+    folder = Path(host_dir) if host_dir is not None else _conf_dir(None) / "host"
+    return HostSpec.from_dict(_load_yaml(folder, name, "host"))
+
+
+def load_host(name: str, conf_dir: str | Path | None = None) -> HostSpec:
+    return load_host_file(name, _conf_dir(conf_dir) / "host")
 
 
 def load_hardware(name: str, conf_dir: str | Path | None = None) -> HardwareSpec:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from batchgen.specs.host import DEFAULT_HOST, HostSpec
 from batchgen.specs.model import check_field_types, check_keys, plain_dict, require
 
 
@@ -88,6 +89,7 @@ class ClusterSpec:
 
     An instance is the unit that runs one copy of the model with its experts spread over the instance's GPUs;
     the paper ran 128 H20s as two 64-GPU instances because all-to-all cost grows with instance size.
+    `host` is every node's CPUs and DRAM (a file in conf/host by name; DEFAULT_HOST when the YAML names none).
     """
 
     name: str
@@ -96,6 +98,7 @@ class ClusterSpec:
     gpus_per_node: int
     gpus_per_instance: int | None = None
     host_mem_gb_per_node: float
+    host: HostSpec = DEFAULT_HOST
 
     def __post_init__(self) -> None:
         p = "cluster"
@@ -103,6 +106,9 @@ class ClusterSpec:
         if not isinstance(self.gpu, HardwareSpec):
             raise ValueError(f"{p}.gpu must be a HardwareSpec, got {self.gpu!r}: use ClusterSpec.from_config "
                              "to build a cluster from a GPU name")
+        if not isinstance(self.host, HostSpec):
+            raise ValueError(f"{p}.host must be a HostSpec, got {self.host!r}: use ClusterSpec.from_config "
+                             "to build a cluster from a host name")
         require(self.num_gpus > 0, p, "num_gpus", self.num_gpus, "be a positive integer")
         require(self.gpus_per_node > 0, p, "gpus_per_node", self.gpus_per_node, "be a positive integer")
         require(self.gpus_per_instance is None or self.gpus_per_instance > 0, p, "gpus_per_instance",
@@ -125,17 +131,22 @@ class ClusterSpec:
     @classmethod
     def from_config(cls, d: Mapping[str, Any], hardware_dir: str | Path | None = None) -> "ClusterSpec":
         """Build from the cluster YAML, whose `gpu` is a hardware name (a file in `hardware_dir`, default
-        conf/hardware); a mapping of hardware fields or a HardwareSpec is accepted too, for tests and sweeps."""
-        from batchgen.specs.catalog import load_hardware_file
+        conf/hardware) and `host` a host name (a file in the `host` folder beside it; DEFAULT_HOST if absent);
+        mappings of fields or spec objects are accepted too, for tests and sweeps."""
+        from batchgen.specs.catalog import load_hardware_file, load_host_file
 
         d = plain_dict(d, "cluster")
         check_keys(d, cls, "cluster")
-        gpu = d["gpu"]
+        gpu, host = d["gpu"], d.get("host", DEFAULT_HOST)
         if isinstance(gpu, str):
             gpu = load_hardware_file(gpu, hardware_dir)
         elif isinstance(gpu, Mapping):
             gpu = HardwareSpec.from_dict(gpu)
-        return cls(**{**d, "gpu": gpu})
+        if isinstance(host, str):
+            host = load_host_file(host, None if hardware_dir is None else Path(hardware_dir).parent / "host")
+        elif isinstance(host, Mapping):
+            host = HostSpec.from_dict(host)
+        return cls(**{**d, "gpu": gpu, "host": host})
 
     @property
     def node_size(self) -> int:
