@@ -176,7 +176,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
                       host_resident=admit.host_resident)
     if d.partition_ids.size:
-        state.partition(instance, d.partition_ids, d.partition_degree)
+        state.partition(instance, d.partition_ids, d.partition_degree, moves)
     if prefill:
         _take_prefill(state, instance, d, gpus)
     decode_ids = state.active[instance]

@@ -55,13 +55,11 @@ class Moves:
         return cls(*(np.zeros(num_gpus) for _ in range(4)))
 
 
-def _pages(tokens: np.ndarray, page_tokens: int) -> np.ndarray:
-    return -(-tokens // page_tokens)
-
-
 class ClusterState:
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
-                 host_kv_tokens: np.ndarray, kv_bytes_per_token: float):
+                 host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
+        """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
+        rank of the group holds 1/degree of it; False (MLA's latent KV) replicates it on every rank."""
         self.table = table
         self.topo = topo
         self.gpu_rank = topo.gpu_rank  # computed once: the engine maps GPUs to ranks at every boundary
@@ -69,6 +67,8 @@ class ClusterState:
         self.gpu_pages = np.asarray(gpu_pages, dtype=np.int64)            # capacity per GPU
         self.host_kv_tokens = np.asarray(host_kv_tokens, dtype=np.int64)  # capacity per node
         self.kv_bytes_per_token = float(kv_bytes_per_token)
+        self.kv_split_by_heads = bool(kv_split_by_heads)
+        self._instance_gpus = [topo.instance_gpus(i) for i in range(topo.num_instances)]
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
         self.host_used = np.zeros(topo.num_nodes, np.int64)
@@ -116,12 +116,37 @@ class ClusterState:
         return self.num_finished == len(self.table)
 
     # ---- memory ------------------------------------------------------------------------------------
+    def group_gpus(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index into ids, GPU) for every GPU that holds part of a running sequence: its own GPU, and for a
+        PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
+        t = self.table
+        tp = t.tp[ids].astype(np.int64)
+        rep = np.repeat(np.arange(ids.size), tp)
+        if rep.size == ids.size:
+            return rep, t.where[ids].astype(np.int64)
+        offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
+        lead = t.where[ids[rep]]
+        inst = self.topo.gpu_instance[lead]
+        rank = self.gpu_rank[lead]
+        gpus = np.empty(rep.size, np.int64)
+        for i in np.unique(inst):
+            mine = inst == i
+            members = self._instance_gpus[int(i)]
+            gpus[mine] = members[(rank[mine] + offset[mine]) % members.size]
+        return rep, gpus
+
+    def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
+        the tokens into a page (KV split by heads), a replicated latent does not."""
+        per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
+        return -(-np.asarray(tokens, np.int64) // per_page)
+
     def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
         t = self.table
-        gpus = t.where[ids]
         delta = pages - t.pages[ids]
         t.pages[ids] = pages
-        np.add.at(self.pages_used, gpus, delta)
+        rep, gpus = self.group_gpus(ids)
+        np.add.at(self.pages_used, gpus, delta[rep])
         over = self.pages_used > self.gpu_pages
         if over.any():
             g = int(np.flatnonzero(over)[0])
@@ -133,7 +158,7 @@ class ClusterState:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
         (host-resident ones hold no pages)."""
         ids = ids[~self.table.host_resident[ids]]
-        need = _pages(self.table.context(ids) + lookahead_tokens, self.page_tokens)
+        need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
@@ -156,7 +181,7 @@ class ClusterState:
 
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
-        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
         self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
         self.active[instance] = np.setdiff1d(self.active[instance], ids, assume_unique=True)
@@ -260,16 +285,40 @@ class ClusterState:
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.host_resident[ids] = True
 
-    def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
-        """PARTITION running sequences over `degree` GPUs each (heads split; the group starts at the lead GPU)."""
+    def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray, moves: Moves) -> None:
+        """PARTITION running sequences over `degree` GPUs each (the group starts at the lead GPU): tensor-parallel
+        attention with the KV split by heads (MHA/GQA; each rank keeps 1/degree) or replicated (MLA's latent).
+
+        Resharding is a copy over the GPUs' links: a device-resident sequence's shards (or, for MLA, whole
+        replicas) go from the lead to the new group members; going back to fewer ranks gathers them to the lead.
+        A host-resident sequence has nothing on device to reshard.
+        """
         t = self.table
         gpus = t.where[ids]
         self._require(ids, gpus >= 0, "running")
+        degree = np.asarray(degree, np.int64)
         n_gpus = self.topo.instance_gpus(instance).size
         if np.any(degree < 1) or np.any(degree > n_gpus):
             raise InvariantError(f"partition degree must be within 1..{n_gpus}")
-        t.partitions[ids[t.tp[ids] != degree]] += 1
+        change = t.tp[ids] != degree
+        ids, degree = ids[change], degree[change]
+        if not ids.size:
+            return
+        t.partitions[ids] += 1
+        on_device = ~t.host_resident[ids]
+        kv = t.context(ids) * self.kv_bytes_per_token
+        old = t.tp[ids].astype(np.int64)
+        # bytes that land on ranks other than the lead: a shard per new member (or a replica for MLA), or the
+        # lead gathering what other members held
+        grow, shrink = degree > old, degree < old
+        share = (lambda d: kv * (d - 1) / d) if self.kv_split_by_heads else (lambda d: kv * (d - 1))
+        moved = np.where(grow, share(degree) - share(old), 0.0) + np.where(shrink, kv * (old - 1) / old, 0.0)
+        self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.tp[ids] = degree
+        np.add.at(moves.peer, t.where[ids[on_device]], moved[on_device])  # priced on the lead's link
+        dev = ids[on_device]
+        if dev.size:  # each member's pages for the context; the run's lookahead is reserved after this
+            self._set_pages(dev, self.pages_needed(dev, t.context(dev)))
 
     def evict(self, instance: int, ids: np.ndarray) -> None:
         """Drop sequences' KV (running or suspended); they go back to the head of their queue and will be
@@ -356,8 +405,9 @@ class ClusterState:
         """Recount everything from the table and compare with the incremental bookkeeping."""
         t = self.table
         t.check()
-        running = t.where >= 0
-        if not np.array_equal(np.bincount(t.where[running], t.pages[running], self.topo.num_gpus)
+        running = np.flatnonzero(t.where >= 0)
+        rep, gpus = self.group_gpus(running)
+        if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)
                               .astype(np.int64), self.pages_used):
             raise InvariantError("GPU page counts drifted from the per-sequence pages")
         if np.any(self.pages_used > self.gpu_pages):

@@ -10,7 +10,9 @@ Per instance, at every page boundary (page_tokens decode iterations):
    the instance, then (once this instance has drained) from other instances;
 4. with nothing left to refill: spread the remaining sequences evenly over ranks (MIGRATE running sequences,
    balancing summed context) and, when fewer sequences than `partition_below` x ranks remain, PARTITION each
-   over several ranks (tensor parallel attention).
+   over several ranks (tensor-parallel attention, KV split by heads), once the longest of them has at least
+   `partition_min_context` tokens: below that the per-layer collective that joins the shards costs more than
+   the attention it splits.
 Attention runs in micro-batches of `b_attn` sequences; their hidden states are combined into one expert batch
 of all running sequences of the rank, at most `b_moe` (the cap on running sequences per rank).
 
@@ -57,6 +59,7 @@ class CoroutinePolicy:
     rebalance_ratio: float = 1.25
     partition: bool = True
     partition_below: float = 0.5
+    partition_min_context: int = 32768
     max_partition_degree: int = 8
     name: str = "coroutine"
     can_stream_weights: bool = True
@@ -71,7 +74,7 @@ class CoroutinePolicy:
             raise ValueError(f"policy.kv_residency must be one of {', '.join(RESIDENCIES)}, got {self.kv_residency!r}")
         if self.attention not in ATTENTION_DEVICES:
             raise ValueError(f"policy.attention must be one of {', '.join(ATTENTION_DEVICES)}, got {self.attention!r}")
-        for key in ("prefill_tokens_per_rank", "max_partition_degree"):
+        for key in ("prefill_tokens_per_rank", "max_partition_degree", "partition_min_context"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.host_watermark <= 1:
@@ -267,7 +270,7 @@ class CoroutinePolicy:
         R, n = snap.num_ranks, ids.size
         if n == 0 or not self.migrate:
             return
-        if self.partition and n <= self.partition_below * R:
+        if self.partition and n <= self.partition_below * R and ctx.max() >= self.partition_min_context:
             degree = min(self.max_partition_degree, snap.gpus_per_node, R // n)
             degree = 1 << (max(degree, 1).bit_length() - 1)  # a power of two
             target = (np.arange(n) * degree) % R

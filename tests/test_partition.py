@@ -1,0 +1,59 @@
+"""PARTITION as a real split: each rank of the group holds its head shard of the KV (or, for MLA, a replica
+of the latent), resharding is charged as bytes over the GPUs' links, and going back gathers the shards."""
+
+import numpy as np
+import pytest
+
+from batchgen.core.state import Moves
+from batchgen.job import prepare
+from conftest import make_job
+
+
+def running_state(model, n=2, context=1000):
+    job = make_job("coroutine", model=model, n=n, inputs=np.full(n, context), outputs=np.full(n, 100))
+    state = prepare(job).state
+    ids = np.arange(n)
+    state.take_pending(0, ids)
+    state.prefilled_to_gpu(0, ids, np.arange(n), lookahead_tokens=1)
+    return state, ids
+
+
+def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
+    state, ids = running_state("qwen3_30b_a3b")
+    P = state.page_tokens
+    full = -(-1001 // P)
+    assert state.table.pages[0] == full and state.pages_used[0] == full
+    moves = Moves.zeros(state.topo.num_gpus)
+    state.partition(0, ids[:1], np.array([4]), moves)
+    state.check()
+    shard = -(-1000 // (4 * P))  # a head shard packs four times the tokens into a page
+    assert state.table.pages[0] == shard
+    assert np.array_equal(state.pages_used[:5], [shard, shard + full, shard, shard, 0])  # rank 1 also runs seq 1
+    kv = 1000 * state.kv_bytes_per_token
+    assert moves.peer[0] == pytest.approx(kv * 3 / 4)  # three of four shards leave the lead
+    back = Moves.zeros(state.topo.num_gpus)
+    state.partition(0, ids[:1], np.array([1]), back)
+    state.check()
+    assert state.table.pages[0] == -(-1000 // P) and back.peer[0] == pytest.approx(kv * 3 / 4)
+    assert state.table.partitions[0] == 2
+
+
+def test_mla_partition_replicates_the_latent_on_every_rank():
+    state, ids = running_state("deepseek_v3")
+    state.kv_split_by_heads = False  # what prepare sets for an MLA model
+    moves = Moves.zeros(state.topo.num_gpus)
+    full = int(state.table.pages[0])
+    state.partition(0, ids[:1], np.array([2]), moves)
+    state.check()
+    assert state.table.pages[0] >= full - 1 and state.pages_used[0] == state.table.pages[0]
+    assert moves.peer[0] == pytest.approx(1000 * state.kv_bytes_per_token)  # one whole replica
+
+
+def test_finishing_a_partitioned_sequence_frees_every_shard():
+    state, ids = running_state("qwen3_30b_a3b", n=1)
+    state.partition(0, ids, np.array([8]), Moves.zeros(state.topo.num_gpus))
+    assert np.all(state.pages_used > 0)
+    state.table.decoded[ids] = state.table.output_len[ids]
+    state.finish(0, ids, np.array([1.0]))
+    state.check()
+    assert np.all(state.pages_used == 0)
