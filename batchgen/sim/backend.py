@@ -17,17 +17,35 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
-from batchgen.sim.costs import decode_load, decode_participation, prefill_load, price
+from batchgen.sim.costs import decode_grid, decode_load, decode_participation, prefill_load, price, price_host
 
 
 class SimBackend:
+    """`stream_bytes_per_iter`: expert weights each rank copies host -> device per iteration (weights that do
+    not stay resident); decode prices them per MoE layer on the DAG, prefill as a floor of `weight_stream_s`.
+
+    Bytes moved between host and device are counted for the results: `host_bytes` (everything, both
+    directions), `decode_host_bytes` and `decode_iterations` (the decode runs' share: KV restores and appends,
+    CPU attention's copies, streamed experts), and `host_bytes_per_iteration` (their ratio).
+    """
+
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
-                 weight_stream_s: float = 0.0):
+                 weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0):
         self.env = env
-        self.capabilities = Capabilities()  # layer-by-layer prefill offload, host-resident decode, CPU attention
+        # layer-by-layer prefill offload, host-resident decode, CPU attention (not for MLA: its latent KV is
+        # up-projected on the GPU)
+        self.capabilities = Capabilities(cpu_attention=lat.model.attention != "mla")
         self.state = state
         self.lat = lat
+        self.stream_bytes_per_iter = float(stream_bytes_per_iter)
+        if weight_stream_s is None:
+            weight_stream_s = float(lat.h2d(stream_bytes_per_iter)) if stream_bytes_per_iter else 0.0
         self.weight_stream_s = weight_stream_s
+        n_moe = lat.layer_counts()[1]
+        self._prefetch_per_layer = self.stream_bytes_per_iter / n_moe if n_moe else 0.0
+        self.host_bytes = 0.0
+        self.decode_host_bytes = 0.0
+        self.decode_iterations = 0
         self.events = 0
         self._live = set(range(state.topo.num_instances))
         self._waiting: set[int] = set()
@@ -64,15 +82,28 @@ class SimBackend:
                 prompts = _padded(prompts, plan.prefill_rank, R)
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch)
             iterations, produced = 1, np.ones(ids.size, np.int64)
+            cost = price(self.lat, load, self.weight_stream_s)
+            self.host_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
             context = t.context(ids)
             if plan.padded:  # a static batch: every row runs every iteration over the longest row's context
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
-            load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                               plan.micro_batch, plan.pad_rows, plan.pad_context)
-        cost = price(self.lat, load, self.weight_stream_s)
+            hosted = np.asarray(plan.decode_host_resident, bool)
+            if hosted.any() or self._prefetch_per_layer > 0:
+                load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
+                cpu = bool(plan.cpu_attention and hosted.any())
+                cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
+                                            prefetch_bytes=self._prefetch_per_layer)
+                self.decode_host_bytes += h2d + d2h
+                self.host_bytes += h2d + d2h
+            else:
+                load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
+                cost = price(self.lat, load, self.weight_stream_s)
+            self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)
         duration = max(compute, float(transfer.max(initial=0.0)))
@@ -91,6 +122,11 @@ class SimBackend:
                           int((cost.expert_tokens > 0).sum()) if self.lat.model.is_moe else 0,
                           int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations))
 
+    @property
+    def host_bytes_per_iteration(self) -> float:
+        """Bytes moved between host and device per decode iteration (whole cluster), on average."""
+        return self.decode_host_bytes / self.decode_iterations if self.decode_iterations else 0.0
+
     def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray) -> np.ndarray:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
@@ -98,12 +134,14 @@ class SimBackend:
         t = self.state.table
         R = g.size
         d2h = plan.moves.d2h[g].copy()
-        if plan.host_sync and plan.decode_ids.size:
-            d2h += np.bincount(plan.decode_rank, weights=produced * kv, minlength=R)
+        if plan.host_sync and plan.decode_ids.size:  # host-resident ones append on the DAG, layer by layer
+            synced = ~np.asarray(plan.decode_host_resident, bool)
+            d2h += np.bincount(plan.decode_rank[synced], weights=produced[synced] * kv, minlength=R)
         if plan.prefill_to_host and plan.prefill_ids.size:
             d2h += np.bincount(plan.prefill_rank, weights=t.context(plan.prefill_ids) * kv, minlength=R)
         lat = self.lat
         seconds = np.zeros(R)
+        self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
         for arr, fn in ((plan.moves.h2d[g], lat.h2d), (d2h, lat.d2h)):
             seconds += np.where(arr > 0, fn(arr), 0.0)
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):

@@ -5,6 +5,11 @@ step function of the iteration index: built with one bincount and a reversed cum
 (ranks x iterations) grid by the latency model. The instance runs in lockstep: at every MoE layer each rank
 waits for the slowest one (the all-to-all), which is where stragglers cost time; `rank_busy` keeps each rank's
 own compute so the idle share is visible.
+
+Decode runs with host-resident sequences (KV restored per layer and micro-batch, or attention on the host CPU)
+or with streamed expert weights are priced layer by layer on the per-layer DAG of batchgen.plan, where
+transfers overlap compute only as far as their dependencies allow (`price_host`); every other run is a chain
+of modules and keeps the plain sum (`price`), which the DAG reduces to when nothing moves.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
+from batchgen.plan.decode import DecodeGrid, price_decode
 
 
 @dataclass
@@ -56,22 +62,47 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
     return k, np.minimum(remaining, k)
 
 
-def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
-                num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray) -> RankLoad:
-    """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
-    K, R = iterations, num_ranks
-    # A partitioned sequence spreads its attention over tp consecutive ranks (heads split); its token enters
-    # the gate once, on its lead rank.
+def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
+               K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, summed context) in attention per rank and iteration. A partitioned sequence spreads its
+    attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank."""
     rep = np.repeat(np.arange(rank.size), tp)
     offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
     a_rank = (rank[rep] + offset) % R
     a_weight = 1.0 / tp[rep]
     attn_tokens = _alive(a_rank, alive_for[rep], a_weight, R, K)
     attn_ctx0 = _alive(a_rank, alive_for[rep], a_weight * context[rep], R, K)
+    # every live sequence's context grows by one per iteration
+    return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K)
+
+
+def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
+                host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
+                pad_rows: np.ndarray, pad_context: np.ndarray) -> DecodeGrid:
+    """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
+    separate attention micro-batches); padding rows are device-resident."""
+    K, R = iterations, num_ranks
+    dev = ~host_resident
+    dev_tokens, dev_ctx = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K)
+    host_tokens, host_ctx = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
+                                       tp[host_resident], R, K)
+    ks = np.arange(K)
+    dev_tokens = dev_tokens + pad_rows[:, None]
+    dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
+    dev_gate = _alive(rank[dev], alive_for[dev], np.ones(int(dev.sum())), R, K) + pad_rows[:, None]
+    gate = dev_gate + _alive(rank[host_resident], alive_for[host_resident], np.ones(int(host_resident.sum())), R, K)
+    mb = np.ceil(dev_gate / micro_batch) if micro_batch > 0 else (dev_gate > 0).astype(float)
+    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate)
+
+
+def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
+                num_ranks: int, iterations: int, micro_batch: int,
+                pad_rows: np.ndarray, pad_context: np.ndarray) -> RankLoad:
+    """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
+    K, R = iterations, num_ranks
+    attn_tokens, attn_ctx = _attention(rank, context, alive_for, tp, R, K)
     gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
     ks = np.arange(K)
-    attn_ctx = attn_ctx0 + attn_tokens * ks  # every live sequence's context grows by one per iteration
     attn_tokens = attn_tokens + pad_rows[:, None]
     attn_ctx = attn_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
     gate = gate + pad_rows[:, None]
@@ -131,3 +162,16 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0) -> Ru
     iteration = np.where(active, iteration, 0.0)
     rank_comm = np.full(gate.shape[0], float(comm[active].sum()))
     return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0))
+
+
+def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
+               prefetch_bytes: float) -> tuple[RunCost, float, float]:
+    """A decode run with host-resident sequences or streamed expert weights, each layer priced on its DAG
+    (batchgen.plan): (cost, h2d bytes, d2h bytes) over the run. `rank_comm` holds the all-to-all and the host
+    traffic (or CPU attention) the GPU could not hide."""
+    p = price_decode(lat, grid, micro_batch, cpu_attention=cpu_attention, prefetch_bytes=prefetch_bytes)
+    gate = grid.gate_tokens
+    active = gate.sum(axis=0) > 0
+    rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
+    return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0)),
+            p.h2d_bytes, p.d2h_bytes)

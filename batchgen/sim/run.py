@@ -21,22 +21,25 @@ class RunOutput:
     wall_s: float
     events: int
     backend: str = "sim"
+    host_bytes: float = 0.0                # bytes moved host <-> device over the whole run, both directions
+    host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
 
 
 def simulate(job: Job) -> RunOutput:
     start = time.perf_counter()
     prepared = prepare(job)
     state, lat = prepared.state, prepared.latency
-    stream = prepared.budget.streamed_bytes_per_iter
     env = simpy.Environment()
-    backend = SimBackend(env, state, lat, weight_stream_s=float(lat.h2d(stream)) if stream else 0.0)
+    backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter)
     records: list[StepRecord] = []
+    policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
     for inst in range(state.topo.num_instances):
-        env.process(instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
+        env.process(instance_loop(policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
                                   check_invariants=job.check_invariants))
     env.run()
     if not state.all_finished():
         left = len(state.table) - state.num_finished
-        raise InvariantError(f"policy {job.policy.name!r} stopped with {left} sequences unfinished")
+        raise InvariantError(f"policy {policy.name!r} stopped with {left} sequences unfinished")
     state.check()
-    return RunOutput(job, prepared, records, time.perf_counter() - start, backend.events)
+    return RunOutput(job, prepared, records, time.perf_counter() - start, backend.events,
+                     host_bytes=backend.host_bytes, host_bytes_per_iteration=backend.host_bytes_per_iteration)

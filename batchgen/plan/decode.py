@@ -1,0 +1,146 @@
+"""Price decode iterations with host-resident KV (or streamed expert weights) on the per-layer DAG.
+
+Shared by the simulator (a run's ranks x iterations grid) and the planner (one typical iteration): the same
+latency model, the same DAG, the same numbers. Per rank, device-resident and host-resident sequences form
+separate attention micro-batches of B_attn; micro-batch i of the host-resident ones holds
+min(B_attn, n - i * B_attn) of them and its share of their summed context. Iterations stay lockstep over the
+ranks at every layer's MoE (and at every dense layer's end, as in the plain pricing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchgen.latency import LatencyModel
+from batchgen.plan.layer import LayerCosts, compute_time, layer_time
+
+# At most this many host-resident micro-batches get their own DAG nodes per layer; beyond it (a B_attn tiny
+# next to the host-resident count) consecutive micro-batches are priced as one node each, with a launch per
+# original micro-batch: a coarser pipeline than the real one, so a little less overlap is credited.
+MAX_DAG_MICRO_BATCHES = 128
+
+
+@dataclass
+class DecodeGrid:
+    """What each rank computes in each decode iteration: (ranks x iterations) arrays."""
+
+    dev_tokens: np.ndarray         # device-resident decode queries in attention
+    dev_context: np.ndarray        # their summed context
+    dev_micro_batches: np.ndarray  # their attention launches
+    host_tokens: np.ndarray        # host-resident decode queries in attention
+    host_context: np.ndarray       # their summed context (KV restored per layer, or read by the CPU)
+    gate_tokens: np.ndarray        # tokens entering this rank's gate (every running sequence)
+
+
+@dataclass
+class DecodePrice:
+    iteration_s: np.ndarray   # (K,) seconds of each iteration, lockstep (0 where nothing runs)
+    rank_busy: np.ndarray     # (R,) GPU compute seconds of each rank over the run
+    comm_s: np.ndarray        # (K,) all-to-all + host traffic / CPU time the GPU could not hide
+    exposed_s: np.ndarray     # (K,) host traffic / CPU time the GPU could not hide (part of comm_s)
+    moe_layer_s: np.ndarray   # (K,) steady-state seconds of one MoE layer (0 for a dense model)
+    h2d_bytes: float          # host -> device bytes over the run, all ranks (restores, outputs, experts)
+    d2h_bytes: float          # device -> host bytes over the run, all ranks (appends, queries)
+
+
+def _host_micro_batches(host_tokens: np.ndarray, host_context: np.ndarray, micro_batch: int):
+    """(tokens, context, launches) of each host-resident micro-batch: (M, R, K) arrays."""
+    peak = float(host_tokens.max(initial=0.0))
+    if peak <= 0:
+        empty = np.zeros((0,) + host_tokens.shape)
+        return empty, empty, empty
+    size = float(micro_batch) if micro_batch > 0 else peak
+    m = math.ceil(peak / size - 1e-9)
+    group = max(1, math.ceil(m / MAX_DAG_MICRO_BATCHES))
+    size *= group
+    m = math.ceil(peak / size - 1e-9)
+    starts = np.arange(m, dtype=float)[:, None, None] * size
+    tokens = np.clip(host_tokens[None] - starts, 0.0, size)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(host_tokens > 0, tokens / host_tokens, 0.0)
+    context = host_context[None] * share
+    launches = np.ceil(tokens / (size / group)) if micro_batch > 0 else (tokens > 0).astype(float)
+    return tokens, context, launches
+
+
+def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, moe: bool,
+                prefetch_s=0.0) -> LayerCosts:
+    """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid."""
+    t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
+    dev_attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+    gate = grid.gate_tokens
+    if moe:
+        ffn = lat.shared_experts(gate) + lat.router(gate)
+        total = gate.sum(axis=0)
+        slowest, _ = lat.experts(total)
+        moe_s = lat.all_to_all(total) + slowest
+    else:
+        ffn, moe_s, prefetch_s = lat.dense_ffn(gate), 0.0, 0.0
+    kw = {}
+    if t.shape[0] and cpu_attention:
+        down, back = lat.cpu_attention_ship(t, launches)
+        kw = dict(host_attn=list(lat.attention_decode(t, 0.0, launches)), append=list(down),
+                  cpu_attn=list(lat.cpu_attention(t, ctx, launches)), ship_back=list(back))
+    elif t.shape[0]:
+        kw = dict(host_attn=list(lat.attention_decode(t, ctx, launches)), restore=list(lat.kv_restore(ctx, launches)),
+                  append=list(lat.kv_append(t, launches)))
+    return LayerCosts(dev_attn=dev_attn, ffn=ffn, moe=moe_s, prefetch=prefetch_s, cpu_attention=cpu_attention,
+                      **kw)
+
+
+def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool = False,
+                 prefetch_bytes: float = 0.0) -> DecodePrice:
+    """Lockstep decode iterations over the grid, each layer priced on its DAG.
+
+    prefetch_bytes: expert weights each rank streams host -> device per MoE layer (0: resident weights).
+    """
+    n_dense, n_moe = lat.layer_counts()
+    gate = grid.gate_tokens
+    R, K = gate.shape
+    active = gate.sum(axis=0) > 0
+    head = lat.lm_head(gate)
+    iteration = np.asarray(head, float).max(axis=0)
+    busy = np.asarray(head, float).copy()
+    exposed = np.zeros(K)
+    comm = np.zeros(K)
+    moe_layer = np.zeros(K)
+    prefetch_s = float(lat.h2d(prefetch_bytes)) if prefetch_bytes > 0 else 0.0
+    for count, is_moe in ((n_dense, False), (n_moe, True)):
+        if not count:
+            continue
+        c = layer_costs(lat, grid, micro_batch, cpu_attention=cpu_attention, moe=is_moe, prefetch_s=prefetch_s)
+        lt, ct = layer_time(c), compute_time(c)
+        iteration = iteration + count * lt
+        hidden_not = np.maximum(lt - ct, 0.0)
+        exposed = exposed + count * hidden_not
+        busy = busy + count * c.gpu_work()
+        if is_moe:
+            total = gate.sum(axis=0)
+            _, mean = lat.experts(total)
+            busy = busy + count * mean
+            comm = comm + count * lat.all_to_all(total)
+            moe_layer = np.broadcast_to(lt, (K,)).astype(float)
+    iteration = np.where(active, iteration, 0.0)
+    exposed = np.where(active, exposed, 0.0)
+    comm = np.where(active, comm + exposed, 0.0)
+    busy = np.where(active[None, :], np.broadcast_to(busy, (R, K)), 0.0)
+    h2d, d2h = host_bytes(lat, grid, cpu_attention=cpu_attention)
+    h2d += prefetch_bytes * n_moe * R * int(active.sum())
+    return DecodePrice(iteration, busy.sum(axis=1), comm, exposed, np.where(active, moe_layer, 0.0), h2d, d2h)
+
+
+def host_bytes(lat: LatencyModel, grid: DecodeGrid, *, cpu_attention: bool) -> tuple[float, float]:
+    """(h2d, d2h) bytes of host-resident decode over the grid, every layer: KV restored and appended, or (CPU
+    attention) queries and new KV down, outputs back."""
+    m = lat.model
+    tokens = float(grid.host_tokens.sum())
+    if tokens == 0:
+        return 0.0, 0.0
+    kv = m.kv_bytes_per_token_per_layer
+    if cpu_attention:
+        q = m.num_heads * m.head_dim * m.act_bytes
+        return m.num_layers * tokens * q, m.num_layers * tokens * (q + kv)
+    return m.num_layers * float(grid.host_context.sum()) * kv, m.num_layers * tokens * kv
