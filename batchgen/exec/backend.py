@@ -3,8 +3,12 @@
 Placement decisions are already applied to the `ClusterState` when a run starts; `reconcile` makes the
 tensors follow (the bookkeeping is the source of truth): a sequence the state says is suspended is yielded to
 its host copy, one that moved is exported and imported (MIGRATE), an evicted one loses its KV and will be
-prefilled again from prompt + generated tokens (recompute), a finished one is released. Then the run itself:
-one forward with prefills, or up to `steps` decode iterations, each a module-batched forward over every rank.
+prefilled again from prompt + generated tokens (recompute), a finished one is released. A sequence the state
+says runs host-resident on GPU g is host-only in g's cache: yielded there if it held pages (OFFLOAD, the host
+copy completed first), or imported without loading if another cache holds it. Then the run itself: one
+forward with prefills, or up to `steps` decode iterations, each a module-batched forward over every rank, in
+which host-resident sequences restore their KV layer by layer into staging buffers (or attend on the host
+CPU with `plan.cpu_attention`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ class ExecBackend:
         self._live = set(range(state.topo.num_instances))
         model = runners[0].model
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
-        # prefill KV needs device pages (policies budget for it); host-resident decode is not built here yet
-        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=False, cpu_attention=False)
+        # prefill KV needs device pages (policies budget for it); running sequences may be host-resident, and
+        # their attention may run on the host CPU for GQA/MHA models (MLA expands its latents on the device)
+        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=True,
+                                         cpu_attention=not model.config.is_mla)
+        # what host-resident decode moved and ran: staged restores and appends (bytes), sequence-steps
+        self.traffic = Counter()
         self._waiting: set[int] = set()
 
     # ---- Backend protocol ---------------------------------------------------------------------------
@@ -96,10 +104,13 @@ class ExecBackend:
             parked = [s for s in held[where == SUSPENDED].tolist() if cache.on_device(s)]
             cache.yield_to_host(parked)
             self.moves["yield"] += len(parked)
+        host = plan.decode_host_resident
         for g in plan.gpus:
-            running = plan.decode_ids[t.where[plan.decode_ids] == g]
+            here = t.where[plan.decode_ids] == g
+            running = plan.decode_ids[here & ~host]
             missing = [s for s in running.tolist() if not (self._holder.get(s) == g and self.caches[g].on_device(s))]
             self._bring(missing, int(g))
+            self._bring_host(plan.decode_ids[here & host].tolist(), int(g))
 
     def _bring(self, seq_ids: list[int], g: int) -> None:
         """COMBINE: restore from this GPU's host copies; MIGRATE: adopt KV held by another GPU's cache."""
@@ -117,13 +128,33 @@ class ExecBackend:
                 self._holder[sid] = g
                 self.moves["migrate"] += 1
 
+    def _bring_host(self, seq_ids: list[int], g: int) -> None:
+        """Host-resident on GPU g: host-only in g's cache with a complete host copy. OFFLOAD (yield: sync, then
+        free the pages) one that holds pages there; MIGRATE one another cache holds, without loading it."""
+        cache = self.caches[g]
+        offload = [s for s in seq_ids if self._holder.get(s) == g and cache.on_device(s)]
+        cache.yield_to_host(offload)
+        self.moves["offload"] += len(offload)
+        for sid in seq_ids:
+            src = self._holder.get(sid)
+            if src is None:
+                raise InvariantError(f"sequence {sid} is running host-resident on GPU {g} but its KV is nowhere")
+            if src != g:
+                cache.import_(sid, self.caches[src].export(sid), to_device=False)
+                self.caches[src].release([sid])
+                self._holder[sid] = g
+                self.moves["migrate"] += 1
+
     # ---- runs ----------------------------------------------------------------------------------------
-    def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool) -> list[RankBatch]:
-        """Per rank: each sequence's new tokens (the whole context when `whole`, else its last token)."""
+    def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
+                      host: np.ndarray | None = None) -> list[RankBatch]:
+        """Per rank: each sequence's new tokens (the whole context when `whole`, else its last token), and
+        whether it runs host-resident (`host`, per id)."""
         out = []
         for r, g in enumerate(plan.gpus):
-            mine = ids[ranks == r].tolist()
-            batch = RankBatch(self.caches[g], mine, [], [], [])
+            on_rank = ranks == r
+            mine = ids[on_rank].tolist()
+            batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist())
             for sid in mine:
                 if whole:
                     ctx = self.tokens.context(sid)
@@ -144,7 +175,13 @@ class ExecBackend:
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
 
     def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
-        logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch)
+        logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention)
+        self.traffic["restored_bytes"] += stats.restored_bytes
+        self.traffic["appended_bytes"] += stats.appended_bytes
+        self.traffic["host_resident_seq_steps"] += stats.host_resident
+        self.traffic["seq_steps"] += sum(len(b.seq_ids) for b in batches)
+        if plan.cpu_attention:
+            self.traffic["cpu_attention_seq_steps"] += stats.host_resident
         ids = [s for b in batches for s in b.seq_ids]
         rows = [l for l in logits if l.numel()]
         return ids, (torch.cat(rows) if rows else torch.empty(0)), stats
@@ -159,7 +196,8 @@ class ExecBackend:
         index = {int(s): i for i, s in enumerate(ids.tolist())}
         for it in range(1, plan.steps + 1):
             live = ~finished
-            batches = self._rank_batches(plan, ids[live], ranks[live], whole=False)
+            batches = self._rank_batches(plan, ids[live], ranks[live], whole=False,
+                                         host=plan.decode_host_resident[live])
             order, logits, stats = self._forward(plan, batches)
             busy += np.array(stats.rank_attention_s) + stats.ffn_s
             expert_tokens += stats.gate_tokens
@@ -193,7 +231,9 @@ class ExecBackend:
         forward, which the policy budgets for (this backend has no layer-by-layer offload)."""
         dec_ids, dec_ranks, pre_ids = plan.decode_ids, plan.decode_rank, plan.prefill_ids
         batches = self._rank_batches(plan, pre_ids, plan.prefill_rank, whole=True)
-        for b, d in zip(batches, self._rank_batches(plan, dec_ids, dec_ranks, whole=False)):
+        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident)
+        for b, d in zip(batches, decodes):
+            b.host_resident = [False] * len(b.seq_ids) + d.host_resident
             b.seq_ids += d.seq_ids
             b.token_ids += d.token_ids
             b.new_counts += d.new_counts

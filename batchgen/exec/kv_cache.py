@@ -18,19 +18,27 @@ Layout decisions (the paper is silent on them):
   A V pool must be as wide as K (v_head_dim == head_dim) or absent: no architecture here needs another width.
 - A sequence holds exactly the pages its context needs, extended lazily by `prepare` (or ahead of time by
   `reserve`, which lets a scheduler claim memory at a boundary and never fail mid-step).
-- The host copy of a sequence is one CPU tensor [capacity, num_layers, planes, kv_heads, head_dim], token-major so
-  that a sequence's prefix is contiguous (one memcpy per sequence to stage, export or restore it), grown
-  geometrically (capacity doubles, in whole pages) so that syncing one page at a time costs amortised O(1)
-  copies and few pinned allocations, which are slow. Pinned when the device is CUDA (unless host_pinned=False)
-  so that restores are asynchronous DMA.
+- Host copies live in a host page pool laid out like the device pool, [num_layers, planes, host_pages,
+  page_size, kv_heads, head_dim] (pinned when the device is CUDA, unless host_pinned=False, so that copies
+  are asynchronous DMA). A sequence's host copy is a list of host pages, token t at host page t // page_size,
+  slot t % page_size, exactly as on device: moving KV either way is one gather and one index_copy of whole
+  pages for any number of sequences, and one layer of a batch of sequences (what host-resident decode
+  restores) is one gather too. The pool has no budget of its own (the scheduler's host accounting is the
+  limit): it doubles when full, which costs amortised O(1) copies per page.
 - A sequence is in one of two places: on device (pages held; its first `synced` tokens also on host) or on
   host only (no pages; the host copy holds all of it). Evicted and released sequences are forgotten: a
   recomputed sequence comes back through `prepare` with start position 0, like a new one.
+- Host-resident decode runs a host-only sequence without giving it device pages: `prepare_host` reserves host
+  room for the new tokens and describes the step in host-pool coordinates (block tables of host pages); per
+  layer, a runner either restores the pages into a device staging buffer (`batchgen.exec.staging`), attends
+  there and appends the new tokens' KV back (`write_host_tokens`), or attends on the host pool itself on the
+  CPU (`host_layer`); `host_advance` then counts the new tokens. In between, the sequence cannot be moved.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -49,7 +57,7 @@ class CacheFullError(RuntimeError):
 
 @dataclass
 class HostKV:
-    """A sequence's KV in host memory: what YIELD checkpoints and MIGRATE carries between caches."""
+    """A sequence's KV in host memory as token-major rows: what MIGRATE carries between caches."""
 
     kv: torch.Tensor  # [capacity, num_layers, planes, kv_heads, head_dim] on CPU; rows [:length] are valid
     length: int
@@ -62,12 +70,13 @@ class HostKV:
         return self.kv[:self.length]
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: host allocation maps sequences to page counts
 class _Seq:
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)       # device pages
     device_len: int = 0           # tokens whose KV is (or, after prepare, is being) written on device
-    host: HostKV | None = None    # None until the first sync
+    host_pages: list[int] = field(default_factory=list)  # host pages: exactly those covering synced + pending
     synced: int = 0               # tokens of the host copy; a prefix of the sequence
+    pending: int = 0              # tokens a host-resident step is writing (prepare_host .. host_advance)
 
     @property
     def on_device(self) -> bool:
@@ -88,13 +97,20 @@ def _v_width(head_dim: int, v_head_dim: int | None) -> int:
                      f"got {v_head_dim}")
 
 
+def _index(ids: list[int], device: torch.device | None = None) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
 class PagedKVCache:
     """One device's paged KV pool for all layers, plus the host copy that is each sequence's source of truth."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 host_pinned: bool | None = None, v_head_dim: int | None = None):
-        """v_head_dim: None or head_dim for a V pool like the K pool; 0 for no V pool (MLA's latent cache)."""
+                 host_pinned: bool | None = None, v_head_dim: int | None = None, host_pages: int | None = None,
+                 max_context: int | None = None):
+        """v_head_dim: None or head_dim for a V pool like the K pool; 0 for no V pool (MLA's latent cache).
+        host_pages: the host pool's initial size (default num_pages; it doubles when full). max_context: the
+        longest sequence the job runs, to size host-resident staging buffers once (see `staging`)."""
         if min(num_layers, num_kv_heads, head_dim, page_size, num_pages) < 1:
             raise ValueError(f"KV cache dimensions must be positive: num_layers={num_layers} "
                              f"num_kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
@@ -104,6 +120,7 @@ class PagedKVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages = page_size, num_pages
         self.dtype, self.device = dtype, torch.device(device)
+        self.max_context = max_context
         self.host_pinned = self.device.type == "cuda" if host_pinned is None else bool(host_pinned)
         if self.host_pinned and not torch.cuda.is_available():
             raise ValueError("host_pinned=True needs CUDA (pinned memory is allocated through the CUDA driver)")
@@ -113,7 +130,10 @@ class PagedKVCache:
         self._no_v = None if self.v_head_dim else torch.zeros(num_pages, page_size, num_kv_heads, 0, dtype=dtype,
                                                              device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack; page 0 is handed out first
+        self._host = self._new_host(max(1, num_pages if host_pages is None else int(host_pages)))
+        self._host_free = list(range(self._host.shape[2] - 1, -1, -1))
         self._seqs: dict[int, _Seq] = {}
+        self.staging = None  # host-resident decode's staging buffers, built by the first staged step
 
     @staticmethod
     def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -124,7 +144,8 @@ class PagedKVCache:
     @classmethod
     def from_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
                     budget_bytes: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    host_pinned: bool | None = None, v_head_dim: int | None = None) -> "PagedKVCache":
+                    host_pinned: bool | None = None, v_head_dim: int | None = None,
+                    max_context: int | None = None) -> "PagedKVCache":
         """As many pages as fit in the device-memory budget given to the KV cache (the budget is a hard cap)."""
         per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype, v_head_dim)
         num_pages = int(budget_bytes) // per_page
@@ -134,7 +155,7 @@ class PagedKVCache:
                              f"tokens x {num_layers} layers x {pools} x {num_kv_heads} heads x {head_dim} dims "
                              f"in {dtype} takes {per_page} bytes")
         return cls(num_layers, num_kv_heads, head_dim, page_size=page_size, num_pages=num_pages, dtype=dtype,
-                   device=device, host_pinned=host_pinned, v_head_dim=v_head_dim)
+                   device=device, host_pinned=host_pinned, v_head_dim=v_head_dim, max_context=max_context)
 
     # ---- views and queries --------------------------------------------------------------------------
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,15 +163,33 @@ class PagedKVCache:
         Without a V pool (v_head_dim=0) the V tensor is [num_pages, page_size, kv_heads, 0]: it holds nothing."""
         return self._kv[l, 0], (self._kv[l, 1] if self._no_v is None else self._no_v)
 
+    def host_layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's host K and V pools, [host_pages, page_size, kv_heads, head_dim] on CPU, contiguous: what
+        attention on the host CPU reads and writes, with metadata from `prepare_host`. Stale once the host pool
+        grows (any call that adds host pages): fetch them after the step's `prepare_host` calls."""
+        k = self._host[l, 0]
+        return k, (self._host[l, 1] if self.v_head_dim else k.new_zeros(*k.shape[:3], 0))
+
     @property
     def bytes_per_token(self) -> int:
         return self.page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype, self.v_head_dim)
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """One page of one layer, K and V: the unit a host-resident restore moves."""
+        return self.bytes_per_token * self.page_size // self.num_layers
 
     def free_pages(self) -> int:
         return len(self._free)
 
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
+
+    def host_capacity_pages(self) -> int:
+        return self._host.shape[2]
+
+    def host_used_pages(self) -> int:
+        return self._host.shape[2] - len(self._host_free)
 
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
@@ -163,6 +202,9 @@ class PagedKVCache:
 
     def pages(self, seq_id: int) -> list[int]:
         return list(self._get(seq_id).pages)
+
+    def host_pages(self, seq_id: int) -> list[int]:
+        return list(self._get(seq_id).host_pages)
 
     def device_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).device_len
@@ -218,28 +260,57 @@ class PagedKVCache:
         self._grow_to({sid: self._seqs[sid].device_len + int(n) for sid, n in extra_tokens_by_seq.items()},
                       f"reserving for {len(extra_tokens_by_seq)} sequences")
 
+    # ---- the host pool -------------------------------------------------------------------------------
+    def _new_host(self, pages: int) -> torch.Tensor:
+        return torch.empty(self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads, self.head_dim,
+                           dtype=self.dtype, pin_memory=self.host_pinned)
+
+    def _host_cover(self, tokens_by_seq: dict[_Seq, int]) -> None:
+        """Give each sequence the host pages that cover its first `tokens` tokens (it never shrinks here)."""
+        need = {s: _cdiv(n, self.page_size) - len(s.host_pages) for s, n in tokens_by_seq.items()}
+        total = sum(n for n in need.values() if n > 0)
+        if total > len(self._host_free):
+            old = self._host.shape[2]
+            grown = self._new_host(max(2 * old, old + total - len(self._host_free)))
+            grown[:, :, :old].copy_(self._host)
+            self._host = grown
+            self._host_free = list(range(grown.shape[2] - 1, old - 1, -1)) + self._host_free
+        for s, n in need.items():
+            if n > 0:
+                s.host_pages.extend(self._host_free.pop() for _ in range(n))
+
+    def _host_flat(self) -> torch.Tensor:
+        return self._host.view(self.num_layers, self.planes, -1, self.num_kv_heads, self.head_dim)
+
+    def _pages_of(self, seqs: list[_Seq], which: str, first: list[int], last: list[int]) -> list[int]:
+        return list(chain.from_iterable(getattr(s, which)[a:b] for s, a, b in zip(seqs, first, last)))
+
     # ---- the forward pass --------------------------------------------------------------------------
     def prepare(self, seq_ids: list[int], new_tokens: list[int], start_positions: list[int]) -> AttentionMetadata:
         """Give each sequence room for its new tokens and describe where they go.
 
         The new tokens of a sequence follow its existing KV, so start_positions must equal its device tokens
-        (0 for a new or evicted sequence); a sequence whose KV is on host only must be restored first, since
-        running it from scratch would silently drop its checkpoint. The returned tensors are on the device.
-        The new tokens count as on device from here: sync only after the forward pass has written them.
+        (0 for a new or evicted sequence); a sequence whose KV is on host only must be restored first (or run
+        host-resident with `prepare_host`), since running it from scratch would silently drop its checkpoint.
+        The returned tensors are on the device. The new tokens count as on device from here: sync only after
+        the forward pass has written them.
         """
         self._check_prepare_args(seq_ids, new_tokens, start_positions)
         self._grow_to({sid: int(p) + int(n) for sid, n, p in zip(seq_ids, new_tokens, start_positions)},
                       f"a step of {sum(new_tokens)} new tokens over {len(seq_ids)} sequences")
         for sid, n in zip(seq_ids, new_tokens):
             self._seqs[sid].device_len += int(n)
+        return self._metadata([self._seqs[sid].pages for sid in seq_ids], new_tokens,
+                              start_positions).to(self.device)
+
+    def _metadata(self, page_lists: list[list[int]], new_tokens, start_positions) -> AttentionMetadata:
         starts = torch.tensor(start_positions, dtype=torch.int64).reshape(-1)
         lens = torch.tensor(new_tokens, dtype=torch.int64).reshape(-1)
-        table = self._block_table(seq_ids)
+        table = _block_table(page_lists)
         positions, slots = self._slots(table, starts, starts + lens)
-        query_starts = torch.zeros(len(seq_ids) + 1, dtype=torch.int64)
+        query_starts = torch.zeros(len(page_lists) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=query_starts[1:])
-        return AttentionMetadata(positions, query_starts, starts + lens, table, slots,
-                                 self.page_size).to(self.device)
+        return AttentionMetadata(positions, query_starts, starts + lens, table, slots, self.page_size)
 
     def _check_prepare_args(self, seq_ids, new_tokens, start_positions) -> None:
         if not len(seq_ids) == len(new_tokens) == len(start_positions):
@@ -258,14 +329,6 @@ class PagedKVCache:
                 raise ValueError(f"sequence {sid}: new tokens start at position {p} but its KV holds {have} "
                                  "tokens (new tokens must follow the existing KV)")
 
-    def _block_table(self, seq_ids) -> torch.Tensor:
-        width = max((len(self._seqs[sid].pages) for sid in seq_ids), default=0)
-        table = torch.full((len(seq_ids), width), -1, dtype=torch.int64)
-        for row, sid in enumerate(seq_ids):
-            pages = self._seqs[sid].pages
-            table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        return table
-
     def _slots(self, table: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor):
         """Positions [starts[b], ends[b]) of each row, and their flat slots in the pool, vectorised."""
         lens = ends - starts
@@ -275,52 +338,82 @@ class PagedKVCache:
         slots = table[row, positions // self.page_size] * self.page_size + positions % self.page_size
         return positions, slots
 
+    # ---- host-resident steps -------------------------------------------------------------------------
+    def prepare_host(self, seq_ids: list[int], new_tokens: list[int],
+                     start_positions: list[int]) -> AttentionMetadata:
+        """A step of host-resident sequences (held here on host only), in host-pool coordinates, on CPU.
+
+        Host pages for the new tokens are reserved now (the pool may grow: fetch `host_layer` views after
+        this); block_table names host pages and slot_mapping host slots. The sequences hold no device pages.
+        The new tokens count once `host_advance` is called, after every layer has written its KV back."""
+        if not len(seq_ids) == len(new_tokens) == len(start_positions):
+            raise ValueError(f"prepare_host got {len(seq_ids)} sequence ids, {len(new_tokens)} token counts and "
+                             f"{len(start_positions)} start positions")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"prepare_host got a sequence twice: {seq_ids}")
+        seqs = [self._get(sid) for sid in seq_ids]
+        for sid, s, n, p in zip(seq_ids, seqs, new_tokens, start_positions):
+            if s.on_device:
+                raise ValueError(f"sequence {sid} holds device pages: yield it to host before running it "
+                                 "host-resident")
+            if s.pending:
+                raise ValueError(f"sequence {sid} is already in a host-resident step")
+            if n < 1:
+                raise ValueError(f"sequence {sid}: a step must add at least one token, got {n}")
+            if p != s.synced:
+                raise ValueError(f"sequence {sid}: new tokens start at position {p} but its host KV holds "
+                                 f"{s.synced} tokens (new tokens must follow the existing KV)")
+        self._host_cover({s: s.synced + int(n) for s, n in zip(seqs, new_tokens)})
+        for s, n in zip(seqs, new_tokens):
+            s.pending = int(n)
+        return self._metadata([s.host_pages for s in seqs], new_tokens, start_positions)
+
+    def host_advance(self, seq_ids) -> None:
+        """The host-resident step is done: its new tokens' KV is in the host copy."""
+        for sid in seq_ids:
+            s = self._get(sid)
+            if not s.pending:
+                raise ValueError(f"sequence {sid} is not in a host-resident step")
+            s.synced += s.pending
+            s.pending = 0
+
+    def gather_host_pages(self, layer: int, pages: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """One layer's host pages into `out` [planes, len(pages), page_size, kv_heads, head_dim]: one gather."""
+        return torch.index_select(self._host[layer], 1, pages, out=out)
+
+    def write_host_tokens(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """values [num_layers, planes, T, kv_heads, head_dim] into host slots [T]: one index_copy (the
+        append of host-resident steps' new tokens)."""
+        self._host_flat().index_copy_(2, slots, values)
+
     # ---- moving KV between device and host --------------------------------------------------------
-    def _flat(self) -> torch.Tensor:
-        return self._kv.view(self.num_layers, self.planes, self.num_pages * self.page_size, self.num_kv_heads,
-                             self.head_dim)
+    def _host_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
+        src = torch.empty(self.num_layers, self.planes, len(host_pages), self.page_size, self.num_kv_heads,
+                          self.head_dim, dtype=self.dtype, pin_memory=self.host_pinned)
+        torch.index_select(self._host, 2, _index(host_pages), out=src)
+        self._kv.index_copy_(2, _index(device_pages, self.device), src.to(self.device, non_blocking=self.host_pinned))
 
-    def _gather(self, seq_ids, starts, ends) -> torch.Tensor:
-        """Device KV of the spans, token-major [T, L, planes, H, D] on CPU: one gather and one D2H for all."""
-        _, slots = self._slots(self._block_table(seq_ids), torch.tensor(starts), torch.tensor(ends))
-        picked = self._flat().index_select(2, slots.to(self.device))
-        return picked.permute(2, 0, 1, 3, 4).contiguous().cpu()
-
-    def _scatter(self, seq_ids, staged: torch.Tensor) -> None:
-        """Write token-major KV (all of each sequence, in order) into the sequences' pages: one index_copy."""
-        lens = torch.tensor([self._seqs[sid].synced for sid in seq_ids])
-        _, slots = self._slots(self._block_table(seq_ids), torch.zeros_like(lens), lens)
-        self._flat().index_copy_(2, slots.to(self.device), staged.permute(1, 2, 0, 3, 4))
-
-    def _new_host(self, capacity: int) -> torch.Tensor:
-        capacity = _cdiv(capacity, self.page_size) * self.page_size
-        return torch.empty(capacity, self.num_layers, self.planes, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                           pin_memory=self.host_pinned)
-
-    def _host_append(self, s: _Seq, kv: torch.Tensor) -> None:
-        end = s.synced + kv.shape[0]
-        if s.host is None:
-            s.host = HostKV(self._new_host(end), 0)
-        elif end > s.host.capacity:
-            grown = self._new_host(max(end, 2 * s.host.capacity))
-            grown[:s.synced].copy_(s.host.kv[:s.synced])
-            s.host = HostKV(grown, s.synced)
-        s.host.kv[s.synced:end].copy_(kv)
-        s.host.length = s.synced = end
+    def _device_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
+        picked = self._kv.index_select(2, _index(device_pages, self.device)).cpu()
+        self._host.index_copy_(2, _index(host_pages), picked)
 
     def sync_to_host(self, seq_ids) -> int:
-        """Checkpoint the tokens written since the last sync (called at page boundaries); returns tokens copied."""
-        todo = [sid for sid in seq_ids if self._get(sid).device_len > self._seqs[sid].synced]
+        """Checkpoint the tokens written since the last sync (called at page boundaries): the pages they are
+        on go down in one gather and one index_copy. Returns tokens copied."""
+        todo = [self._get(sid) for sid in seq_ids]
+        todo = [s for s in todo if s.device_len > s.synced]
         if not todo:
             return 0
-        starts = [self._seqs[sid].synced for sid in todo]
-        ends = [self._seqs[sid].device_len for sid in todo]
-        staged = self._gather(todo, starts, ends)
-        offset = 0
-        for sid, a, b in zip(todo, starts, ends):
-            self._host_append(self._seqs[sid], staged[offset:offset + b - a])
-            offset += b - a
-        return offset
+        self._host_cover({s: s.device_len for s in todo})
+        first = [s.synced // self.page_size for s in todo]
+        last = [_cdiv(s.device_len, self.page_size) for s in todo]
+        self._device_to_host(self._pages_of(todo, "pages", first, last), self._pages_of(todo, "host_pages", first,
+                                                                                       last))
+        copied = 0
+        for s in todo:
+            copied += s.device_len - s.synced
+            s.synced = s.device_len
+        return copied
 
     def _free_device(self, s: _Seq) -> None:
         self._free.extend(reversed(s.pages))
@@ -335,25 +428,24 @@ class PagedKVCache:
         return copied
 
     def restore(self, seq_ids) -> int:
-        """COMBINE/resume: pages for the whole host copy, then one H2D per sequence and one index_copy for all."""
+        """COMBINE/resume: pages for the whole host copy, then one gather, one H2D and one index_copy for all."""
         for sid in seq_ids:
             if self._get(sid).on_device:
                 raise ValueError(f"sequence {sid} is already on device: only yielded sequences can be restored")
+            if self._seqs[sid].pending:
+                raise ValueError(f"sequence {sid} is in a host-resident step: finish it before restoring")
         if not seq_ids:
             return 0
         tokens = {sid: self._seqs[sid].synced for sid in seq_ids}
         self._grow_to(tokens, f"restoring {len(seq_ids)} sequences ({sum(tokens.values())} tokens)")
-        staged = torch.empty(sum(tokens.values()), self.num_layers, self.planes, self.num_kv_heads, self.head_dim,
-                             dtype=self.dtype, device=self.device)
-        offset = 0
-        for sid in seq_ids:
-            host = self._seqs[sid].host
-            staged[offset:offset + host.length].copy_(host.tokens(), non_blocking=self.host_pinned)
-            offset += host.length
-        self._scatter(seq_ids, staged)
-        for sid in seq_ids:
-            self._seqs[sid].device_len = self._seqs[sid].synced
-        return offset
+        seqs = [self._seqs[sid] for sid in seq_ids]
+        first = [0] * len(seqs)
+        last = [_cdiv(s.synced, self.page_size) for s in seqs]
+        self._host_to_device(self._pages_of(seqs, "host_pages", first, last),
+                             self._pages_of(seqs, "pages", first, last))
+        for s in seqs:
+            s.device_len = s.synced
+        return sum(tokens.values())
 
     def _require_on_device(self, seq_ids, action: str) -> None:
         for sid in seq_ids:
@@ -362,14 +454,16 @@ class PagedKVCache:
 
     # ---- MIGRATE --------------------------------------------------------------------------------------
     def export(self, seq_id: int) -> HostKV:
-        """The whole KV as a host copy, for another cache to import; syncs first so nothing is left behind.
-
-        The result shares memory with this cache's host copy (no copy for a move within one host); the caller
-        releases the sequence here once the target has imported it.
-        """
+        """The whole KV as token-major host rows, for another cache to import; syncs first so nothing is left
+        behind. A copy: the caller releases the sequence here once the target has imported it."""
+        s = self._get(seq_id)
+        if s.pending:
+            raise ValueError(f"sequence {seq_id} is in a host-resident step: finish it before exporting")
         self.sync_to_host([seq_id])
-        host = self._seqs[seq_id].host
-        return HostKV(host.tokens(), host.length)
+        n = _cdiv(s.synced, self.page_size)
+        pages = self._host.index_select(2, _index(s.host_pages[:n]))   # [L, planes, n, page, H, D]
+        rows = pages.permute(2, 3, 0, 1, 4, 5).reshape(n * self.page_size, *pages.shape[:2], *pages.shape[4:])
+        return HostKV(rows[:s.synced], s.synced)
 
     def import_(self, seq_id: int, host_kv: HostKV, to_device: bool = False) -> int:
         """MIGRATE in: adopt a host copy (and optionally load it). All or nothing; returns tokens loaded."""
@@ -381,10 +475,13 @@ class PagedKVCache:
                                  _cdiv(host_kv.length, self.page_size), len(self._free), self.num_pages,
                                  self.page_size)
         s = _Seq()
-        if self.host_pinned and not host_kv.kv.is_pinned():
-            self._host_append(s, host_kv.tokens())   # restores need pinned memory to be asynchronous
-        else:
-            s.host, s.synced = HostKV(host_kv.tokens(), host_kv.length), host_kv.length
+        self._host_cover({s: host_kv.length})
+        n = len(s.host_pages)
+        rows = host_kv.kv.new_zeros(n * self.page_size, *host_kv.kv.shape[1:])
+        rows[:host_kv.length] = host_kv.tokens()
+        pages = rows.view(n, self.page_size, *rows.shape[1:]).permute(2, 3, 0, 1, 4, 5)
+        self._host.index_copy_(2, _index(s.host_pages), pages)
+        s.synced = host_kv.length
         self._seqs[seq_id] = s
         return self.restore([seq_id]) if to_device else 0
 
@@ -407,31 +504,49 @@ class PagedKVCache:
         self.release(seq_ids)
 
     def release(self, seq_ids) -> None:
-        """A finished (or migrated-away) sequence: its pages go back to the pool and its host copy is dropped."""
+        """A finished (or migrated-away) sequence: its pages go back to the pools and its host copy is dropped."""
         for sid in seq_ids:
             self._get(sid)
         for sid in seq_ids:
-            self._free_device(self._seqs.pop(sid))
+            s = self._seqs.pop(sid)
+            self._free_device(s)
+            self._host_free.extend(reversed(s.host_pages))
+            s.host_pages = []
 
     # ---- invariants ------------------------------------------------------------------------------------
     def check(self) -> None:
         """Recount pages and lengths; raises InvariantError on the first broken rule."""
-        owned = [p for s in self._seqs.values() for p in s.pages]
-        every = owned + self._free
-        if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
-            raise InvariantError(f"pages: {len(owned)} owned + {len(self._free)} free != {self.num_pages}, "
-                                 "or a page is owned twice or lost")
+        for name, owned, free, total in (
+                ("pages", [p for s in self._seqs.values() for p in s.pages], self._free, self.num_pages),
+                ("host pages", [p for s in self._seqs.values() for p in s.host_pages], self._host_free,
+                 self._host.shape[2])):
+            every = owned + free
+            if len(every) != total or set(every) != set(range(total)):
+                raise InvariantError(f"{name}: {len(owned)} owned + {len(free)} free != {total}, "
+                                     "or a page is owned twice or lost")
         for sid, s in self._seqs.items():
             self._check_seq(sid, s)
 
     def _check_seq(self, sid: int, s: _Seq) -> None:
-        host_len = 0 if s.host is None else s.host.length
-        if host_len != s.synced or (s.host is not None and s.host.capacity < s.host.length):
-            raise InvariantError(f"sequence {sid}: host copy holds {host_len} tokens, synced says {s.synced}")
+        if len(s.host_pages) != _cdiv(s.synced + s.pending, self.page_size):
+            raise InvariantError(f"sequence {sid}: {len(s.host_pages)} host pages for {s.synced} synced and "
+                                 f"{s.pending} pending tokens")
         if s.on_device:
-            if not s.synced <= s.device_len <= len(s.pages) * self.page_size:
-                raise InvariantError(f"sequence {sid}: synced {s.synced}, device {s.device_len}, "
-                                     f"{len(s.pages)} pages of {self.page_size}")
+            if s.pending or not s.synced <= s.device_len <= len(s.pages) * self.page_size:
+                raise InvariantError(f"sequence {sid}: synced {s.synced}, device {s.device_len}, pending "
+                                     f"{s.pending}, {len(s.pages)} pages of {self.page_size}")
         elif s.device_len or s.synced < 1:
             raise InvariantError(f"sequence {sid}: off device with device_len {s.device_len} and "
                                  f"{s.synced} host tokens")
+
+
+def _block_table(page_lists: list[list[int]]) -> torch.Tensor:
+    """Rows of page ids padded with -1, built from one flat list (no tensor per row)."""
+    lens = torch.tensor([len(p) for p in page_lists], dtype=torch.int64)
+    width = int(lens.max()) if len(page_lists) else 0
+    table = torch.full((len(page_lists), width), -1, dtype=torch.int64)
+    if width:
+        rows = torch.repeat_interleave(torch.arange(len(page_lists)), lens)
+        cols = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[rows]
+        table[rows, cols] = torch.tensor(list(chain.from_iterable(page_lists)), dtype=torch.int64)
+    return table

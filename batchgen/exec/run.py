@@ -74,7 +74,8 @@ class ExecSettings:
 @dataclass
 class ExecOutput(RunOutput):
     tokens: SequenceTokens | None = None
-    kv_moves: dict | None = None  # KV operations the executor carried out (yield, restore, migrate, evict)
+    kv_moves: dict | None = None  # KV operations the executor carried out (yield, restore, migrate, evict, offload)
+    kv_traffic: dict | None = None  # host-resident decode: bytes restored and appended, sequence-steps
 
 
 def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
@@ -110,9 +111,10 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                           f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
     geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
+    max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
     caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens,
                                        budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype,
-                                       device=devices[gpu // cluster.instance_size])
+                                       device=devices[gpu // cluster.instance_size], max_context=max_context)
               for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
     try:
@@ -155,4 +157,4 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                              "sequences unfinished")
     state.check()
     return ExecOutput(job, prepared, records, time.perf_counter() - start, backend.events, backend="exec",
-                      tokens=tokens, kv_moves=dict(backend.moves))
+                      tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic))

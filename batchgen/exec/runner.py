@@ -5,6 +5,16 @@ are split into micro-batches of `micro_batch`), then concatenates all their hidd
 (or dense FFN) once on that combined batch: the expert batch is the sum of every micro-batch of every rank.
 All ranks of one instance live on one device here (one process); a multi-process runner will put each rank
 on its own device and exchange the combined batch with all-to-all.
+
+Where a sequence's KV is decides how its attention runs (`RankBatch.host_resident`):
+- device-resident: over its pages in the rank's device pool;
+- host-resident: its micro-batches (of `micro_batch` sequences, apart from the device-resident ones) have each
+  layer's KV restored from the host pool into a double-buffered device staging buffer (`staging.py`), attend
+  there, and send the new token's KV back to the host copy;
+- host-resident with `cpu_attention`: attention runs on the host CPU over the host pool itself (GQA/MHA only;
+  on a GPU only q, k, v and the output cross the link), writing the new KV straight into the host copy.
+Timings never add synchronisation on CUDA: events are recorded around modules and read once, at the end of
+the forward (which waits for the logits anyway). On CPU the wall clock is read around each module.
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
+from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
 
 
 @dataclass
@@ -27,6 +39,7 @@ class RankBatch:
     token_ids: list[int]         # flat, sequence after sequence
     new_counts: list[int]        # new tokens per sequence
     start_positions: list[int]   # position of each sequence's first new token (= its KV length so far)
+    host_resident: list[bool] = field(default_factory=list)  # per sequence; empty: all device-resident
 
 
 @dataclass
@@ -34,6 +47,23 @@ class ForwardStats:
     rank_attention_s: list[float] = field(default_factory=list)
     ffn_s: float = 0.0
     gate_tokens: int = 0
+    host_resident: int = 0        # sequences that ran host-resident
+    restored_bytes: int = 0       # KV restored from host into staging buffers, all layers
+    appended_bytes: int = 0       # new tokens' KV sent back to host copies, all layers
+
+
+@dataclass
+class _Piece:
+    """One attention micro-batch: device (pages), staged (host pages restored per layer) or cpu (host pool)."""
+
+    kind: str
+    rank: int
+    rows: slice
+    meta: AttentionMetadata
+    cache: PagedKVCache
+    seq_ids: list[int]
+    staged: StagedBatch | None = None
+    index: int = 0                # its place among its rank's staged micro-batches
 
 
 class InstanceRunner:
@@ -43,49 +73,115 @@ class InstanceRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def forward(self, ranks: list[RankBatch], micro_batch: int | None = None) -> tuple[list[torch.Tensor], ForwardStats]:
+    def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
+                cpu_attention: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
         """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each), and timings."""
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
-        pieces = []   # (rank index, row slice in the flat batch, metadata, cache)
+        if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):
+            raise ValueError("CPU attention needs GQA/MHA attention: MLA (DeepSeek-V3) expands its latent KV per "
+                             "head with kv_b_proj, which stays on the accelerator; run it host-resident with "
+                             "attention on the GPU (policy.attention=gpu)")
+        pieces, tokens, last_rows = self._plan(ranks, mb, cpu_attention)
+        if not pieces:
+            return [torch.empty(0) for _ in ranks], stats
+        pipelines = self._pipelines(pieces, mb)
+        timer = _Timer(self.device)
+        hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
+        for layer in range(self.model.num_layers):
+            for p in pieces:
+                start = timer.start()
+                if p.kind == "device":
+                    kv = p.cache.layer(layer)
+                elif p.kind == "cpu":
+                    kv = p.cache.host_layer(layer)
+                else:
+                    kv = pipelines[p.rank].acquire(layer, p.index)
+                hidden[p.rows] = self.model.attention_block(layer, hidden[p.rows], p.meta, kv)
+                if p.kind == "staged":
+                    pipelines[p.rank].release(layer, p.index)
+                timer.stop(start, p.rank)
+            start = timer.start()
+            hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
+            timer.stop(start, "ffn")
+            stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
+        out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
+        self._finish_host(pieces, stats)
+        totals = timer.totals()
+        stats.rank_attention_s = [totals.get(r, 0.0) for r in range(len(ranks))]
+        stats.ffn_s = totals.get("ffn", 0.0)
+        return out, stats
+
+    def _plan(self, ranks: list[RankBatch], mb: int, cpu_attention: bool):
+        """Micro-batches per rank, with their metadata; the flat token list; each sequence's last row."""
+        pieces: list[_Piece] = []
         tokens, last_rows, offset = [], [], 0
         for r, batch in enumerate(ranks):
             starts = [0]
             for n in batch.new_counts:
                 starts.append(starts[-1] + n)
             last = [0] * len(batch.seq_ids)
-            # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
-            # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
-            prompts = [i for i, n in enumerate(batch.new_counts) if n > 1]
-            decodes = [i for i, n in enumerate(batch.new_counts) if n == 1]
-            for group in (prompts, decodes):
-                for lo, hi in _chunks(len(group), mb):
-                    idx = group[lo:hi]
-                    meta = batch.cache.prepare([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
-                                               [batch.start_positions[i] for i in idx]).to(self.device)
-                    n = sum(batch.new_counts[i] for i in idx)
-                    pieces.append((r, slice(offset, offset + n), meta, batch.cache))
-                    for i in idx:
-                        tokens.extend(batch.token_ids[starts[i]:starts[i + 1]])
-                        offset += batch.new_counts[i]
-                        last[i] = offset - 1
+            host = batch.host_resident or [False] * len(batch.seq_ids)
+            staged = 0
+            for resident in (False, True):
+                # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
+                # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
+                mine = [i for i in range(len(batch.seq_ids)) if host[i] == resident]
+                prompts = [i for i in mine if batch.new_counts[i] > 1]
+                decodes = [i for i in mine if batch.new_counts[i] == 1]
+                for group in (prompts, decodes):
+                    for lo, hi in _chunks(len(group), mb):
+                        idx = group[lo:hi]
+                        args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
+                                [batch.start_positions[i] for i in idx])
+                        n = sum(args[1])
+                        rows = slice(offset, offset + n)
+                        if not resident:
+                            p = _Piece("device", r, rows, batch.cache.prepare(*args).to(self.device), batch.cache,
+                                       args[0])
+                        elif cpu_attention:
+                            p = _Piece("cpu", r, rows, batch.cache.prepare_host(*args), batch.cache, args[0])
+                        else:
+                            sb = stage(args[0], batch.cache.prepare_host(*args), batch.cache)
+                            p = _Piece("staged", r, rows, sb.meta, batch.cache, args[0], sb, staged)
+                            staged += 1
+                        pieces.append(p)
+                        for i in idx:
+                            tokens.extend(batch.token_ids[starts[i]:starts[i + 1]])
+                            offset += batch.new_counts[i]
+                            last[i] = offset - 1
             last_rows.append(last)
-        if not pieces:
-            return [torch.empty(0) for _ in ranks], stats
-        hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
-        for layer in range(self.model.num_layers):
-            for r, rows, meta, cache in pieces:
-                start = _clock(self.device)
-                hidden[rows] = self.model.attention_block(layer, hidden[rows], meta, cache.layer(layer))
-                stats.rank_attention_s[r] += _clock(self.device) - start
-            start = _clock(self.device)
-            hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
-            stats.ffn_s += _clock(self.device) - start
-            stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
-        out = []
-        for rows in last_rows:
-            out.append(self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0))
-        return out, stats
+        return pieces, tokens, last_rows
+
+    def _pipelines(self, pieces: list[_Piece], mb: int) -> dict[int, RestorePipeline]:
+        """Per rank with staged micro-batches: its staging area (allocated once, sized for B_attn sequences of
+        the job's longest context when the cache knows it) and this forward's restore schedule."""
+        by_rank: dict[int, list[_Piece]] = {}
+        for p in pieces:
+            if p.kind == "staged":
+                by_rank.setdefault(p.rank, []).append(p)
+        out = {}
+        for r, mine in by_rank.items():
+            cache = mine[0].cache
+            need = max(p.staged.num_pages for p in mine)
+            hint = staging_pages(mb, cache.max_context, cache.page_size) if mb and cache.max_context else need
+            if cache.staging is None:
+                cache.staging = StagingArea(cache, max(need, hint))
+            cache.staging.ensure(need, hint)
+            out[r] = RestorePipeline(cache.staging, [p.staged for p in mine], self.model.num_layers)
+        return out
+
+    def _finish_host(self, pieces: list[_Piece], stats: ForwardStats) -> None:
+        """The new tokens' KV into the host copies (one index_copy per staged micro-batch), then count them."""
+        for p in pieces:
+            if p.kind == "device":
+                continue
+            if p.kind == "staged":
+                p.cache.write_host_tokens(p.staged.host_slots, p.staged.appended.cpu())
+                stats.restored_bytes += p.staged.num_pages * p.cache.layer_page_bytes * p.cache.num_layers
+            p.cache.host_advance(p.seq_ids)
+            stats.host_resident += len(p.seq_ids)
+            stats.appended_bytes += p.meta.num_tokens * p.cache.bytes_per_token
 
 
 def _chunks(n: int, size: int):
@@ -94,7 +190,35 @@ def _chunks(n: int, size: int):
         yield lo, min(lo + size, n)
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class _Timer:
+    """Seconds per bucket. CPU: the wall clock around each module. CUDA: events on the compute stream, read
+    after the forward, so that timing never synchronises (a sync per module would serialise the staging
+    restores with attention and bias what is measured)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._totals: dict = {}
+        self._marks: list = []
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start, bucket) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._marks.append((start, end, bucket))
+        else:
+            self._totals[bucket] = self._totals.get(bucket, 0.0) + time.perf_counter() - start
+
+    def totals(self) -> dict:
+        if self._marks:
+            self._marks[-1][1].synchronize()
+            for start, end, bucket in self._marks:
+                self._totals[bucket] = self._totals.get(bucket, 0.0) + start.elapsed_time(end) / 1e3
+            self._marks.clear()
+        return self._totals

@@ -31,12 +31,19 @@ def write(cache, md, values):
             pool.view(-1, cache.num_kv_heads, cache.head_dim)[slots] = values[:, l, kv].to(pool)
 
 
-def gather(cache, pages, length):
-    """What attention reads: the first `length` tokens through a block-table row, as [length, L, 2, H, D]."""
-    pages = torch.as_tensor(pages, dtype=torch.int64, device=cache.device)[:-(-length // cache.page_size)]
-    per_layer = [torch.stack([pool[pages].reshape(-1, cache.num_kv_heads, cache.head_dim)[:length]
-                              for pool in cache.layer(l)], 1) for l in range(cache.num_layers)]
+def gather(cache, pages, length, pools=None):
+    """What attention reads: the first `length` tokens through a block-table row, as [length, L, 2, H, D]
+    (from the device pools, or from `pools`, e.g. `cache.host_layer`)."""
+    pools = pools or cache.layer
+    pages = torch.as_tensor(pages, dtype=torch.int64)[:-(-length // cache.page_size)]
+    per_layer = [torch.stack([pool[pages.to(pool.device)].reshape(-1, cache.num_kv_heads, cache.head_dim)[:length]
+                              for pool in pools(l)], 1) for l in range(cache.num_layers)]
     return torch.stack(per_layer, 1).cpu()
+
+
+def host_kv(cache, sid):
+    """The host copy of a sequence, read through its host pages without touching the cache's state."""
+    return gather(cache, cache.host_pages(sid), cache.synced_tokens(sid), cache.host_layer)
 
 
 def device_kv(cache, sid):
@@ -132,7 +139,8 @@ def test_sync_copies_only_new_tokens_and_host_copy_grows_in_pages():
     host = cache.export(1)
     assert host.length == 62 and host.capacity == 62
     assert torch.equal(host.tokens(), known_values(1, range(62)))
-    assert cache._seqs[1].host.capacity % PS == 0  # whole pages, doubled when outgrown
+    assert len(cache.host_pages(1)) == -(-62 // PS)  # whole host pages, exactly the ones the copy covers
+    assert torch.equal(host_kv(cache, 1), known_values(1, range(62)))
     cache.check()
 
 
@@ -365,7 +373,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert sid in cache and sid not in self.caches[1 - c]
             synced = cache.synced_tokens(sid)
             if synced:
-                assert torch.equal(cache._seqs[sid].host.tokens(), kv[:synced])
+                assert torch.equal(host_kv(cache, sid), kv[:synced])
             if cache.on_device(sid):
                 assert cache.device_tokens(sid) == kv.shape[0]
                 assert torch.equal(device_kv(cache, sid), kv)
@@ -393,7 +401,7 @@ def test_restore_on_cuda_equals_cpu():
         cache.restore([1])
         run_step(cache, [1], [2])
         cache.check()
-    assert caches["cuda"]._seqs[1].host.kv.is_pinned()
+    assert caches["cuda"].host_layer(0)[0].is_pinned()
     for sid in (1, 2, 3):
         assert torch.equal(device_kv(caches["cuda"], sid), device_kv(caches["cpu"], sid))
 
@@ -407,7 +415,7 @@ def test_migrate_cpu_cuda_cpu_round_trip(dtype):
     before = device_kv(cpu, 1)
     gpu.import_(1, cpu.export(1), to_device=True)
     cpu.release([1])
-    assert gpu._seqs[1].host.kv.is_pinned()  # an unpinned host copy is re-pinned for async restores
+    assert gpu.host_layer(0)[0].is_pinned()  # an unpinned host copy lands in the pinned pool
     run_step(gpu, [1], [3])
     back.import_(1, gpu.export(1), to_device=True)
     gpu.release([1])

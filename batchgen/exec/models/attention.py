@@ -2,7 +2,9 @@
 
 One call handles any mix of prefill, decode and recompute: the new tokens' K/V are written into the pool at
 `slot_mapping`, then every sequence's whole context is gathered through `block_table` into a padded batch and
-attended with one SDPA call under an explicit boolean mask. No loop over tokens or sequences.
+attended with one SDPA call under an explicit boolean mask. No loop over tokens or sequences. The pools may be
+on another device than the model (attention on the host CPU beside host-resident KV): then q, k, v go to the
+pools' device and the output comes back, and nothing else crosses.
 
 GQA without copying K/V per query head: the `rep = num_heads // num_kv_heads` query heads that share a KV head
 are folded into the query-length axis, so SDPA sees [B, kv_heads, rep * Q, D] queries against
@@ -50,17 +52,19 @@ class PagedAttention(nn.Module):
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope(meta.positions, q.dtype)
+        cos, sin = self.rope(meta.positions.to(q.device, non_blocking=True), q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         k_pool, v_pool = kv_cache
+        if k_pool.device != q.device:  # attention beside a host-resident KV on the CPU: q, k, v go there
+            q, k, v = (x.to(k_pool.device) for x in (q, k, v))
         flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # a view: the pool must be contiguous
         flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
 
         out = self._attend(q, k_pool, v_pool, meta)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim).to(hidden.device))
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
