@@ -1,10 +1,14 @@
 """How much KV fits where: the memory budget of a job, checked before any work starts.
 
-Device: usable HBM = hbm * gpu_memory_fraction - activation reserve; the rest after this rank's resident
-weights is the paged KV pool. A policy that may stream weights (coroutine) keeps only the non-expert weights
-resident when everything does not fit, plus a ring buffer of two MoE layers' experts, and pays a PCIe copy of
-its experts every iteration. Host: each node keeps a copy of its GPUs' weights (the source of truth) and the
-rest, up to host_memory_fraction, holds KV.
+Device: usable HBM = hbm * gpu_memory_fraction - activation_reserve_gb (a fixed part: CUDA context,
+communication buffers) - activations of the policy's batch shape (`BatchShape`, see `activation_bytes`: the
+expert batch at the gate, the attention micro-batch, the prefill chunk, and the double-buffered staging area
+of host-resident decode); the rest after this rank's resident weights is the paged KV pool. A policy that may
+stream weights (coroutine) keeps the experts of some MoE layers on the host and copies them through a ring
+buffer of two MoE layers' experts, paying a PCIe copy of every streamed layer's experts every iteration: all
+layers when the weights do not fit otherwise (the default), or as many as a plan chose (`streamed_layers`).
+Host: each node keeps a copy of its GPUs' weights (the source of truth) and the rest, up to
+host_memory_fraction, holds KV.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MemorySettings:
-    gpu_memory_fraction: float = 0.9     # of HBM the engine may use (the rest: CUDA context, fragmentation)
-    activation_reserve_gb: float = 2.0   # per GPU, for activations and communication buffers
+    gpu_memory_fraction: float = 0.9     # of HBM the engine may use (the rest: fragmentation)
+    activation_reserve_gb: float = 1.0   # per GPU, fixed: CUDA context, communication buffers (activations of
+    #                                      the batch shape come on top when the policy declares one)
     host_memory_fraction: float = 0.9    # of each node's host memory the engine may use
 
     def __post_init__(self):
@@ -37,43 +42,132 @@ class MemorySettings:
 
 
 @dataclass(frozen=True)
+class BatchShape:
+    """The largest batches a policy forms on one rank, which size its activation memory.
+
+    gate_tokens: tokens entering the gate in one forward (decode: running sequences, B_moe).
+    attn_seqs: sequences in one attention micro-batch (B_attn).
+    prefill_tokens: prompt tokens in one prefill forward.
+    staging_seqs: sequences per staging buffer of host-resident decode (B_attn), 0 without host-resident decode.
+    """
+
+    gate_tokens: int
+    attn_seqs: int
+    prefill_tokens: int
+    staging_seqs: int = 0
+
+    def __post_init__(self):
+        for name in ("gate_tokens", "attn_seqs", "prefill_tokens", "staging_seqs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ConfigError(f"BatchShape.{name} must be a whole number >= 0, got {v!r}")
+
+
+def batch_shape_of(policy, max_context: int) -> BatchShape | None:
+    """The policy's batch shape (`policy.batch_shape(max_context)`), or None if it declares none."""
+    fn = getattr(policy, "batch_shape", None)
+    return fn(max_context) if callable(fn) else None
+
+
+def staging_bytes(model: ModelSpec, staging_seqs: int, max_context: int) -> float:
+    """Two staging buffers (double buffering), each one layer's KV of staging_seqs sequences at max_context."""
+    return 2.0 * staging_seqs * max_context * model.kv_bytes_per_token_per_layer
+
+
+def activation_bytes(model: ModelSpec, shape: BatchShape, max_context: int) -> float:
+    """Device bytes for activations of one rank (beyond the fixed reserve), a decision where papers are silent:
+
+    - per token at the gate (decode: gate_tokens; prefill: prefill_tokens): four hidden-state rows (residual,
+      normed input, attention output, FFN output), fp32 router logits, the all-to-all's dispatch and combine
+      buffers (top_k rows each way) and the FFN intermediate (gate and up outputs of top_k experts, or of a
+      dense layer's FFN, whichever is larger);
+    - per sequence of an attention micro-batch: fp32 queries and partial outputs of every head (scores are not
+      materialised: flash kernels);
+    - a prefill chunk also holds two layers' KV of its tokens (written, then offloaded layer by layer) and, for
+      MLA, its keys and values up-projected per head;
+    - host-resident decode adds the double-buffered staging area (`staging_bytes`).
+    Decode and prefill forwards do not overlap: the larger of the two counts, plus the staging area.
+    """
+    m = model
+    row = m.hidden_size * m.act_bytes
+    inter = 0
+    if m.is_moe:
+        inter = m.top_k * m.moe_intermediate_size + m.num_shared_experts * m.moe_intermediate_size
+    if m.num_dense_layers:
+        inter = max(inter, m.intermediate_size)
+    per_token = 4 * row + 4 * m.num_experts + (2 * m.top_k * row if m.is_moe else 0) + 2 * inter * m.act_bytes
+    if m.attention == "gqa":
+        qk, v = m.head_dim, m.head_dim
+    else:  # absorbed MLA decode: queries in the latent space
+        qk, v = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
+    per_seq = m.num_heads * (qk + v) * 4
+    decode = shape.gate_tokens * per_token + shape.attn_seqs * per_seq
+    prefill_row = per_token + 2 * m.kv_bytes_per_token_per_layer
+    if m.attention == "mla":
+        prefill_row += m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * m.act_bytes
+    prefill = shape.prefill_tokens * prefill_row
+    return float(max(decode, prefill) + staging_bytes(m, shape.staging_seqs, max_context))
+
+
+@dataclass(frozen=True)
 class MemoryBudget:
-    weights_per_gpu_bytes: float     # resident on each GPU
+    weights_per_gpu_bytes: float     # resident on each GPU (with the ring buffer of streamed experts)
     streamed_bytes_per_iter: float   # weights copied host -> GPU every iteration (0 if all resident)
     kv_pages_per_gpu: int
     host_kv_tokens_per_node: int
     page_tokens: int
+    activation_bytes: float = 0.0    # per GPU, from the policy's batch shape (staging included), beyond the
+    #                                  fixed activation_reserve_gb
+    staging_bytes: float = 0.0       # per GPU: the double-buffered staging area of host-resident decode
+    streamed_layers: int = 0         # MoE layers whose experts stream through the ring buffer
 
     def describe(self, model: ModelSpec) -> str:
         gb = 1e9
         kv_tok = self.kv_pages_per_gpu * self.page_tokens
         return (f"weights {self.weights_per_gpu_bytes / gb:.1f} GB/GPU resident"
-                + (f" (+{self.streamed_bytes_per_iter / gb:.1f} GB streamed per iteration)"
+                + (f" (+{self.streamed_bytes_per_iter / gb:.1f} GB streamed per iteration, "
+                   f"{self.streamed_layers} of {model.num_moe_layers} MoE layers)"
                    if self.streamed_bytes_per_iter else "")
+                + (f", activations {self.activation_bytes / gb:.1f} GB/GPU" if self.activation_bytes else "")
+                + (f" (staging {self.staging_bytes / gb:.1f} GB)" if self.staging_bytes else "")
                 + f", KV {kv_tok:,} tokens/GPU ({kv_tok * model.kv_bytes_per_token / gb:.1f} GB)"
                 + f", host KV {self.host_kv_tokens_per_node:,} tokens/node")
 
 
 def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings: MemorySettings, *,
-                page_tokens: int, can_stream_weights: bool, uses_host_kv: bool, policy_name: str) -> MemoryBudget:
+                page_tokens: int, can_stream_weights: bool, uses_host_kv: bool, policy_name: str,
+                batch_shape: BatchShape | None = None, max_context: int = 0,
+                streamed_layers: int | None = None) -> MemoryBudget:
+    """The job's memory budget. `batch_shape` (with the workload's longest sequence, `max_context`) sizes the
+    activations; without it only the fixed reserve counts. `streamed_layers`: how many MoE layers' experts
+    stream from host (a plan's choice; 0 = all resident); None streams every MoE layer when the weights do not
+    fit otherwise, else none."""
     gb = 1e9
     gpu = cluster.gpu
-    usable = gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * gb
+    act = activation_bytes(model, batch_shape, max_context) if batch_shape is not None else 0.0
+    staging = staging_bytes(model, batch_shape.staging_seqs, max_context) if batch_shape is not None else 0.0
+    usable = gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * gb - act
     weights = lat.weight_bytes_per_rank()
     page_bytes = page_tokens * model.kv_bytes_per_token
     host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
-    host_weights = weights * cluster.node_size
+    host_weights = host_weight_bytes(model, lat, cluster.node_size)
     streamed = 0.0
-    if weights + page_bytes > usable:
+    n_moe = model.num_moe_layers
+    if streamed_layers is not None and not 0 <= streamed_layers <= n_moe:
+        raise ConfigError(f"streamed_layers must be within 0..{n_moe} (MoE layers of {model.name}), "
+                          f"got {streamed_layers}")
+    if streamed_layers is None:
+        streamed_layers = n_moe if weights + page_bytes > usable and model.is_moe else 0
+    if weights + page_bytes > usable or streamed_layers:
         if host_weights > host_usable:
             raise ConfigError(
                 f"{model.name}'s weights fit nowhere: {weights / gb:.1f} GB per GPU exceed the usable "
                 f"{usable / gb:.1f} GB of a {gpu.name}, and a node's share ({host_weights / gb:.0f} GB) exceeds "
                 f"its usable host memory ({host_usable / gb:.0f} GB): add GPUs (cluster.num_gpus) or host "
                 "memory (cluster.host_mem_gb_per_node)")
-        experts = weights - _non_expert_bytes(model, lat)
-        ring = 2 * experts / max(model.num_moe_layers, 1)
-        resident = weights - experts + ring
+        per_layer = (weights - _non_expert_bytes(model, lat)) / max(n_moe, 1)
+        ring = min(2, streamed_layers) * per_layer  # two slots: one computes while the next one loads
+        resident = weights - streamed_layers * per_layer + ring
         fits_streaming = model.is_moe and resident + page_bytes <= usable
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
@@ -84,11 +178,13 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             else:
                 how = ("a dense model runs one whole replica per GPU (tensor parallelism is not modelled "
                        "yet): use a GPU with more memory or a smaller model")
+            if act:
+                how += f" (activations of the policy's batch shape take {act / gb:.1f} GB: smaller batches free it)"
             raise ConfigError(
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
                 f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_gb:g} GB are usable "
                 f"(policy {policy_name}): {how}")
-        streamed, weights = experts - ring, resident
+        streamed, weights = streamed_layers * per_layer, resident
     pages = int((usable - weights) // page_bytes)
     host_kv = 0
     if uses_host_kv:
@@ -96,7 +192,14 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
         if host_kv < page_tokens:
             raise ConfigError(f"no host memory left for KV on a node: {host_weights / gb:.0f} GB of weights vs "
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
-    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens)
+    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers)
+
+
+def host_weight_bytes(model: ModelSpec, lat: LatencyModel, node_size: int) -> float:
+    """Weights one node keeps in host memory: a copy of each of its node_size GPUs' weights. (Conservative:
+    what every rank replicates, attention, dense layers, embeddings, shared experts and routers, would need
+    one copy per node.)"""
+    return lat.weight_bytes_per_rank() * node_size
 
 
 def _non_expert_bytes(model: ModelSpec, lat: LatencyModel) -> float:

@@ -3,6 +3,9 @@ model (decode.py), and the planner that enumerates batch shapes, KV residency, w
 whether expert weights are streamed, keeping the fastest plan that fits device and host memory (planner.py)."""
 
 from batchgen.plan.dag import Dag
+from batchgen.plan.decode import DecodeGrid, DecodePrice, price_decode
 from batchgen.plan.layer import LayerCosts, build_layer_dag, compute_time, layer_time
+from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
 
-__all__ = ["Dag", "LayerCosts", "build_layer_dag", "compute_time", "layer_time"]
+__all__ = ["Dag", "DecodeGrid", "DecodePrice", "LayerCosts", "Plan", "WorkloadStats", "build_layer_dag",
+           "compute_time", "layer_time", "needs_plan", "plan_job", "price_decode"]

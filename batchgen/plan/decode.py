@@ -67,14 +67,14 @@ def _host_micro_batches(host_tokens: np.ndarray, host_context: np.ndarray, micro
 
 
 def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, moe: bool,
-                prefetch_s=0.0) -> LayerCosts:
+                prefetch_s=0.0, replicas: int = 1) -> LayerCosts:
     """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid."""
     t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
     dev_attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
     gate = grid.gate_tokens
     if moe:
         ffn = lat.shared_experts(gate) + lat.router(gate)
-        total = gate.sum(axis=0)
+        total = gate.sum(axis=0) * replicas
         slowest, _ = lat.experts(total)
         moe_s = lat.all_to_all(total) + slowest
     else:
@@ -92,10 +92,12 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
 
 
 def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool = False,
-                 prefetch_bytes: float = 0.0) -> DecodePrice:
+                 prefetch_bytes=0.0, replicas: int = 1) -> DecodePrice:
     """Lockstep decode iterations over the grid, each layer priced on its DAG.
 
-    prefetch_bytes: expert weights each rank streams host -> device per MoE layer (0: resident weights).
+    prefetch_bytes: expert weights each rank streams host -> device per MoE layer (0: resident weights); a
+    float, or one value per iteration (column). replicas: each row of the grid stands for this many identical
+    ranks (the planner prices one row for a whole instance); the bytes count all of them.
     """
     n_dense, n_moe = lat.layer_counts()
     gate = grid.gate_tokens
@@ -107,18 +109,20 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
     exposed = np.zeros(K)
     comm = np.zeros(K)
     moe_layer = np.zeros(K)
-    prefetch_s = float(lat.h2d(prefetch_bytes)) if prefetch_bytes > 0 else 0.0
+    prefetch_bytes = prefetch_bytes if np.ndim(prefetch_bytes) else float(prefetch_bytes)
+    prefetch_s = lat.h2d(prefetch_bytes) if np.any(prefetch_bytes) else 0.0
     for count, is_moe in ((n_dense, False), (n_moe, True)):
         if not count:
             continue
-        c = layer_costs(lat, grid, micro_batch, cpu_attention=cpu_attention, moe=is_moe, prefetch_s=prefetch_s)
+        c = layer_costs(lat, grid, micro_batch, cpu_attention=cpu_attention, moe=is_moe, prefetch_s=prefetch_s,
+                        replicas=replicas)
         lt, ct = layer_time(c), compute_time(c)
         iteration = iteration + count * lt
         hidden_not = np.maximum(lt - ct, 0.0)
         exposed = exposed + count * hidden_not
         busy = busy + count * c.gpu_work()
         if is_moe:
-            total = gate.sum(axis=0)
+            total = gate.sum(axis=0) * replicas
             _, mean = lat.experts(total)
             busy = busy + count * mean
             comm = comm + count * lat.all_to_all(total)
@@ -128,8 +132,9 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
     comm = np.where(active, comm + exposed, 0.0)
     busy = np.where(active[None, :], np.broadcast_to(busy, (R, K)), 0.0)
     h2d, d2h = host_bytes(lat, grid, cpu_attention=cpu_attention)
-    h2d += prefetch_bytes * n_moe * R * int(active.sum())
-    return DecodePrice(iteration, busy.sum(axis=1), comm, exposed, np.where(active, moe_layer, 0.0), h2d, d2h)
+    h2d += float((np.broadcast_to(prefetch_bytes, (K,)) * active).sum()) * n_moe * R
+    return DecodePrice(iteration, busy.sum(axis=1), comm, exposed, np.where(active, moe_layer, 0.0),
+                       h2d * replicas, d2h * replicas)
 
 
 def host_bytes(lat: LatencyModel, grid: DecodeGrid, *, cpu_attention: bool) -> tuple[float, float]:

@@ -1,0 +1,339 @@
+"""The static plan: choose B_attn, B_moe, where running KV lives, where attention runs and which expert weights
+stream, from the latency model, before the job runs (the paper's cost model; MoE-Gen's two constraints).
+
+For every candidate (B_attn in powers of two, B_moe in powers of two up to the sequences a rank will see,
+kv_residency device / host / mixed, attention gpu / cpu (not for MLA), and the number of MoE layers whose
+experts stream from host through a two-layer ring buffer) the planner
+1. checks memory: on the device, resident weights (+ ring buffer) + activations of the batch shape (staging
+   area included; as in `plan_memory`, only when the policy declares `batch_shape`) + the fixed reserve + the device KV the candidate keeps (every running sequence's pages at
+   the typical context for `device`; whatever is left for `mixed`, whose overflow runs host-resident); on the
+   host, the node's weights + the KV of its B_moe x GPUs running sequences at their final length (mean prompt
+   + mean output);
+2. predicts one decode iteration at the typical context (mean prompt + half the mean output) with the same
+   per-layer DAG the simulator prices runs with (batchgen.plan.decode), every rank of the instance alike;
+3. keeps the candidate with the highest predicted decode throughput per instance; among those within
+   `TIE` (1%) of it, the smallest B_moe, then the least host traffic, then device before mixed before host
+   and GPU before CPU attention (a simpler plan for no measurable gain).
+Only the policy's knobs set to "auto" are planned; explicit values restrict the candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchgen.latency import LatencyModel
+from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
+                             host_weight_bytes, staging_bytes)
+from batchgen.plan.decode import DecodeGrid, price_decode
+from batchgen.specs import ClusterSpec, ModelSpec
+
+AUTO = "auto"
+PLANNED = ("b_attn", "b_moe", "kv_residency", "attention")
+B_ATTN = (32, 64, 128, 256, 512, 1024)
+B_MOE_MAX_LOG2 = 15          # B_moe candidates 2^5 .. 2^15 per rank (and the exact fills below them)
+MAX_MICRO_BATCHES = 64       # host-resident micro-batches per layer at most (a DAG under ~300 nodes)
+RESIDENCY_ORDER = ("device", "mixed", "host")
+TIE = 0.01
+
+
+@dataclass(frozen=True)
+class WorkloadStats:
+    """What the planner needs from a workload."""
+
+    num_sequences: int
+    mean_input: float
+    mean_output: float
+    max_context: int
+
+    @classmethod
+    def of(cls, workload) -> "WorkloadStats":
+        inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
+        return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()))
+
+    @property
+    def typical_context(self) -> int:
+        """Mean prompt + half the mean output: the context of a running sequence, on average."""
+        return int(round(self.mean_input + self.mean_output / 2))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen decode plan, its predicted speed and its memory use."""
+
+    b_attn: int
+    b_moe: int
+    kv_residency: str
+    attention: str
+    streamed_layers: int        # MoE layers whose experts stream from host every iteration (0: all resident)
+    device_seqs: int            # running sequences per rank with device KV (at the typical context)
+    host_seqs: int              # running sequences per rank with host-resident KV
+    typical_context: int
+    layer_s: float              # predicted steady-state seconds of one MoE layer (of a dense layer if no MoE)
+    iteration_s: float          # predicted seconds of one decode iteration
+    tokens_per_s: float         # predicted decode tokens per second per instance
+    host_bytes_per_iter: float  # predicted host <-> device bytes per decode iteration per instance
+    device_gb: dict = field(default_factory=dict)  # per GPU: weights, kv, activations, staging, reserve, capacity
+    host_gb: dict = field(default_factory=dict)    # per node: weights, kv, capacity
+    candidates: int = 0         # candidates priced (that fit memory)
+    ranks: int = 1              # ranks of an instance
+
+    def resolve(self, policy: Any) -> Any:
+        """The policy with its "auto" knobs replaced by this plan's values (explicit ones are kept)."""
+        chosen = {"b_attn": self.b_attn, "b_moe": self.b_moe, "kv_residency": self.kv_residency,
+                  "attention": self.attention}
+        return dataclasses.replace(policy, **{k: v for k, v in chosen.items() if getattr(policy, k, None) == AUTO})
+
+    def describe(self) -> str:
+        """One line: the choice, its predicted per-layer time and throughput, and its traffic."""
+        weights = ("weights resident" if not self.streamed_layers
+                   else f"experts of {self.streamed_layers} MoE layers streamed")
+        where = {"device": "device KV", "host": "host-resident KV", "mixed": "device KV then host-resident"}
+        attn = f", {self.attention.upper()} attention" if self.host_seqs else ""
+        return (f"plan: b_attn={self.b_attn} b_moe={self.b_moe} ({where[self.kv_residency]}: "
+                f"{self.device_seqs} device + {self.host_seqs} host per rank{attn}), {weights}; "
+                f"predicted {self.layer_s * 1e3:.2f} ms/layer, {self.iteration_s:.3f} s/iteration, "
+                f"{self.tokens_per_s:,.0f} decode tok/s per instance, "
+                f"{self.host_bytes_per_iter / 1e9:.1f} GB host<->device per iteration "
+                f"(context {self.typical_context:,}; {self.candidates} candidates)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def needs_plan(policy: Any) -> bool:
+    """Whether any of the policy's planned knobs is "auto"."""
+    return any(getattr(policy, k, None) == AUTO for k in PLANNED)
+
+
+def plan_job(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings: MemorySettings, policy: Any,
+             stats: WorkloadStats, *, page_tokens: int) -> Plan:
+    """Plan a job's "auto" knobs (see the module docstring); raises ConfigError if no candidate fits.
+    Plans are cached by their inputs (a sweep prepares the same job many times)."""
+    key = (model, cluster, lat.eff, lat.routing_skew, lat.use_fp8, lat.ep_ranks, lat.gpus_per_node, settings,
+           policy, stats, page_tokens)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable policy: plan without the cache
+        return _Planner(lat, model, cluster, settings, policy, stats, page_tokens).run()
+    plan = _CACHE.get(key)
+    if plan is None:
+        plan = _CACHE[key] = _Planner(lat, model, cluster, settings, policy, stats, page_tokens).run()
+        if len(_CACHE) > 64:
+            _CACHE.pop(next(iter(_CACHE)))
+    return plan
+
+
+_CACHE: dict = {}
+
+
+def _batch_shape(policy: Any, b_attn: int, b_moe: int, residency: str, max_context: int) -> BatchShape | None:
+    """The batch shape a candidate's activations take: the policy's own `batch_shape` on the candidate's
+    knobs, so that the plan and the memory budget (`plan_memory`) agree; None if the policy declares none
+    (then, as in the memory budget, the fixed activation reserve stands for every activation)."""
+    trial = {k: v for k, v in (("b_attn", b_attn), ("b_moe", b_moe), ("kv_residency", residency))
+             if hasattr(policy, k)}
+    return batch_shape_of(dataclasses.replace(policy, **trial) if trial else policy, max_context)
+
+
+@dataclass
+class _Cell:
+    b_moe: int
+    residency: str
+    streamed: int
+    n_dev: int
+    n_host: int
+    device: dict
+    host: dict
+
+
+class _Planner:
+    def __init__(self, lat, model, cluster, settings, policy, stats, page_tokens):
+        self.lat, self.m, self.c, self.s, self.policy = lat, model, cluster, settings, policy
+        self.b_attn, self.b_moe, self.residency, self.attention = (getattr(policy, k, AUTO) for k in PLANNED)
+        self.stats, self.P = stats, page_tokens
+        self.can_stream = bool(getattr(policy, "can_stream_weights", False))
+        self.R = lat.ep_ranks
+        m = model
+        self.weights = lat.weight_bytes_per_rank()
+        n_moe = m.num_moe_layers
+        per_rank_experts = -(-m.num_experts // self.R) if m.is_moe else 0
+        self.layer_experts = per_rank_experts * m.expert_params * m.weight_bytes  # one MoE layer, one rank
+        self.n_moe = n_moe
+        self.capacity = cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
+        self.page_bytes = page_tokens * m.kv_bytes_per_token
+        ctx = stats.typical_context
+        self.seq_bytes = math.ceil((ctx + page_tokens) / page_tokens) * self.page_bytes  # one device-resident seq
+        self.host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
+        self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
+        self.final_seq_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
+
+    # ---- candidates ----------------------------------------------------------------------------------
+
+    def _values(self, knob, auto_values):
+        return tuple(auto_values) if knob == AUTO else (knob,)
+
+    def b_moe_values(self) -> list[int]:
+        per_rank = max(1, math.ceil(self.stats.num_sequences / self.c.num_gpus))
+        if self.b_moe != AUTO:
+            return [int(self.b_moe)]
+        values = {min(1 << k, per_rank) for k in range(5, B_MOE_MAX_LOG2 + 1)}
+        return sorted(values)
+
+    def residencies(self) -> tuple[str, ...]:
+        return self._values(self.residency, RESIDENCY_ORDER)
+
+    def attentions(self) -> tuple[str, ...]:
+        cpu_ok = self.m.attention != "mla"
+        if self.attention == "cpu" and not cpu_ok:
+            raise ConfigError(f"policy.attention=cpu is not offered for {self.m.name}: its MLA latent KV must be "
+                              "up-projected on the GPU; use policy.attention=gpu or auto")
+        return self._values(self.attention, ("gpu", "cpu") if cpu_ok else ("gpu",))
+
+    def resident_weights(self, streamed: int) -> float:
+        return self.weights - streamed * self.layer_experts + min(2, streamed) * self.layer_experts
+
+    def streamed_values(self, free: float, residency: str) -> list[int]:
+        """MoE layers to stream: the fewest that let the weights fit `free` bytes (with a page of KV), and for
+        device / mixed residency also more, to make room for device KV."""
+        if self.weights + self.page_bytes <= free:
+            k_min = 0
+        elif not (self.can_stream and self.m.is_moe and self.layer_experts > 0):
+            return []
+        else:
+            k_min = max(2, math.ceil((self.weights + 2 * self.layer_experts + self.page_bytes - free)
+                                     / self.layer_experts - 1e-9))
+            if k_min > self.n_moe:
+                return []
+        if residency == "host" or not (self.can_stream and self.m.is_moe):
+            return [k_min]
+        return sorted({k_min, max(k_min, 2) + (self.n_moe - max(k_min, 2)) // 2, self.n_moe} - {1})
+
+    def cells(self, b_attn: int) -> list[_Cell]:
+        out = []
+        m, stats = self.m, self.stats
+        values = self.b_moe_values()
+        covered = lambda fill, b: self.b_moe == AUTO and b // 2 >= values[0] and fill <= b // 2  # noqa: E731
+        for b_moe in values:
+            if self.b_attn == AUTO and b_attn > b_moe and b_attn != B_ATTN[0]:
+                continue  # one micro-batch either way: the smallest B_attn covers it
+            running = b_moe  # what host memory holds of it: the running KV at its final length
+            held = int((self.host_usable - self.host_weights) // (self.c.node_size * self.final_seq_bytes))
+            if held < b_moe:
+                if held < 1 or covered(held, b_moe):
+                    continue  # nothing fits, or the next smaller candidate covers it
+                running = held  # host memory bounds the running set below B_moe
+                if self.b_moe == AUTO:
+                    b_moe = held  # the exact fill: B_moe is the cap on host-resident sequences
+            for residency in self.residencies():
+                shape = _batch_shape(self.policy, b_attn, b_moe, residency, stats.max_context)
+                staging = shape.staging_seqs if shape else 0
+                act = activation_bytes(m, shape, stats.max_context) if shape else 0.0
+                free = self.capacity - act
+                for k in self.streamed_values(free, residency):
+                    kv_free = free - self.resident_weights(k)
+                    cap = int(kv_free // self.seq_bytes)
+                    if residency == "device":
+                        # device KV bounds the running set (the policy yields what does not fit); below the
+                        # next smaller candidate, that candidate covers it
+                        if cap < 1 or (cap < running and covered(cap, b_moe)):
+                            continue
+                        n_dev, n_host = min(running, cap), 0
+                    elif residency == "mixed":
+                        n_dev = min(running, cap)
+                        n_host = running - n_dev
+                        if (n_dev == 0 or n_host == 0) and self.residency == AUTO:
+                            continue  # the same as host or device, which are candidates too
+                    else:
+                        n_dev, n_host = 0, running
+                    if n_host and math.ceil(n_host / b_attn) > MAX_MICRO_BATCHES:
+                        continue
+                    out.append(self._cell(b_moe, residency, k, n_dev, n_host, kv_free, act, staging))
+        return out
+
+    def _cell(self, b_moe, residency, k, n_dev, n_host, kv_free, act, staging) -> _Cell:
+        dev_kv = n_dev * self.seq_bytes if residency == "device" else max(kv_free, 0.0)
+        device = {"weights": self.resident_weights(k), "kv": dev_kv, "activations": act,
+                  "staging": staging_bytes(self.m, staging, self.stats.max_context),
+                  "reserve": self.s.activation_reserve_gb * 1e9,
+                  "capacity": self.c.gpu.hbm_bytes * self.s.gpu_memory_fraction}
+        host = {"weights": self.host_weights, "kv": (n_dev + n_host) * self.c.node_size * self.final_seq_bytes,
+                "capacity": self.host_usable}
+        return _Cell(b_moe, residency, k, n_dev, n_host, device, host)
+
+    # ---- pricing -----------------------------------------------------------------------------------
+
+    def price(self, b_attn: int, cpu: bool, cells: list[_Cell]):
+        ctx = self.stats.typical_context
+        n_dev = np.array([[c.n_dev for c in cells]], float)
+        n_host = np.array([[c.n_host for c in cells]], float)
+        gate = n_dev + n_host
+        grid = DecodeGrid(n_dev, n_dev * ctx, np.ceil(n_dev / b_attn), n_host, n_host * ctx, gate)
+        prefetch = np.array([c.streamed * self.layer_experts / max(self.n_moe, 1) for c in cells])
+        p = price_decode(self.lat, grid, b_attn, cpu_attention=cpu, prefetch_bytes=prefetch, replicas=self.R)
+        return p
+
+    def run(self) -> Plan:
+        best: list[tuple] = []
+        count = 0
+        for b_attn in self._values(self.b_attn, B_ATTN):
+            b_attn = int(b_attn)
+            cells = self.cells(b_attn)
+            if not cells:
+                continue
+            for attention in self.attentions():
+                cpu = attention == "cpu"
+                mine = [c for c in cells if not (cpu and c.n_host == 0)]
+                if not mine:
+                    continue
+                p = self.price(b_attn, cpu, mine)
+                count += len(mine)
+                n_dense, n_moe = self.lat.layer_counts()
+                for j, c in enumerate(mine):
+                    it = float(p.iteration_s[j])
+                    tps = (c.n_dev + c.n_host) * self.R / it if it > 0 else 0.0
+                    layer = float(p.moe_layer_s[j]) if n_moe else it / max(n_dense, 1)
+                    best.append((tps, c, b_attn, attention, it, layer))
+        if not best:
+            raise ConfigError(self._why_nothing_fits())
+        return self._choose(best, count)
+
+    def _choose(self, rows: list[tuple], count: int) -> Plan:
+        top = max(r[0] for r in rows)
+        near = [r for r in rows if r[0] >= top * (1 - TIE)]
+
+        def key(r):
+            tps, c, b_attn, attention, it, layer = r
+            return (c.b_moe, self._host_bytes(c, b_attn, attention == "cpu"), RESIDENCY_ORDER.index(c.residency),
+                    attention != "gpu", c.streamed, -b_attn)
+
+        tps, c, b_attn, attention, it, layer = min(near, key=key)
+        gb = lambda d: {k: round(v / 1e9, 3) for k, v in d.items()}  # noqa: E731
+        return Plan(b_attn=b_attn, b_moe=c.b_moe, kv_residency=c.residency, attention=attention,
+                    streamed_layers=c.streamed, device_seqs=c.n_dev, host_seqs=c.n_host,
+                    typical_context=self.stats.typical_context, layer_s=layer, iteration_s=it, tokens_per_s=tps,
+                    host_bytes_per_iter=self._host_bytes(c, b_attn, attention == "cpu"), device_gb=gb(c.device),
+                    host_gb=gb(c.host), candidates=count, ranks=self.R)
+
+    def _host_bytes(self, c: _Cell, b_attn: int, cpu: bool) -> float:
+        """Host <-> device bytes of one decode iteration of the instance under this cell."""
+        m = self.m
+        kv = m.kv_bytes_per_token_per_layer
+        if cpu:
+            per_seq = m.num_layers * (2 * m.num_heads * m.head_dim * m.act_bytes + kv)
+        else:
+            per_seq = m.num_layers * (self.stats.typical_context + 1) * kv
+        return self.R * (c.n_host * per_seq + c.streamed * self.layer_experts)
+
+    def _why_nothing_fits(self) -> str:
+        gb = 1e9
+        return (f"no plan fits {self.m.name} on {self.c.gpu.name} (policy knobs b_attn={self.b_attn}, "
+                f"b_moe={self.b_moe}, kv_residency={self.residency}, attention={self.attention}): "
+                f"{self.weights / gb:.1f} GB of weights per GPU against {self.capacity / gb:.1f} GB usable, "
+                f"{self.host_usable / gb:.0f} GB usable host memory per node; set smaller explicit batches "
+                "(policy.b_moe, policy.b_attn), allow host-resident KV (policy.kv_residency=auto), or add "
+                "memory")
