@@ -180,6 +180,8 @@ class ExecBackend:
         self.traffic["appended_bytes"] += stats.appended_bytes
         self.traffic["host_resident_seq_steps"] += stats.host_resident
         self.traffic["seq_steps"] += sum(len(b.seq_ids) for b in batches)
+        self.traffic["peak_rank_running"] = max(self.traffic["peak_rank_running"],
+                                                max(len(b.seq_ids) for b in batches))
         if plan.cpu_attention:
             self.traffic["cpu_attention_seq_steps"] += stats.host_resident
         ids = [s for b in batches for s in b.seq_ids]

@@ -164,7 +164,8 @@ class InstanceRunner:
         for r, mine in by_rank.items():
             cache = mine[0].cache
             need = max(p.staged.num_pages for p in mine)
-            hint = staging_pages(mb, cache.max_context, cache.page_size) if mb and cache.max_context else need
+            b_attn = mb or max(len(p.seq_ids) for p in mine)  # micro_batch 0: one micro-batch of them all
+            hint = staging_pages(b_attn, cache.max_context, cache.page_size) if cache.max_context else need
             if cache.staging is None:
                 cache.staging = StagingArea(cache, max(need, hint))
             cache.staging.ensure(need, hint)

@@ -106,3 +106,31 @@ def test_sampled_outputs_do_not_depend_on_the_policy(saved):
     greedy = execute(make_job("continuous", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8),
                      ExecSettings(device="cpu", model_path=str(path), weights_seed=4))
     assert runs["continuous"] != [list(g) for g in greedy.tokens.generated]  # it really sampled
+
+
+@pytest.mark.parametrize("residency,attention", [("host", "gpu"), ("mixed", "gpu"), ("host", "cpu")])
+def test_host_resident_decode_matches_hf_generate(saved, residency, attention):
+    """B_moe several times what device KV holds: running sequences beyond the device pages are host-resident
+    (KV restored per layer and micro-batch into staging pages, or attended on the host CPU), and greedy
+    outputs still equal transformers'. MLA models declare no CPU attention, so attention=cpu runs on the
+    device there."""
+    model, path = saved
+    n, kv_tokens, page = 12, 80, 8
+    rng = np.random.default_rng(7)
+    inputs, outputs = rng.integers(24, 40, n), rng.integers(8, 32, n)
+    job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=page,
+                   cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": residency, "attention": attention})
+    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens)))
+    for sid in range(n):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    traffic = out.kv_traffic
+    assert traffic["host_resident_seq_steps"] > 0
+    # more sequences ran at once on a rank than its pages could hold device-resident, even at their prompts
+    holds = (kv_tokens // page) // -(-int(inputs.min() + 1) // page)
+    assert traffic["peak_rank_running"] >= 2 * holds, (traffic, holds)
+    cpu = attention == "cpu" and not read_config(path).is_mla
+    assert (traffic.get("cpu_attention_seq_steps", 0) > 0) == cpu
+    assert (traffic["restored_bytes"] > 0) == (not cpu)
+    if residency == "mixed":
+        assert traffic["host_resident_seq_steps"] < traffic["seq_steps"]  # some ran device-resident

@@ -12,8 +12,9 @@ from batchgen.exec.kv_cache import CacheFullError, HostKV, PagedKVCache
 L, H, D, PS = 2, 2, 3, 4
 
 
-def make_cache(num_pages=16, device="cpu", page_size=PS, dtype=torch.float32):
-    return PagedKVCache(L, H, D, page_size=page_size, num_pages=num_pages, dtype=dtype, device=device)
+def make_cache(num_pages=16, device="cpu", page_size=PS, dtype=torch.float32, host_pages=None):
+    return PagedKVCache(L, H, D, page_size=page_size, num_pages=num_pages, dtype=dtype, device=device,
+                        host_pages=host_pages)
 
 
 def known_values(seq_id, positions):
@@ -23,11 +24,11 @@ def known_values(seq_id, positions):
     return (base.view(-1, 1, 1, 1, 1) + extra.view(1, L, 2, 1, 1)).expand(-1, L, 2, H, D).contiguous()
 
 
-def write(cache, md, values):
+def write(cache, md, values, pools=None):
     """What attention does: scatter each new token's K/V at its slot in every layer's flat pool."""
     slots = md.slot_mapping
     for l in range(cache.num_layers):
-        for kv, pool in enumerate(cache.layer(l)):
+        for kv, pool in enumerate((pools or cache.layer)(l)):
             pool.view(-1, cache.num_kv_heads, cache.head_dim)[slots] = values[:, l, kv].to(pool)
 
 
@@ -288,7 +289,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.caches = [make_cache(num_pages=9, page_size=3), make_cache(num_pages=6, page_size=3)]
+        # host pools of 2 pages: they must grow while sequences live in them
+        self.caches = [make_cache(num_pages=9, page_size=3, host_pages=2),
+                       make_cache(num_pages=6, page_size=3, host_pages=2)]
         self.ref: dict[int, tuple[int, torch.Tensor]] = {}
         self.next_id = 0
         self.gen = torch.Generator().manual_seed(0)
@@ -321,6 +324,23 @@ class CacheMachine(RuleBasedStateMachine):
             old = self.ref[sid][1] if sid in self.ref else values[:0]
             self.ref[sid] = (c, torch.cat([old, chunk]))
             assert torch.equal(gather(cache, md.block_table[b], int(md.context_lens[b])), self.ref[sid][1])
+
+    @rule(data=st.data(), c=st.integers(0, 1))
+    def host_step(self, data, c):
+        """A host-resident step: new tokens written straight into the host pool (what CPU attention does,
+        and what a staged step's append does), the pool growing as needed."""
+        cache = self.caches[c]
+        ids = self._pick(data, c, lambda cc, s: not cc.on_device(s))
+        if not ids:
+            return
+        counts = [data.draw(st.integers(1, 4)) for _ in ids]
+        md = cache.prepare_host(ids, counts, [cache.synced_tokens(s) for s in ids])
+        md.check()
+        values = torch.randn(sum(counts), L, 2, H, D, generator=self.gen)
+        write(cache, md, values, cache.host_layer)
+        cache.host_advance(ids)
+        for sid, chunk in zip(ids, values.split(counts)):
+            self.ref[sid] = (c, torch.cat([self.ref[sid][1], chunk]))
 
     @rule(data=st.data(), c=st.integers(0, 1))
     def sync(self, data, c):
