@@ -20,7 +20,7 @@ def squeezed(job, kv_tokens_per_gpu):
     probe = prepare(job)
     usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
     kv_gb = kv_tokens_per_gpu * job.model.kv_bytes_per_token / 1e9
-    reserve = usable - probe.budget.weights_per_gpu_bytes / 1e9 - kv_gb
+    reserve = usable - (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9 - kv_gb
     return dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve))
 
 
@@ -46,7 +46,8 @@ def test_policy_modules_import_neither_simpy_nor_torch():
 
 def test_coroutine_yields_most_decoded_first_under_memory_pressure():
     job = squeezed(make_job("coroutine", n=8, inputs=np.full(8, 60), outputs=np.full(8, 200),
-                            cluster_overrides={"num_gpus": 1}), kv_tokens_per_gpu=12 * 64 + 32)
+                            cluster_overrides={"num_gpus": 1}, policy_overrides={"kv_residency": "device"}),
+                   kv_tokens_per_gpu=12 * 64 + 32)
     state = prepare(job).state
     ids = np.arange(8)
     run_on_gpu(state, ids, 0)

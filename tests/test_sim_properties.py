@@ -48,7 +48,7 @@ def build(p):
     if p["kv_gb"]:  # squeeze the KV pool so that yields, evictions and preemptions happen
         from batchgen.job import prepare
         probe = prepare(dataclasses.replace(job, cluster=cluster))
-        weights_gb = probe.budget.weights_per_gpu_bytes / 1e9
+        weights_gb = (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9
         need = (p["max_in"] + p["max_out"] + 2 * p["page_tokens"]) * job.model.kv_bytes_per_token / 1e9
         usable = cluster.gpu.hbm_gb * memory.gpu_memory_fraction
         memory = MemorySettings(activation_reserve_gb=max(usable - weights_gb - max(p["kv_gb"], need * 3), 0))
@@ -115,7 +115,7 @@ def test_host_resident_decode_runs_more_sequences_than_device_kv_holds(residency
         probe = prepare(job)
         usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
         kv_gb = 4 * 600 * job.model.kv_bytes_per_token / 1e9  # about four sequences' KV
-        reserve = usable - probe.budget.weights_per_gpu_bytes / 1e9 - kv_gb
+        reserve = usable - (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9 - kv_gb
         out = simulate(dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve)))
         state = out.prepared.state
         assert np.array_equal(state.table.decoded, state.table.output_len)

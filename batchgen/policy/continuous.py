@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.memory import BatchShape
 from batchgen.policy.base import Decision, Snapshot
 from batchgen.policy.common import pages_for, per_rank, shed_to_fit
 
@@ -31,6 +32,11 @@ class ContinuousPolicy:
         for key in ("max_running", "max_prefill_tokens", "page_lookahead"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+
+    def batch_shape(self, max_context: int) -> BatchShape:
+        """One batch for attention and experts: max_running sequences, or a prefill forward's token budget."""
+        return BatchShape(gate_tokens=max(self.max_running, self.max_prefill_tokens), attn_seqs=self.max_running,
+                          prefill_tokens=self.max_prefill_tokens)
 
     def decide(self, snap: Snapshot) -> Decision:
         R, P = snap.num_ranks, snap.page_tokens

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, Snapshot
 from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
 
@@ -84,6 +85,14 @@ class CoroutinePolicy:
         """A knob's value, with the documented fallback for an `auto` no planner resolved."""
         value = getattr(self, key)
         return FALLBACK[key] if value == "auto" else value
+
+    def batch_shape(self, max_context: int) -> BatchShape:
+        """Largest batches per rank: b_moe tokens at the gate, b_attn per attention micro-batch (and per staging
+        buffer when KV may be host-resident), a prefill chunk of prefill_tokens_per_rank."""
+        b_attn = self.knob("b_attn")
+        return BatchShape(gate_tokens=max(self.knob("b_moe"), self.prefill_tokens_per_rank), attn_seqs=b_attn,
+                          prefill_tokens=self.prefill_tokens_per_rank,
+                          staging_seqs=0 if self.knob("kv_residency") == "device" else b_attn)
 
     def residency(self, snap: Snapshot) -> str:
         """Where running sequences keep their KV, within what the backend can do."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.memory import BatchShape
 from batchgen.policy.base import Decision, Snapshot
 from batchgen.policy.common import pages_for, shed_to_fit
 
@@ -26,6 +27,11 @@ class StaticPolicy:
         for key in ("batch_size",):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+
+    def batch_shape(self, max_context: int) -> BatchShape:
+        """batch_size rows, prompts padded to the longest: the prefill forward holds batch_size x max_context."""
+        return BatchShape(gate_tokens=self.batch_size * max_context, attn_seqs=self.batch_size,
+                          prefill_tokens=self.batch_size * max_context)
 
     def decide(self, snap: Snapshot) -> Decision:
         R, P = snap.num_ranks, snap.page_tokens
