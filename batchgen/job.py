@@ -10,7 +10,9 @@ import numpy as np
 from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel
-from batchgen.memory import MemoryBudget, MemorySettings, check_prompts_fit, plan_memory
+from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
+                             plan_memory)
+from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec
 from batchgen.workload import Workload
@@ -43,6 +45,8 @@ class Prepared:
     budget: MemoryBudget
     state: ClusterState
     cluster: ClusterSpec  # as run: a dense model's GPUs are each their own instance
+    policy: Policy | None = None  # the job's policy with its "auto" knobs resolved by the plan: run this one
+    plan: Plan | None = None      # the static plan, when the policy had "auto" knobs
 
 
 def topology(cluster: ClusterSpec) -> Topology:
@@ -58,18 +62,38 @@ def effective_cluster(job: Job) -> ClusterSpec:
 
 
 def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
-    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs."""
+    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs.
+
+    A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
+    plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
+    (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
     m, c = job.model, effective_cluster(job)
     lat = LatencyModel(m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
-                       routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1)
+                       routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1, host=c.host)
+    w = job.workload
+    policy, plan = job.policy, None
+    if getattr(policy, "attention", None) == "cpu" and m.attention == "mla":
+        raise ConfigError(f"policy.attention=cpu is not offered for {m.name}: its MLA latent KV must be "
+                          "up-projected on the GPU before attention; use policy.attention=gpu or auto")
+    max_context = int((w.input_lens + w.output_lens).max()) if len(w) else 0
+    if len(w) and needs_plan(policy):
+        try:
+            plan = plan_job(m, c, lat, job.memory, policy, WorkloadStats.of(w), page_tokens=job.page_tokens)
+        except ConfigError:
+            # weights that fit nowhere are the likelier cause: the memory plan says so more precisely
+            plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
+                        can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
+                        policy_name=policy.name)
+            raise
+        policy = plan.resolve(policy)
     budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
-                         can_stream_weights=job.policy.can_stream_weights, uses_host_kv=job.policy.uses_host_kv,
-                         policy_name=job.policy.name)
+                         can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
+                         policy_name=policy.name, batch_shape=batch_shape_of(policy, max_context),
+                         max_context=max_context, streamed_layers=plan.streamed_layers if plan else None)
     if kv_pages_per_gpu is not None:
         budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages_per_gpu))
-    w = job.workload
     if len(w):
-        check_prompts_fit(m, w.input_lens, w.output_lens, budget, job.policy.uses_host_kv)
+        check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv)
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
@@ -77,4 +101,4 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
                          kv_bytes_per_token=m.kv_bytes_per_token)
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal.
     state.assign_instances(np.arange(len(w)) % c.num_instances)
-    return Prepared(lat, budget, state, c)
+    return Prepared(lat, budget, state, c, policy, plan)

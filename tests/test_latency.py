@@ -381,3 +381,46 @@ def test_uniform_fast_path_matches_general_expectation(model, gpu, ranks):
     uniform = LatencyModel(model, gpu, ep_ranks=ranks).experts(tokens)
     general = LatencyModel(model, gpu, ep_ranks=ranks, routing_skew=1e-300).experts(tokens)  # same shares
     np.testing.assert_allclose(uniform, general, rtol=1e-12)
+
+
+# ---- the host: CPUs and DRAM of a node, KV restore / append, CPU attention ------------------------------------
+
+
+def test_default_host_matches_its_yaml_and_clusters_name_their_hosts():
+    from batchgen.specs import DEFAULT_HOST, host_names, load_cluster, load_host
+    assert load_host(DEFAULT_HOST.name) == DEFAULT_HOST
+    assert {"xeon_8480_2s", "epyc_7453_1s", "epyc_7742_2s"} <= set(host_names())
+    rig = load_cluster("a5000_1").host
+    assert (rig.cores, rig.dram_bw, rig.flops) == (28, 204.8e9, 2.464e12)  # the paper's EPYC 7453 rig
+    assert LatencyModel(MIXTRAL_8X7B, H20).host == DEFAULT_HOST  # no host given: the default
+
+
+def test_host_spec_validation():
+    from batchgen.specs import HostSpec
+    with pytest.raises(ValueError, match="host.sockets must be a positive integer"):
+        HostSpec(name="h", sockets=0, cores_per_socket=8, dram_gbs_per_socket=100, tflops_per_socket=1)
+    with pytest.raises(ValueError, match="unknown host field"):
+        HostSpec.from_dict({"name": "h", "sockets": 1, "cores_per_socket": 8, "dram_gbs_per_socket": 100,
+                            "tflops_per_socket": 1, "gpus": 8})
+
+
+def test_kv_restore_and_append_formulas():
+    lm = LatencyModel(MIXTRAL_8X7B, H20, gpus_per_node=8)
+    kv = MIXTRAL_8X7B.kv_bytes_per_token_per_layer
+    bw = min(64e9 * lm.eff.link, lm.host.dram_bw * lm.eff.host_memory / 8)
+    assert lm.kv_restore(1000, 2) == pytest.approx(2 * lm.eff.kernel_s + 1000 * kv / bw)
+    assert lm.kv_append(16) == pytest.approx(lm.eff.kernel_s + 16 * kv / bw)
+    assert lm.kv_restore(0) == 0.0 and lm.kv_append(0) == 0.0
+    assert np.allclose(lm.kv_restore(np.array([[0.0, 1e6]])), [[0.0, lm.kv_restore(1e6)]])
+
+
+def test_cpu_attention_compute_bound_on_a_slow_cpu():
+    from batchgen.specs import HostSpec
+    slow = HostSpec(name="s", sockets=1, cores_per_socket=1, dram_gbs_per_socket=1000, tflops_per_socket=0.001)
+    lm = LatencyModel(MIXTRAL_8X7B, H20, gpus_per_node=1, host=slow)
+    flops = MIXTRAL_8X7B.attention_score_flops_decode * 1e5
+    assert lm.cpu_attention(100, 1e5) == pytest.approx(flops / (1e9 * lm.eff.host_compute) + lm.eff.host_kernel_s)
+    down, back = lm.cpu_attention_ship(100)
+    assert down > back > 0  # queries and new KV go down, outputs come back
+    with pytest.raises(ValueError, match="MLA"):
+        LatencyModel(DEEPSEEK_V3, H20).cpu_attention_ship(1)

@@ -105,6 +105,31 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A priced candidate, as `choose` compares them."""
+
+    tokens_per_s: float
+    b_moe: int
+    host_bytes: float = 0.0
+    kv_residency: str = "device"
+    attention: str = "gpu"
+    streamed_layers: int = 0
+    b_attn: int = 0
+    payload: Any = field(default=None, compare=False)
+
+
+def choose(candidates: list[Candidate], tie: float = TIE) -> Candidate:
+    """The fastest candidate; among those within `tie` of it, the smallest B_moe, then the least host traffic,
+    then device before mixed before host KV, GPU before CPU attention, fewer streamed layers, larger B_attn."""
+    if not candidates:
+        raise ValueError("choose: no candidates")
+    top = max(c.tokens_per_s for c in candidates)
+    near = [c for c in candidates if c.tokens_per_s >= top * (1 - tie)]
+    return min(near, key=lambda c: (c.b_moe, c.host_bytes, RESIDENCY_ORDER.index(c.kv_residency),
+                                    c.attention != "gpu", c.streamed_layers, -c.b_attn))
+
+
 def needs_plan(policy: Any) -> bool:
     """Whether any of the policy's planned knobs is "auto"."""
     return any(getattr(policy, k, None) == AUTO for k in PLANNED)
@@ -278,8 +303,8 @@ class _Planner:
         return p
 
     def run(self) -> Plan:
-        best: list[tuple] = []
-        count = 0
+        rows: list[Candidate] = []
+        n_dense, n_moe = self.lat.layer_counts()
         for b_attn in self._values(self.b_attn, B_ATTN):
             b_attn = int(b_attn)
             cells = self.cells(b_attn)
@@ -291,33 +316,22 @@ class _Planner:
                 if not mine:
                     continue
                 p = self.price(b_attn, cpu, mine)
-                count += len(mine)
-                n_dense, n_moe = self.lat.layer_counts()
                 for j, c in enumerate(mine):
                     it = float(p.iteration_s[j])
                     tps = (c.n_dev + c.n_host) * self.R / it if it > 0 else 0.0
                     layer = float(p.moe_layer_s[j]) if n_moe else it / max(n_dense, 1)
-                    best.append((tps, c, b_attn, attention, it, layer))
-        if not best:
+                    rows.append(Candidate(tps, c.b_moe, self._host_bytes(c, b_attn, cpu), c.residency, attention,
+                                          c.streamed, b_attn, payload=(c, it, layer)))
+        if not rows:
             raise ConfigError(self._why_nothing_fits())
-        return self._choose(best, count)
-
-    def _choose(self, rows: list[tuple], count: int) -> Plan:
-        top = max(r[0] for r in rows)
-        near = [r for r in rows if r[0] >= top * (1 - TIE)]
-
-        def key(r):
-            tps, c, b_attn, attention, it, layer = r
-            return (c.b_moe, self._host_bytes(c, b_attn, attention == "cpu"), RESIDENCY_ORDER.index(c.residency),
-                    attention != "gpu", c.streamed, -b_attn)
-
-        tps, c, b_attn, attention, it, layer = min(near, key=key)
+        best = choose(rows)
+        c, it, layer = best.payload
         gb = lambda d: {k: round(v / 1e9, 3) for k, v in d.items()}  # noqa: E731
-        return Plan(b_attn=b_attn, b_moe=c.b_moe, kv_residency=c.residency, attention=attention,
+        return Plan(b_attn=best.b_attn, b_moe=c.b_moe, kv_residency=c.residency, attention=best.attention,
                     streamed_layers=c.streamed, device_seqs=c.n_dev, host_seqs=c.n_host,
-                    typical_context=self.stats.typical_context, layer_s=layer, iteration_s=it, tokens_per_s=tps,
-                    host_bytes_per_iter=self._host_bytes(c, b_attn, attention == "cpu"), device_gb=gb(c.device),
-                    host_gb=gb(c.host), candidates=count, ranks=self.R)
+                    typical_context=self.stats.typical_context, layer_s=layer, iteration_s=it,
+                    tokens_per_s=best.tokens_per_s, host_bytes_per_iter=best.host_bytes, device_gb=gb(c.device),
+                    host_gb=gb(c.host), candidates=len(rows), ranks=self.R)
 
     def _host_bytes(self, c: _Cell, b_attn: int, cpu: bool) -> float:
         """Host <-> device bytes of one decode iteration of the instance under this cell."""
