@@ -93,7 +93,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
     if kv_pages_per_gpu is not None:
         budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages_per_gpu))
     if len(w):
-        check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv)
+        check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv,
+                          host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"))
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),

@@ -210,8 +210,10 @@ def _non_expert_bytes(model: ModelSpec, lat: LatencyModel) -> float:
 
 
 def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.ndarray,
-                      budget: MemoryBudget, uses_host_kv: bool) -> None:
-    """A sequence longer than the model's context, or than one GPU's KV pool, can never run."""
+                      budget: MemoryBudget, uses_host_kv: bool, host_resident: bool = False) -> None:
+    """A sequence longer than the model's context, or than one GPU's KV pool, can never run. With
+    `host_resident` decode (its KV restored per layer into staging buffers sized for the longest sequence) a
+    sequence need not fit the device KV pool, only host memory."""
     total = input_lens + output_lens
     worst = int(np.argmax(total))
     if total[worst] > model.max_context:
@@ -220,7 +222,7 @@ def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.
             f"{int(output_lens[worst]):,}) but {model.name} allows {model.max_context:,}: clip the workload "
             "(workload.max_input / workload.max_output) or pick a model with a longer context")
     fit = budget.kv_pages_per_gpu * budget.page_tokens
-    if total[worst] + budget.page_tokens > fit:
+    if not host_resident and total[worst] + budget.page_tokens > fit:
         raise ConfigError(f"sequence {worst} needs {int(total[worst]):,} tokens of KV but one GPU holds "
                           f"{fit:,}: clip the workload or use a GPU with more memory")
     host = budget.host_kv_tokens_per_node
