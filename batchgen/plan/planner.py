@@ -244,8 +244,8 @@ class _Planner:
         values = self.b_moe_values()
         covered = lambda fill, b: self.b_moe == AUTO and b // 2 >= values[0] and fill <= b // 2  # noqa: E731
         for b_moe in values:
-            if self.b_attn == AUTO and b_attn > b_moe and b_attn != B_ATTN[0]:
-                continue  # one micro-batch either way: the smallest B_attn covers it
+            if self.b_attn == AUTO and b_attn // 2 >= b_moe and b_attn != B_ATTN[0]:
+                continue  # one micro-batch either way: the next smaller B_attn covers it
             running = b_moe  # what host memory holds of it: the running KV at its final length
             held = int((self.host_usable - self.host_weights) // (self.c.node_size * self.final_seq_bytes))
             if held < b_moe:
@@ -312,7 +312,8 @@ class _Planner:
                 continue
             for attention in self.attentions():
                 cpu = attention == "cpu"
-                mine = [c for c in cells if not (cpu and c.n_host == 0)]
+                # without host-resident sequences CPU attention is GPU attention: priced once (unless asked for)
+                mine = [c for c in cells if not (cpu and c.n_host == 0 and self.attention == AUTO)]
                 if not mine:
                     continue
                 p = self.price(b_attn, cpu, mine)
