@@ -99,7 +99,7 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
                          host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
-                         kv_bytes_per_token=m.kv_bytes_per_token)
+                         kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal.
     state.assign_instances(np.arange(len(w)) % c.num_instances)
     return Prepared(lat, budget, state, c, policy, plan)

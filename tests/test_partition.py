@@ -40,7 +40,7 @@ def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
 
 def test_mla_partition_replicates_the_latent_on_every_rank():
     state, ids = running_state("deepseek_v3")
-    state.kv_split_by_heads = False  # what prepare sets for an MLA model
+    assert not state.kv_split_by_heads  # prepare knows MLA's latent cannot be split by heads
     moves = Moves.zeros(state.topo.num_gpus)
     full = int(state.table.pages[0])
     state.partition(0, ids[:1], np.array([2]), moves)
