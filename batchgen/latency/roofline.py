@@ -253,7 +253,8 @@ class LatencyModel:
         m = self.model
         flops = m.attention_score_flops_decode * ctx
         bytes_ = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * m.num_heads * m.head_dim * m.act_bytes
-        time = np.maximum(flops / self.host_flops, bytes_ / self.host_mem_bw) + np.maximum(mb, 1) * self.eff.host_kernel_s
+        time = (np.maximum(flops / self.host_flops, bytes_ / self.host_mem_bw)
+                + np.maximum(mb, 1) * self.eff.host_kernel_s)
         return _out(np.where(t > 0, time, 0.0))
 
     def cpu_attention_ship(self, tokens, micro_batches=1):

@@ -5,16 +5,17 @@ For every candidate (B_attn in powers of two, B_moe in powers of two up to the s
 kv_residency device / host / mixed, attention gpu / cpu (not for MLA), and the number of MoE layers whose
 experts stream from host through a two-layer ring buffer) the planner
 1. checks memory: on the device, resident weights (+ ring buffer) + activations of the batch shape (staging
-   area included; as in `plan_memory`, only when the policy declares `batch_shape`) + the fixed reserve + the device KV the candidate keeps (every running sequence's pages at
-   the typical context for `device`; whatever is left for `mixed`, whose overflow runs host-resident); on the
-   host, the node's weights + the KV of its B_moe x GPUs running sequences at their final length (mean prompt
-   + mean output);
+   area included; as in `plan_memory`, only when the policy declares `batch_shape`) + the fixed reserve + the
+   device KV the candidate keeps (every running sequence's pages at the typical context for `device`;
+   whatever is left for `mixed`, whose overflow runs host-resident); on the host, the node's weights + the KV
+   of its B_moe x GPUs running sequences at their final length (mean prompt + mean output);
 2. predicts one decode iteration at the typical context (mean prompt + half the mean output) with the same
    per-layer DAG the simulator prices runs with (batchgen.plan.decode), every rank of the instance alike;
-3. keeps the candidate with the highest predicted decode throughput per instance; among those within
+3. keeps the candidate with the highest predicted decode throughput per instance (`choose`: among those within
    `TIE` (1%) of it, the smallest B_moe, then the least host traffic, then device before mixed before host
-   and GPU before CPU attention (a simpler plan for no measurable gain).
-Only the policy's knobs set to "auto" are planned; explicit values restrict the candidates.
+   and GPU before CPU attention: a simpler plan for no measurable gain).
+Only the policy's knobs set to "auto" are planned; explicit values restrict the candidates. Where B_moe is
+bounded below a candidate by device KV (device residency) or host memory, the exact fill is planned too.
 """
 
 from __future__ import annotations
