@@ -41,6 +41,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             raise ConfigError(f"bad backend setting: {e}") from e
     else:
         out = simulate(job)
+    plan = getattr(out.prepared, "plan", None)
+    if plan is not None:
+        print(plan.describe())
     summary = summarize(out)
     write_results(out, run_dir, summary, config=OmegaConf.to_container(cfg, resolve=True),
                   sequences_csv=bool(cfg.output.get("sequences_csv", True)))

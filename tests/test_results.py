@@ -90,6 +90,16 @@ def test_decode_expert_batch_and_mean_running_follow_from_the_steps(runs, summar
     assert 0 < s["mean_running"] <= max(r.running for r in out.records)
 
 
+def test_planned_knobs_are_in_the_results(runs, summaries):
+    """coroutine's b_attn / b_moe / kv_residency / attention default to auto: the plan that resolved them is in
+    results.json, and the run used exactly those values."""
+    plan, ran = summaries["coroutine"]["plan"], runs["coroutine"].prepared.policy
+    assert (plan["b_attn"], plan["b_moe"], plan["kv_residency"], plan["attention"]) == \
+        (ran.b_attn, ran.b_moe, ran.kv_residency, ran.attention)
+    assert plan["layer_s"] > 0 and plan["tokens_per_s"] > 0
+    assert "plan" not in summaries["continuous"]  # nothing to plan: no auto knobs
+
+
 def test_summary_is_plain_json(summaries):
     s = summaries["coroutine"]
     assert json.loads(json.dumps(s)) == s

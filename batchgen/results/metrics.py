@@ -181,13 +181,19 @@ def summarize(out) -> dict[str, Any]:
                decode_s=float(steps.duration[steps.phase == "decode"].sum()),
                partitions=int(t.partitions.sum()),
                yields=int(t.yields.sum()), migrations=int(t.migrations.sum()), recomputes=int(t.recomputes.sum()),
+               host_bytes=float(getattr(out, "host_bytes", 0.0)) or None,
+               host_bytes_per_decode_iter=float(getattr(out, "host_bytes_per_iteration", 0.0)) or None,
                steps=len(steps), events=int(out.events), wall_s=float(out.wall_s),
                seqs_per_wall_s=_ratio(len(t), out.wall_s))
     # Share of instance-time spent in forwards that prefill: in lockstep every rank of the instance waits
     # for them, so a high share means decode was stalled by prompts (serving engines' prefill-first rule).
     res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.prepared.cluster.num_instances)
     res.update(_memory_peaks(out))
-    return {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}
+    res = {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}
+    plan = getattr(out.prepared, "plan", None)
+    if plan is not None:  # the static plan that resolved the policy's "auto" knobs, as predicted
+        res["plan"] = {k: _round(v) if isinstance(v, float) else v for k, v in plan.to_dict().items()}
+    return res
 
 
 def device_table(out, steps: StepArrays | None = None) -> list[dict[str, Any]]:

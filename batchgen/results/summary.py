@@ -26,6 +26,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("decode expert batch", "decode_expert_batch", lambda v: f"{v:.1f}"),
     ("running", "mean_running", lambda v: f"{v:,.0f}"),
     ("gate tokens", "mean_gate_tokens", lambda v: f"{v:,.0f}"),
+    ("host GB/iter", "host_bytes_per_decode_iter", lambda v: f"{v / 1e9:,.1f}"),
     ("yields", "yields", str),
     ("migrations", "migrations", str),
     ("recomputes", "recomputes", str),
