@@ -6,6 +6,7 @@ import pytest
 
 from batchgen.core.state import Moves
 from batchgen.job import prepare
+from batchgen.sim.run import simulate
 from conftest import make_job
 
 
@@ -57,3 +58,38 @@ def test_finishing_a_partitioned_sequence_frees_every_shard():
     state.finish(0, ids, np.array([1.0]))
     state.check()
     assert np.all(state.pages_used == 0)
+
+
+def long_stragglers(partition: bool, **knobs):
+    """Two sequences past the partition threshold outlive thirty short ones on 8 GPUs."""
+    inputs, outputs = np.full(32, 2000), np.full(32, 100)
+    inputs[:2], outputs[:2] = 30000, 6000
+    return simulate(make_job("coroutine", model="qwen3_30b_a3b", cluster="h100_8", n=32, inputs=inputs,
+                             outputs=outputs, policy_overrides={"partition": partition, **knobs}))
+
+
+def test_partitioning_long_stragglers_pays_its_collectives_and_still_wins():
+    on, off = long_stragglers(True), long_stragglers(False)
+    t_on, t_off = on.prepared.state.table, off.prepared.state.table
+    assert t_on.partitions[:2].min() >= 1 and t_off.partitions.sum() == 0
+    assert t_on.finish_time.max() < t_off.finish_time.max()
+    # the join of the head shards is priced: the partitioned tail spends more of its time communicating
+    comm_on = sum(r.rank_comm.sum() for r in on.records)
+    comm_off = sum(r.rank_comm.sum() for r in off.records)
+    assert comm_on > comm_off
+
+
+def test_partition_join_is_an_all_reduce_per_layer_over_the_group():
+    from batchgen.sim.costs import partition_join
+    lat = prepare(make_job("coroutine", model="qwen3_30b_a3b")).latency
+    rank, alive = np.array([0, 5]), np.array([3, 1])
+    assert partition_join(lat, rank, alive, np.array([1, 1]), 8, 3) == 0.0
+    join = partition_join(lat, rank, alive, np.array([4, 1]), 8, 3)
+    one_row = lat.all_reduce(lat.model.hidden_size * lat.model.act_bytes, 4)
+    assert np.allclose(join[:4], one_row) and np.all(join[4:] == 0)  # ranks 0-3 hold seq 0's shards
+
+
+def test_partition_degree_divides_the_heads():
+    from batchgen.specs import load_model
+    assert load_model("qwen3_30b_a3b").partition_degrees(8) == (1, 2, 4)  # 4 KV heads
+    assert 8 in load_model("deepseek_r1").partition_degrees(8)  # MLA: 128 query heads, latent replicated

@@ -201,6 +201,16 @@ class LatencyModel:
         phase = self.eff.collective_s + self.eff.collective_per_peer_s * (r - 1) + link
         return _out(np.where(t > 0, 2.0 * phase, 0.0))
 
+    def all_reduce(self, nbytes, peers):
+        """Sum `nbytes` across `peers` GPUs of one node (the join of a PARTITIONed sequence's head shards after
+        their o_proj): a ring over NVLink, 2 (p - 1) / p of the bytes each way, plus the collective's latency;
+        0 for one peer or no bytes."""
+        n, p = _arr(nbytes, "nbytes"), np.asarray(peers, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            link = 2.0 * (p - 1) / p * n / (self.gpu.nvlink_bw * self.eff.link)
+        t = self.eff.collective_s + self.eff.collective_per_peer_s * (p - 1) + link
+        return _out(np.where((n > 0) & (p > 1), t, 0.0))
+
     def _copy(self, nbytes, bandwidth, fixed_s, copies=1):
         """`copies` launches of fixed_s plus nbytes at `bandwidth` (already achieved, link efficiency in)."""
         n = _arr(nbytes, "nbytes")

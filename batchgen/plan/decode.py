@@ -33,6 +33,7 @@ class DecodeGrid:
     host_tokens: np.ndarray        # host-resident decode queries in attention
     host_context: np.ndarray       # their summed context (KV restored per layer, or read by the CPU)
     gate_tokens: np.ndarray        # tokens entering this rank's gate (every running sequence)
+    tp_join: np.ndarray | float = 0.0  # seconds per layer joining PARTITIONed attention shards (all-reduce)
 
 
 @dataclass
@@ -79,6 +80,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
         moe_s = lat.all_to_all(total) + slowest
     else:
         ffn, moe_s, prefetch_s = lat.dense_ffn(gate), 0.0, 0.0
+    ffn = ffn + grid.tp_join  # partitioned attention's all-reduce, on the GPU stream before the FFN
     kw = {}
     if t.shape[0] and cpu_attention:
         down, back = lat.cpu_attention_ship(t, launches)
@@ -120,7 +122,7 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
         iteration = iteration + count * lt
         hidden_not = np.maximum(lt - ct, 0.0)
         exposed = exposed + count * hidden_not
-        busy = busy + count * c.gpu_work()
+        busy = busy + count * (c.gpu_work() - grid.tp_join)  # the join is communication, not compute
         if is_moe:
             total = gate.sum(axis=0) * replicas
             _, mean = lat.experts(total)

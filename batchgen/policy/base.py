@@ -48,6 +48,8 @@ class Capabilities:
     host_resident_decode: bool = True
     # attention of host-resident sequences may run on the host CPU beside their KV (GQA/MHA models only)
     cpu_attention: bool = True
+    # how many ranks one sequence's attention can be PARTITIONed over: the head counts must divide evenly
+    partition_degrees: tuple[int, ...] = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)

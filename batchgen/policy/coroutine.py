@@ -280,8 +280,8 @@ class CoroutinePolicy:
         if n == 0 or not self.migrate:
             return
         if self.partition and n <= self.partition_below * R and ctx.max() >= self.partition_min_context:
-            degree = min(self.max_partition_degree, snap.gpus_per_node, R // n)
-            degree = 1 << (max(degree, 1).bit_length() - 1)  # a power of two
+            cap = min(self.max_partition_degree, snap.gpus_per_node, R // n)
+            degree = max(d for d in (1, *snap.capabilities.partition_degrees) if d <= max(cap, 1))
             target = (np.arange(n) * degree) % R
             current_tp = snap.active_tp[np.isin(snap.active_ids, ids)]
             if degree > 1 and not (np.array_equal(target, rank) and np.all(current_tp == degree)):

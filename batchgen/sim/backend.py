@@ -17,7 +17,8 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
-from batchgen.sim.costs import decode_grid, decode_load, decode_participation, prefill_load, price, price_host
+from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, partition_join, prefill_load, price,
+                                price_host)
 
 
 class SimBackend:
@@ -34,7 +35,8 @@ class SimBackend:
         self.env = env
         # layer-by-layer prefill offload, host-resident decode, CPU attention (not for MLA: its latent KV is
         # up-projected on the GPU)
-        self.capabilities = Capabilities(cpu_attention=lat.model.attention != "mla")
+        self.capabilities = Capabilities(cpu_attention=lat.model.attention != "mla",
+                                         partition_degrees=lat.model.partition_degrees())
         self.state = state
         self.lat = lat
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
@@ -91,9 +93,12 @@ class SimBackend:
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
+            kv_split = self.state.kv_split_by_heads
+            join = partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
             if hosted.any() or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                load.tp_join = join
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
@@ -101,8 +106,8 @@ class SimBackend:
                 self.host_bytes += h2d + d2h
             else:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
-                cost = price(self.lat, load, self.weight_stream_s)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                cost = price(self.lat, load, self.weight_stream_s, join)
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)

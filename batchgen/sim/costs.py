@@ -63,29 +63,47 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
 
 
 def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
-               K: int) -> tuple[np.ndarray, np.ndarray]:
+               K: int, kv_split: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(queries, summed context) in attention per rank and iteration. A partitioned sequence spreads its
-    attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank."""
+    attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
+    its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
+    by every rank of the group (which also charges each rank the whole score FLOPs: conservative)."""
     rep = np.repeat(np.arange(rank.size), tp)
     offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
     a_rank = (rank[rep] + offset) % R
     a_weight = 1.0 / tp[rep]
     attn_tokens = _alive(a_rank, alive_for[rep], a_weight, R, K)
-    attn_ctx0 = _alive(a_rank, alive_for[rep], a_weight * context[rep], R, K)
+    ctx_weight = a_weight if kv_split else np.ones(rep.size)
+    attn_ctx0 = _alive(a_rank, alive_for[rep], ctx_weight * context[rep], R, K)
     # every live sequence's context grows by one per iteration
     return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K)
 
 
+def partition_join(lat: LatencyModel, rank: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
+                   K: int) -> np.ndarray | float:
+    """Seconds per layer each rank spends joining PARTITIONed sequences' head shards: one all-reduce per
+    iteration over its group of the shards' o_proj outputs (a hidden row per partitioned token). 0 when nothing
+    is partitioned. Groups of a run share one degree (the policy partitions the tail uniformly); the largest
+    is used."""
+    split = tp > 1
+    if not split.any():
+        return 0.0
+    rep = np.repeat(np.flatnonzero(split), tp[split])
+    offset = np.arange(rep.size) - np.repeat(np.cumsum(tp[split]) - tp[split], tp[split])
+    tokens = _alive((rank[rep] + offset) % R, alive_for[rep], np.ones(rep.size), R, K)
+    return lat.all_reduce(tokens * lat.model.hidden_size * lat.model.act_bytes, int(tp.max()))
+
+
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray) -> DecodeGrid:
+                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> DecodeGrid:
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
     dev = ~host_resident
-    dev_tokens, dev_ctx = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K)
+    dev_tokens, dev_ctx = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K, kv_split)
     host_tokens, host_ctx = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
-                                       tp[host_resident], R, K)
+                                       tp[host_resident], R, K, kv_split)
     ks = np.arange(K)
     dev_tokens = dev_tokens + pad_rows[:, None]
     dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
@@ -97,10 +115,10 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
 
 def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray) -> RankLoad:
+                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> RankLoad:
     """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
     K, R = iterations, num_ranks
-    attn_tokens, attn_ctx = _attention(rank, context, alive_for, tp, R, K)
+    attn_tokens, attn_ctx = _attention(rank, context, alive_for, tp, R, K, kv_split)
     gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
     ks = np.arange(K)
     attn_tokens = attn_tokens + pad_rows[:, None]
@@ -133,8 +151,10 @@ def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_r
     return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)))
 
 
-def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0) -> RunCost:
-    """Seconds per iteration for an instance in lockstep, and each rank's own busy time."""
+def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0) -> RunCost:
+    """Seconds per iteration for an instance in lockstep, and each rank's own busy time. `join`: seconds per
+    layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
+    that layer's FFN and counts as communication."""
     n_dense, n_moe = lat.layer_counts()
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches)
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1))
@@ -143,16 +163,17 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0) -> Ru
     busy = np.zeros(gate.shape)
     iteration = head.copy()
     comm = np.zeros(gate.shape[1])
+    comm_rank = np.zeros(gate.shape) + join * (n_dense + n_moe)
     if n_dense:
         dense = attn + lat.dense_ffn(gate)
-        iteration += n_dense * dense.max(axis=0)
+        iteration += n_dense * (dense + join).max(axis=0)
         busy += n_dense * dense
     if n_moe:
         total = gate.sum(axis=0)
         local = attn + lat.shared_experts(gate) + lat.router(gate)
         slowest, mean = lat.experts(total)
         a2a = lat.all_to_all(total)
-        iteration += n_moe * (local.max(axis=0) + a2a + slowest)
+        iteration += n_moe * ((local + join).max(axis=0) + a2a + slowest)
         busy += n_moe * (local + mean)
         comm = n_moe * a2a
     busy += lat.lm_head(gate)
@@ -160,7 +181,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0) -> Ru
         iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
     active = gate.sum(axis=0) > 0
     iteration = np.where(active, iteration, 0.0)
-    rank_comm = np.full(gate.shape[0], float(comm[active].sum()))
+    rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
     return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0))
 
 
@@ -172,6 +193,7 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     p = price_decode(lat, grid, micro_batch, cpu_attention=cpu_attention, prefetch_bytes=prefetch_bytes)
     gate = grid.gate_tokens
     active = gate.sum(axis=0) > 0
-    rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
+    joins = np.broadcast_to(grid.tp_join, gate.shape) * sum(lat.layer_counts())
+    rank_comm = float(p.comm_s.sum()) + joins[:, active].sum(axis=1)
     return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0)),
             p.h2d_bytes, p.d2h_bytes)

@@ -251,6 +251,12 @@ class ModelSpec:
         """kv_bytes_per_token_per_layer * num_layers."""
         return self.kv_bytes_per_token_per_layer * self.num_layers
 
+    def partition_degrees(self, limit: int = 64) -> tuple[int, ...]:
+        """Ranks one sequence's attention can be split over by heads, up to `limit`: the degree must divide
+        the query heads and (GQA) the KV heads; MLA's latent is replicated, so only the query heads count."""
+        heads = (self.num_heads, self.num_kv_heads) if self.attention == "gqa" else (self.num_heads,)
+        return tuple(d for d in range(1, limit + 1) if all(h % d == 0 for h in heads))
+
     # ---- attention FLOPs ----
 
     @property
