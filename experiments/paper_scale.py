@@ -23,7 +23,9 @@ VARIANTS = [
     ("coroutine", []),
     ("continuous", []),
     ("continuous", ["cluster.gpus_per_instance=16"]),
-    ("static", []),
+    # padded static batches prefill batch_size x the longest prompt in one forward: 4 x 16K tokens of
+    # activations (~50 GB) is what fits beside DeepSeek-R1's weights on an H20 (64 would need ~800 GB)
+    ("static", ["policy.batch_size=4"]),
 ]
 
 
