@@ -196,10 +196,13 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
 
 
 def host_weight_bytes(model: ModelSpec, lat: LatencyModel, node_size: int) -> float:
-    """Weights one node keeps in host memory: a copy of each of its node_size GPUs' weights. (Conservative:
-    what every rank replicates, attention, dense layers, embeddings, shared experts and routers, would need
-    one copy per node.)"""
-    return lat.weight_bytes_per_rank() * node_size
+    """Weights one node keeps in host memory, the source of truth of its GPUs' weights: what every rank
+    replicates (attention, dense layers, embeddings, shared experts, routers) once, and the distinct expert
+    shards its GPUs hold (node_size shards when an instance spans the node; every expert once when several
+    instances, or replicas, share it)."""
+    non_expert = _non_expert_bytes(model, lat)
+    shards = min(node_size, lat.ep_ranks) if model.is_moe else 0
+    return non_expert + shards * (lat.weight_bytes_per_rank() - non_expert)
 
 
 def _non_expert_bytes(model: ModelSpec, lat: LatencyModel) -> float:

@@ -9,7 +9,7 @@ import pytest
 from batchgen.core.state import Moves
 from batchgen.engine import InstanceProgress, make_snapshot
 from batchgen.job import prepare
-from batchgen.memory import MemorySettings
+from batchgen.memory import MemorySettings, host_weight_bytes
 from batchgen.sim.run import simulate
 from conftest import make_job
 
@@ -172,7 +172,7 @@ def test_coroutine_recomputes_instead_of_overflowing_host_memory():
     job = make_job("coroutine", n=60, inputs=np.full(60, 300), outputs=np.full(60, 700),
                    cluster_overrides={"num_gpus": 2})
     probe = prepare(job)
-    weights_node = probe.budget.weights_per_gpu_bytes * job.cluster.node_size
+    weights_node = host_weight_bytes(job.model, probe.latency, job.cluster.node_size)
     host_gb = job.cluster.host_mem_gb_per_node
     fraction = (weights_node + 6000 * job.model.kv_bytes_per_token) / (host_gb * 1e9)
     job = dataclasses.replace(job, memory=MemorySettings(host_memory_fraction=fraction))

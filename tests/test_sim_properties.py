@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.sequences import FINISHED
-from batchgen.memory import ConfigError, MemorySettings
+from batchgen.memory import ConfigError, MemorySettings, host_weight_bytes
 from batchgen.sim.run import simulate
 from conftest import make_job
 
@@ -55,7 +55,7 @@ def build(p):
     if p["host_seqs"]:  # squeeze host memory to a few sequences' worth: host-KV policies must evict
         from batchgen.job import prepare
         probe = prepare(dataclasses.replace(job, cluster=cluster, memory=memory))
-        weights_node = probe.budget.weights_per_gpu_bytes * probe.cluster.node_size
+        weights_node = host_weight_bytes(job.model, probe.latency, probe.cluster.node_size)
         tokens = p["host_seqs"] * (p["max_in"] + p["max_out"] + 2 * p["page_tokens"])
         host = weights_node + tokens * job.model.kv_bytes_per_token
         memory = dataclasses.replace(memory, host_memory_fraction=min(host / (cluster.host_mem_gb_per_node * 1e9), 1.0))

@@ -305,3 +305,21 @@ def test_node_and_instance_maps_are_consistent(nodes, node_size, data):
         assert len(gpus) == c.instance_size
         node_ids = {c.node_of(g) for g in gpus}
         assert len(node_ids) == 1 or len(gpus) == len(node_ids) * node_size
+
+
+def test_host_keeps_one_copy_of_replicated_weights_and_each_distinct_expert_shard():
+    """A node's host memory is the source of truth for its GPUs' weights: replicated weights once, expert
+    shards once each (two 4-GPU instances on one node share one copy of every expert)."""
+    import dataclasses
+    from batchgen.job import prepare
+    from batchgen.memory import host_weight_bytes
+    from conftest import make_job
+    job = make_job("continuous", model="mixtral_8x7b", cluster="h100_8")
+    lat = prepare(job).latency
+    m = job.model
+    experts = m.num_moe_layers * m.num_experts * m.expert_params * m.weight_bytes
+    assert host_weight_bytes(m, lat, 8) == pytest.approx(m.weight_bytes_total, rel=1e-9)
+    half = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpus_per_instance=4))
+    lat4 = prepare(half).latency
+    assert host_weight_bytes(m, lat4, 8) == pytest.approx(m.weight_bytes_total, rel=1e-9)
+    assert host_weight_bytes(m, lat, 8) < lat.weight_bytes_per_rank() * 8 - 7 * (m.weight_bytes_total - experts) + 1
