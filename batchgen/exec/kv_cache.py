@@ -262,7 +262,8 @@ class PagedKVCache:
 
     # ---- the host pool -------------------------------------------------------------------------------
     def _new_host(self, pages: int) -> torch.Tensor:
-        return torch.empty(self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads, self.head_dim,
+        # zeros: restores copy whole pages, and pools must hold only finite values (see AttentionMetadata)
+        return torch.zeros(self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads, self.head_dim,
                            dtype=self.dtype, pin_memory=self.host_pinned)
 
     def _host_cover(self, tokens_by_seq: dict[_Seq, int]) -> None:

@@ -3,7 +3,9 @@
 One forward pass runs a flat batch of new tokens from several sequences: a whole prompt (prefill), one token
 (decode), or the prompt plus generated tokens of a sequence being recomputed. Tokens of one sequence are
 contiguous and in order. Each layer's KV pool is a pair of tensors [num_pages, page_size, kv_heads, head_dim];
-a sequence's KV lives in the pages its row of `block_table` names, in order.
+a sequence's KV lives in the pages its row of `block_table` names, in order. Pools hold only finite values
+(they start zeroed and receive only K/V): attention reads the slots past a context (the tail of the last page,
+padding pages) and relies on its mask, not on zeros, to ignore them.
 """
 
 from __future__ import annotations

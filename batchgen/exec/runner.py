@@ -123,10 +123,13 @@ class InstanceRunner:
             last = [0] * len(batch.seq_ids)
             host = batch.host_resident or [False] * len(batch.seq_ids)
             staged = 0
+            # Micro-batches of similar contexts: attention pads every sequence to the longest context (and
+            # query) of its call, so with contexts of 30 to 500 tokens a random mix wastes half its work.
+            order = sorted(range(len(batch.seq_ids)), key=lambda i: batch.start_positions[i] + batch.new_counts[i])
             for resident in (False, True):
                 # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
                 # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
-                mine = [i for i in range(len(batch.seq_ids)) if host[i] == resident]
+                mine = [i for i in order if host[i] == resident]
                 prompts = [i for i in mine if batch.new_counts[i] > 1]
                 decodes = [i for i in mine if batch.new_counts[i] == 1]
                 for group in (prompts, decodes):

@@ -1,8 +1,9 @@
 """DeepSeek-V3 (MLA, shared experts, group-limited sigmoid routing, first layers dense) against transformers'
 `DeepseekV3ForCausalLM` on tiny seeded models saved with `save_pretrained`: prompt logits through the real
 `PagedKVCache` (built from the model's KV geometry: one latent per token, no V pool), greedy decoding against
-`generate`, module-based batching, and the memory the MLA cache takes. The cache's latent pools start as NaN,
-so a read of a slot that was never written shows up in the logits."""
+`generate`, module-based batching, and the memory the MLA cache takes. The cache's latent pools start as a large
+finite sentinel, so a read of a slot that was never written shows up in the logits (pools must stay finite:
+attention masks the slots past a context instead of zeroing them)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 PAGE = 4
 PROMPT_LENS = (5, 11, 8)
 NEW_TOKENS = 12
+SENTINEL = 1e4  # what never-written pool slots hold: wrecks the logits if read, harmless if masked
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
 
@@ -65,7 +67,7 @@ def pair(request, tmp_path_factory):
 def new_cache(model, num_pages=64) -> PagedKVCache:
     cache = PagedKVCache(**model.kv_cache_geometry()._asdict(), page_size=PAGE, num_pages=num_pages)
     for layer in range(cache.num_layers):
-        cache.layer(layer)[0].fill_(float("nan"))
+        cache.layer(layer)[0].fill_(SENTINEL)
     return cache
 
 

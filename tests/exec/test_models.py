@@ -1,7 +1,8 @@
 """The executor's models against transformers (the oracle) on tiny random models: full-prompt logits, greedy
 decoding step by step through a paged KV cache, and module-based batching (attention in micro-batches, one
 FFN batch). A test-local page allocator builds `AttentionMetadata` exactly as the contract says; its pools start
-as NaN, so any read of a slot that was never written shows up in the logits."""
+as a large finite sentinel, so any read of a slot that was never written shows up in the logits (pools must
+stay finite: attention masks the slots past a context instead of zeroing them)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from batchgen.exec.models import ExecModelConfig, MoEDecoder, init_random, load_
 from batchgen.exec.models.config import UnsupportedModelError
 
 PAGE = 4
+SENTINEL = 1e4  # what never-written pool slots hold: wrecks the logits if read, harmless if masked
 PROMPT_LENS = (5, 11, 8)
 NEW_TOKENS = 12
 
@@ -27,7 +29,7 @@ class ToyPagedCache:
         pages_per_seq = math.ceil(max_len / PAGE)
         self.pages = [[b + i * num_seqs for i in range(pages_per_seq)] for b in range(num_seqs)]
         shape = model.kv_cache_shape(num_seqs * pages_per_seq, PAGE)
-        self.pools = [(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+        self.pools = [(torch.full(shape, SENTINEL, dtype=dtype), torch.full(shape, SENTINEL, dtype=dtype))
                       for _ in range(model.num_layers)]
         self.lens = [0] * num_seqs
 
@@ -200,6 +202,27 @@ def test_grouped_experts_equal_dense_reference():
             h = torch.nn.functional.silu(moe.w_gate[e] @ x[t]) * (moe.w_up[e] @ x[t])
             ref[t] += w[t, j] * (moe.w_down[e] @ h)
     assert torch.allclose(moe.experts(x, ids, w), ref, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_expert_loop(dtype):
+    """torch._grouped_mm (one call per projection for all experts) gives what one GEMM per expert gives (to
+    rounding: tiny shapes may take other kernels), with empty experts."""
+    from batchgen.exec.models.moe import grouped_mm_available
+    cfg = ExecModelConfig(architecture="mixtral", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                          num_kv_heads=1, head_dim=8, num_experts=6, top_k=2, moe_intermediate_size=24)
+    moe = init_random(cfg, seed=3, std=0.3, dtype=dtype).moe(0)
+    x = torch.randn(30, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    counts = [7, 0, 11, 0, 12, 0]  # rows already sorted by expert; three experts get nothing
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    if not grouped_mm_available(x.device, dtype):
+        pytest.skip("this torch has no usable torch._grouped_mm here: the loop runs")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(moe._grouped(x, offs).float(), moe._looped(x, counts).float(), rtol=tol, atol=tol)
+    ids, w = moe.route(x)
+    moe.experts(x, ids, w)
+    assert sum(moe.last_tokens_per_expert) == 60
 
 
 @torch.no_grad()

@@ -2,6 +2,14 @@
 
 Routing and expert execution are separate calls so that a runner can count tokens per expert (the expert
 batch size that module-based batching exists to grow), and later send tokens to other ranks between the two.
+
+Grouped GEMMs: each projection of all experts is one `torch._grouped_mm` call over the expert-sorted tokens
+(one kernel, group offsets on the device, so no host sync for the counts), where this torch build has it for
+the device and dtype (probed once per pair); elsewhere a loop over experts, one GEMM per non-empty expert.
+Measured on the 2-core CPU machine (torch 2.13, one thread, E=8, hidden 512, expert width 1024): equal speed
+within noise (fp32 40 assignments 10.5 vs 10.7 ms, 640: 39.7 vs 38.5 ms, 2048: 111 vs 120 ms; bf16 2048:
+739 vs 768 ms), outputs bit-identical at those sizes (equal to rounding in general). `torch._grouped_mm` is private API: the probe falls back to the
+loop if a build lacks it or refuses the arguments.
 """
 
 from __future__ import annotations
@@ -11,6 +19,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.models.config import ExecModelConfig
+
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here (2-D tokens x 3-D transposed expert weights, int32 offsets,
+    empty groups included) and agrees with a plain matmul; probed once per (device type, dtype)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                gen = torch.Generator().manual_seed(0)
+                x = torch.randn(24, 16, generator=gen).to(device, dtype)
+                w = torch.randn(3, 32, 16, generator=gen).to(device, dtype)  # [E, out, in], as stored
+                offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)
+                got = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+                want = torch.cat([x[:8] @ w[0].T, x[8:] @ w[2].T])
+                ok = bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED[key] = ok
+    return _GROUPED[key]
 
 
 class SparseMoE(nn.Module):
@@ -26,9 +57,12 @@ class SparseMoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(E, I, H, **kw))
         self.w_up = nn.Parameter(torch.empty(E, I, H, **kw))
         self.w_down = nn.Parameter(torch.empty(E, H, I, **kw))
-        # Tokens each expert got in the last `experts` call: the expert batch sizes, already on the host (the
-        # grouped loop needs them there), kept so that a runner can report them without another sync.
-        self.last_tokens_per_expert: list[int] = []
+        self._last_counts: torch.Tensor | None = None
+
+    @property
+    def last_tokens_per_expert(self) -> list[int]:
+        """Tokens each expert got in the last `experts` call (the expert batch sizes); reading them syncs."""
+        return [] if self._last_counts is None else self._last_counts.tolist()
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32).
@@ -45,16 +79,31 @@ class SparseMoE(nn.Module):
     def experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's k experts of weight * expert(hidden): [T, H].
 
-        The T*k (token, expert) assignments are sorted by expert (stable, so ties keep token order), each
-        expert runs one GEMM on its contiguous slice, and the weighted rows are scatter-added back per token.
-        The loop is over experts, never tokens; the per-expert counts cost one host sync per call.
+        The T*k (token, expert) assignments are sorted by expert (stable, so ties keep token order), the experts
+        run as grouped GEMMs on their contiguous slices (see the module docstring), and the weighted rows are
+        scatter-added back per token. Nothing loops over tokens.
         """
         T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // k
-        counts = self.last_tokens_per_expert = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = self._last_counts = torch.bincount(flat_ids, minlength=self.num_experts)
         x = hidden[token_of]
+        if grouped_mm_available(x.device, x.dtype):
+            out = self._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32))
+        else:
+            out = self._looped(x, counts.tolist())
+        weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
+
+    def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Three grouped GEMMs over all experts; offs [E] int32: end row of each expert's slice."""
+        def mm(inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(inp, w.transpose(1, 2), offs=offs)
+        return mm(F.silu(mm(x, self.w_gate)) * mm(x, self.w_up), self.w_down)
+
+    def _looped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One GEMM per non-empty expert (needs the counts on the host)."""
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(counts):
@@ -63,8 +112,7 @@ class SparseMoE(nn.Module):
                 h = F.silu(F.linear(xs, self.w_gate[e])) * F.linear(xs, self.w_up[e])
                 out[start:start + n] = F.linear(h, self.w_down[e])
                 start += n
-        weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
+        return out
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The layer's always-on part, added to `experts`'s output: DeepSeek's shared experts; None here."""
