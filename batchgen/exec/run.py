@@ -18,10 +18,11 @@ from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
                                   init_random, load_model, load_tokenizer)
 from batchgen.exec.runner import InstanceRunner
+from batchgen.exec.staging import BUFFERS, staging_pages
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
 from batchgen.job import Job, effective_cluster, prepare
-from batchgen.memory import ConfigError
+from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.sim.run import RunOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +33,9 @@ class ExecSettings:
     device: str | list[str] = "auto"   # cpu, cuda, cuda:N, auto (cuda when available), or one per instance
     dtype: str = "auto"                # float32, bfloat16, or auto (bf16 when every device is a GPU, else fp32)
     model_path: str | None = None      # a Hugging Face directory; None = random weights from the model spec
-    kv_budget_mb: float = 256.0        # device KV cache per rank
+    kv_budget_mb: float = 256.0        # device memory per rank for KV: the paged pool, and (when the policy may run
+                                       # sequences host-resident) the two staging buffers, carved out of it
+    staging_mb: float | None = None    # of kv_budget_mb, for the staging buffers (None: B_attn longest sequences)
     weights_seed: int = 0
     temperature: float = 0.0           # sampling for every request (0 = greedy)
     top_p: float = 1.0
@@ -91,6 +94,36 @@ def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: t
     return init_random(config, seed=settings.weights_seed, dtype=dtype, device=device)
 
 
+def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtype: torch.dtype,
+                  max_context: int) -> tuple[int, int | None]:
+    """(bytes for the paged KV pool, pages per staging buffer or None): a policy that may run sequences
+    host-resident gets two staging buffers (one layer of B_attn longest sequences each, or `staging_mb`)
+    out of kv_budget_mb, so that it uses no more device memory for KV than a policy that cannot."""
+    budget = int(settings.kv_budget_mb * 2**20)
+    shape = batch_shape_of(policy, max_context)
+    if shape is None or not shape.staging_seqs:
+        return budget, None
+    page = job.page_tokens
+    per_page = PagedKVCache.page_bytes(**geometry, page_size=page, dtype=dtype) // geometry["num_layers"]
+    if settings.staging_mb is None:
+        pages_each = staging_pages(shape.staging_seqs, max_context, page)
+    else:
+        pages_each = int(settings.staging_mb * 2**20) // (BUFFERS * per_page)
+    longest = -(-max_context // page)
+    if pages_each < longest:
+        raise ConfigError(f"backend.staging_mb: a staging buffer of {pages_each} pages cannot hold the longest "
+                          f"sequence ({max_context:,} tokens = {longest} pages of one layer, {per_page:,} bytes "
+                          "each): give it more")
+    kv_bytes = budget - BUFFERS * pages_each * per_page
+    if kv_bytes < per_page * geometry["num_layers"]:
+        raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb}: the staging buffers of host-resident "
+                          f"decode take {BUFFERS * pages_each * per_page / 2**20:.1f} MB of it (2 x {pages_each} "
+                          f"pages of one layer, for B_attn={shape.staging_seqs} sequences of {max_context:,} "
+                          "tokens), leaving no KV page: raise the budget, lower policy.b_attn or set "
+                          "backend.staging_mb")
+    return kv_bytes, pages_each
+
+
 def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None) -> ExecOutput:
     """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
     synthetic prompts of those lengths (seeded by `settings.weights_seed`)."""
@@ -112,9 +145,13 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
     geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
     max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
-    caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens,
-                                       budget_bytes=int(settings.kv_budget_mb * 2**20), dtype=dtype,
-                                       device=devices[gpu // cluster.instance_size], max_context=max_context)
+    # the policy as it will run ("auto" knobs planned), for its staging buffers; prepared again below with the
+    # pool actually allocated
+    policy = prepare(job).policy
+    kv_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context)
+    caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens, budget_bytes=kv_bytes, dtype=dtype,
+                                       device=devices[gpu // cluster.instance_size], max_context=max_context,
+                                       staging_pages=pages_each)
               for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
     try:
@@ -142,7 +179,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     runners = [InstanceRunner(models[dev]) for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
     records: list[StepRecord] = []
-    loops = [instance_loop(job.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
+    loops = [instance_loop(prepared.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
                            check_invariants=job.check_invariants)
              for inst in range(prepared.state.topo.num_instances)]
     while loops:  # round-robin: each instance runs one step (or one wait) at a time

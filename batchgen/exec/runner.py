@@ -133,7 +133,13 @@ class InstanceRunner:
                 prompts = [i for i in mine if batch.new_counts[i] > 1]
                 decodes = [i for i in mine if batch.new_counts[i] == 1]
                 for group in (prompts, decodes):
-                    for lo, hi in _chunks(len(group), mb):
+                    if resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
+                        pages = [-(-(batch.start_positions[i] + batch.new_counts[i]) // batch.cache.page_size)
+                                 for i in group]
+                        chunks = _chunks_within(pages, mb, batch.cache.staging_pages)
+                    else:
+                        chunks = _chunks(len(group), mb)
+                    for lo, hi in chunks:
                         idx = group[lo:hi]
                         args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
                                 [batch.start_positions[i] for i in idx])
@@ -168,7 +174,8 @@ class InstanceRunner:
             cache = mine[0].cache
             need = max(p.staged.num_pages for p in mine)
             b_attn = mb or max(len(p.seq_ids) for p in mine)  # micro_batch 0: one micro-batch of them all
-            hint = staging_pages(b_attn, cache.max_context, cache.page_size) if cache.max_context else need
+            hint = (cache.staging_pages or (staging_pages(b_attn, cache.max_context, cache.page_size)
+                                            if cache.max_context else need))
             if cache.staging is None:
                 cache.staging = StagingArea(cache, max(need, hint))
             cache.staging.ensure(need, hint)
@@ -192,6 +199,20 @@ def _chunks(n: int, size: int):
     size = size if size > 0 else max(n, 1)
     for lo in range(0, n, size):
         yield lo, min(lo + size, n)
+
+
+def _chunks_within(pages: list[int], size: int, capacity: int | None):
+    """Consecutive runs of at most `size` items (0: any number) whose pages sum to at most `capacity` (None:
+    no cap); an item larger than the capacity runs alone."""
+    lo, total = 0, 0
+    for i, p in enumerate(pages):
+        full = (size > 0 and i - lo == size) or (capacity is not None and total + p > capacity and i > lo)
+        if full:
+            yield lo, i
+            lo, total = i, 0
+        total += p
+    if lo < len(pages):
+        yield lo, len(pages)
 
 
 class _Timer:

@@ -88,6 +88,7 @@ class StagingArea:
             self.stream = torch.cuda.Stream(self.device)
         self._allocate(pages)
 
+    @torch.inference_mode(False)  # persistent buffers, built by the first forward that stages
     def _allocate(self, pages: int) -> None:
         c = self.cache
         self.pages = int(pages)

@@ -35,10 +35,13 @@ def saved(request, tmp_path_factory):
     return model, path
 
 
-def kv_mb_for(path, tokens: int) -> float:
-    """A KV budget of about `tokens` tokens for this model (MLA's latent cache is much smaller per token)."""
+def kv_mb_for(path, tokens: int, staging_seqs: int = 0, max_context: int = 0) -> float:
+    """A KV budget of about `tokens` tokens for this model (MLA's latent cache is much smaller per token), plus
+    the staging buffers host-resident decode carves out of it (two of `staging_seqs` x `max_context` tokens
+    of one layer)."""
     geometry = read_config(path).kv_cache_geometry()._asdict()
-    return PagedKVCache.page_bytes(**geometry, page_size=tokens, dtype=torch.float32) / 2**20
+    staging = 2 * staging_seqs * max_context / geometry["num_layers"]
+    return PagedKVCache.page_bytes(**geometry, page_size=tokens + staging, dtype=torch.float32) / 2**20
 
 
 @pytest.mark.parametrize("policy,kv_tokens", [("coroutine", 80), ("continuous", 80), ("static", 80),
@@ -121,7 +124,10 @@ def test_host_resident_decode_matches_hf_generate(saved, residency, attention):
     job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=page,
                    cluster_overrides={"num_gpus": 2},
                    policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": residency, "attention": attention})
-    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens)))
+    longest = -(-int((inputs + outputs).max()) // page) * page
+    budget = kv_mb_for(path, kv_tokens, staging_seqs=2, max_context=longest)  # the pool keeps ~80 tokens
+    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=budget))
+    assert out.prepared.state.gpu_pages[0] == kv_tokens // page
     for sid in range(n):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
     traffic = out.kv_traffic

@@ -101,6 +101,10 @@ def test_staged_host_resident_step_equals_device_step(model, host_mask, micro_ba
         assert (hr.synced_tokens(sid) if h else hr.device_tokens(sid)) == n
         assert torch.equal(kv_of(hr, sid, n, host=h), kv_of(ref, sid, n, host=False))
     hr.check()
+    device = [sid for sid, h in enumerate(host_mask) if not h]
+    hr.yield_to_host(device)  # the host pool grew inside a forward: it must take in-place updates outside one
+    for sid in device:
+        assert torch.equal(kv_of(hr, sid, lens[sid], host=True), kv_of(ref, sid, lens[sid], host=False))
     if any(host_mask):
         staged = sum(host_mask) if micro_batch == 0 else micro_batch
         assert hr.staging.allocations == 1  # sized once, for B_attn sequences of the longest context
@@ -143,4 +147,66 @@ def test_prepare_host_refuses_what_would_lose_kv():
     with pytest.raises(ValueError, match="not in a host-resident step"):
         cache.host_advance([1])
     assert cache.used_pages() == 0
+    cache.check()
+
+
+def test_host_micro_batches_are_cut_to_fit_the_staging_buffer(model):
+    """A staging buffer of a fixed number of pages: host micro-batches are cut to fit it (by pages, not only
+    by B_attn), so the buffers are never reallocated, and the outputs are the device run's."""
+    if model.config.is_mla:
+        pytest.skip("the cut does not depend on the attention kind")
+    runner = InstanceRunner(model)
+    ref = new_cache(model)
+    hr = PagedKVCache(**model.kv_cache_geometry()._asdict(), page_size=PAGE, num_pages=64, staging_pages=6)
+    ids = list(range(len(PROMPTS)))
+    for c in (ref, hr):
+        run(runner, c, ids, PROMPTS, [0] * 4, [False] * 4, 0)
+    hr.yield_to_host(ids)
+    lens = [len(p) for p in PROMPTS]  # 11, 5, 8, 1 tokens: 3, 2, 3, 1 pages with the new token (1 + 2 + 3 + 3)
+    tokens = [[1], [2], [3], [4]]
+    a, _ = run(runner, ref, ids, tokens, lens, [False] * 4, 1)
+    b, stats = run(runner, hr, ids, tokens, lens, [True] * 4, 0)
+    assert torch.allclose(a, b, atol=1e-5)  # other micro-batches than the reference: equal up to rounding
+    assert hr.staging.pages == 6 and hr.staging.allocations == 1
+    assert stats.restored_bytes == (1 + 2 + 3 + 3) * hr.layer_page_bytes * hr.num_layers
+
+
+def test_staging_buffers_come_out_of_the_kv_budget():
+    """backend.kv_budget_mb is device memory for KV: a policy that may run sequences host-resident gets a
+    smaller paged pool, by the two staging buffers; one that cannot fit them is told how to fix it."""
+    import numpy as np
+
+    from batchgen.exec.run import ExecSettings, execute
+    from batchgen.memory import ConfigError
+    from conftest import make_job
+
+    inputs, outputs = np.array([20, 30, 12, 25]), np.array([6, 9, 4, 12])  # longest 39 tokens: 3 pages of 16
+    per_page = 16 * 2 * 2 * 64 * 4  # tiny_moe: one layer of a page, K and V, fp32
+    runs = {}
+    for residency in ("device", "host"):
+        job = make_job("coroutine", inputs=inputs, outputs=outputs, page_tokens=16,
+                       policy_overrides={"b_moe": 4, "b_attn": 2, "kv_residency": residency})
+        out = execute(job, ExecSettings(device="cpu", kv_budget_mb=1.0))
+        runs[residency] = out
+    pages = {k: int(o.prepared.state.gpu_pages[0]) for k, o in runs.items()}
+    assert pages["device"] - pages["host"] == -(-2 * 2 * 3 * per_page // (4 * per_page))  # 2 buffers x 2 x 3
+    assert runs["host"].kv_traffic["host_resident_seq_steps"] > 0
+    assert [list(g) for g in runs["host"].tokens.generated] == [list(g) for g in runs["device"].tokens.generated]
+    with pytest.raises(ConfigError, match="staging buffers of host-resident decode take"):
+        execute(job, ExecSettings(device="cpu", kv_budget_mb=2 * 2 * 3 * per_page / 2**20))
+    with pytest.raises(ConfigError, match="cannot hold the longest sequence"):
+        execute(job, ExecSettings(device="cpu", kv_budget_mb=1.0, staging_mb=0.01))
+
+
+def test_host_pool_grown_inside_a_forward_takes_updates_outside_one():
+    """The runner calls prepare_host under inference mode; a host pool that grows there must not become an
+    inference tensor, or the next YIELD (outside any forward) could not write into it."""
+    cache = PagedKVCache(2, 2, 4, page_size=PAGE, num_pages=8, host_pages=2)
+    cache.prepare([1, 2], [8, 3], [0, 0])
+    cache.yield_to_host([1])                 # two host pages: the pool is full
+    with torch.inference_mode():
+        cache.prepare_host([1], [1], [8])    # a third page: the pool doubles here
+        cache.host_advance([1])
+    assert cache.host_capacity_pages() == 4
+    cache.yield_to_host([2])                 # into the pool grown above
     cache.check()
