@@ -279,7 +279,11 @@ class CoroutinePolicy:
         R, n = snap.num_ranks, ids.size
         if n == 0 or not self.migrate:
             return
-        if self.partition and n <= self.partition_below * R and ctx.max() >= self.partition_min_context:
+        # only device-resident sequences are partitioned: a host-resident one would have to restore its shards on
+        # every rank of the group, which no backend does yet
+        on_device = not np.isin(ids, snap.active_ids[snap.active_host_resident]).any()
+        if (self.partition and on_device and n <= self.partition_below * R
+                and ctx.max() >= self.partition_min_context):
             cap = min(self.max_partition_degree, snap.gpus_per_node, R // n)
             degree = max(d for d in (1, *snap.capabilities.partition_degrees) if d <= max(cap, 1))
             target = (np.arange(n) * degree) % R
