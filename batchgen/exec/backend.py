@@ -28,6 +28,7 @@ from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
 from batchgen.exec.sequences import SequenceTokens
+from batchgen.exec.shards import join, split
 
 
 class ExecBackend:
@@ -42,6 +43,7 @@ class ExecBackend:
         self.job_seed = job_seed
         self.events = 0
         self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
+        self._split: dict[int, tuple[int, int]] = {}  # PARTITIONed sequence -> (lead GPU, degree) of its shards
         self.moves = Counter()  # KV operations carried out: yield, restore, migrate, evict
         self._t0 = time.perf_counter()
         self._live = set(range(state.topo.num_instances))
@@ -49,8 +51,12 @@ class ExecBackend:
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
         # prefill KV needs device pages (policies budget for it); running sequences may be host-resident, and
         # their attention may run on the host CPU for GQA/MHA models (MLA expands its latents on the device)
+        c = model.config
+        heads = (c.num_heads,) if c.is_mla else (c.num_heads, c.num_kv_heads)
         self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=True,
-                                         cpu_attention=not model.config.is_mla)
+                                         cpu_attention=not c.is_mla,
+                                         partition_degrees=tuple(d for d in range(1, 9)
+                                                                 if all(h % d == 0 for h in heads)))
         # what host-resident decode moved and ran: staged restores and appends (bytes), sequence-steps
         self.traffic = Counter()
         self._waiting: set[int] = set()
@@ -82,8 +88,42 @@ class ExecBackend:
         self._waiting.clear()
 
     # ---- tensors follow the bookkeeping --------------------------------------------------------------
+    def _group(self, lead: int, degree: int) -> list[int]:
+        """The GPUs of a partition group: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
+        gpus = self.state.topo.instance_gpus(int(self.state.topo.gpu_instance[lead]))
+        rank = int(np.flatnonzero(gpus == lead)[0])
+        return [int(gpus[(rank + j) % gpus.size]) for j in range(degree)]
+
+    def _join_partitions(self) -> None:
+        """Sequences whose partition the state changed (un-partitioned, moved, yielded, finished, evicted): the
+        shards come back to the lead's host copy first (or are dropped with a finished or evicted sequence)."""
+        t = self.state.table
+        for sid, (lead, degree) in list(self._split.items()):
+            if t.where[sid] == lead and t.tp[sid] == degree:
+                continue
+            group = [self.caches[g] for g in self._group(lead, degree)]
+            if t.where[sid] in (FINISHED, PENDING):
+                for cache in group:
+                    cache.shards.release([sid])
+            else:
+                self.traffic["reshard_bytes"] += join(group, sid)
+            del self._split[sid]
+
+    def _split_partitions(self, plan: StepPlan) -> None:
+        """PARTITION: sequences the state runs over several ranks get their head shards on every rank of the
+        group, from the lead's (complete) host copy."""
+        t = self.state.table
+        for sid in plan.decode_ids[plan.decode_tp > 1].tolist():
+            lead, degree = int(t.where[sid]), int(t.tp[sid])
+            if sid not in self._split:
+                self.traffic["reshard_bytes"] += split([self.caches[g] for g in self._group(lead, degree)], sid,
+                                                       degree)
+                self._split[sid] = (lead, degree)
+                self.moves["partition"] += 1
+
     def reconcile(self, plan: StepPlan) -> None:
         t = self.state.table
+        self._join_partitions()
         # A sequence prefilled again was evicted (possibly in this very decision): its old KV goes first.
         for sid in plan.prefill_ids.tolist():
             src = self._holder.pop(sid, None)
@@ -104,13 +144,15 @@ class ExecBackend:
             parked = [s for s in held[where == SUSPENDED].tolist() if cache.on_device(s)]
             cache.yield_to_host(parked)
             self.moves["yield"] += len(parked)
-        host = plan.decode_host_resident
+        # a partitioned sequence is held host-only by its lead (the shards hold what it computes on)
+        host = plan.decode_host_resident | (plan.decode_tp > 1)
         for g in plan.gpus:
             here = t.where[plan.decode_ids] == g
             running = plan.decode_ids[here & ~host]
             missing = [s for s in running.tolist() if not (self._holder.get(s) == g and self.caches[g].on_device(s))]
             self._bring(missing, int(g))
-            self._bring_host(plan.decode_ids[here & host].tolist(), int(g))
+            self._bring_host([s for s in plan.decode_ids[here & host].tolist() if s not in self._split], int(g))
+        self._split_partitions(plan)
 
     def _bring(self, seq_ids: list[int], g: int) -> None:
         """COMBINE: restore from this GPU's host copies; MIGRATE: adopt KV held by another GPU's cache."""
@@ -151,10 +193,12 @@ class ExecBackend:
         """Per rank: each sequence's new tokens (the whole context when `whole`, else its last token), and
         whether it runs host-resident (`host`, per id)."""
         out = []
+        t = self.state.table
         for r, g in enumerate(plan.gpus):
             on_rank = ranks == r
             mine = ids[on_rank].tolist()
-            batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist())
+            batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist(),
+                              [] if whole else t.tp[ids[on_rank]].tolist())
             for sid in mine:
                 if whole:
                     ctx = self.tokens.context(sid)
@@ -236,6 +280,7 @@ class ExecBackend:
         decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident)
         for b, d in zip(batches, decodes):
             b.host_resident = [False] * len(b.seq_ids) + d.host_resident
+            b.tp = [1] * len(b.seq_ids) + d.tp
             b.seq_ids += d.seq_ids
             b.token_ids += d.token_ids
             b.new_counts += d.new_counts

@@ -137,6 +137,7 @@ class PagedKVCache:
         self._host_free = list(range(self._host.shape[2] - 1, -1, -1))
         self._seqs: dict[int, _Seq] = {}
         self.staging = None  # host-resident decode's staging buffers, built by the first staged step
+        self.shards = None   # PARTITIONed sequences' head shards in this pool (batchgen.exec.shards)
 
     @staticmethod
     def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -523,7 +524,8 @@ class PagedKVCache:
     def check(self) -> None:
         """Recount pages and lengths; raises InvariantError on the first broken rule."""
         for name, owned, free, total in (
-                ("pages", [p for s in self._seqs.values() for p in s.pages], self._free, self.num_pages),
+                ("pages", [p for s in self._seqs.values() for p in s.pages]
+                 + (self.shards.owned_pages() if self.shards is not None else []), self._free, self.num_pages),
                 ("host pages", [p for s in self._seqs.values() for p in s.host_pages], self._host_free,
                  self._host.shape[2])):
             every = owned + free

@@ -12,7 +12,10 @@ Where a sequence's KV is decides how its attention runs (`RankBatch.host_residen
   layer's KV restored from the host pool into a double-buffered device staging buffer (`staging.py`), attend
   there, and send the new token's KV back to the host copy;
 - host-resident with `cpu_attention`: attention runs on the host CPU over the host pool itself (GQA/MHA only;
-  on a GPU only q, k, v and the output cross the link), writing the new KV straight into the host copy.
+  on a GPU only q, k, v and the output cross the link), writing the new KV straight into the host copy;
+- PARTITIONed (`RankBatch.tp` > 1): the tokens stay on the lead rank, but attention runs on every rank of its
+  group (the lead and the next tp - 1 ranks), each over its head shard (`shards.py`), and the shards' partial
+  outputs are summed (the all-reduce that joins them) before the residual.
 Timings never add synchronisation on CUDA: events are recorded around modules and read once, at the end of
 the forward (which waits for the logits anyway). On CPU the wall clock is read around each module.
 """
@@ -27,6 +30,8 @@ import torch
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
+from batchgen.exec.models.tensor_parallel import shard_attention
+from batchgen.exec.shards import ShardStore, shards_of
 from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
 
 
@@ -40,6 +45,7 @@ class RankBatch:
     new_counts: list[int]        # new tokens per sequence
     start_positions: list[int]   # position of each sequence's first new token (= its KV length so far)
     host_resident: list[bool] = field(default_factory=list)  # per sequence; empty: all device-resident
+    tp: list[int] = field(default_factory=list)  # per sequence: ranks its attention is split over; empty: all 1
 
 
 @dataclass
@@ -56,7 +62,7 @@ class ForwardStats:
 class _Piece:
     """One attention micro-batch: device (pages), staged (host pages restored per layer) or cpu (host pool)."""
 
-    kind: str
+    kind: str                     # device, staged, cpu or shard
     rank: int
     rows: slice
     meta: AttentionMetadata
@@ -64,6 +70,9 @@ class _Piece:
     seq_ids: list[int]
     staged: StagedBatch | None = None
     index: int = 0                # its place among its rank's staged micro-batches
+    shard: int = 0                # shard pieces: which head shard, of how many, and the store holding it
+    degree: int = 1
+    store: ShardStore | None = None
 
 
 class InstanceRunner:
@@ -90,6 +99,10 @@ class InstanceRunner:
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
         for layer in range(self.model.num_layers):
             for p in pieces:
+                if p.kind == "shard":
+                    if p.shard == 0:  # the whole group at once: the sum needs every shard
+                        self._partitioned(layer, hidden, [q for q in pieces if q.rows == p.rows], timer)
+                    continue
                 start = timer.start()
                 if p.kind == "device":
                     kv = p.cache.layer(layer)
@@ -112,6 +125,20 @@ class InstanceRunner:
         stats.ffn_s = totals.get("ffn", 0.0)
         return out, stats
 
+    def _partitioned(self, layer: int, hidden: torch.Tensor, group: list[_Piece], timer: "_Timer") -> None:
+        """Attention of partitioned sequences: each rank of the group over its head shard, then the sum of the
+        partial outputs (the all-reduce) and o_proj's bias once, before the residual."""
+        block = self.model.layers[layer]
+        x = block.input_layernorm(hidden[group[0].rows])
+        total = None
+        for p in group:
+            start = timer.start()
+            part = shard_attention(block.self_attn, x, p.meta, p.store.layer(layer, p.degree), p.shard, p.degree)
+            total = part if total is None else total + part
+            timer.stop(start, p.rank)
+        bias = block.self_attn.o_proj.bias
+        hidden[group[0].rows] = hidden[group[0].rows] + (total if bias is None else total + bias)
+
     def _plan(self, ranks: list[RankBatch], mb: int, cpu_attention: bool):
         """Micro-batches per rank, with their metadata; the flat token list; each sequence's last row."""
         pieces: list[_Piece] = []
@@ -122,14 +149,28 @@ class InstanceRunner:
                 starts.append(starts[-1] + n)
             last = [0] * len(batch.seq_ids)
             host = batch.host_resident or [False] * len(batch.seq_ids)
+            tp = batch.tp or [1] * len(batch.seq_ids)
             staged = 0
             # Micro-batches of similar contexts: attention pads every sequence to the longest context (and
             # query) of its call, so with contexts of 30 to 500 tokens a random mix wastes half its work.
             order = sorted(range(len(batch.seq_ids)), key=lambda i: batch.start_positions[i] + batch.new_counts[i])
+            for degree in sorted({d for d in tp if d > 1}):  # partitioned: one group of shards per degree
+                idx = [i for i in order if tp[i] == degree]
+                args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
+                        [batch.start_positions[i] for i in idx])
+                rows = slice(offset, offset + sum(args[1]))
+                for j in range(degree):
+                    store = shards_of(ranks[(r + j) % len(ranks)].cache)
+                    pieces.append(_Piece("shard", (r + j) % len(ranks), rows, store.prepare(*args), store.cache,
+                                         args[0], shard=j, degree=degree, store=store))
+                for i in idx:
+                    tokens.extend(batch.token_ids[starts[i]:starts[i + 1]])
+                    offset += batch.new_counts[i]
+                    last[i] = offset - 1
             for resident in (False, True):
                 # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
                 # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
-                mine = [i for i in order if host[i] == resident]
+                mine = [i for i in order if host[i] == resident and tp[i] == 1]
                 prompts = [i for i in mine if batch.new_counts[i] > 1]
                 decodes = [i for i in mine if batch.new_counts[i] == 1]
                 for group in (prompts, decodes):
@@ -185,7 +226,7 @@ class InstanceRunner:
     def _finish_host(self, pieces: list[_Piece], stats: ForwardStats) -> None:
         """The new tokens' KV into the host copies (one index_copy per staged micro-batch), then count them."""
         for p in pieces:
-            if p.kind == "device":
+            if p.kind in ("device", "shard"):
                 continue
             if p.kind == "staged":
                 p.cache.write_host_tokens(p.staged.host_slots, p.staged.appended.cpu())

@@ -69,7 +69,8 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H, D = q.shape
-        Hkv, rep = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        Hkv = k_pool.shape[2]  # all KV heads, or a PARTITIONed sequence's head shard (tensor_parallel.py)
+        rep = H // Hkv
         p = pad_queries(q, meta, self.sliding_window)
         keys = gather_context(k_pool, meta, p.valid, q.dtype)    # [B, L, Hkv, D]
         values = gather_context(v_pool, meta, p.valid, q.dtype)

@@ -182,7 +182,9 @@ class MLAttention(nn.Module):
         out = self._attend(torch.cat([q_nope, q_pe], dim=-1), latent_pool, meta)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
 
-    def _attend(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata,
+                kv_b_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_b_weight: kv_b_proj's rows for q's heads (a PARTITIONed sequence's head shard); None: all."""
         T, N, Dq = q.shape
         p = pad_queries(q, meta)
         B, Q, L = p.mask.shape
@@ -190,7 +192,8 @@ class MLAttention(nn.Module):
         c_kv, k_pe = torch.split(latents, [self.rank, self.rope_dim], dim=-1)
 
         # The naive expansion: per-head k_nope and v for every context token.
-        kv = self.kv_b_proj(c_kv).view(B, L, N, self.nope + self.v_dim)
+        weight = self.kv_b_proj.weight if kv_b_weight is None else kv_b_weight
+        kv = F.linear(c_kv, weight).view(B, L, N, self.nope + self.v_dim)
         k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, L, N, self.rope_dim)], dim=-1)
 
