@@ -174,12 +174,12 @@ class InstanceRunner:
                 prompts = [i for i in mine if batch.new_counts[i] > 1]
                 decodes = [i for i in mine if batch.new_counts[i] == 1]
                 for group in (prompts, decodes):
+                    ends = [batch.start_positions[i] + batch.new_counts[i] for i in group]
                     if resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
-                        pages = [-(-(batch.start_positions[i] + batch.new_counts[i]) // batch.cache.page_size)
-                                 for i in group]
+                        pages = [-(-n // batch.cache.page_size) for n in ends]
                         chunks = _chunks_within(pages, mb, batch.cache.staging_pages)
-                    else:
-                        chunks = _chunks(len(group), mb)
+                    else:  # attention over pages in place: calls of similar contexts, padding kept small
+                        chunks = _chunks_similar(ends, mb)
                     for lo, hi in chunks:
                         idx = group[lo:hi]
                         args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
@@ -240,6 +240,24 @@ def _chunks(n: int, size: int):
     size = size if size > 0 else max(n, 1)
     for lo in range(0, n, size):
         yield lo, min(lo + size, n)
+
+
+SIMILAR = 1.25    # a padded attention call's longest context is at most this x its shortest, ...
+SIMILAR_SLACK = 64  # ... plus this many tokens (short contexts need not be split finely)
+
+
+def _chunks_similar(lengths: list[int], size: int):
+    """Consecutive runs of at most `size` items (0: any number) of ascending `lengths` whose longest is at most
+    SIMILAR x the shortest + SIMILAR_SLACK: attention pads each call to its longest context (and query), so
+    one call over contexts of 30 to 500 tokens does twice the work it needs. Splitting is invisible to the
+    policy (the experts still run once on the combined batch) and costs a few small ops per call."""
+    lo = 0
+    for i, n in enumerate(lengths):
+        if (size > 0 and i - lo == size) or n > SIMILAR * lengths[lo] + SIMILAR_SLACK:
+            yield lo, i
+            lo = i
+    if lo < len(lengths):
+        yield lo, len(lengths)
 
 
 def _chunks_within(pages: list[int], size: int, capacity: int | None):

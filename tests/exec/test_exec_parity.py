@@ -111,8 +111,13 @@ def test_sampled_outputs_do_not_depend_on_the_policy(saved):
     assert runs["continuous"] != [list(g) for g in greedy.tokens.generated]  # it really sampled
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("residency,attention", [("host", "gpu"), ("mixed", "gpu"), ("host", "cpu")])
-def test_host_resident_decode_matches_hf_generate(saved, residency, attention):
+def test_host_resident_decode_matches_hf_generate(saved, residency, attention, device):
     """B_moe several times what device KV holds: running sequences beyond the device pages are host-resident
     (KV restored per layer and micro-batch into staging pages, or attended on the host CPU), and greedy
     outputs still equal transformers'. MLA models declare no CPU attention, so attention=cpu runs on the
@@ -126,7 +131,7 @@ def test_host_resident_decode_matches_hf_generate(saved, residency, attention):
                    policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": residency, "attention": attention})
     longest = -(-int((inputs + outputs).max()) // page) * page
     budget = kv_mb_for(path, kv_tokens, staging_seqs=2, max_context=longest)  # the pool keeps ~80 tokens
-    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=budget))
+    out = execute(job, ExecSettings(device=device, dtype="float32", model_path=str(path), kv_budget_mb=budget))
     assert out.prepared.state.gpu_pages[0] == kv_tokens // page
     for sid in range(n):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid

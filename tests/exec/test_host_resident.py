@@ -43,7 +43,7 @@ def model(request):
 
 def new_cache(model, num_pages=64, max_context=None) -> PagedKVCache:
     return PagedKVCache(**model.kv_cache_geometry()._asdict(), page_size=PAGE, num_pages=num_pages,
-                        host_pages=2, max_context=max_context)
+                        host_pages=2, max_context=max_context, device=next(model.parameters()).device)
 
 
 def run(runner, cache, ids, tokens, starts, host, micro_batch, cpu_attention=False):
@@ -85,8 +85,8 @@ def kv_of(cache, sid, length, host):
     pages = cache.host_pages(sid) if host else cache.pages(sid)
     n = -(-length // cache.page_size)
     idx = torch.tensor(pages[:n])
-    return torch.stack([torch.cat([pool[idx].flatten(0, 1)[:length] for pool in pools(l)], -1)
-                        for l in range(cache.num_layers)])
+    return torch.stack([torch.cat([pool[idx.to(pool.device)].flatten(0, 1)[:length] for pool in pools(l)], -1)
+                        for l in range(cache.num_layers)]).cpu()
 
 
 @pytest.mark.parametrize("host_mask,micro_batch", [((True,) * 4, 0), ((True,) * 4, 3), ((True, False, True, False), 1)])
@@ -210,3 +210,32 @@ def test_host_pool_grown_inside_a_forward_takes_updates_outside_one():
     assert cache.host_capacity_pages() == 4
     cache.yield_to_host([2])                 # into the pool grown above
     cache.check()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("host_mask,micro_batch,cpu_attention", [((True,) * 4, 1, False),
+                                                                  ((True, False, True, False), 2, False),
+                                                                  ((True, False, True, False), 2, True)])
+def test_host_resident_on_cuda_equals_device_resident(model, host_mask, micro_batch, cpu_attention):
+    """On CUDA: pinned host pool, restores through pinned bounce buffers on a side stream, ordered by events,
+    two buffers reused across micro-batches and layers: bit-identical to device-resident attention. CPU
+    attention (q, k, v to the host, the output back) agrees to rounding."""
+    import copy
+    if cpu_attention and model.config.is_mla:
+        pytest.skip("CPU attention is GQA/MHA only")
+    gpu = copy.deepcopy(model).to("cuda")
+    ref, hr, a, b, lens = decode_both(gpu, host_mask, micro_batch, cpu_attention)
+    for x, y in zip(a, b):
+        if cpu_attention:
+            assert torch.allclose(x, y, atol=1e-4) and torch.equal(x.argmax(-1), y.argmax(-1))
+        else:
+            assert torch.equal(x, y)
+    assert hr.host_layer(0)[0].is_pinned()
+    for sid, (h, n) in enumerate(zip(host_mask, lens)):
+        got, want = kv_of(hr, sid, n, host=h), kv_of(ref, sid, n, host=False)
+        assert torch.allclose(got, want, atol=1e-5) if cpu_attention else torch.equal(got, want)
+    hr.check()

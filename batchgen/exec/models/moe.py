@@ -89,9 +89,13 @@ class SparseMoE(nn.Module):
         token_of = order // k
         counts = self._last_counts = torch.bincount(flat_ids, minlength=self.num_experts)
         x = hidden[token_of]
+        out = None
         if grouped_mm_available(x.device, x.dtype):
-            out = self._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32))
-        else:
+            try:
+                out = self._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32))
+            except RuntimeError:  # a shape the kernel refuses (alignment): the loop from now on
+                _GROUPED[(x.device.type, x.dtype)] = False
+        if out is None:
             out = self._looped(x, counts.tolist())
         weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
         return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
