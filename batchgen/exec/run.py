@@ -95,13 +95,14 @@ def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: t
 
 
 def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtype: torch.dtype,
-                  max_context: int) -> tuple[int, int | None]:
+                  max_context: int, is_mla: bool) -> tuple[int, int | None]:
     """(bytes for the paged KV pool, pages per staging buffer or None): a policy that may run sequences
     host-resident gets two staging buffers (one layer of B_attn longest sequences each, or `staging_mb`)
-    out of kv_budget_mb, so that it uses no more device memory for KV than a policy that cannot."""
+    out of kv_budget_mb, so that it uses no more device memory for KV than a policy that cannot. With CPU
+    attention (GQA/MHA; MLA falls back to staging) nothing is staged."""
     budget = int(settings.kv_budget_mb * 2**20)
     shape = batch_shape_of(policy, max_context)
-    if shape is None or not shape.staging_seqs:
+    if shape is None or not shape.staging_seqs or (getattr(policy, "attention", None) == "cpu" and not is_mla):
         return budget, None
     page = job.page_tokens
     per_page = PagedKVCache.page_bytes(**geometry, page_size=page, dtype=dtype) // geometry["num_layers"]
@@ -148,7 +149,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     # the policy as it will run ("auto" knobs planned), for its staging buffers; prepared again below with the
     # pool actually allocated
     policy = prepare(job).policy
-    kv_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context)
+    kv_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context, model.config.is_mla)
     caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens, budget_bytes=kv_bytes, dtype=dtype,
                                        device=devices[gpu // cluster.instance_size], max_context=max_context,
                                        staging_pages=pages_each)

@@ -183,11 +183,13 @@ def test_staging_buffers_come_out_of_the_kv_budget():
     inputs, outputs = np.array([20, 30, 12, 25]), np.array([6, 9, 4, 12])  # longest 39 tokens: 3 pages of 16
     per_page = 16 * 2 * 2 * 64 * 4  # tiny_moe: one layer of a page, K and V, fp32
     runs = {}
-    for residency in ("device", "host"):
+    for residency, attention in (("device", "gpu"), ("host", "cpu"), ("host", "gpu")):
         job = make_job("coroutine", inputs=inputs, outputs=outputs, page_tokens=16,
-                       policy_overrides={"b_moe": 4, "b_attn": 2, "kv_residency": residency})
+                       policy_overrides={"b_moe": 4, "b_attn": 2, "kv_residency": residency, "attention": attention})
         out = execute(job, ExecSettings(device="cpu", kv_budget_mb=1.0))
         runs[residency] = out
+        if attention == "cpu":  # nothing is staged: the whole budget pages KV
+            assert out.prepared.state.gpu_pages[0] == 16 and out.kv_traffic["cpu_attention_seq_steps"] > 0
     pages = {k: int(o.prepared.state.gpu_pages[0]) for k, o in runs.items()}
     assert pages["device"] - pages["host"] == -(-2 * 2 * 3 * per_page // (4 * per_page))  # 2 buffers x 2 x 3
     assert runs["host"].kv_traffic["host_resident_seq_steps"] > 0
