@@ -179,7 +179,8 @@ def main() -> None:
         settings = ExecSettings(device=args.device, dtype=args.dtype, model_path=tmp, kv_budget_mb=args.kv_mb)
         prompts = None
         for name in [e for e in engines if e in policies]:
-            mine = dataclasses.replace(settings, staging_mb=args.staging_mb) if name.startswith("coroutine") else settings
+            staged = name.startswith("coroutine")
+            mine = dataclasses.replace(settings, staging_mb=args.staging_mb) if staged else settings
             out = execute(Job(spec, cluster, workload, make_policy(policies[name]), page_tokens=PAGE), mine)
             s = summarize(out)
             seconds[name] = s["bct_s"]
@@ -187,11 +188,13 @@ def main() -> None:
             traffic = out.kv_traffic or {}
             pool = int(out.prepared.state.gpu_pages[0]) * PAGE
             decode_batch = s.get("decode_expert_batch")
+            decode_batch = "n/a" if decode_batch is None else f"{decode_batch:.1f}"
             print(f"{name:16s} {s['bct_s']:7.1f} s  {tokens / s['bct_s']:7.1f} tok/s  expert batch "
-                  f"{s['mean_expert_batch']:5.1f} tokens/expert (decode {decode_batch if decode_batch is None else f'{decode_batch:.1f}'})"
+                  f"{s['mean_expert_batch']:5.1f} tokens/expert (decode {decode_batch})"
                   f"  running {s.get('mean_running', float('nan')):5.1f} (peak {traffic.get('peak_rank_running', 0)})"
                   f"  KV pool {pool:,} tokens  restored {traffic.get('restored_bytes', 0) / 1e9:.2f} GB"
-                  f"  host-resident steps {traffic.get('host_resident_seq_steps', 0):,}/{traffic.get('seq_steps', 0):,}"
+                  f"  host-resident steps {traffic.get('host_resident_seq_steps', 0):,}"
+                  f"/{traffic.get('seq_steps', 0):,}"
                   f"  prefill {s['prefill_s']:.1f} s  yields {s['yields']} recomputes {s['recomputes']}", flush=True)
         if "hf_generate" in engines:
             if prompts is None:

@@ -8,8 +8,8 @@ Grouped GEMMs: each projection of all experts is one `torch._grouped_mm` call ov
 the device and dtype (probed once per pair); elsewhere a loop over experts, one GEMM per non-empty expert.
 Measured on the 2-core CPU machine (torch 2.13, one thread, E=8, hidden 512, expert width 1024): equal speed
 within noise (fp32 40 assignments 10.5 vs 10.7 ms, 640: 39.7 vs 38.5 ms, 2048: 111 vs 120 ms; bf16 2048:
-739 vs 768 ms), outputs bit-identical at those sizes (equal to rounding in general). `torch._grouped_mm` is private API: the probe falls back to the
-loop if a build lacks it or refuses the arguments.
+739 vs 768 ms), outputs bit-identical at those sizes (equal to rounding in general). `torch._grouped_mm` is
+private API: the probe falls back to the loop if a build lacks it or refuses the arguments.
 """
 
 from __future__ import annotations
