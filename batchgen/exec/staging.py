@@ -12,10 +12,11 @@ that reads it and after the attention that last used the buffer. On CPU the gath
 directly (a plain copy). The new tokens' KV, collected per layer from the staging buffer into one tensor per
 micro-batch, goes back to the host pool in one index_copy after the forward (it is not read again before).
 
-Sizing (decided here; the paper leaves it open): two buffers per rank, each of B_attn x ceil(longest
-context / page) pages of one layer, allocated once by the first staged step of the job (`staging_bytes` is
-what a budget must set aside). A step that needs more (no longest context was given, or micro-batches larger
-than announced) grows them, counted in `allocations`.
+Sizing (decided here; the paper leaves it open): two buffers per rank, each of the cache's `staging_pages`
+pages of one layer (the executor carves them out of the KV budget: by default B_attn x ceil(longest context /
+page)), allocated once by the first staged step of the job; host micro-batches are cut to fit them. A step
+that needs more (no size was given, or one sequence longer than a buffer) grows them, counted in
+`allocations`.
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ BUFFERS = 2
 def staging_pages(b_attn: int, max_context: int, page_size: int) -> int:
     """Pages of one staging buffer: B_attn sequences of the longest context."""
     return int(b_attn) * -(-int(max_context) // int(page_size))
-
-
-def staging_bytes(layer_page_bytes: int, b_attn: int, max_context: int, page_size: int) -> int:
-    """Device memory both staging buffers of one rank take (one layer of B_attn longest sequences each)."""
-    return BUFFERS * staging_pages(b_attn, max_context, page_size) * int(layer_page_bytes)
 
 
 @dataclass
