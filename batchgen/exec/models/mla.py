@@ -163,24 +163,28 @@ class MLAttention(nn.Module):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(T, self.num_heads, self.qk_dim)
+        latent_pool = kv_cache[0]
+        query = self.rotate_and_cache(q.view(T, self.num_heads, self.qk_dim), hidden, meta, latent_pool)
+        out = self._attend(query, latent_pool, meta)
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+    def rotate_and_cache(self, q: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                         latent_pool: torch.Tensor) -> torch.Tensor:
+        """Queries [T, heads, qk] (all heads, or a PARTITIONed shard's) with RoPE applied to their rotary part;
+        the new tokens' latents [c_kv | k_pe] written into latent_pool."""
         q_nope, q_pe = torch.split(q, [self.nope, self.rope_dim], dim=-1)
         c_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(hidden), [self.rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         cos, sin = self.rope(meta.positions, q.dtype)
         q_pe = self._rotate(q_pe, cos, sin)
         k_pe = self._rotate(k_pe[:, None, :], cos, sin)[:, 0]
-
-        latent_pool = kv_cache[0]
         if tuple(latent_pool.shape[-2:]) != (1, self.rank + self.rope_dim):
             raise ValueError(f"MLA needs a latent KV pool [pages, page_size, 1, {self.rank + self.rope_dim}] "
                              f"(kv_lora_rank + qk_rope_head_dim), got {list(latent_pool.shape)}: build the cache "
                              "from model.kv_cache_geometry()")
         flat = latent_pool.view(-1, self.rank + self.rope_dim)  # a view: the pool must be contiguous
         flat.index_copy_(0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(latent_pool.dtype))
-
-        out = self._attend(torch.cat([q_nope, q_pe], dim=-1), latent_pool, meta)
-        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+        return torch.cat([q_nope, q_pe], dim=-1)
 
     def _attend(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata,
                 kv_b_weight: torch.Tensor | None = None) -> torch.Tensor:

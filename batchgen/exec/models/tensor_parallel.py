@@ -65,18 +65,10 @@ def _mla_shard(attn: MLAttention, hidden, meta, kv_layer, shard: int, degree: in
         q = _rows(attn.q_proj, lo, hi, hidden)
     else:
         q = _rows(attn.q_b_proj, lo, hi, attn.q_a_layernorm(attn.q_a_proj(hidden)))
-    q = q.view(T, N, attn.qk_dim)
-    q_nope, q_pe = torch.split(q, [attn.nope, attn.rope_dim], dim=-1)
-    c_kv, k_pe = torch.split(attn.kv_a_proj_with_mqa(hidden), [attn.rank, attn.rope_dim], dim=-1)
-    c_kv = attn.kv_a_layernorm(c_kv)
-    cos, sin = attn.rope(meta.positions, q.dtype)
-    q_pe = attn._rotate(q_pe, cos, sin)
-    k_pe = attn._rotate(k_pe[:, None, :], cos, sin)[:, 0]
     latent_pool = kv_layer[0]  # a replica of the whole latent: every shard writes the same row
-    latent_pool.view(-1, attn.rank + attn.rope_dim).index_copy_(
-        0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(latent_pool.dtype))
+    query = attn.rotate_and_cache(q.view(T, N, attn.qk_dim), hidden, meta, latent_pool)
     width = attn.nope + attn.v_dim
     kv_b = attn.kv_b_proj.weight[shard * N * width:(shard + 1) * N * width]
-    out = attn._attend(torch.cat([q_nope, q_pe], dim=-1), latent_pool, meta, kv_b).reshape(T, N * attn.v_dim)
+    out = attn._attend(query, latent_pool, meta, kv_b).reshape(T, N * attn.v_dim)
     return F.linear(out, attn.o_proj.weight[:, shard * N * attn.v_dim:(shard + 1) * N * attn.v_dim])
 
