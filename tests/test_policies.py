@@ -44,15 +44,21 @@ def test_policy_modules_import_neither_simpy_nor_torch():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_coroutine_yields_most_decoded_first_under_memory_pressure():
+def under_pressure(kv_residency: str):
+    """Eight sequences running on a GPU of 12 pages, each needing two for its next page: (job, state)."""
     job = squeezed(make_job("coroutine", n=8, inputs=np.full(8, 60), outputs=np.full(8, 200),
-                            cluster_overrides={"num_gpus": 1}, policy_overrides={"kv_residency": "device"}),
+                            cluster_overrides={"num_gpus": 1}, policy_overrides={"kv_residency": kv_residency}),
                    kv_tokens_per_gpu=12 * 64 + 32)
     state = prepare(job).state
     ids = np.arange(8)
     run_on_gpu(state, ids, 0)
     state.table.decoded[ids] = np.array([3, 1, 0, 2, 4, 0, 1, 0])  # context 60..64: one page each
     state.reserve(ids, 0)
+    return job, state
+
+
+def test_coroutine_yields_most_decoded_first_under_memory_pressure():
+    job, state = under_pressure("device")
     d = job.policy.decide(snapshot(state))
     assert state.gpu_pages[0] == 12
     # the next page needs 2 pages per sequence (16) but the GPU has 12: the two most-decoded ones go
@@ -92,14 +98,7 @@ def test_mixed_residency_fills_device_pages_first_then_admits_host_resident():
 
 
 def test_mixed_residency_offloads_instead_of_yielding_under_memory_pressure():
-    job = squeezed(make_job("coroutine", n=8, inputs=np.full(8, 60), outputs=np.full(8, 200),
-                            cluster_overrides={"num_gpus": 1}, policy_overrides={"kv_residency": "mixed"}),
-                   kv_tokens_per_gpu=12 * 64 + 32)
-    state = prepare(job).state
-    ids = np.arange(8)
-    run_on_gpu(state, ids, 0)
-    state.table.decoded[ids] = np.array([3, 1, 0, 2, 4, 0, 1, 0])
-    state.reserve(ids, 0)
+    job, state = under_pressure("mixed")
     d = job.policy.decide(snapshot(state))
     assert d.yield_ids.size == 0 and sorted(d.offload_ids.tolist()) == [0, 4]  # most-decoded, still running
 

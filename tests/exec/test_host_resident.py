@@ -18,13 +18,7 @@ PAGE = 4
 PROMPTS = ([3, 3, 8, 1, 4, 4, 4, 4, 2, 6, 1], [5, 9, 2, 7, 1], [2, 2, 9, 9, 1, 5, 3, 8], [7])
 STEPS = 6
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mla_config() -> ExecModelConfig:

@@ -25,7 +25,7 @@ from conftest import make_job
 
 from .test_loading import logits_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEW_TOKENS = 24
@@ -46,16 +46,6 @@ def gguf_file() -> Path | None:
         if path.is_file():
             return path
     return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode steps here are a few tokens wide: memory-bound matrix-vector products that a second thread barely
-    speeds up, while OpenMP threads competing with other processes for few cores slow every small op ~4x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
