@@ -14,6 +14,7 @@ import numpy as np
 
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import InvariantError
+from batchgen.decisions import BoundaryDecision
 from batchgen.policy.base import Capabilities, Decision, Lengths, Phase, Policy, Snapshot
 
 
@@ -61,6 +62,8 @@ class StepResult:
     expert_tokens: float        # tokens entering the gate, summed over iterations (one MoE layer)
     expert_calls: int           # iterations that ran the MoE layers
     tokens: int                 # tokens processed (prefill + decode)
+    # seconds per module over the run (attention, ffn, head = LM head + sampling, ...), where the backend knows
+    modules: dict[str, float] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -90,6 +93,8 @@ class StepRecord:
     expert_calls: int
     rank_busy: np.ndarray
     rank_comm: np.ndarray
+    decision: BoundaryDecision | None = None  # what was decided at the boundary that started this run
+    modules: dict[str, float] = field(default_factory=dict)  # StepResult.modules
 
 
 @dataclass
@@ -270,6 +275,7 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
     state = backend.state
     progress = InstanceProgress(state.topo.instance_gpus(instance).size)
     idle, last = 0, 0.0
+    folded = None  # what idle decisions changed since the last run: recorded with the next one
     while True:
         now = backend.now()
         if now < last:
@@ -279,6 +285,8 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         decision = policy.decide(snap)
         plan = apply_decision(state, instance, decision, progress, now)
         if plan.phase == "idle":
+            change = BoundaryDecision.of(decision, plan, folded)
+            folded = change if change.changes_something() else folded
             if not state.remaining_work(instance):
                 backend.instance_done(instance)
                 return  # nothing here any more; other instances may still run
@@ -290,12 +298,14 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
             idle = 0
             continue
         idle = 0
+        summary, folded = BoundaryDecision.of(decision, plan, folded), None
         result = yield from backend.execute(plan)
         record_outcome(state, plan, result, now, progress, decision.padded)
         backend.notify_change()
         progress.last_phase = plan.phase
         records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
                                   int(plan.decode_ids.size + plan.prefill_ids.size), result.expert_tokens,
-                                  result.expert_calls, result.rank_busy, result.rank_comm))
+                                  result.expert_calls, result.rank_busy, result.rank_comm, summary,
+                                  result.modules))
         if check_invariants:
             state.check()

@@ -50,6 +50,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.output.get("plot", True):
         plot_timeline(out, run_dir / "timeline.png")
     print(format_table([summary]))
+    if out.backend == "exec":
+        print(f"executor: {summary['device']} {summary['dtype']}, {summary['threads']} threads, torch "
+              f"{summary['torch']}; BCT median of {summary['repeats']} run(s) {summary['bct_s']:.2f} s, range "
+              f"{summary['bct_min_s']:.2f}-{summary['bct_max_s']:.2f} s")
     print(f"results: {run_dir / 'results.json'}")
     return summary
 

@@ -133,7 +133,10 @@ def test_device_table_accounts_every_gpu(runs, summaries):
 def test_files_read_back(runs, summaries, tmp_path):
     out, s = runs["coroutine"], summaries["coroutine"]
     paths = write_results(out, tmp_path / "run", s, config={"policy": {"name": "coroutine"}})
-    assert set(paths) == {"results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv"}
+    assert set(paths) == {"results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv",
+                          "decisions.csv"}
+    decisions = paths["decisions.csv"].read_text().splitlines()
+    assert len(decisions) == 1 + len(out.records) and decisions[0].startswith("boundary,instance,phase,prefilled")
     doc = json.loads(paths["results.json"].read_text())
     assert doc["config"] == {"policy": {"name": "coroutine"}}
     assert {k: v for k, v in doc.items() if k != "config"} == s

@@ -239,6 +239,7 @@ class ExecBackend:
         finished = np.zeros(n, bool)
         offsets = np.full(n, np.nan)
         busy, expert_tokens, calls, it = np.zeros(R), 0.0, 0, 0
+        modules: Counter = Counter()
         index = {int(s): i for i, s in enumerate(ids.tolist())}
         for it in range(1, plan.steps + 1):
             live = ~finished
@@ -248,8 +249,9 @@ class ExecBackend:
             busy += np.array(stats.rank_attention_s) + stats.ffn_s
             expert_tokens += stats.gate_tokens
             calls += 1
+            sampled = self._timed_sample(order, logits, stats, modules)
             now = self.now() - plan.start
-            for sid, tok in zip(order, self._sample(order, logits)):
+            for sid, tok in zip(order, sampled):
                 i = index[sid]
                 produced[i] += 1
                 if self.tokens.append(sid, tok):
@@ -259,7 +261,8 @@ class ExecBackend:
         self._true_lengths(ids, produced, finished)
         if plan.host_sync:
             self._sync(plan, ids[~finished])
-        return self._result(plan, it, produced, finished, offsets, np.zeros(0, bool), busy, expert_tokens, calls)
+        return self._result(plan, it, produced, finished, offsets, np.zeros(0, bool), busy, expert_tokens, calls,
+                            modules)
 
     @staticmethod
     def _stop(rule: str, finished: np.ndarray, was_live: np.ndarray, ranks: np.ndarray, R: int) -> bool:
@@ -286,8 +289,10 @@ class ExecBackend:
             b.new_counts += d.new_counts
             b.start_positions += d.start_positions
         order, logits, stats = self._forward(plan, batches)
+        modules: Counter = Counter()
+        sampled = self._timed_sample(order, logits, stats, modules)
         now = self.now() - plan.start
-        done = dict(zip(order, (self.tokens.append(sid, tok) for sid, tok in zip(order, self._sample(order, logits)))))
+        done = dict(zip(order, (self.tokens.append(sid, tok) for sid, tok in zip(order, sampled))))
         pre_finished = np.array([done[int(s)] for s in pre_ids], bool)
         finished = np.array([done[int(s)] for s in dec_ids], bool)
         produced = np.ones(dec_ids.size, np.int64)
@@ -300,7 +305,7 @@ class ExecBackend:
             self._sync(plan, dec_ids[~finished])
         busy = np.array(stats.rank_attention_s) + stats.ffn_s
         offsets = np.where(finished, now, np.nan)
-        return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1)
+        return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1, modules)
 
     def _true_lengths(self, ids: np.ndarray, produced: np.ndarray, finished: np.ndarray) -> None:
         """A sequence that stopped before its max_tokens (EOS, stop string) has found its output length."""
@@ -314,11 +319,23 @@ class ExecBackend:
             mine = [s for s in ids[t.where[ids] == g].tolist() if self.caches[g].on_device(s)]
             self.caches[g].sync_to_host(mine)
 
-    def _result(self, plan, iterations, produced, finished, offsets, pre_finished, busy, expert_tokens, calls):
+    def _timed_sample(self, order: list[int], logits: torch.Tensor, stats, modules: Counter) -> list[int]:
+        """Sample, and add the forward's module seconds to `modules`: attention (all ranks: they share one
+        device here), ffn, and head = LM head + sampling (what validation compares per module)."""
+        start = time.perf_counter()
+        sampled = self._sample(order, logits)
+        modules["attention"] += float(sum(stats.rank_attention_s))
+        modules["ffn"] += stats.ffn_s
+        modules["head"] += stats.head_s + time.perf_counter() - start
+        return sampled
+
+    def _result(self, plan, iterations, produced, finished, offsets, pre_finished, busy, expert_tokens, calls,
+                modules=None):
         duration = self.now() - plan.start
         return StepResult(duration=duration, iterations=iterations, produced=produced, finished=finished,
                           finish_offset=np.where(finished, offsets, np.nan), prefill_finished=pre_finished,
                           rank_busy=busy, rank_comm=np.zeros(plan.gpus.size), expert_tokens=float(expert_tokens),
                           expert_calls=calls if self._is_moe else 0,
                           tokens=int(produced.sum() + sum(self.tokens.context_len(int(s)) - 1
-                                                          for s in plan.prefill_ids)))
+                                                          for s in plan.prefill_ids)),
+                          modules=dict(modules or {}))

@@ -4,14 +4,16 @@ engine loop round-robin (one process; each instance runs on one device)."""
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from batchgen.core.sequences import InvariantError
+from batchgen.decisions import trace_of
 from batchgen.engine import StepRecord, instance_loop
 from batchgen.exec.backend import ExecBackend
 from batchgen.exec.kv_cache import PagedKVCache
@@ -21,8 +23,11 @@ from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.staging import BUFFERS, staging_pages
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
+from batchgen.exec.threads import pinned_threads, resolve_threads
 from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError, batch_shape_of
+from batchgen.policy.base import Capabilities
+from batchgen.results.metrics import bct
 from batchgen.sim.run import RunOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +47,9 @@ class ExecSettings:
     top_k: int = 0
     ignore_eos: bool = True            # run every request to its workload output length (comparable work)
     stop: tuple[str, ...] = ()         # stop strings for every request (needs the model directory's tokenizer)
+    threads: int | str | None = None   # intra-op CPU threads: N, auto (the physical cores this process may use),
+                                       # None (as the process has them; the CLI's default is auto)
+    repeats: int = 1                   # run the job this many times; the run of median BCT is reported
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -79,6 +87,14 @@ class ExecOutput(RunOutput):
     tokens: SequenceTokens | None = None
     kv_moves: dict | None = None  # KV operations the executor carried out (yield, restore, migrate, evict, offload)
     kv_traffic: dict | None = None  # host-resident decode: bytes restored and appended, sequence-steps
+    capabilities: Capabilities | None = None  # what the backend declared to the policy (the simulator can match it)
+    # what the measurement ran on, resolved (never "auto"), and every repeat's BCT (this run's is their median)
+    device: str = ""
+    dtype: str = ""
+    threads: int = 0
+    interop_threads: int = 0
+    repeat_bcts: list[float] = field(default_factory=list)
+    repeats_same_decisions: bool = True
 
 
 def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
@@ -127,16 +143,39 @@ def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtyp
 
 def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None) -> ExecOutput:
     """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
-    synthetic prompts of those lengths (seeded by `settings.weights_seed`)."""
+    synthetic prompts of those lengths (seeded by `settings.weights_seed`).
+
+    With `settings.repeats` = N the job runs N times on the same weights and prompts; the run returned is the
+    one of median BCT (the lower median for even N, so that every number reported comes from one real run),
+    carrying every run's BCT (`repeat_bcts`)."""
     start = time.perf_counter()
-    cluster = effective_cluster(job)
-    devices = settings.instance_devices(cluster.num_instances)
-    dtype = settings.torch_dtype(devices)
-    model = build_model(job, settings, devices[0], dtype).eval()
-    models = {devices[0]: model}
-    for dev in devices[1:]:  # one copy of the weights per device that runs an instance
-        models.setdefault(dev, copy.deepcopy(model).to(dev))
-    c = model.config
+    if isinstance(settings.repeats, bool) or not isinstance(settings.repeats, int) or settings.repeats < 1:
+        raise ConfigError(f"backend.repeats={settings.repeats!r}: give a whole number >= 1")
+    with pinned_threads(resolve_threads(settings.threads)) as threads:
+        cluster = effective_cluster(job)
+        devices = settings.instance_devices(cluster.num_instances)
+        dtype = settings.torch_dtype(devices)
+        model = build_model(job, settings, devices[0], dtype).eval()
+        models = {devices[0]: model}
+        for dev in devices[1:]:  # one copy of the weights per device that runs an instance
+            models.setdefault(dev, copy.deepcopy(model).to(dev))
+        prompts = _checked_prompts(job, settings, model.config, prompts)
+        runs = [_run_once(job, settings, models, devices, dtype, prompts) for _ in range(settings.repeats)]
+    bcts = [bct(r) for r in runs]
+    out = runs[bcts.index(statistics.median_low(bcts))]
+    out.wall_s = time.perf_counter() - start
+    out.repeat_bcts = bcts
+    out.repeats_same_decisions = all(trace_of(r.records) == trace_of(runs[0].records) for r in runs[1:])
+    names = sorted({str(d) for d in devices})
+    out.device = names[0] if len(names) == 1 else ",".join(names)
+    out.dtype = str(dtype).removeprefix("torch.")
+    out.threads, out.interop_threads = threads, torch.get_num_interop_threads()
+    return out
+
+
+def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
+                     prompts: list[np.ndarray] | None) -> list[np.ndarray]:
+    """The prompts every repeat runs (synthetic when None), after checking they fit the model."""
     w = job.workload
     too_long = np.flatnonzero(w.input_lens + w.output_lens > c.max_position_embeddings)
     if too_long.size:
@@ -144,6 +183,24 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         raise ConfigError(f"sequence {i} needs {int(w.input_lens[i] + w.output_lens[i]):,} positions (input "
                           f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
+    if prompts is None:
+        return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
+    prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    lens = [len(p) for p in prompts]
+    if lens != [int(n) for n in w.input_lens]:
+        raise ConfigError(f"prompts: {len(prompts)} prompts of lengths {lens[:8]} do not match the workload's "
+                          f"{len(w.input_lens)} input lengths {[int(n) for n in w.input_lens[:8]]}")
+    return prompts
+
+
+def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
+              prompts: list[np.ndarray]) -> ExecOutput:
+    """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
+    start = time.perf_counter()
+    cluster = effective_cluster(job)
+    model = models[devices[0]]
+    c = model.config
+    w = job.workload
     geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
     max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
     # the policy as it will run ("auto" knobs planned), for its staging buffers; prepared again below with the
@@ -168,14 +225,6 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     elif settings.stop:
         raise ConfigError("backend.stop needs a tokenizer: set backend.model_path to a directory with "
                           "tokenizer.json")
-    if prompts is None:
-        prompts = random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
-    else:
-        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
-        lens = [len(p) for p in prompts]
-        if lens != [int(n) for n in w.input_lens]:
-            raise ConfigError(f"prompts: {len(prompts)} prompts of lengths {lens[:8]} do not match the workload's "
-                              f"{len(w.input_lens)} input lengths {[int(n) for n in w.input_lens[:8]]}")
     tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode)
     runners = [InstanceRunner(models[dev]) for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
@@ -195,4 +244,5 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                              "sequences unfinished")
     state.check()
     return ExecOutput(job, prepared, records, time.perf_counter() - start, backend.events, backend="exec",
-                      tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic))
+                      tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic),
+                      capabilities=backend.capabilities)

@@ -52,6 +52,7 @@ class RankBatch:
 class ForwardStats:
     rank_attention_s: list[float] = field(default_factory=list)
     ffn_s: float = 0.0
+    head_s: float = 0.0           # final norm and LM head over the last rows
     gate_tokens: int = 0
     host_resident: int = 0        # sequences that ran host-resident
     restored_bytes: int = 0       # KV restored from host into staging buffers, all layers
@@ -118,11 +119,14 @@ class InstanceRunner:
             hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
             timer.stop(start, "ffn")
             stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
+        start = timer.start()
         out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
+        timer.stop(start, "head")
         self._finish_host(pieces, stats)
         totals = timer.totals()
         stats.rank_attention_s = [totals.get(r, 0.0) for r in range(len(ranks))]
         stats.ffn_s = totals.get("ffn", 0.0)
+        stats.head_s = totals.get("head", 0.0)
         return out, stats
 
     def _partitioned(self, layer: int, hidden: torch.Tensor, group: list[_Piece], timer: "_Timer") -> None:

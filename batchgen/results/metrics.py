@@ -161,6 +161,21 @@ def _identity(out) -> dict[str, Any]:
             "num_instances": int(out.prepared.cluster.num_instances)}
 
 
+def _measurement(out) -> dict[str, Any]:
+    """An executor run: what it ran on (resolved, never "auto") and how much its BCT moved between repeats.
+    bct_s is the median run's; bct_spread = (max - min) / median; a sweep compares the medians."""
+    if out.backend != "exec":
+        return {}
+    import torch
+    runs = [float(b) for b in (getattr(out, "repeat_bcts", None) or [bct(out)])]
+    median = bct(out)
+    return {"device": out.device, "dtype": out.dtype, "threads": int(out.threads),
+            "interop_threads": int(out.interop_threads), "torch": torch.__version__, "repeats": len(runs),
+            "bct_runs_s": [_round(b) for b in runs], "bct_min_s": min(runs), "bct_max_s": max(runs),
+            "bct_spread": _ratio(max(runs) - min(runs), median),
+            "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True))}
+
+
 def summarize(out) -> dict[str, Any]:
     """One flat dict of plain types per run, so runs can be tabulated, compared and dumped to JSON."""
     t = out.prepared.state.table
@@ -189,6 +204,7 @@ def summarize(out) -> dict[str, Any]:
     # for them, so a high share means decode was stalled by prompts (serving engines' prefill-first rule).
     res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.prepared.cluster.num_instances)
     res.update(_memory_peaks(out))
+    res.update(_measurement(out))
     res = {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}
     plan = getattr(out.prepared, "plan", None)
     if plan is not None:  # the static plan that resolved the policy's "auto" knobs, as predicted

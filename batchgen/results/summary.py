@@ -17,6 +17,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("gpus", "num_gpus", str),
     ("inst", "num_instances", str),
     ("BCT s", "bct_s", lambda v: f"{v:.1f}"),
+    ("spread %", "bct_spread", lambda v: f"{100 * v:.1f}"),   # executor repeats: (max - min) / median BCT
     ("tok/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
     ("busy %", "gpu_busy_frac", lambda v: f"{100 * v:.1f}"),
     ("idle %", "gpu_idle_frac", lambda v: f"{100 * v:.1f}"),
@@ -109,11 +110,22 @@ def _reasons(row: Row, best: Row, best_name: str) -> list[str]:
     return out
 
 
+def _overlap(row: Row, best: Row) -> bool:
+    """Both repeated (executor runs) and their BCT ranges overlap: the medians' order may not hold."""
+    keys = ("bct_min_s", "bct_max_s")
+    if any(r.get(k) is None for r in (row, best) for k in keys) or (row.get("repeats") or 1) < 2:
+        return False
+    return row["bct_min_s"] <= best["bct_max_s"]
+
+
 def _line(name: str, row: Row, best: Row, best_name: str) -> str:
     ratio = row["bct_s"] / best["bct_s"]
     head = f"{name}: {ratio:.2f}x the BCT of {best_name}"
     if ratio <= SAME_BCT:
         return head + " (the same, within 0.5%)"
+    if _overlap(row, best):
+        head += (f" (within noise: repeats ranged {row['bct_min_s']:.1f}-{row['bct_max_s']:.1f} s and "
+                 f"{best['bct_min_s']:.1f}-{best['bct_max_s']:.1f} s)")
     reasons = _reasons(row, best, best_name)
     if not reasons:
         reasons = [f"no single metric stands out (busy {_pct(row.get('gpu_busy_frac') or 0.0)} vs "

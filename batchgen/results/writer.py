@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.decisions import COLUMNS as DECISION_COLUMNS, trace_of
 from batchgen.results.metrics import StepArrays, device_table, step_arrays
 
 SEQUENCE_COLUMNS = ("id", "input_len", "output_len", "first_token_s", "finish_s", "instance", "yields",
@@ -36,6 +37,10 @@ def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str,
     _write_steps(paths["steps.csv"], steps)
     _write_devices(paths["devices.csv"], device_table(out, steps))
     _write_device_timeline(paths["device_timeline.csv"], out, steps)
+    trace = trace_of(out.records)
+    if trace:  # the same in both backends given the same lengths: diff two runs' files to see where they part
+        paths["decisions.csv"] = run_dir / "decisions.csv"
+        _write_decisions(paths["decisions.csv"], trace)
     if getattr(out, "tokens", None) is not None:  # the executor's generated tokens, in input order
         paths["outputs.jsonl"] = run_dir / "outputs.jsonl"
         _write_outputs(paths["outputs.jsonl"], out)
@@ -102,6 +107,14 @@ def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
     cols = (b.ravel(), edges[:-1][b.ravel()], g.ravel(), busy.ravel() / width, comm.ravel() / width)
     np.savetxt(path, np.column_stack(cols), fmt=["%d", "%.6f", "%d", "%.4f", "%.4f"], delimiter=",",
                header="bin,start_s,gpu,busy_frac,comm_frac", comments="")
+
+
+def _write_decisions(path: Path, trace) -> None:
+    """One row per boundary (a few thousand at most: boundaries, not tokens), ids as ranges."""
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["boundary", *DECISION_COLUMNS])
+        w.writeheader()
+        w.writerows({"boundary": k, **d.row()} for k, d in enumerate(trace))
 
 
 def _write_outputs(path: Path, out) -> None:
