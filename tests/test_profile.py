@@ -1,0 +1,41 @@
+"""The profiler end to end on a tiny grid, and its one-line errors."""
+import pytest
+
+from batchgen.calibrate.fileformat import read
+from batchgen.latency.roofline import Roofline
+from batchgen.latency.table import TablePredictor
+from batchgen.profile.__main__ import main
+from batchgen.specs.catalog import load_hardware, load_model
+
+
+def test_profile_writes_a_valid_file_the_table_reads(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["model=tiny_moe", "backend.device=cpu", "backend.threads=1", "grid=test", "warmup=0",
+                 "repeats=2", f"out={out}"]) == 0
+    data = read(out)
+    assert data["key"]["threads"] == 1 and data["key"]["dtype"] == "float32"
+    assert data["key"]["model"]["name"] == "tiny_moe"
+    assert {"attention_decode", "attention_prefill", "router", "experts", "lm_head", "step", "h2d",
+            "d2h"} <= set(data["modules"])
+    dec = data["modules"]["attention_decode"]
+    assert any(p["context_sum"] < p["tokens"] * p["max_context"] for p in dec)  # unequal contexts measured
+    assert any(p["micro_batches"] > 1 for p in dec)
+    assert all(p["seconds"] > 0 and p["repeats"] == 2 for p in dec)
+    table = TablePredictor.from_file(out, Roofline(load_model("tiny_moe"), load_hardware("cpu_epyc_milan_2c")))
+    p = dec[0]
+    assert table.attention_decode(p["tokens"], p["context_sum"], 1, p["max_context"]) == pytest.approx(
+        p["seconds"], rel=1e-6)
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=no_such_model"], "no_such_model"),
+    (["model=tiny_moe", "backend.device=tpu"], "backend.device"),
+    (["model=tiny_moe", "grid=huge"], "grid='huge'"),
+    (["backend.device=cpu"], "model=<name>"),
+    (["tiny_moe"], "key=value"),
+])
+def test_bad_arguments_give_one_line_errors(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
