@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.job import Job
-from batchgen.latency import Efficiency
+from batchgen.latency import LatencySettings, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
 from batchgen.policy import make_policy, policy_names
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -35,15 +35,16 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
         model = ModelSpec.from_dict(_plain(cfg.model))
         cluster = ClusterSpec.from_config(_plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
         memory = MemorySettings(**_plain(cfg.get("memory")))
-        efficiency = Efficiency(**_plain(cfg.get("efficiency")))
+        efficiency = load_efficiency(_plain(cfg.get("efficiency")), cluster.gpu.name)
+        latency = LatencySettings(**_plain(cfg.get("latency")))
         workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir)
         return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
-                   efficiency=efficiency, page_tokens=_typed(cfg, "page_tokens", int, 64),
+                   efficiency=efficiency, latency=latency, page_tokens=_typed(cfg, "page_tokens", int, 64),
                    routing_skew=_typed(cfg, "routing_skew", float, 0.0),
                    check_invariants=_typed(cfg, "check_invariants", bool, False))
     except ConfigError:
         raise
-    except TypeError as e:  # unknown keyword in memory / efficiency
+    except TypeError as e:  # unknown keyword in memory / latency
         raise ConfigError(f"bad setting: {e}") from e
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e

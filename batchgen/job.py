@@ -9,7 +9,7 @@ import numpy as np
 
 from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
-from batchgen.latency import Efficiency, LatencyModel
+from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
 from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
                              plan_memory)
 from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
@@ -26,6 +26,7 @@ class Job:
     policy: Policy
     memory: MemorySettings = field(default_factory=MemorySettings)
     efficiency: Efficiency = field(default_factory=Efficiency)
+    latency: LatencySettings = field(default_factory=LatencySettings)
     page_tokens: int = 64
     routing_skew: float = 0.0
     check_invariants: bool = False
@@ -68,8 +69,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
     (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
     m, c = job.model, effective_cluster(job)
-    lat = LatencyModel(m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
-                       routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1, host=c.host)
+    lat = build_latency(job.latency, m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
+                        routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1, host=c.host)
     w = job.workload
     policy, plan = job.policy, None
     if getattr(policy, "attention", None) == "cpu" and m.attention == "mla":

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from batchgen.latency import Efficiency, LatencyModel
+from batchgen.latency import Efficiency, Roofline
 from batchgen.memory import ConfigError, MemorySettings, activation_bytes, batch_shape_of, staging_bytes
 from batchgen.plan import (Dag, DecodeGrid, LayerCosts, WorkloadStats, build_layer_dag, compute_time, layer_time,
                            plan_job, price_decode)
@@ -113,7 +113,7 @@ def test_cpu_attention_layer():
 def mixtral_lat(pcie_gbs=32.0, dram_gbs=10_000.0, **kw):
     gpu = HardwareSpec(name="g", bf16_tflops=150, hbm_gb=80, hbm_gbs=2000, pcie_gbs=pcie_gbs)
     host = HostSpec(name="h", sockets=1, cores_per_socket=32, dram_gbs_per_socket=dram_gbs, tflops_per_socket=4)
-    return LatencyModel(load_model("mixtral_8x7b"), gpu, ep_ranks=1, gpus_per_node=1, host=host, **kw)
+    return Roofline(load_model("mixtral_8x7b"), gpu, ep_ranks=1, gpus_per_node=1, host=host, **kw)
 
 
 def grid(n_dev, n_host, ctx, iterations=3, b_attn=64):
@@ -155,7 +155,7 @@ def test_a_restore_that_cannot_hide_shows_as_time():
 def test_host_link_is_the_pcie_or_the_gpus_share_of_dram():
     lat = mixtral_lat(pcie_gbs=64, dram_gbs=100)
     assert lat.host_link_bw == pytest.approx(64e9 * lat.eff.link)  # one GPU: PCIe is the narrower
-    wide = LatencyModel(lat.model, lat.gpu, ep_ranks=8, gpus_per_node=8, host=lat.host)
+    wide = Roofline(lat.model, lat.gpu, ep_ranks=8, gpus_per_node=8, host=lat.host)
     assert wide.host_link_bw == pytest.approx(100e9 * lat.eff.host_memory / 8)  # eight share the DRAM
 
 
@@ -172,7 +172,7 @@ def test_cpu_attention_is_bound_by_the_hosts_share_of_dram():
 
 def test_cpu_attention_refused_for_mla():
     m, c = load_model("deepseek_r1"), load_cluster("h20_8")
-    lat = LatencyModel(m, c.gpu, ep_ranks=8, gpus_per_node=8, host=c.host)
+    lat = Roofline(m, c.gpu, ep_ranks=8, gpus_per_node=8, host=c.host)
     with pytest.raises(ValueError, match="MLA"):
         lat.cpu_attention(1, 100)
     stats = WorkloadStats(2000, 8192, 2048, 16384)
@@ -218,7 +218,7 @@ def tiny_case(pcie_gbs, kv_seqs):
                             gpu=HardwareSpec(name="g", bf16_tflops=100, hbm_gb=4.0, hbm_gbs=1000, pcie_gbs=pcie_gbs),
                             host=HostSpec(name="h", sockets=1, cores_per_socket=8, dram_gbs_per_socket=1e6,
                                           tflops_per_socket=1))
-    lat = LatencyModel(m, c.gpu, ep_ranks=1, gpus_per_node=1, host=c.host)
+    lat = Roofline(m, c.gpu, ep_ranks=1, gpus_per_node=1, host=c.host)
     stats = WorkloadStats(2048, 200, 200, 600)
     seq = -(-(stats.typical_context + 64) // 64) * 64 * m.kv_bytes_per_token
     shape = batch_shape_of(dataclasses.replace(POLICY, kv_residency="device"), stats.max_context)
@@ -255,13 +255,13 @@ def test_resolved_policy_keeps_explicit_knobs():
 
 def test_planner_streams_experts_only_when_they_do_not_fit():
     m, c = load_model("mixtral_8x7b"), load_cluster("a5000_1")
-    lat = LatencyModel(m, c.gpu, ep_ranks=1, gpus_per_node=1, host=c.host)
+    lat = Roofline(m, c.gpu, ep_ranks=1, gpus_per_node=1, host=c.host)
     stats = WorkloadStats(4000, 512, 256, 1536)
     plan = plan_job(m, c, lat, MemorySettings(), CoroutinePolicy(), stats, page_tokens=64)
     assert 2 <= plan.streamed_layers <= m.num_moe_layers  # 93 GB of weights on a 24 GB card
     assert plan.host_seqs > plan.device_seqs  # host-resident KV lets B_moe reach thousands
     huge = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, hbm_gb=2000.0))  # everything fits
-    lat_huge = LatencyModel(m, huge.gpu, ep_ranks=1, gpus_per_node=1, host=huge.host)
+    lat_huge = Roofline(m, huge.gpu, ep_ranks=1, gpus_per_node=1, host=huge.host)
     plan = plan_job(m, huge, lat_huge, MemorySettings(), CoroutinePolicy(), stats, page_tokens=64)
     assert (plan.streamed_layers, plan.kv_residency, plan.host_bytes_per_iter) == (0, "device", 0.0)
 
@@ -269,7 +269,7 @@ def test_planner_streams_experts_only_when_they_do_not_fit():
 def test_planner_is_fast_and_cached():
     import time
     m, c = load_model("qwen3_30b_a3b"), load_cluster("h20_16")
-    lat = LatencyModel(m, c.gpu, Efficiency(), ep_ranks=16, gpus_per_node=8, host=c.host)
+    lat = Roofline(m, c.gpu, Efficiency(), ep_ranks=16, gpus_per_node=8, host=c.host)
     stats = WorkloadStats(6000, 8192, 2048, 16384)
     start = time.perf_counter()
     first = plan_job(m, c, lat, MemorySettings(), CoroutinePolicy(), stats, page_tokens=64)

@@ -6,6 +6,8 @@ import math
 import numpy as np
 
 from batchgen.latency.efficiency import Efficiency
+from batchgen.latency.efficiency import MODULES as MODULE_NAMES
+from batchgen.latency.gemm import gemm_seconds
 
 _EXPERT_CHUNK = 4096  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 
@@ -24,7 +26,7 @@ def _out(a: np.ndarray):
     return float(a) if a.ndim == 0 else a
 
 
-class LatencyModel:
+class Roofline:
     """Seconds per module for `model` on `gpu`, vectorised: every argument broadcasts as numpy arrays.
 
     Unless a method says otherwise, a cost is for ONE layer on ONE rank. `ep_ranks` GPUs form one
@@ -32,6 +34,8 @@ class LatencyModel:
     per node. `routing_skew` s >= 0 makes expert e's share of routed tokens proportional to (e+1)^-s
     (0 = uniform). `use_fp8` runs weight GEMMs at the FP8 peak when the GPU has one and the weights are 1 byte.
     `host` is the node's CPUs and DRAM (default: batchgen.specs.DEFAULT_HOST), shared by its gpus_per_node GPUs.
+    Each module runs at its own factors (`Efficiency.for_module`); weight GEMMs follow tiles and waves where
+    the GPU's SM count is known (`batchgen.latency.gemm`).
     """
 
     def __init__(self, model, gpu, eff: Efficiency = Efficiency(), *, ep_ranks: int = 1,
@@ -52,84 +56,151 @@ class LatencyModel:
         self.ep_ranks, self.gpus_per_node = int(ep_ranks), int(gpus_per_node)
         self.routing_skew, self.use_fp8 = float(routing_skew), bool(use_fp8)
         fp8 = use_fp8 and gpu.flops_fp8 > 0 and model.weight_bytes == 1
-        self.gemm_flops = (gpu.flops_fp8 if fp8 else gpu.flops_bf16) * eff.compute  # achieved, weight GEMMs
+        self._gemm_peak = gpu.flops_fp8 if fp8 else gpu.flops_bf16  # weight GEMMs; attention scores run bf16
+        self.gemm_flops = self._gemm_peak * eff.compute  # achieved by large weight GEMMs (top-level factors)
         self.score_flops = gpu.flops_bf16 * eff.compute  # achieved, attention scores (bf16 kernels)
         self.mem_bw = gpu.hbm_bw * eff.memory  # achieved HBM bytes/s
         self._act_row = model.hidden_size * model.act_bytes  # bytes of one token's hidden state
+        self._eff = {name: eff.for_module(name) for name in MODULE_NAMES}
         # Host side, per GPU: the node's DRAM bandwidth and CPU FLOP/s are shared by its GPUs, and every PCIe
         # copy reads or writes that DRAM, so a GPU's host link gets min(PCIe, DRAM / GPUs per node).
-        self.host_mem_bw = host.dram_bw * eff.host_memory / self.gpus_per_node  # achieved, this GPU's share
-        self.host_flops = host.flops * eff.host_compute / self.gpus_per_node    # achieved, this GPU's share
-        self.host_link_bw = min(gpu.pcie_bw * eff.link, self.host_mem_bw)       # achieved h2d / d2h bytes/s
+        copy = self._eff["copy"]
+        cpu = self._eff["cpu_attention"]
+        self.host_mem_bw = host.dram_bw * cpu.host_memory / self.gpus_per_node  # achieved, this GPU's share
+        self.host_flops = host.flops * cpu.host_compute / self.gpus_per_node    # achieved, this GPU's share
+        self.host_link_bw = min(gpu.pcie_bw * copy.link, host.dram_bw * copy.host_memory / self.gpus_per_node)
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
 
-    # ---- the roofline -----------------------------------------------------------------------------------
+    def key(self) -> tuple:
+        """Everything the prices depend on (plan caches key on it)."""
+        return (type(self).__name__, self.model, self.gpu, self.eff, self.host, self.ep_ranks, self.gpus_per_node,
+                self.routing_skew, self.use_fp8)
 
-    def _roofline(self, active, gemm_flops, bytes_, launches=1, score_flops=0.0):
-        """max(compute time, memory time) + launches * kernel_s where `active`, else 0."""
-        compute = gemm_flops / self.gemm_flops + score_flops / self.score_flops
-        t = np.maximum(compute, bytes_ / self.mem_bw) + launches * self.eff.kernel_s
-        return _out(np.where(active, t, 0.0))
+    # ---- the roofline ----------------------------------------------------------------------------------
 
-    def _gemm(self, tokens, params, calls=1):
-        """A weight GEMM pass over `tokens` rows in `calls` (at least 1) launches: (effective FLOPs, weight
-        bytes read)."""
-        calls = np.maximum(calls, 1)
-        return 2.0 * params * (tokens + self.eff.gemm_pad_rows * calls), params * self.model.weight_bytes * calls
+    def _weight_gemms(self, module: str, tokens, shapes, calls=1):
+        """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
+        per GEMM), at the module's factors."""
+        e = self._eff[module]
+        total = 0.0
+        for k, n in shapes:
+            total = total + gemm_seconds(tokens, k, n, peak_flops=self._gemm_peak, mem_bw=self.gpu.hbm_bw,
+                                         weight_bytes=self.model.weight_bytes, act_bytes=self.model.act_bytes,
+                                         compute=e.compute, memory=e.memory, kernel_s=e.kernel_s,
+                                         pad_rows=e.gemm_pad_rows, sm_count=getattr(self.gpu, "sm_count", 0), calls=calls)
+        return total
+
+    def _streaming(self, module: str, flops, bytes_, launches):
+        """A kernel without weights (attention scores over the KV): max(FLOPs, bytes) + launches."""
+        e = self._eff[module]
+        return (np.maximum(flops / (self.gpu.flops_bf16 * e.compute), bytes_ / (self.gpu.hbm_bw * e.memory))
+                + np.maximum(launches, 1) * e.kernel_s)
 
     # ---- attention --------------------------------------------------------------------------------------
 
-    def attention_decode(self, tokens, context_sum, micro_batches=1):
-        """Decode attention for `tokens` sequences (one query each) whose context lengths sum to `context_sum`.
+    def _padded(self, exact, padded, max_context):
+        """Work of an attention kernel: `exact` for paged / varlen kernels, `padded` (queries x longest
+        context) for the share `attention_padding` of it that a dense padded batch pays; exact when the
+        longest context is unknown."""
+        if max_context is None:
+            return exact
+        pad = self.eff.attention_padding
+        return exact if pad == 0 else (1.0 - pad) * exact + pad * np.maximum(padded, exact)
 
-        Each micro-batch re-reads the attention weights and pays one launch; the KV of every context token is
-        read once and each query appends one token's KV.
+    def attention_decode(self, tokens, context_sum, micro_batches=1, max_context=None):
+        """Decode attention for `tokens` sequences (one query each) whose context lengths sum to `context_sum`
+        (the longest is `max_context`).
+
+        The projections are weight GEMMs, re-read by each micro-batch; the KV of every context token is read
+        once, each query appends one token's KV, and the score kernel is one launch per micro-batch.
         """
         t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
         m = self.model
-        flops, w_bytes = self._gemm(t, m.attention_params_per_layer, mb)
-        kv = (ctx + t) * m.kv_bytes_per_token_per_layer
-        return self._roofline(t > 0, flops, w_bytes + kv + 2 * t * self._act_row, mb,
-                              score_flops=m.attention_score_flops_decode * ctx)
+        if max_context is not None:
+            ctx = self._padded(ctx, t * _arr(max_context, "max_context"), max_context)
+        proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
+        kv = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
+        scores = self._streaming("attention_decode", m.attention_score_flops_decode * ctx, kv, mb)
+        return _out(np.where(t > 0, proj + scores, 0.0))
 
-    def attention_prefill(self, tokens, context_sq_sum, micro_batches=1):
+    def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         """Prefill attention over `tokens` prompt tokens; `context_sq_sum` = sum over prompts of length^2.
 
-        Causal masking halves the score FLOPs; each prompt token's KV is written once.
+        Causal masking halves the score FLOPs of exact kernels; a padded kernel pays every prompt the whole
+        square of the longest (`sequences` x `max_context`^2, no causal saving); each prompt token's KV is
+        written once.
         """
         t, sq, mb = _arr(tokens, "tokens"), _arr(context_sq_sum, "context_sq_sum"), _arr(micro_batches, "micro_batches")
         m = self.model
-        flops, w_bytes = self._gemm(t, m.attention_params_per_layer, mb)
-        kv = t * m.kv_bytes_per_token_per_layer
-        return self._roofline(t > 0, flops, w_bytes + kv + 2 * t * self._act_row, mb,
-                              score_flops=0.5 * m.attention_score_flops_prefill * sq)
+        pairs = 0.5 * sq
+        if max_context is not None and sequences is not None:
+            pairs = self._padded(pairs, _arr(sequences, "sequences") * _arr(max_context, "max_context") ** 2,
+                                 max_context)
+        proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
+        kv = t * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
+        scores = self._streaming("attention_prefill", m.attention_score_flops_prefill * pairs, kv, mb)
+        return _out(np.where(t > 0, proj + scores, 0.0))
+
+    @property
+    def _attention_shapes(self) -> list[tuple[int, int]]:
+        """(k, n) of the attention's weight GEMMs (fused QKV; MLA's low-rank chain), summing to
+        attention_params_per_layer."""
+        m = self.model
+        h, heads = m.hidden_size, m.num_heads
+        if m.attention == "gqa":
+            return [(h, (heads + 2 * m.num_kv_heads) * m.head_dim), (heads * m.head_dim, h)]
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = ([(h, m.q_lora_rank), (m.q_lora_rank, heads * qk_head)] if m.q_lora_rank > 0
+             else [(h, heads * qk_head)])
+        return q + [(h, m.kv_lora_rank + m.qk_rope_head_dim),
+                    (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)), (heads * m.v_head_dim, h)]
 
     # ---- FFN modules ------------------------------------------------------------------------------------
 
-    def _ffn(self, tokens, params, what):
-        """One replicated weight block (dense FFN, shared experts, router) applied to this rank's tokens."""
-        t = _arr(tokens, what)
-        flops, w_bytes = self._gemm(t, params)
-        return self._roofline((t > 0) & (params > 0), flops, w_bytes + 2 * t * self._act_row)
+    def _ffn(self, module: str, tokens, inter: int):
+        """A replicated SwiGLU block of intermediate size `inter` (fused gate+up, then down) on this rank's
+        tokens; 0 when inter == 0."""
+        t = _arr(tokens, "tokens")
+        if inter <= 0:
+            return _out(np.zeros_like(t))
+        h = self.model.hidden_size
+        return _out(np.where(t > 0, self._weight_gemms(module, t, [(h, 2 * inter), (inter, h)]), 0.0))
 
     def dense_ffn(self, tokens):
         """A dense layer's FFN on this rank's tokens (weights replicated on every rank)."""
-        return self._ffn(tokens, self.model.dense_ffn_params, "tokens")
+        return self._ffn("dense_ffn", tokens, self.model.intermediate_size)
 
     def shared_experts(self, tokens):
-        """All shared experts of one MoE layer on this rank's tokens; 0 if the model has none."""
-        return self._ffn(tokens, self.model.shared_expert_params if self.model.is_moe else 0, "tokens")
+        """All shared experts of one MoE layer on this rank's tokens (fused into one FFN); 0 if none."""
+        m = self.model
+        return self._ffn("shared_experts", tokens, m.num_shared_experts * m.moe_intermediate_size if m.is_moe else 0)
 
     def router(self, tokens):
         """The gate's linear layer and top-k on this rank's tokens; 0 for a dense model."""
-        return self._ffn(tokens, self.model.router_params if self.model.is_moe else 0, "tokens")
+        t = _arr(tokens, "tokens")
+        if not self.model.is_moe:
+            return _out(np.zeros_like(t))
+        return _out(np.where(t > 0, self._weight_gemms("router", t, [(self.model.hidden_size,
+                                                                      self.model.num_experts)]), 0.0))
 
     def lm_head(self, tokens):
         """Final projection and sampling, once per step (not per layer): fp32 logits written and read back."""
         t = _arr(tokens, "tokens")
-        params = self.model.vocab_size * self.model.hidden_size
-        flops, w_bytes = self._gemm(t, params)
-        return self._roofline(t > 0, flops, w_bytes + t * self._act_row + 2 * t * self.model.vocab_size * 4)
+        m = self.model
+        e = self._eff["lm_head"]
+        proj = self._weight_gemms("lm_head", t, [(m.hidden_size, m.vocab_size)])
+        sampling = 2 * t * m.vocab_size * 4 / (self.gpu.hbm_bw * e.memory) + e.kernel_s
+        return _out(np.where(t > 0, proj + sampling, 0.0))
+
+    def step_overhead(self, sequences):
+        """The engine's time per forward outside the modules: step_s + step_per_sequence_s * sequences."""
+        n = _arr(sequences, "sequences")
+        return _out(np.where(n > 0, self.eff.step_s + self.eff.step_per_sequence_s * n, 0.0))
+
+    def boundary_overhead(self, sequences):
+        """The engine's time at one scheduling boundary: boundary_s + boundary_per_sequence_s * sequences."""
+        n = _arr(sequences, "sequences")
+        return _out(self.eff.boundary_s + self.eff.boundary_per_sequence_s * n)
 
     # ---- routed experts ---------------------------------------------------------------------------------
 
@@ -153,9 +224,13 @@ class LatencyModel:
             touched = (p > 0).sum(axis=1) * (1.0 - miss)  # (n, R) experts with >= 1 token
         else:
             touched = (1.0 - np.power(1.0 - p, assignments)).sum(axis=2)
-        flops = 2.0 * m.expert_params * (tokens + self.eff.gemm_pad_rows * touched)
-        bytes_ = touched * m.expert_params * m.weight_bytes + 2 * tokens * self._act_row
-        return np.asarray(self._roofline(tokens > 0, flops, bytes_))
+        # one grouped GEMM per weight over the touched experts: as many tiles (and waves) as one GEMM whose n is
+        # touched x the expert's, each expert's weights read once, one launch
+        rows = np.divide(tokens, touched, out=np.zeros_like(tokens), where=touched > 0)
+        h, inter = m.hidden_size, m.moe_intermediate_size
+        t = (self._weight_gemms("experts", rows, [(h, 2 * inter * touched), (inter, h * touched)])
+             + 2 * np.maximum(tokens - rows, 0) * self._act_row / (self.gpu.hbm_bw * self._eff["experts"].memory))
+        return np.asarray(np.where(tokens > 0, t, 0.0))
 
     def experts(self, total_tokens):
         """Routed experts of one MoE layer for `total_tokens` entering the gate across the instance.
@@ -197,8 +272,9 @@ class LatencyModel:
         remote_peers = r - 1 - local_peers
         intra_s = sent * local_peers / (r - 1) / self.gpu.nvlink_bw if local_peers else 0.0
         inter_s = sent * remote_peers / (r - 1) / self.gpu.network_bw if remote_peers else 0.0
-        link = np.maximum(intra_s, inter_s) / self.eff.link
-        phase = self.eff.collective_s + self.eff.collective_per_peer_s * (r - 1) + link
+        e = self._eff["all_to_all"]
+        link = np.maximum(intra_s, inter_s) / e.link
+        phase = e.collective_s + e.collective_per_peer_s * (r - 1) + link
         return _out(np.where(t > 0, 2.0 * phase, 0.0))
 
     def all_reduce(self, nbytes, peers):
@@ -207,8 +283,9 @@ class LatencyModel:
         0 for one peer or no bytes."""
         n, p = _arr(nbytes, "nbytes"), np.asarray(peers, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
-            link = 2.0 * (p - 1) / p * n / (self.gpu.nvlink_bw * self.eff.link)
-        t = self.eff.collective_s + self.eff.collective_per_peer_s * (p - 1) + link
+            link = 2.0 * (p - 1) / p * n / (self.gpu.nvlink_bw * self._eff["all_reduce"].link)
+        e = self._eff["all_reduce"]
+        t = e.collective_s + e.collective_per_peer_s * (p - 1) + link
         return _out(np.where((n > 0) & (p > 1), t, 0.0))
 
     def _copy(self, nbytes, bandwidth, fixed_s, copies=1):
@@ -221,16 +298,17 @@ class LatencyModel:
     def h2d(self, nbytes, copies=1):
         """Host-to-device copy over PCIe (a launch per copy plus bytes at `host_link_bw`: the achieved PCIe
         bandwidth, or this GPU's share of the node's DRAM bandwidth when that is lower)."""
-        return self._copy(nbytes, self.host_link_bw, self.eff.kernel_s, copies)
+        return self._copy(nbytes, self.host_link_bw, self._eff["copy"].kernel_s, copies)
 
     def d2h(self, nbytes, copies=1):
         """Device-to-host copy over PCIe (same link bandwidth as h2d, the other direction)."""
-        return self._copy(nbytes, self.host_link_bw, self.eff.kernel_s, copies)
+        return self._copy(nbytes, self.host_link_bw, self._eff["copy"].kernel_s, copies)
 
     def network(self, nbytes, cross_node):
         """Point-to-point transfer: NVLink within a node, the network across nodes (`cross_node` broadcasts)."""
         bw = np.where(np.asarray(cross_node, dtype=bool), self.gpu.network_bw, self.gpu.nvlink_bw)
-        return self._copy(nbytes, bw * self.eff.link, self.eff.collective_s)
+        e = self._eff["network"]
+        return self._copy(nbytes, bw * e.link, e.collective_s)
 
     # ---- host-resident KV and CPU attention (per layer, per rank) ---------------------------------------
 
@@ -264,7 +342,7 @@ class LatencyModel:
         flops = m.attention_score_flops_decode * ctx
         bytes_ = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * m.num_heads * m.head_dim * m.act_bytes
         time = (np.maximum(flops / self.host_flops, bytes_ / self.host_mem_bw)
-                + np.maximum(mb, 1) * self.eff.host_kernel_s)
+                + np.maximum(mb, 1) * self._eff["cpu_attention"].host_kernel_s)
         return _out(np.where(t > 0, time, 0.0))
 
     def cpu_attention_ship(self, tokens, micro_batches=1):

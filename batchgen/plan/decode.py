@@ -105,9 +105,9 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
     gate = grid.gate_tokens
     R, K = gate.shape
     active = gate.sum(axis=0) > 0
-    head = lat.lm_head(gate)
+    head = lat.lm_head(gate) + lat.step_overhead(gate)  # decode: one row per sequence
     iteration = np.asarray(head, float).max(axis=0)
-    busy = np.asarray(head, float).copy()
+    busy = np.asarray(lat.lm_head(gate), float).copy()
     exposed = np.zeros(K)
     comm = np.zeros(K)
     moe_layer = np.zeros(K)

@@ -140,8 +140,7 @@ def plan_job(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings
              stats: WorkloadStats, *, page_tokens: int) -> Plan:
     """Plan a job's "auto" knobs (see the module docstring); raises ConfigError if no candidate fits.
     Plans are cached by their inputs (a sweep prepares the same job many times)."""
-    key = (model, cluster, lat.eff, lat.routing_skew, lat.use_fp8, lat.ep_ranks, lat.gpus_per_node, settings,
-           policy, stats, page_tokens)
+    key = (model, cluster, lat.key(), settings, policy, stats, page_tokens)
     try:
         hash(key)
     except TypeError:  # an unhashable policy: plan without the cache

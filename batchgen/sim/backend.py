@@ -31,12 +31,14 @@ class SimBackend:
     """
 
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
-                 weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0):
+                 weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
+                 capabilities: Capabilities | None = None):
+        """`capabilities`: what the simulated engine can do; default everything the simulator prices
+        (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
+        degree the heads allow). A validation run passes the executor's, so both see the same snapshots."""
         self.env = env
-        # layer-by-layer prefill offload, host-resident decode, CPU attention (not for MLA: its latent KV is
-        # up-projected on the GPU)
-        self.capabilities = Capabilities(cpu_attention=lat.model.attention != "mla",
-                                         partition_degrees=lat.model.partition_degrees())
+        self.capabilities = capabilities or Capabilities(cpu_attention=lat.model.attention != "mla",
+                                                         partition_degrees=lat.model.partition_degrees())
         self.state = state
         self.lat = lat
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
@@ -111,12 +113,14 @@ class SimBackend:
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)
-        duration = max(compute, float(transfer.max(initial=0.0)))
-        scale = duration / compute if compute > 0 else 0.0
+        run = max(compute, float(transfer.max(initial=0.0)))
+        boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size))  # the engine's decision
+        duration = boundary + run
+        scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
         offsets = np.full(ids.size, np.nan)
         if finished.any():
-            clock = np.cumsum(cost.iteration_s) * scale
+            clock = boundary + np.cumsum(cost.iteration_s) * scale
             offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
         prefill_finished = t.remaining(plan.prefill_ids) == 1
         self.events += 1

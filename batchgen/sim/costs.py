@@ -44,6 +44,10 @@ class RankLoad:
     prefill_sq: np.ndarray      # sum of squared prompt lengths (prefill attention), else 0
     prefill_tokens: np.ndarray  # prompt tokens prefilled
     micro_batches: np.ndarray   # attention launches (B_attn micro-batches)
+    attn_max: np.ndarray        # longest context among the decode queries (padded kernels pay it per query)
+    prefill_max: np.ndarray     # longest prompt prefilled, else 0
+    prefill_seqs: np.ndarray    # prompts prefilled
+    sequences: np.ndarray       # sequences in the forward (the engine's per-forward overhead grows with them)
 
 
 def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,
@@ -63,8 +67,8 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
 
 
 def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
-               K: int, kv_split: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(queries, summed context) in attention per rank and iteration. A partitioned sequence spreads its
+               K: int, kv_split: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(queries, summed context, longest context) in attention per rank and iteration. A partitioned sequence spreads its
     attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
     its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
     by every rank of the group (which also charges each rank the whole score FLOPs: conservative)."""
@@ -76,7 +80,18 @@ def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp:
     ctx_weight = a_weight if kv_split else np.ones(rep.size)
     attn_ctx0 = _alive(a_rank, alive_for[rep], ctx_weight * context[rep], R, K)
     # every live sequence's context grows by one per iteration
-    return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K)
+    longest = _longest_alive(a_rank, alive_for[rep], context[rep].astype(float), R, K)
+    return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), longest
+
+
+def _longest_alive(rank: np.ndarray, alive_for: np.ndarray, context: np.ndarray, R: int, K: int) -> np.ndarray:
+    """Longest context among the sequences on each rank still running at each iteration: (R, K), 0 where
+    none runs. A sequence's context grows by one per iteration, so it is the longest starting context among
+    those alive for more than k iterations, plus k."""
+    start = np.full((R, K + 1), -np.inf)
+    np.maximum.at(start, (rank, np.minimum(alive_for, K)), context)
+    alive_max = np.maximum.accumulate(start[:, ::-1], axis=1)[:, ::-1][:, 1:]  # alive_for > k
+    return np.where(np.isfinite(alive_max), alive_max + np.arange(K), 0.0)
 
 
 def partition_join(lat: LatencyModel, rank: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
@@ -101,9 +116,9 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
     dev = ~host_resident
-    dev_tokens, dev_ctx = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K, kv_split)
-    host_tokens, host_ctx = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
-                                       tp[host_resident], R, K, kv_split)
+    dev_tokens, dev_ctx, _ = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K, kv_split)
+    host_tokens, host_ctx, _ = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
+                                          tp[host_resident], R, K, kv_split)
     ks = np.arange(K)
     dev_tokens = dev_tokens + pad_rows[:, None]
     dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
@@ -118,15 +133,18 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
                 pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> RankLoad:
     """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
     K, R = iterations, num_ranks
-    attn_tokens, attn_ctx = _attention(rank, context, alive_for, tp, R, K, kv_split)
+    attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K, kv_split)
     gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
     ks = np.arange(K)
     attn_tokens = attn_tokens + pad_rows[:, None]
     attn_ctx = attn_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
+    with np.errstate(divide="ignore", invalid="ignore"):  # padding rows: as long as their mean
+        pad_longest = np.where(pad_rows > 0, pad_context / pad_rows, 0.0)[:, None] + ks
+    longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
     gate = gate + pad_rows[:, None]
     mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
     zeros = np.zeros((R, K))
-    return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0))
+    return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0), longest, zeros, zeros, gate)
 
 
 def _alive(rank: np.ndarray, alive_for: np.ndarray, weight: np.ndarray, R: int, K: int) -> np.ndarray:
@@ -145,10 +163,14 @@ def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_r
     p_seq = np.bincount(prefill_rank, minlength=R)
     d_tok = np.bincount(decode_rank, minlength=R).astype(float)
     d_ctx = np.bincount(decode_rank, weights=decode_context.astype(float), minlength=R)
+    p_max, d_max = np.zeros(R), np.zeros(R)
+    np.maximum.at(p_max, prefill_rank, prefill_context.astype(float))
+    np.maximum.at(d_max, decode_rank, decode_context.astype(float))
     seqs = p_seq + d_tok
     mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
     col = lambda a: a[:, None].astype(float)  # noqa: E731
-    return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)))
+    return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)),
+                    col(d_max), col(p_max), col(p_seq), col(seqs))
 
 
 def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0) -> RunCost:
@@ -156,10 +178,10 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
     that layer's FFN and counts as communication."""
     n_dense, n_moe = lat.layer_counts()
-    attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches)
-            + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1))
+    attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
+            + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
     gate = load.gate_tokens
-    head = lat.lm_head(gate).max(axis=0)
+    head = (lat.lm_head(load.sequences) + lat.step_overhead(load.sequences)).max(axis=0)
     busy = np.zeros(gate.shape)
     iteration = head.copy()
     comm = np.zeros(gate.shape[1])
@@ -176,7 +198,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         iteration += n_moe * ((local + join).max(axis=0) + a2a + slowest)
         busy += n_moe * (local + mean)
         comm = n_moe * a2a
-    busy += lat.lm_head(gate)
+    busy += lat.lm_head(load.sequences)
     if weight_stream_s > 0:
         iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
     active = gate.sum(axis=0) > 0

@@ -89,3 +89,32 @@ def load_model(name: str, conf_dir: str | Path | None = None) -> ModelSpec:
 def load_cluster(name: str, conf_dir: str | Path | None = None) -> ClusterSpec:
     root = _conf_dir(conf_dir)
     return ClusterSpec.from_config(_load_yaml(root / "cluster", name, "cluster"), root / "hardware")
+
+
+def efficiency_names(conf_dir: str | Path | None = None) -> list[str]:
+    """Shipped efficiency files (conf/efficiency), minus the two that only select: auto and datasheet."""
+    return [n for n in _names(_conf_dir(conf_dir) / "efficiency") if n not in ("auto", "datasheet")]
+
+
+def load_efficiency_dict(name: str, conf_dir: str | Path | None = None) -> dict:
+    """The factors of conf/efficiency/<name>.yaml, with `inherit: <other file>` resolved (the file's own keys
+    win over the inherited ones; `modules` merge per module)."""
+    folder = _conf_dir(conf_dir) / "efficiency"
+    seen: list[str] = []
+    layers = []
+    while name is not None:
+        if name in seen:
+            raise ValueError(f"efficiency files inherit in a cycle: {' -> '.join(seen + [name])}")
+        seen.append(name)
+        data = _load_yaml(folder, name, "efficiency file")
+        layers.append(data)
+        name = data.pop("inherit", None)
+    merged: dict = {}
+    for data in reversed(layers):
+        modules = {**merged.get("modules", {})}
+        for module, factors in (data.get("modules") or {}).items():
+            modules[module] = {**modules.get(module, {}), **factors}
+        merged.update(data)
+        if modules:
+            merged["modules"] = modules
+    return merged
