@@ -1,0 +1,79 @@
+"""Which runs validation compares, as Hydra overrides: the defaults, and what the command line changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.memory import ConfigError
+from batchgen.policy import policy_names
+
+# Small enough for a few minutes on 2 cores (3 repeats of 9 cases), varied enough to move every module:
+# a synthetic long tail, and two real traces whose lengths no fit has seen (clipped: CPU time).
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "small": ("workload=small", "workload.num_sequences=24", "workload.input.low=32", "workload.input.high=256",
+              "workload.output.mean=24", "workload.output.max=96"),
+    "azure_conv": ("workload=azure_conv", "workload.num_sequences=24", "workload.max_input=256",
+                   "workload.max_output=64"),
+    "azure_code": ("workload=azure_code", "workload.num_sequences=24", "workload.max_input=384",
+                   "workload.max_output=32"),
+}
+
+CPU = "cpu_epyc_milan_2c"
+CALIBRATION = f"{CPU}.json"  # shipped under batchgen/data/calibration/
+# The executor on this CPU, and the simulator of this CPU: one config for both backends (the same plan for
+# "auto" knobs, the same latency model for the plan and the prediction).
+BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=3",
+                         "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
+# the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
+LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION}")
+EFFICIENCY: tuple[str, ...] = (f"efficiency={CPU}",)
+
+USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
+  Runs each workload x policy on the executor (CPU) and on the simulator (CPU calibration) and compares them.
+  workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
+  policy=NAME[,NAME...]                     only these policies (default: all)
+  backend.repeats=N  backend.threads=N      executor repeats (default 3) and threads (default 1)
+  any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case"""
+
+
+@dataclass(frozen=True)
+class Case:
+    workload: str
+    policy: str
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload}/{self.policy}"
+
+
+def cases_from_args(args: list[str]) -> list[Case]:
+    """Cases for the command line `args` (Hydra overrides); raises ConfigError for what validation cannot run."""
+    policies, workload, rest = list(policy_names()), None, []
+    model_of_time = {"latency": LATENCY, "efficiency": EFFICIENCY}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or arg.startswith("-"):
+            raise ConfigError(f"{arg!r} is not an override (key=value)\n{USAGE}")
+        key = key.lstrip("+")
+        if key == "policy":
+            policies = [p for p in value.split(",") if p]
+            unknown = sorted(set(policies) - set(policy_names()))
+            if unknown or not policies:
+                raise ConfigError(f"policy={value}: choose among {', '.join(policy_names())} (comma-separated)")
+        elif key == "workload":
+            workload = value
+        elif key in model_of_time:
+            model_of_time[key] = (arg,)
+        elif key in ("backend", "backend.name"):
+            raise ConfigError(f"{arg}: validation runs both backends itself; leave the backend out")
+        else:
+            rest.append(arg)
+    if workload is None:
+        groups = {name: list(o) for name, o in WORKLOADS.items()}
+    else:
+        # the executor's defaults clip any workload (exec.yaml); fewer sequences keep a CPU run short
+        groups = {workload: [f"workload={workload}", "workload.num_sequences=24"]}
+    base = (*BASE, *model_of_time["efficiency"], *model_of_time["latency"])
+    return [Case(name, p, (*base, *overrides, f"+policy={p}", *rest)) for name, overrides in groups.items()
+            for p in policies]

@@ -1,0 +1,79 @@
+"""One case: the executor's measurement, the simulator's prediction for the same decisions, and their gap."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from batchgen.confdir import conf_dir
+from batchgen.config import build_job
+from batchgen.decisions import Difference, first_difference, trace_of
+from batchgen.results.metrics import bct
+from batchgen.validate.cases import Case
+
+MODULES = ("attention", "ffn", "head")  # the rest: whatever the BCT holds beyond them (overheads, copies)
+
+
+@dataclass
+class Side:
+    """One backend's run: BCT and seconds per module (the rest included)."""
+
+    bct_s: float
+    modules: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    measured: Side
+    predicted: Side
+    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s is their median)
+    difference: Difference | None  # where the decision traces part; None: equal
+    boundaries: int
+
+    @property
+    def error(self) -> float:
+        """Signed relative BCT error of the prediction."""
+        return self.predicted.bct_s / self.measured.bct_s - 1.0
+
+    @property
+    def spread(self) -> float:
+        return (max(self.runs_s) - min(self.runs_s)) / statistics.median(self.runs_s)
+
+    def module_error(self, name: str) -> float | None:
+        meas, pred = self.measured.modules.get(name), self.predicted.modules.get(name)
+        return None if meas is None or pred is None or meas <= 0 else pred / meas - 1.0
+
+
+def compose_case(case: Case):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=list(case.overrides))
+
+
+def module_totals(records, total: float) -> dict[str, float]:
+    """Seconds per module over a run, and `rest` = the BCT minus them (None-free: a module not timed is 0)."""
+    out = {m: float(sum(r.modules.get(m, 0.0) for r in records)) for m in MODULES}
+    out["rest"] = total - sum(out.values())
+    return out
+
+
+def run_case(case: Case) -> CaseResult:
+    from batchgen.exec.run import ExecSettings, execute
+    from batchgen.sim.run import simulate
+
+    cfg = compose_case(case)
+    job = build_job(cfg, base_dir=Path.cwd())
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+    measured = execute(job, ExecSettings(**settings))
+    # the same snapshots: the executor's capabilities and the KV pool it allocated
+    predicted = simulate(job, capabilities=measured.capabilities,
+                         kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu, modules=True)
+    m_bct, p_bct = bct(measured), bct(predicted)
+    m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
+    return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
+                      Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
+                      first_difference(m_trace, p_trace), len(m_trace))

@@ -1,0 +1,140 @@
+"""Validation of the simulator against the executor: the same decisions in both backends, the module split
+of the simulator's time, and `python -m batchgen.validate`'s cases, errors and last line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from batchgen.decisions import BoundaryDecision, first_difference, ranges, trace_of
+from batchgen.memory import ConfigError
+from batchgen.sim.run import simulate
+from batchgen.validate.cases import LATENCY, cases_from_args
+from batchgen.validate.compare import CaseResult, Side
+from batchgen.validate.report import summary_line
+from tests.conftest import make_job
+
+POLICIES = ("coroutine", "continuous", "static")
+
+
+def small_job(policy: str):
+    rng = np.random.default_rng(1)
+    return make_job(policy, cluster_overrides=dict(num_gpus=1, gpus_per_node=1), inputs=rng.integers(8, 64, 12),
+                    outputs=rng.integers(2, 30, 12), page_tokens=16)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_both_backends_take_the_same_decisions(policy):
+    """Given the executor's capabilities and KV pool, the simulator decides exactly as the executor did; with
+    its own (layer-by-layer offload, the planned pool) it does not: the test can fail."""
+    torch = pytest.importorskip("torch")
+    from batchgen.exec.run import ExecSettings, execute
+
+    job = small_job(policy)
+    before = torch.get_num_threads()
+    measured = execute(job, ExecSettings(device="cpu", threads=1, kv_budget_mb=0.5))
+    assert torch.get_num_threads() == before
+    same = simulate(job, capabilities=measured.capabilities,
+                    kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu)
+    m_trace, s_trace = trace_of(measured.records), trace_of(same.records)
+    assert len(m_trace) >= 2 and m_trace == s_trace, first_difference(m_trace, s_trace).describe()
+    own = simulate(job)
+    assert first_difference(m_trace, trace_of(own.records)) is not None
+
+
+def _decision(**changes) -> BoundaryDecision:
+    base = dict(instance=0, phase="decode", prefilled=(), decoded=(0, 1, 2), host_resident=(), yielded=(),
+                offloaded=(), evicted=(), migrated=(), admitted=(), partitioned=(), pinned=(), steps=16,
+                stop="none", micro_batch=0, flags="")
+    return BoundaryDecision(**{**base, **changes})
+
+
+def test_first_difference_names_the_boundary_and_the_field():
+    a = [_decision(phase="prefill", prefilled=(0, 1, 2), decoded=()), _decision(), _decision(decoded=(0, 2))]
+    b = [a[0], _decision(yielded=(1,)), a[2]]
+    d = first_difference(a, b)
+    assert (d.instance, d.boundary, d.field) == (0, 1, "yielded")
+    assert "boundary 1" in d.describe() and "+[1]" in d.describe()
+    assert first_difference(a, a[:2]).field == "length"
+    assert first_difference(a, list(a)) is None
+
+
+def test_idle_changes_fold_into_the_next_decision_and_ids_print_as_ranges():
+    idle = _decision(phase="idle", decoded=(), evicted=(7,))
+    assert idle.changes_something() and not _decision(phase="idle", decoded=()).changes_something()
+    merged = _decision(evicted=(3,)).merged(idle)
+    assert merged.evicted == (3, 7) and merged.decoded == (0, 1, 2)
+    assert ranges((0, 1, 2, 5, 7, 8)) == "0-2 5 7-8" and _decision().row()["decoded"] == "0-2"
+
+
+def test_simulated_modules_add_up_to_the_priced_run():
+    """With a data-sheet roofline (no per-forward or per-boundary overhead) and device-resident KV, a run's
+    modules are its whole duration: the module split mirrors costs.price."""
+    out = simulate(make_job("continuous", n=30), modules=True)
+    for r in out.records:
+        assert set(r.modules) == {"attention", "ffn", "head"}
+        assert sum(r.modules.values()) == pytest.approx(r.duration, rel=1e-9)
+
+
+def test_cases_default_to_three_workloads_by_every_policy():
+    cases = cases_from_args([])
+    assert len({c.workload for c in cases}) >= 3 and {c.policy for c in cases} == set(POLICIES)
+    assert all(LATENCY[0] in c.overrides and "backend.threads=1" in c.overrides for c in cases)
+    assert len(cases) == 3 * len({c.workload for c in cases})
+
+
+def test_cases_follow_the_command_line():
+    cases = cases_from_args(["workload=azure_conv", "workload.trace=my.csv", "policy=static,coroutine",
+                             "latency=roofline", "backend.repeats=5"])
+    assert [c.name for c in cases] == ["azure_conv/static", "azure_conv/coroutine"]
+    for c in cases:
+        assert "latency=roofline" in c.overrides and LATENCY[1] not in c.overrides
+        assert c.overrides.index("backend.repeats=5") > c.overrides.index("backend.repeats=3")  # the user wins
+        assert "workload.trace=my.csv" in c.overrides
+
+
+@pytest.mark.parametrize("args, words", [
+    (["backend=sim"], "runs both backends"),
+    (["policy=fastest"], "choose among"),
+    (["policy="], "choose among"),
+    (["model"], "not an override"),
+    (["--repeats", "3"], "not an override"),
+])
+def test_bad_arguments_are_refused(args, words):
+    with pytest.raises(ConfigError, match=words):
+        cases_from_args(args)
+
+
+def _run_validate(tmp_path, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "batchgen.validate", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["workload=no_such_workload"], "no_such_workload"),
+    (["backend=sim"], "runs both backends"),
+    (["workload.num_sequences=many"], "num_sequences"),
+])
+def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
+    proc = _run_validate(tmp_path, *args, "latency=roofline", "efficiency=datasheet")
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_summary_line_is_median_and_worst_absolute_error():
+    results = [CaseResult(cases_from_args([])[i], Side(1.0), Side(p), [1.0], None, 3)
+               for i, p in enumerate((1.02, 0.9, 1.05))]
+    assert summary_line(results) == "median_abs_error=5.0% worst_abs_error=10.0%"
+
+
+@pytest.mark.slow
+def test_cli_prints_cases_and_ends_with_the_error_line(tmp_path):
+    proc = _run_validate(tmp_path, "workload=small", "workload.num_sequences=6", "workload.max_output=16",
+                         "policy=static", "backend.repeats=2", "latency=roofline", "efficiency=datasheet")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert any(line.startswith("small/static") and "equal" in line for line in lines)
+    assert re.fullmatch(r"median_abs_error=\d+\.\d% worst_abs_error=\d+\.\d%", lines[-1])
