@@ -3,6 +3,8 @@
 YAML files hold data-sheet units (TFLOP/s, decimal GB, GB/s, one direction); the properties convert to SI
 (FLOP/s, bytes, bytes/s) so that the latency model never multiplies by 1e9 itself. Tensor throughputs are
 dense (no 2:4 sparsity): achieved efficiency is the latency model's business, not the spec's.
+`sm_count` (streaming multiprocessors) is what lets the GEMM model follow tiles and waves
+(batchgen.latency.gemm); 0 means unknown, or not a GPU, and falls back to the pad-rows roofline.
 """
 
 from dataclasses import asdict, dataclass
@@ -25,6 +27,7 @@ class HardwareSpec:
     pcie_gbs: float
     nvlink_gbs: float = 0.0
     network_gbs: float = 0.0
+    sm_count: int = 0
 
     def __post_init__(self) -> None:
         p = "hardware"
@@ -37,6 +40,8 @@ class HardwareSpec:
                 "use 0 for no NVLink (intra-node traffic then goes over PCIe)")
         require(self.network_gbs >= 0, p, "network_gbs", self.network_gbs, "be >= 0",
                 "use 0 for no inter-node network (single-node clusters only)")
+        require(self.sm_count >= 0, p, "sm_count", self.sm_count, "be >= 0",
+                "copy the SM count from the GPU's data sheet, or use 0 when unknown (no tile model)")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "HardwareSpec":
