@@ -87,7 +87,7 @@ class Roofline:
             total = total + gemm_seconds(tokens, k, n, peak_flops=self._gemm_peak, mem_bw=self.gpu.hbm_bw,
                                          weight_bytes=self.model.weight_bytes, act_bytes=self.model.act_bytes,
                                          compute=e.compute, memory=e.memory, kernel_s=e.kernel_s,
-                                         pad_rows=e.gemm_pad_rows, sm_count=getattr(self.gpu, "sm_count", 0), calls=calls)
+                                         pad_rows=e.gemm_pad_rows, sm_count=self.gpu.sm_count, calls=calls)
         return total
 
     def _streaming(self, module: str, flops, bytes_, launches):
