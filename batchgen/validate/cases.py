@@ -19,13 +19,13 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 }
 
 CPU = "cpu_epyc_milan_2c"
-CALIBRATION = f"{CPU}.json"  # shipped under batchgen/data/calibration/
+CALIBRATION = CPU + "-{model}.json"  # one per model, shipped under batchgen/data/calibration/
 # The executor on this CPU, and the simulator of this CPU: one config for both backends (the same plan for
 # "auto" knobs, the same latency model for the plan and the prediction).
 BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=3",
                          "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
 # the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
-LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION}")
+LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")
 EFFICIENCY: tuple[str, ...] = (f"efficiency={CPU}",)
 
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
@@ -51,6 +51,9 @@ def cases_from_args(args: list[str]) -> list[Case]:
     """Cases for the command line `args` (Hydra overrides); raises ConfigError for what validation cannot run."""
     policies, workload, rest = list(policy_names()), None, []
     model_of_time = {"latency": LATENCY, "efficiency": EFFICIENCY}
+    for arg in args:  # another model: its own calibration file
+        if arg.startswith("model="):
+            model_of_time["latency"] = ("latency=table", f"latency.calibration={CALIBRATION.format(model=arg[6:])}")
     for arg in args:
         key, eq, value = arg.partition("=")
         if not eq or arg.startswith("-"):
