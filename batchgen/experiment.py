@@ -51,9 +51,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         plot_timeline(out, run_dir / "timeline.png")
     print(format_table([summary]))
     if out.backend == "exec":
-        print(f"executor: {summary['device']} {summary['dtype']}, {summary['threads']} threads, torch "
+        print(f"executor: {summary['device']} {summary['dtype']}, threads={summary['threads']}, torch "
               f"{summary['torch']}; BCT median of {summary['repeats']} run(s) {summary['bct_s']:.2f} s, range "
-              f"{summary['bct_min_s']:.2f}-{summary['bct_max_s']:.2f} s")
+              f"{summary['bct_min_s']:.2f}-{summary['bct_max_s']:.2f} s; CPU share {100 * summary['cpu_share']:.0f}%"
+              + (" (other processes took the cores: timings are inflated)"
+                 if summary['device'] == "cpu" and summary['cpu_share'] < 0.8 else ""))
     print(f"results: {run_dir / 'results.json'}")
     return summary
 

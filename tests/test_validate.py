@@ -125,9 +125,10 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
 
 
 def test_summary_line_is_median_and_worst_absolute_error():
-    results = [CaseResult(cases_from_args([])[i], Side(1.0), Side(p), [1.0], None, 3)
+    results = [CaseResult(cases_from_args([])[i], Side(1.0), Side(p), [1.0], 0.5, None, 3)
                for i, p in enumerate((1.02, 0.9, 1.05))]
     assert summary_line(results) == "median_abs_error=5.0% worst_abs_error=10.0%"
+    assert summary_line(results, cpu=True) == "median_abs_error=104.0% worst_abs_error=110.0%"  # 1.02 / 0.5
 
 
 @pytest.mark.slow

@@ -94,6 +94,10 @@ class ExecOutput(RunOutput):
     threads: int = 0
     interop_threads: int = 0
     repeat_bcts: list[float] = field(default_factory=list)
+    # CPU seconds of the process / (wall seconds x threads): near 1 on an idle machine with threads <= cores; well
+    # under 1 when other processes took the cores (the wall-clock BCT then holds time spent waiting for them)
+    cpu_share: float = 0.0
+    repeat_cpu_shares: list[float] = field(default_factory=list)
     repeats_same_decisions: bool = True
 
 
@@ -165,6 +169,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     out = runs[bcts.index(statistics.median_low(bcts))]
     out.wall_s = time.perf_counter() - start
     out.repeat_bcts = bcts
+    out.repeat_cpu_shares = [r.cpu_share for r in runs]
     out.repeats_same_decisions = all(trace_of(r.records) == trace_of(runs[0].records) for r in runs[1:])
     names = sorted({str(d) for d in devices})
     out.device = names[0] if len(names) == 1 else ",".join(names)
@@ -196,7 +201,7 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
               prompts: list[np.ndarray]) -> ExecOutput:
     """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
     model = models[devices[0]]
     c = model.config
@@ -242,7 +247,8 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     if not state.all_finished():
         raise InvariantError(f"policy {job.policy.name!r} stopped with {len(state.table) - state.num_finished} "
                              "sequences unfinished")
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     state.check()
-    return ExecOutput(job, prepared, records, time.perf_counter() - start, backend.events, backend="exec",
+    return ExecOutput(job, prepared, records, wall, backend.events, backend="exec",
                       tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic),
-                      capabilities=backend.capabilities)
+                      capabilities=backend.capabilities, cpu_share=cpu / (wall * torch.get_num_threads()))

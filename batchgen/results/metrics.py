@@ -163,7 +163,8 @@ def _identity(out) -> dict[str, Any]:
 
 def _measurement(out) -> dict[str, Any]:
     """An executor run: what it ran on (resolved, never "auto") and how much its BCT moved between repeats.
-    bct_s is the median run's; bct_spread = (max - min) / median; a sweep compares the medians."""
+    bct_s is the median run's; bct_spread = (max - min) / median; a sweep compares the medians. cpu_share (CPU
+    seconds / (wall x threads)) well under 1 says other processes took the cores during the run."""
     if out.backend != "exec":
         return {}
     import torch
@@ -172,7 +173,7 @@ def _measurement(out) -> dict[str, Any]:
     return {"device": out.device, "dtype": out.dtype, "threads": int(out.threads),
             "interop_threads": int(out.interop_threads), "torch": torch.__version__, "repeats": len(runs),
             "bct_runs_s": [_round(b) for b in runs], "bct_min_s": min(runs), "bct_max_s": max(runs),
-            "bct_spread": _ratio(max(runs) - min(runs), median),
+            "bct_spread": _ratio(max(runs) - min(runs), median), "cpu_share": float(getattr(out, "cpu_share", 0.0)),
             "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True))}
 
 

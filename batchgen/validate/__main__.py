@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
         print(row(results[-1]), flush=True)
     for line in differences(results):
         print(line)
+    print(f"scaled by CPU share (contention removed, an estimate): {summary_line(results, cpu=True)}")
     print(summary_line(results))
     return 0
 

@@ -32,6 +32,7 @@ class CaseResult:
     measured: Side
     predicted: Side
     runs_s: list[float]           # every executor repeat's BCT (measured.bct_s is their median)
+    cpu_share: float              # the median run's CPU seconds / (wall x threads): < 1 when the cores were taken
     difference: Difference | None  # where the decision traces part; None: equal
     boundaries: int
 
@@ -39,6 +40,12 @@ class CaseResult:
     def error(self) -> float:
         """Signed relative BCT error of the prediction."""
         return self.predicted.bct_s / self.measured.bct_s - 1.0
+
+    @property
+    def cpu_error(self) -> float:
+        """The error against the measured BCT scaled by the CPU share: an estimate of what an idle machine
+        would have measured (one thread descheduled part of the time), to tell noise from model error."""
+        return self.predicted.bct_s / (self.measured.bct_s * self.cpu_share) - 1.0 if self.cpu_share else self.error
 
     @property
     def spread(self) -> float:
@@ -76,4 +83,5 @@ def run_case(case: Case) -> CaseResult:
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
                       Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
+                      measured.cpu_share,
                       first_difference(m_trace, p_trace), len(m_trace))

@@ -14,14 +14,16 @@ def _pct(x: float | None) -> str:
 
 
 def header() -> str:
-    cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "predicted s".rjust(11), "error".rjust(7)]
+    cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "cpu".rjust(5), "predicted s".rjust(11),
+            "error".rjust(7), "err@cpu".rjust(7)]
     cols += [f"{p} meas/pred s (err)".rjust(26) for p in PARTS]
     return "  ".join(cols + ["decisions"])
 
 
 def row(r: CaseResult) -> str:
     cols = [r.case.name.ljust(24), f"{r.measured.bct_s:10.3f}", f"{100 * r.spread:6.1f}%",
-            f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}"]
+            f"{100 * r.cpu_share:4.0f}%", f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}",
+            f"{_pct(r.cpu_error):>7}"]
     for p in PARTS:
         meas, pred = r.measured.modules.get(p, 0.0), r.predicted.modules.get(p, 0.0)
         err = r.module_error(p) if p != "rest" else (None if abs(meas) < 1e-9 else pred / meas - 1.0)
@@ -35,6 +37,7 @@ def differences(results: list[CaseResult]) -> list[str]:
             if r.difference is not None]
 
 
-def summary_line(results: list[CaseResult]) -> str:
-    errors = [abs(r.error) for r in results]
+def summary_line(results: list[CaseResult], cpu: bool = False) -> str:
+    """`cpu`: against the CPU-share-scaled measurement (err@cpu), for the line before the last."""
+    errors = [abs(r.cpu_error if cpu else r.error) for r in results]
     return f"median_abs_error={100 * statistics.median(errors):.1f}% worst_abs_error={100 * max(errors):.1f}%"

@@ -50,6 +50,7 @@ def test_results_record_what_ran(repeated):
     s = summarize(repeated)
     assert (s["device"], s["dtype"], s["threads"]) == ("cpu", "float32", 1)
     assert s["torch"] == torch.__version__ and s["interop_threads"] >= 1
+    assert 0 < s["cpu_share"] <= 1.5 and len(repeated.repeat_cpu_shares) == 3
 
 
 def test_threads_are_pinned_during_the_run_and_restored_after():
