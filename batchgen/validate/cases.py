@@ -26,7 +26,8 @@ BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu",
                          "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
 # the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
 LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")
-EFFICIENCY: tuple[str, ...] = (f"efficiency={CPU}",)
+# auto: conf/efficiency/cpu_epyc_milan_2c.yaml (the fitted factors) when it ships, else the data sheet's
+EFFICIENCY: tuple[str, ...] = ("efficiency=auto",)
 
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   Runs each workload x policy on the executor (CPU) and on the simulator (CPU calibration) and compares them.
