@@ -5,8 +5,8 @@
              "model": {ModelSpec fields}, "dtype": "float32", "threads": 1, "torch": ..., "python": ...,
              "batchgen": <commit or version>, "cuda": <version or null>},
      "settings": {"warmup": 2, "repeats": 7, "grid": "quick", ...},
-     "modules": {<module>: [{<coordinates>, "seconds": median, "spread": (p90 - p10) / median,
-                             "repeats": n}, ...]},
+     "modules": {<module>: [{<coordinates>, "seconds": median, "p10": 10th percentile,
+                             "spread": (p90 - p10) / median, "repeats": n}, ...]},
      "gemms": [{"op", "m", "k", "n", "tp", "seconds"}]}   # optional (imported GEMM profiles)
 
 Seconds are per call of ONE layer's module (what the latency model's methods return), except `lm_head` and

@@ -106,13 +106,20 @@ class Surface:
 class TablePredictor:
     """`LatencyModel` from measured points; `fallback` prices what was not measured (and gives the specs)."""
 
-    def __init__(self, calibration: Mapping, fallback: LatencyModel, *, source: str = "calibration"):
+    def __init__(self, calibration: Mapping, fallback: LatencyModel, *, source: str = "calibration",
+                 statistic: str = "seconds"):
+        """statistic: which measured value to interpolate: `seconds` (the median) or `p10` (the fast end of
+        the repeats, for a machine that other work slowed down while it was profiled)."""
+        if statistic not in ("seconds", "p10"):
+            raise ValueError(f"statistic={statistic!r}: choose seconds (median) or p10")
         data = validate(calibration, source)
         check_model(data, fallback.model, source)
         self.calibration, self.fallback, self.source = data, fallback, source
         self.page = int(data.get("settings", {}).get("page_tokens") or 1)
         self._digest = hashlib.sha1(json.dumps(data["modules"], sort_keys=True).encode()).hexdigest()[:16]
         mods = data["modules"]
+        sec = lambda p: p.get(statistic, p["seconds"])  # noqa: E731
+        self.statistic = statistic
         self._curves: dict[str, Curve] = {}
         self._surfaces: dict[str, Surface] = {}
         for name, coord in (("dense_ffn", "tokens"), ("shared_experts", "tokens"), ("router", "tokens"),
@@ -120,22 +127,22 @@ class TablePredictor:
                             ("boundary", "sequences"), ("h2d", "bytes"), ("d2h", "bytes")):
             pts = mods.get(name) or []
             if pts:
-                self._curves[name] = Curve([p[coord] for p in pts], [p["seconds"] for p in pts])
+                self._curves[name] = Curve([p[coord] for p in pts], [sec(p) for p in pts])
         dec = [p for p in mods.get("attention_decode") or [] if p["micro_batches"] == 1]
         if dec:
             self._surfaces["attention_decode"] = Surface(
                 [p["tokens"] for p in dec], [p["tokens"] * self._padded(p["max_context"]) for p in dec],
-                [p["seconds"] for p in dec])
+                [sec(p) for p in dec])
         pre = [p for p in mods.get("attention_prefill") or [] if p["micro_batches"] == 1]
         if pre:
             self._surfaces["attention_prefill"] = Surface(
                 [p["tokens"] for p in pre],
                 [p["sequences"] * p["max_context"] * self._padded(p["max_context"]) for p in pre],
-                [p["seconds"] for p in pre])
+                [sec(p) for p in pre])
 
     @classmethod
-    def from_file(cls, path: str | Path, fallback: LatencyModel) -> "TablePredictor":
-        return cls(read(path), fallback, source=str(path))
+    def from_file(cls, path: str | Path, fallback: LatencyModel, statistic: str = "seconds") -> "TablePredictor":
+        return cls(read(path), fallback, source=str(path), statistic=statistic)
 
     # ---- the protocol's attributes come from the fallback ----
     def __getattr__(self, name):
@@ -144,7 +151,7 @@ class TablePredictor:
         return getattr(self.fallback, name)
 
     def key(self) -> tuple:
-        return ("table", self._digest, self.page, self.fallback.key())
+        return ("table", self._digest, self.page, self.statistic, self.fallback.key())
 
     def measured(self) -> list[str]:
         """Modules priced from measurements (the rest: the fallback)."""

@@ -62,12 +62,12 @@ def contexts_of(count: int, longest: int, shape: str) -> list[int]:
 
 
 GRIDS = {
-    "quick": Grid("quick", decode_batches=(1, 4, 16, 64, 128), decode_contexts=(64, 256, 1024, 2048),
+    "quick": Grid("quick", decode_batches=(1, 4, 16, 32, 64, 128), decode_contexts=(64, 256, 512, 1024, 2048),
                   decode_micro_batches=((64, 256, 2), (64, 256, 4), (16, 1024, 2)),
                   prefill_prompts=(1, 4, 16), prefill_lengths=(64, 256, 1024),
                   ffn_tokens=(1, 4, 16, 64, 256, 1024, 4096), lm_head_tokens=(1, 4, 16, 64, 256),
                   step_batches=(1, 4, 16, 64), step_context=256,
-                  copy_bytes=(1 << 16, 1 << 20, 1 << 24, 1 << 26)),
+                  copy_bytes=(1 << 16, 1 << 20, 1 << 24, 1 << 26), rounds=3),
     "full": Grid("full", decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                  decode_contexts=(16, 64, 128, 256, 512, 1024, 2048, 4096),
                  decode_micro_batches=((64, 256, 2), (64, 256, 4), (128, 512, 4), (16, 1024, 2)),

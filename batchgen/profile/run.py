@@ -88,12 +88,13 @@ def profile(spec: ModelSpec, settings: ProfileSettings, log=None) -> dict:
             # the step overhead is a difference of wall times: it can dip below 0 by noise on tiny batches
             seconds = max(s.median, 0.0)
             modules.setdefault(case.module, []).append(
-                {**case.point, "seconds": seconds, "spread": round(s.spread, 4), "repeats": len(s.seconds)})
+                {**case.point, "seconds": seconds, "p10": max(s.p10, 0.0), "spread": round(s.spread, 4),
+                 "repeats": len(s.seconds)})
         return {"format": FORMAT, "key": device_key(spec, settings),
                 "settings": {"warmup": settings.warmup, "repeats": settings.repeats, "rounds": settings.grid.rounds,
                              "grid": settings.grid.name, "page_tokens": settings.page_size,
                              "layers_built": model.num_layers, "sampling": "greedy",
-                             "spread": "(p90 - p10) / median of the repeats",
+                             "spread": "(p90 - p10) / median of the repeats", "p10": "10th percentile of the repeats",
                              "seconds": "median per call of one layer's module (lm_head, step: per forward)",
                              "wall_s": round(time.perf_counter() - start, 1)},
                 "modules": modules}

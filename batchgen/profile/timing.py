@@ -26,6 +26,11 @@ class Samples:
         return float(np.median(self.seconds))
 
     @property
+    def p10(self) -> float:
+        """The fast end of the calls: what the module costs when the shared machine leaves it alone."""
+        return float(np.percentile(self.seconds, 10))
+
+    @property
     def spread(self) -> float:
         """(p90 - p10) / median: how noisy the point was (0.05 = a 5% band holds 80% of the calls)."""
         p10, p50, p90 = np.percentile(self.seconds, [10, 50, 90])
