@@ -81,3 +81,20 @@ def test_efficiency_round_trips_through_its_file_format():
     assert Efficiency.from_dict(eff.to_dict()) == eff
     with pytest.raises(ValueError, match="unknown efficiency field"):
         Efficiency.from_dict({"compute": 0.7, "bogus": 1})
+
+
+def test_padded_kernels_are_priced_per_run_of_similar_contexts():
+    from batchgen.sim.costs import similar_runs
+
+    rank = np.array([0, 0, 0, 0, 1, 1])
+    ctx = np.array([100, 110, 1000, 1100, 50, 5000])
+    run = similar_runs(rank, ctx, 0)
+    assert run[0] == run[1] != run[2] == run[3]       # 100/110 together, 1000/1100 together
+    assert len({run[4], run[5]}) == 2 and not {run[4], run[5]} & {run[0], run[2]}
+    assert len(set(similar_runs(rank, ctx, 1).tolist())) == 6  # B_attn = 1: one call each
+    # decode: the padded work is each run's members x its longest context, not the rank's longest
+    alive = np.full(6, 3)
+    load = decode_load(rank, ctx, alive, np.ones(6, np.int64), 2, 3, 0, np.zeros(2), np.zeros(2),
+                       similar_calls=True)
+    assert load.micro_batches[:, 0].tolist() == [2, 2]
+    assert load.attn_tokens[0, 0] * load.attn_max[0, 0] == pytest.approx(2 * 110 + 2 * 1100)

@@ -24,6 +24,8 @@ class LatencyModel(Protocol):
     ep_ranks: int
     gpus_per_node: int
     host_link_bw: float   # achieved bytes/s of this GPU's host link (planner: how much host traffic fits)
+    attention_padding: float  # share of queries x longest context that attention pays (0: paged kernels); a
+                              # simulator calls padded kernels on runs of similar contexts, as the executor does
 
     def key(self) -> tuple:
         """Hashable identity: two models with equal keys price everything alike (plan caches use it)."""

@@ -71,6 +71,10 @@ class Roofline:
         self.host_link_bw = min(gpu.pcie_bw * copy.link, host.dram_bw * copy.host_memory / self.gpus_per_node)
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
 
+    @property
+    def attention_padding(self) -> float:
+        return self.eff.attention_padding
+
     def key(self) -> tuple:
         """Everything the prices depend on (plan caches key on it)."""
         return (type(self).__name__, self.model, self.gpu, self.eff, self.host, self.ep_ranks, self.gpus_per_node,

@@ -150,6 +150,11 @@ class TablePredictor:
             raise AttributeError(name)
         return getattr(self.fallback, name)
 
+    @property
+    def attention_padding(self) -> float:
+        """Measured attention is the executor's padded kernel: it pays queries x the longest context."""
+        return 1.0 if "attention_decode" in self._surfaces else self.fallback.attention_padding
+
     def key(self) -> tuple:
         return ("table", self._digest, self.page, self.statistic, self.fallback.key())
 

@@ -41,6 +41,8 @@ class SimBackend:
                                                          partition_degrees=lat.model.partition_degrees())
         self.state = state
         self.lat = lat
+        # padded attention kernels are called on runs of similar contexts, as the executor calls them
+        self._similar_calls = lat.attention_padding > 0
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
         if weight_stream_s is None:
             weight_stream_s = float(lat.h2d(stream_bytes_per_iter)) if stream_bytes_per_iter else 0.0
@@ -84,7 +86,8 @@ class SimBackend:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
                 prompts = _padded(prompts, plan.prefill_rank, R)
-            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch)
+            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
+                                self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
@@ -108,7 +111,8 @@ class SimBackend:
                 self.host_bytes += h2d + d2h
             else:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
+                                   self._similar_calls and not plan.padded)
                 cost = price(self.lat, load, self.weight_stream_s, join)
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s

@@ -109,6 +109,47 @@ def partition_join(lat: LatencyModel, rank: np.ndarray, alive_for: np.ndarray, t
     return lat.all_reduce(tokens * lat.model.hidden_size * lat.model.act_bytes, int(tp.max()))
 
 
+# Padded attention kernels are called on runs of similar contexts (the executor's rule, batchgen.exec.runner):
+# a run's longest context is at most SIMILAR x its shortest + SIMILAR_SLACK tokens, and a run holds at most
+# B_attn sequences; so the padded work is per run, and every run is a call (a launch, the projections).
+SIMILAR, SIMILAR_SLACK = 1.25, 64
+
+
+def similar_runs(rank: np.ndarray, context: np.ndarray, micro_batch: int) -> np.ndarray:
+    """Run index of each sequence when each rank's sequences, in ascending context, are cut into runs of
+    similar contexts (see SIMILAR); runs of one rank are numbered consecutively and never mix ranks."""
+    order = np.lexsort((context, rank))
+    r, c = rank[order], context[order].astype(float)
+    run = np.empty(rank.size, np.int64)
+    start, n, k = 0, rank.size, 0
+    while start < n:
+        stop = np.searchsorted(r, r[start], side="right")  # this rank's block
+        end = start + np.searchsorted(c[start:stop], SIMILAR * c[start] + SIMILAR_SLACK, side="right")
+        if micro_batch > 0:
+            end = min(end, start + micro_batch)
+        run[order[start:end]] = k
+        start, k = end, k + 1
+    return run
+
+
+def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, micro_batch: int, R: int,
+                K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(calls, padded work) per rank and iteration of decode attention called on runs of similar contexts:
+    the runs are cut at the run's start (contexts grow together) and each pays its live sequences x its
+    longest live context; work / queries is the effective longest context the latency model sees."""
+    run = similar_runs(rank, context, micro_batch)
+    runs = int(run.max()) + 1 if run.size else 0
+    run_rank = np.zeros(runs, np.int64)
+    run_rank[run] = rank
+    alive = _alive(run, alive_for, np.ones(run.size), runs, K)
+    longest = _longest_alive(run, alive_for, context.astype(float), runs, K)
+    calls = np.zeros((R, K))
+    work = np.zeros((R, K))
+    np.add.at(calls, run_rank, (alive > 0).astype(float))
+    np.add.at(work, run_rank, alive * longest)
+    return calls, work
+
+
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
                 pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> DecodeGrid:
@@ -130,8 +171,11 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
 
 def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> RankLoad:
-    """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1."""
+                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True,
+                similar_calls: bool = False) -> RankLoad:
+    """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1.
+    `similar_calls`: attention is called on runs of similar contexts (padded kernels; `padded_runs`) rather
+    than in micro-batches of B_attn over the whole rank."""
     K, R = iterations, num_ranks
     attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K, kv_split)
     gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
@@ -143,6 +187,11 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
     gate = gate + pad_rows[:, None]
     mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
+    whole = (tp == 1)
+    if similar_calls and whole.all() and not pad_rows.any():
+        mb, work = padded_runs(rank, context, alive_for, micro_batch, R, K)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            longest = np.where(attn_tokens > 0, work / attn_tokens, 0.0)
     zeros = np.zeros((R, K))
     return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0), longest, zeros, zeros, gate)
 
@@ -155,8 +204,11 @@ def _alive(rank: np.ndarray, alive_for: np.ndarray, weight: np.ndarray, R: int, 
 
 
 def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_rank: np.ndarray,
-                 decode_context: np.ndarray, num_ranks: int, micro_batch: int) -> RankLoad:
-    """One forward pass in which some ranks prefill whole prompts and the others decode one token."""
+                 decode_context: np.ndarray, num_ranks: int, micro_batch: int,
+                 similar_calls: bool = False) -> RankLoad:
+    """One forward pass in which some ranks prefill whole prompts and the others decode one token.
+    `similar_calls`: as in `decode_load`; prompts and decode queries are called apart, each in runs of
+    similar lengths (the effective longest prompt then gives sequences x longest^2 = the runs' padded work)."""
     R = num_ranks
     p_tok = np.bincount(prefill_rank, weights=prefill_context.astype(float), minlength=R)
     p_sq = np.bincount(prefill_rank, weights=prefill_context.astype(float) ** 2, minlength=R)
@@ -168,9 +220,33 @@ def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_r
     np.maximum.at(d_max, decode_rank, decode_context.astype(float))
     seqs = p_seq + d_tok
     mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
+    if similar_calls:
+        p_calls, p_work = _static_runs(prefill_rank, prefill_context, micro_batch, R, square=True)
+        d_calls, d_work = _static_runs(decode_rank, decode_context, micro_batch, R, square=False)
+        mb = p_calls + d_calls
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p_max = np.where(p_seq > 0, np.sqrt(p_work / np.maximum(p_seq, 1)), 0.0)
+            d_max = np.where(d_tok > 0, d_work / np.maximum(d_tok, 1), 0.0)
     col = lambda a: a[:, None].astype(float)  # noqa: E731
     return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)),
                     col(d_max), col(p_max), col(p_seq), col(seqs))
+
+
+def _static_runs(rank: np.ndarray, length: np.ndarray, micro_batch: int, R: int, square: bool):
+    """(calls, padded work) per rank of one forward's runs of similar lengths: work is members x longest
+    (decode queries) or members x longest^2 (prompts: queries and keys both padded)."""
+    calls, work = np.zeros(R), np.zeros(R)
+    if rank.size == 0:
+        return calls, work
+    run = similar_runs(rank, length, micro_batch)
+    runs = int(run.max()) + 1
+    longest, members = np.zeros(runs), np.bincount(run, minlength=runs).astype(float)
+    np.maximum.at(longest, run, length.astype(float))
+    run_rank = np.zeros(runs, np.int64)
+    run_rank[run] = rank
+    np.add.at(calls, run_rank, 1.0)
+    np.add.at(work, run_rank, members * (longest ** 2 if square else longest))
+    return calls, work
 
 
 def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0) -> RunCost:
