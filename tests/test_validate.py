@@ -118,6 +118,7 @@ def _run_validate(tmp_path, *args, timeout=300):
     (["workload=no_such_workload"], "no_such_workload"),
     (["backend=sim"], "runs both backends"),
     (["workload.num_sequences=many"], "num_sequences"),
+    (["backend.speed=11"], "speed"),
 ])
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
     proc = _run_validate(tmp_path, *args, "latency=roofline", "efficiency=datasheet")

@@ -165,16 +165,24 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
             models.setdefault(dev, copy.deepcopy(model).to(dev))
         prompts = _checked_prompts(job, settings, model.config, prompts)
         runs = [_run_once(job, settings, models, devices, dtype, prompts) for _ in range(settings.repeats)]
+    names = sorted({str(d) for d in devices})
+    for r in runs:
+        r.device = names[0] if len(names) == 1 else ",".join(names)
+        r.dtype = str(dtype).removeprefix("torch.")
+        r.threads, r.interop_threads = threads, torch.get_num_interop_threads()
+    out = median_run(runs)
+    out.wall_s = time.perf_counter() - start
+    return out
+
+
+def median_run(runs: list[ExecOutput]) -> ExecOutput:
+    """The run of median BCT (the lower median for an even count: every number reported comes from one real
+    run), carrying every run's BCT and CPU share, and whether they all decided alike."""
     bcts = [bct(r) for r in runs]
     out = runs[bcts.index(statistics.median_low(bcts))]
-    out.wall_s = time.perf_counter() - start
     out.repeat_bcts = bcts
     out.repeat_cpu_shares = [r.cpu_share for r in runs]
     out.repeats_same_decisions = all(trace_of(r.records) == trace_of(runs[0].records) for r in runs[1:])
-    names = sorted({str(d) for d in devices})
-    out.device = names[0] if len(names) == 1 else ",".join(names)
-    out.dtype = str(dtype).removeprefix("torch.")
-    out.threads, out.interop_threads = threads, torch.get_num_interop_threads()
     return out
 
 

@@ -9,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.memory import ConfigError
 from batchgen.validate.cases import USAGE, cases_from_args
-from batchgen.validate.compare import compose_case, run_case
+from batchgen.validate.compare import compare, compose_case, measure
 from batchgen.validate.report import differences, header, row, summary_line
 
 
@@ -24,14 +24,16 @@ def main(argv: list[str]) -> int:
     except (ConfigError, HydraException, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        measured = measure(cases, lambda k: print(f"executor: round {k} of every case done", file=sys.stderr,
+                                                  flush=True))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(header(), flush=True)
     results = []
-    for case in cases:
-        try:
-            results.append(run_case(case))
-        except ConfigError as e:
-            print(f"error: {case.name}: {e}", file=sys.stderr)
-            return 2
+    for case, run in zip(cases, measured):
+        results.append(compare(case, run))
         print(row(results[-1]), flush=True)
     for line in differences(results):
         print(line)

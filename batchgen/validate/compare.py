@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.config import build_job
+from batchgen.memory import ConfigError
 from batchgen.decisions import Difference, first_difference, trace_of
 from batchgen.results.metrics import bct
 from batchgen.validate.cases import Case
@@ -68,20 +70,39 @@ def module_totals(records, total: float) -> dict[str, float]:
     return out
 
 
-def run_case(case: Case) -> CaseResult:
-    from batchgen.exec.run import ExecSettings, execute
+def measure(cases: list[Case], progress=None) -> list:
+    """Each case's executor repeats, taken in rounds over all cases (case 1 run 1, case 2 run 1, ..., case 1
+    run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
+    instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run)."""
+    from batchgen.exec.run import ExecSettings, execute, median_run
+
+    jobs = []
+    for case in cases:
+        cfg = compose_case(case)
+        settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+        try:
+            jobs.append((build_job(cfg, base_dir=Path.cwd()), ExecSettings(**settings)))
+        except TypeError as e:
+            raise ConfigError(f"bad backend setting: {e}") from e
+    runs: list[list] = [[] for _ in cases]
+    for k in range(max(s.repeats for _, s in jobs)):
+        for i, (job, s) in enumerate(jobs):
+            if k < s.repeats:
+                runs[i].append(execute(job, dataclasses.replace(s, repeats=1)))
+        if progress:
+            progress(k + 1)
+    return [median_run(r) for r in runs]
+
+
+def compare(case: Case, measured) -> CaseResult:
+    """The simulator's prediction for the job the executor measured, with the executor's capabilities and the
+    KV pool it allocated (the same snapshots, hence the same decisions)."""
     from batchgen.sim.run import simulate
 
-    cfg = compose_case(case)
-    job = build_job(cfg, base_dir=Path.cwd())
-    settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
-    measured = execute(job, ExecSettings(**settings))
-    # the same snapshots: the executor's capabilities and the KV pool it allocated
-    predicted = simulate(job, capabilities=measured.capabilities,
+    predicted = simulate(measured.job, capabilities=measured.capabilities,
                          kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu, modules=True)
     m_bct, p_bct = bct(measured), bct(predicted)
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
                       Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
-                      measured.cpu_share,
-                      first_difference(m_trace, p_trace), len(m_trace))
+                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace))
