@@ -71,10 +71,12 @@ def test_idle_changes_fold_into_the_next_decision_and_ids_print_as_ranges():
     assert ranges((0, 1, 2, 5, 7, 8)) == "0-2 5 7-8" and _decision().row()["decoded"] == "0-2"
 
 
-def test_simulated_modules_add_up_to_the_priced_run():
+@pytest.mark.parametrize("padding", [0.0, 1.0])
+def test_simulated_modules_add_up_to_the_priced_run(padding):
     """With a data-sheet roofline (no per-forward or per-boundary overhead) and device-resident KV, a run's
-    modules are its whole duration: the module split mirrors costs.price."""
-    out = simulate(make_job("continuous", n=30), modules=True)
+    modules are its whole duration: the module split mirrors costs.price (padded attention kernels too)."""
+    from batchgen.latency import Efficiency
+    out = simulate(make_job("continuous", n=30, efficiency=Efficiency(attention_padding=padding)), modules=True)
     for r in out.records:
         assert set(r.modules) == {"attention", "ffn", "head"}
         assert sum(r.modules.values()) == pytest.approx(r.duration, rel=1e-9)

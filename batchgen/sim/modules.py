@@ -18,23 +18,25 @@ from batchgen.sim.backend import SimBackend
 from batchgen.sim.costs import RankLoad, decode_load, decode_participation, prefill_load
 
 
-def run_load(state, plan: StepPlan) -> RankLoad:
+def run_load(state, plan: StepPlan, similar_calls: bool = False) -> RankLoad:
     """The run's load per rank and iteration, built as SimBackend.execute builds it (host-resident sequences
-    counted as device-resident: their restores are not a module of the executor's timers either)."""
+    counted as device-resident: their restores are not a module of the executor's timers either).
+    `similar_calls`: padded attention kernels called on runs of similar contexts (SimBackend._similar_calls)."""
     t, R = state.table, plan.gpus.size
     ids = plan.decode_ids
     if plan.prefill_ids.size:
         prompts = t.context(plan.prefill_ids)
         if plan.padded:
             prompts = _padded(prompts, plan.prefill_rank, R)
-        return prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch)
+        return prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
+                            similar_calls)
     iterations, produced = decode_participation(t.remaining(ids), plan.steps, plan.stop, plan.decode_rank, R)
     context = t.context(ids)
     if plan.padded:
         context = _padded(context, plan.decode_rank, R)
     alive = np.full(ids.size, iterations) if plan.padded else produced
     return decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations, plan.micro_batch,
-                       plan.pad_rows, plan.pad_context, state.kv_split_by_heads)
+                       plan.pad_rows, plan.pad_context, state.kv_split_by_heads, similar_calls and not plan.padded)
 
 
 def module_seconds(lat, load: RankLoad) -> dict[str, float]:
@@ -61,7 +63,8 @@ class ModuleTimedSimBackend(SimBackend):
     """A SimBackend whose step results carry the module split of what it priced."""
 
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
-        modules = module_seconds(self.lat, run_load(self.state, plan))  # the state as at the boundary
+        # the state as at the boundary
+        modules = module_seconds(self.lat, run_load(self.state, plan, self.lat.attention_padding > 0))
         result = yield from super().execute(plan)
         result.modules = modules
         return result
