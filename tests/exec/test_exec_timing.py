@@ -98,3 +98,14 @@ def test_exec_page_tokens_take_effect_and_the_command_line_still_wins():
     assert _page_tokens("backend=exec") == 16
     assert _page_tokens("backend=exec", "page_tokens=32") == 32
     assert _page_tokens("page_tokens=32", "backend=exec") == 32
+
+
+def test_a_sweep_says_when_repeat_ranges_overlap():
+    """Medians are compared; when the repeats' ranges overlap the sweep says the order is within noise."""
+    from batchgen.results.summary import explain, format_table
+    base = dict(num_gpus=1, num_instances=1, repeats=3)
+    fast = dict(base, policy="coroutine", bct_s=10.0, bct_min_s=9.0, bct_max_s=11.5, bct_spread=0.25)
+    slow = dict(base, policy="static", bct_s=11.0, bct_min_s=10.8, bct_max_s=11.2, bct_spread=0.04)
+    apart = dict(slow, bct_s=14.0, bct_min_s=13.5, bct_max_s=14.5)
+    assert "within noise" in explain([fast, slow]) and "within noise" not in explain([fast, apart])
+    assert "spread %" in format_table([fast]) and "25.0" in format_table([fast])
