@@ -5,6 +5,7 @@ import pytest
 from batchgen.latency import Efficiency, LatencyModel, Roofline, load_efficiency
 from batchgen.sim.costs import decode_load, price
 from batchgen.specs.catalog import load_efficiency_dict, load_hardware, load_model
+from conftest import make_job
 
 MODEL = load_model("mixtral_8x7b")
 GPU = load_hardware("h100")
@@ -98,3 +99,23 @@ def test_padded_kernels_are_priced_per_run_of_similar_contexts():
                        similar_calls=True)
     assert load.micro_batches[:, 0].tolist() == [2, 2]
     assert load.attn_tokens[0, 0] * load.attn_max[0, 0] == pytest.approx(2 * 110 + 2 * 1100)
+
+
+def test_a_cpu_device_overlaps_nothing():
+    """On a CPU "device" the host copies and CPU attention run on the same cores as the compute: the layer
+    costs their sum, where a GPU hides the copies behind compute."""
+    from batchgen.plan.layer import LayerCosts, layer_time
+
+    parts = dict(dev_attn=1.0, ffn=1.0, moe=1.0, host_attn=[1.0, 1.0], restore=[0.5, 0.5], append=[0.25, 0.25])
+    assert layer_time(LayerCosts(**parts, serial=True)) == pytest.approx(6.5)
+    assert layer_time(LayerCosts(**parts)) < 6.5
+
+
+def test_the_executor_pads_nothing_so_its_simulation_does_not_either():
+    from batchgen.policy.base import Capabilities
+    from batchgen.sim.run import simulate
+
+    job = make_job("static", n=24)
+    padded, unpadded = simulate(job), simulate(job, capabilities=Capabilities(padded_batches=False))
+    assert [r.decision for r in padded.records] == [r.decision for r in unpadded.records]
+    assert unpadded.records[-1].start + unpadded.records[-1].duration < padded.records[-1].start + padded.records[-1].duration

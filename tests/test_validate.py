@@ -76,7 +76,7 @@ def test_simulated_modules_add_up_to_the_priced_run(padding):
     """With a data-sheet roofline (no per-forward or per-boundary overhead) and device-resident KV, a run's
     modules are its whole duration: the module split mirrors costs.price (padded attention kernels too)."""
     from batchgen.latency import Efficiency
-    out = simulate(make_job("continuous", n=30, efficiency=Efficiency(attention_padding=padding)), modules=True)
+    out = simulate(make_job("continuous", n=30, efficiency=Efficiency(attention_padding=padding)))
     for r in out.records:
         assert set(r.modules) == {"attention", "ffn", "head"}
         assert sum(r.modules.values()) == pytest.approx(r.duration, rel=1e-9)

@@ -53,7 +53,7 @@ class ExecBackend:
         # their attention may run on the host CPU for GQA/MHA models (MLA expands its latents on the device)
         c = model.config
         heads = (c.num_heads,) if c.is_mla else (c.num_heads, c.num_kv_heads)
-        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=True,
+        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
                                          cpu_attention=not c.is_mla,
                                          partition_degrees=tuple(d for d in range(1, 9)
                                                                  if all(h % d == 0 for h in heads)))

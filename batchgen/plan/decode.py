@@ -90,7 +90,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
         kw = dict(host_attn=list(lat.attention_decode(t, ctx, launches)), restore=list(lat.kv_restore(ctx, launches)),
                   append=list(lat.kv_append(t, launches)))
     return LayerCosts(dev_attn=dev_attn, ffn=ffn, moe=moe_s, prefetch=prefetch_s, cpu_attention=cpu_attention,
-                      **kw)
+                      serial=lat.gpu.kind == "cpu", **kw)
 
 
 def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool = False,

@@ -49,6 +49,7 @@ class LayerCosts:
     ship_back: list = field(default_factory=list)  # h2d: attention outputs back (CPU attention)
     prefetch: Any = 0.0           # h2d: the next MoE layer's streamed expert weights
     cpu_attention: bool = False
+    serial: bool = False          # one set of cores runs every node (a CPU device): nothing overlaps
 
     def __post_init__(self) -> None:
         m = len(self.host_attn)
@@ -121,6 +122,8 @@ def _row(x: Any) -> Any:
 def layer_time(c: LayerCosts) -> Any:
     """Steady-state seconds of one layer (the same for every rank: they meet at the MoE): the end of layer 2
     of a two-layer unroll minus the end of layer 1. Floats in, float out; grids in, one value per iteration."""
+    if c.serial:
+        return _serial_time(c)
     if c.micro_batches == 0 and _is_zero(c.prefetch):
         return _chain_time(c)
     dag, ends = build_layer_dag(c, 2)
@@ -130,6 +133,17 @@ def layer_time(c: LayerCosts) -> Any:
 def _chain_time(c: LayerCosts) -> Any:
     """No host traffic: the DAG is a chain, max over ranks of (attention + FFN work) + MoE."""
     work = c.dev_attn + c.ffn
+    if isinstance(work, np.ndarray) and work.ndim >= 1:
+        work = work.max(axis=0)
+    return _row(work + c.moe)
+
+
+def _serial_time(c: LayerCosts) -> Any:
+    """Every node on one set of cores, one after another: max over ranks of all their work + MoE."""
+    work = c.gpu_work() + c.prefetch
+    for part in (c.restore, c.append, c.cpu_attn, c.ship_back):
+        for x in part:
+            work = work + x
     if isinstance(work, np.ndarray) and work.ndim >= 1:
         work = work.max(axis=0)
     return _row(work + c.moe)

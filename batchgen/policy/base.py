@@ -50,6 +50,10 @@ class Capabilities:
     cpu_attention: bool = True
     # how many ranks one sequence's attention can be PARTITIONed over: the head counts must divide evenly
     partition_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    # a padded decision (static batches) runs as Hugging Face `generate` does: prompts padded to the batch's
+    # longest, finished rows kept computing until the batch drains. False (the executor): prompts unpadded and
+    # finished rows dropped, the batch's slots still held until it drains. Decisions are the same either way.
+    padded_batches: bool = True
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ so migration between instances sees a consistent state.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Generator
 
 import numpy as np
@@ -43,6 +44,8 @@ class SimBackend:
         self.lat = lat
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self._similar_calls = lat.attention_padding > 0
+        # a CPU "device" is the host's own cores: copies do not overlap its compute
+        self._serial = lat.gpu.kind == "cpu"
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
         if weight_stream_s is None:
             weight_stream_s = float(lat.h2d(stream_bytes_per_iter)) if stream_bytes_per_iter else 0.0
@@ -82,6 +85,10 @@ class SimBackend:
         R = plan.gpus.size
         ids = plan.decode_ids
         remaining = t.remaining(ids)
+        padded = plan.padded and self.capabilities.padded_batches
+        if not padded:  # finished rows dropped (the batch's slots still held: that is the policy's)
+            plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
+                                       pad_context=np.zeros_like(plan.pad_context))
         if plan.prefill_ids.size:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
@@ -117,7 +124,8 @@ class SimBackend:
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)
-        run = max(compute, float(transfer.max(initial=0.0)))
+        exposed = float(transfer.max(initial=0.0))
+        run = compute + exposed if self._serial else max(compute, exposed)
         boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size))  # the engine's decision
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
@@ -133,7 +141,7 @@ class SimBackend:
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
                           int((cost.expert_tokens > 0).sum()) if self.lat.model.is_moe else 0,
-                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations))
+                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules)
 
     @property
     def host_bytes_per_iteration(self) -> float:

@@ -14,7 +14,7 @@ of modules and keeps the plain sum (`price`), which the DAG reduces to when noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,8 @@ class RunCost:
     rank_busy: np.ndarray        # compute seconds of each rank over the run
     rank_comm: np.ndarray        # collective seconds of each rank over the run
     expert_tokens: np.ndarray    # tokens at the gate per iteration (whole instance)
+    modules: dict[str, float] = field(default_factory=dict)  # seconds of attention, ffn, head over the run
+                                 # (slowest rank per iteration), to set beside the executor's module timers
 
     @property
     def compute_s(self) -> float:
@@ -280,7 +282,25 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     active = gate.sum(axis=0) > 0
     iteration = np.where(active, iteration, 0.0)
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0))
+    modules = _module_split(lat, attn, load.sequences, gate, active)
+    return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
+
+
+def _module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str, float]:
+    """Seconds of each module kind over the run, the slowest rank of each iteration: attention (every
+    layer), ffn (dense FFN, router, shared and routed experts, all-to-all) and head (LM head and sampling,
+    once per forward). What else a run lasts (engine overheads, exposed copies) is the rest."""
+    n_dense, n_moe = lat.layer_counts()
+    ffn = np.zeros(gate.shape[1])
+    if n_dense:
+        ffn = ffn + n_dense * np.max(lat.dense_ffn(gate), axis=0)
+    if n_moe:
+        total = gate.sum(axis=0)
+        local = lat.shared_experts(gate) + lat.router(gate)
+        ffn = ffn + n_moe * (np.max(local, axis=0) + lat.all_to_all(total) + lat.experts(total)[0])
+    per_iteration = {"attention": (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0),
+                     "ffn": ffn, "head": np.max(lat.lm_head(sequences), axis=0)}
+    return {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
 
 
 def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
@@ -293,5 +313,9 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     active = gate.sum(axis=0) > 0
     joins = np.broadcast_to(grid.tp_join, gate.shape) * sum(lat.layer_counts())
     rank_comm = float(p.comm_s.sum()) + joins[:, active].sum(axis=1)
-    return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0)),
+    # the module split counts attention as computed where the KV is read (the DAG's overlap aside)
+    attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+            + lat.attention_decode(grid.host_tokens, grid.host_context, np.ceil(grid.host_tokens / max(micro_batch, 1))))
+    modules = _module_split(lat, attn, gate, gate, active)
+    return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules),
             p.h2d_bytes, p.d2h_bytes)

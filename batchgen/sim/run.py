@@ -12,7 +12,6 @@ from batchgen.engine import StepRecord, instance_loop
 from batchgen.job import Job, Prepared, prepare
 from batchgen.policy.base import Capabilities
 from batchgen.sim.backend import SimBackend
-from batchgen.sim.modules import ModuleTimedSimBackend
 
 
 @dataclass
@@ -27,18 +26,17 @@ class RunOutput:
     host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
 
 
-def simulate(job: Job, *, capabilities: Capabilities | None = None, kv_pages_per_gpu: int | None = None,
-             modules: bool = False) -> RunOutput:
+def simulate(job: Job, *, capabilities: Capabilities | None = None,
+             kv_pages_per_gpu: int | None = None) -> RunOutput:
     """`capabilities` and `kv_pages_per_gpu`: another backend's (the executor's), so that the policy sees the
     same snapshots there and here and takes the same decisions (validation); None: the simulator's own.
-    `modules`: each step record carries its seconds per module (batchgen.sim.modules), as the executor's do."""
+    Each step record carries its seconds per module (attention, ffn, head), as the executor's do."""
     start = time.perf_counter()
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
-    backend_class = ModuleTimedSimBackend if modules else SimBackend
-    backend = backend_class(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
-                            capabilities=capabilities)
+    backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
+                         capabilities=capabilities)
     records: list[StepRecord] = []
     policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
     for inst in range(state.topo.num_instances):

@@ -28,10 +28,15 @@ class HardwareSpec:
     nvlink_gbs: float = 0.0
     network_gbs: float = 0.0
     sm_count: int = 0
+    # gpu, or cpu: the "device" is the host's own cores and DRAM (the CPU executor), so host copies, CPU
+    # attention and the device's compute share one set of cores and nothing overlaps
+    kind: str = "gpu"
 
     def __post_init__(self) -> None:
         p = "hardware"
         check_field_types(self, p)
+        require(self.kind in ("gpu", "cpu"), p, "kind", self.kind, "be 'gpu' or 'cpu'",
+                "cpu when the device is the host's own cores (the CPU executor)")
         for name in ("bf16_tflops", "hbm_gb", "hbm_gbs", "pcie_gbs"):
             require(getattr(self, name) > 0, p, name, getattr(self, name), "be positive",
                     "copy it from the GPU's data sheet (dense tensor TFLOP/s, decimal GB, GB/s per direction)")

@@ -100,7 +100,7 @@ def compare(case: Case, measured) -> CaseResult:
     from batchgen.sim.run import simulate
 
     predicted = simulate(measured.job, capabilities=measured.capabilities,
-                         kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu, modules=True)
+                         kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu)
     m_bct, p_bct = bct(measured), bct(predicted)
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
