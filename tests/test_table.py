@@ -144,3 +144,25 @@ def test_fit_refuses_a_file_without_compute_modules():
     data["modules"] = {"step": data["modules"]["step"]}
     with pytest.raises(ValueError, match="no compute module"):
         fit_calibration(data, HW)
+
+
+def test_in_run_ratios_scale_the_measured_modules_and_survive_the_file(tmp_path):
+    """The profile's in-run stage stores measured-in-run / predicted-from-grid per module kind; the table
+    applies them to measured curves only (the fallback roofline has its own factors)."""
+    plain = TablePredictor(linear_calibration(), Roofline(MODEL, HW))
+    cal = linear_calibration()
+    cal["in_run"] = {"scales": {"attention": 1.5, "ffn": 2.0, "head": 3.0, "step": 4.0}}
+    path = write(cal, tmp_path / "cal.json")
+    scaled = TablePredictor.from_file(path, Roofline(MODEL, HW))
+    assert scaled.attention_decode(16, 16 * 64, 1, 64) == pytest.approx(1.5 * plain.attention_decode(16, 16 * 64, 1, 64))
+    assert scaled.attention_prefill(256, 4 * 64 ** 2, 1, 64, 4) == pytest.approx(
+        1.5 * plain.attention_prefill(256, 4 * 64 ** 2, 1, 64, 4))
+    assert scaled.router(64) == pytest.approx(2.0 * plain.router(64))
+    assert scaled.experts(64)[0] == pytest.approx(2.0 * plain.experts(64)[0])
+    assert scaled.lm_head(8) == pytest.approx(3.0 * plain.lm_head(8))
+    assert scaled.step_overhead(16) == pytest.approx(4.0 * plain.step_overhead(16))
+    assert scaled.dense_ffn(64) == plain.dense_ffn(64)  # not measured: the roofline, unscaled
+    assert scaled.key() != plain.key()
+    cal["in_run"] = {"scales": {"attention": -1}}
+    with pytest.raises(CalibrationError, match="in_run.scales"):
+        validate(cal)

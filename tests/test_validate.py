@@ -91,11 +91,11 @@ def test_cases_default_to_three_workloads_by_every_policy():
 
 def test_cases_follow_the_command_line():
     cases = cases_from_args(["workload=azure_conv", "workload.trace=my.csv", "policy=static,coroutine",
-                             "latency=roofline", "backend.repeats=5"])
+                             "latency=roofline", "backend.repeats=7"])
     assert [c.name for c in cases] == ["azure_conv/static", "azure_conv/coroutine"]
     for c in cases:
         assert "latency=roofline" in c.overrides and LATENCY[1] not in c.overrides
-        assert c.overrides.index("backend.repeats=5") > c.overrides.index("backend.repeats=3")  # the user wins
+        assert c.overrides.index("backend.repeats=7") > c.overrides.index("backend.repeats=5")  # the user wins
         assert "workload.trace=my.csv" in c.overrides
 
 

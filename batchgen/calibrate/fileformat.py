@@ -85,6 +85,9 @@ def validate(data: Any, where: str = "calibration") -> dict:
             raise CalibrationError(f"{where}: gemms[{i}].seconds must be a positive number, got {g['seconds']!r}")
     if not modules and not gemms:
         raise CalibrationError(f"{where}: no measured point (modules and gemms are both empty)")
+    scales = (data.get("in_run") or {}).get("scales", {})
+    if not isinstance(scales, Mapping) or not all(_number(v) and v > 0 for v in scales.values()):
+        raise CalibrationError(f"{where}: in_run.scales must map module kinds to positive ratios, got {scales!r}")
     return dict(data)
 
 
@@ -127,11 +130,14 @@ def write(data: Mapping, path: str | Path) -> Path:
         lines += [f'   {json.dumps(p)}' + ("," if i < len(points) - 1 else "") for i, p in enumerate(points)]
         lines.append("  ]" + ("," if j < len(mods) - 1 else ""))
     gemms = data.get("gemms") or []
-    lines.append(" }," if gemms else " }")
+    in_run = data.get("in_run")
+    lines.append(" }," if gemms or in_run else " }")
     if gemms:
         lines.append(' "gemms": [')
         lines += [f'  {json.dumps(g)}' + ("," if i < len(gemms) - 1 else "") for i, g in enumerate(gemms)]
-        lines.append(" ]")
+        lines.append(" ]," if in_run else " ]")
+    if in_run:  # the profile's in-run ratios (batchgen.profile.in_run)
+        lines.append(f' "in_run": {json.dumps(in_run)}')
     lines.append("}")
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -103,6 +103,11 @@ class Surface:
         return self.y[near] + ((q - p[near]) * self._grad).sum(axis=1)
 
 
+# which in-run ratio (batchgen.profile.in_run) scales each measured curve
+_KIND = {"dense_ffn": "ffn", "shared_experts": "ffn", "router": "ffn", "lm_head": "head", "step": "step",
+         "boundary": "step", "h2d": "copy", "d2h": "copy"}
+
+
 class TablePredictor:
     """`LatencyModel` from measured points; `fallback` prices what was not measured (and gives the specs)."""
 
@@ -120,6 +125,8 @@ class TablePredictor:
         mods = data["modules"]
         sec = lambda p: p.get(statistic, p["seconds"])  # noqa: E731
         self.statistic = statistic
+        # measured inside real runs / predicted from the grid, per module kind (batchgen.profile.in_run)
+        self.scales = {k: float(v) for k, v in (data.get("in_run") or {}).get("scales", {}).items()}
         self._curves: dict[str, Curve] = {}
         self._surfaces: dict[str, Surface] = {}
         for name, coord in (("dense_ffn", "tokens"), ("shared_experts", "tokens"), ("router", "tokens"),
@@ -156,7 +163,8 @@ class TablePredictor:
         return 1.0 if "attention_decode" in self._surfaces else self.fallback.attention_padding
 
     def key(self) -> tuple:
-        return ("table", self._digest, self.page, self.statistic, self.fallback.key())
+        return ("table", self._digest, tuple(sorted(self.scales.items())), self.page, self.statistic,
+                self.fallback.key())
 
     def measured(self) -> list[str]:
         """Modules priced from measurements (the rest: the fallback)."""
@@ -173,7 +181,7 @@ class TablePredictor:
             return self.fallback.attention_decode(tokens, context_sum, micro_batches, max_context)
         t, mb = np.asarray(tokens, float), np.maximum(np.asarray(micro_batches, float), 1.0)
         work = np.asarray(context_sum, float) if max_context is None else t * self._padded(max_context)
-        return _out(np.where(t > 0, mb * s(t / mb, work / mb), 0.0))
+        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         s = self._surfaces.get("attention_prefill")
@@ -184,14 +192,18 @@ class TablePredictor:
             work = np.asarray(context_sq_sum, float)
         else:
             work = np.asarray(sequences, float) * np.asarray(max_context, float) * self._padded(max_context)
-        return _out(np.where(t > 0, mb * s(t / mb, work / mb), 0.0))
+        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
+
+    def _scale(self, kind: str, seconds):
+        """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one)."""
+        return seconds * self.scales.get(kind, 1.0)
 
     def _curve(self, name: str, x, method: str):
         c = self._curves.get(name)
         if c is None:
             return getattr(self.fallback, method)(x)
         x = np.asarray(x, float)
-        return _out(np.where(x > 0, c(x), 0.0))
+        return _out(self._scale(_KIND[name], np.where(x > 0, c(x), 0.0)))
 
     def dense_ffn(self, tokens):
         return self._curve("dense_ffn", tokens, "dense_ffn")
@@ -210,7 +222,7 @@ class TablePredictor:
         if c is None or self.fallback.ep_ranks != 1:  # measured on one device: the whole gate batch
             return self.fallback.experts(total_tokens)
         t = np.asarray(total_tokens, float)
-        s = _out(np.where(t > 0, c(t), 0.0))
+        s = _out(self._scale("ffn", np.where(t > 0, c(t), 0.0)))
         return s, s
 
     def step_overhead(self, sequences):

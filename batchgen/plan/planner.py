@@ -210,10 +210,15 @@ class _Planner:
         return sorted(values)
 
     def residencies(self) -> tuple[str, ...]:
-        return self._values(self.residency, RESIDENCY_ORDER)
+        # a CPU device is the host: "host-resident" KV would sit in the same memory, restored by memcpy
+        return self._values(self.residency, ("device",) if self.on_cpu else RESIDENCY_ORDER)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.c.gpu.kind == "cpu"
 
     def attentions(self) -> tuple[str, ...]:
-        cpu_ok = self.m.attention != "mla"
+        cpu_ok = self.m.attention != "mla" and not self.on_cpu
         if self.attention == "cpu" and not cpu_ok:
             raise ConfigError(f"policy.attention=cpu is not offered for {self.m.name}: its MLA latent KV must be "
                               "up-projected on the GPU; use policy.attention=gpu or auto")

@@ -1,7 +1,9 @@
 """python -m batchgen.profile model=<name> backend.device=<cpu|cuda> [key=value ...]: see batchgen.profile.
 
-Own keys: grid (quick, full, test), out (the JSON path), warmup, repeats, hardware (the conf/hardware name to
-record), backend.threads (default 1 on CPU: what the validation pins). Every other key=value is a Hydra
+Own keys: grid (quick, full, test), out (the JSON path), warmup, repeats, hardware (the conf/hardware name of
+this device: recorded, and needed by the in-run stage), backend.threads (default 1 on CPU: what the validation
+pins), in_run (true: after the grid, run the executor on the calibration workload and store the in-run ratios,
+batchgen.profile.in_run), in_run_repeats (5). Every other key=value is a Hydra
 override of the repo's config composed with backend=exec (model=..., backend.dtype=..., page_tokens=...), so
 the profile sees the executor's own settings (e.g. its KV page size).
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-OWN = ("grid", "out", "warmup", "repeats", "hardware", "backend.threads", "seed")
+OWN = ("grid", "out", "warmup", "repeats", "hardware", "backend.threads", "seed", "in_run", "in_run_repeats")
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -79,6 +81,15 @@ def main(argv: list[str]) -> int:
     out = Path(own.get("out", f"calibration-{device.type}-{spec.name}.json"))
     calibration = profile(spec, settings, log=log_stderr)
     write(calibration, out)
+    if own.get("in_run", "true").lower() not in ("false", "0", "no") and settings.hardware:
+        from batchgen.profile.in_run import calibration_cases, in_run_scales
+
+        cases = calibration_cases(spec.name, cfg.backend.device, settings.threads, settings.hardware, out,
+                                  repeats=int(own.get("in_run_repeats", 5)))
+        calibration["in_run"] = in_run_scales(cases, log=log_stderr)
+        write(calibration, out)
+    elif not settings.hardware:
+        log_stderr("no in-run stage: give hardware=<conf/hardware name of this device> to run it")
     print(summary(calibration))
     print(f"wrote {out} ({calibration['settings']['wall_s']} s)")
     return 0

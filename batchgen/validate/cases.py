@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 
-# Small enough for a few minutes on 2 cores (3 repeats of 9 cases), varied enough to move every module:
+# Small enough for a few minutes on 2 cores (5 repeats of 9 cases), varied enough to move every module:
 # a synthetic long tail, and two real traces whose lengths no fit has seen (clipped: CPU time).
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "small": ("workload=small", "workload.num_sequences=24", "workload.input.low=32", "workload.input.high=256",
@@ -22,7 +22,7 @@ CPU = "cpu_epyc_milan_2c"
 CALIBRATION = CPU + "-{model}.json"  # one per model, shipped under batchgen/data/calibration/
 # The executor on this CPU, and the simulator of this CPU: one config for both backends (the same plan for
 # "auto" knobs, the same latency model for the plan and the prediction).
-BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=3",
+BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=5",
                          "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
 # the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
 LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")
@@ -33,7 +33,7 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   Runs each workload x policy on the executor (CPU) and on the simulator (CPU calibration) and compares them.
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
   policy=NAME[,NAME...]                     only these policies (default: all)
-  backend.repeats=N  backend.threads=N      executor repeats (default 3) and threads (default 1)
+  backend.repeats=N  backend.threads=N      executor repeats (default 5) and threads (default 1)
   any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case"""
 
 

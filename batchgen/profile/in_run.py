@@ -1,0 +1,53 @@
+"""The profile's in-run stage: the grid times each module alone; inside a real run the same module is slower.
+
+Alone, a module's weights and KV stay in the caches from one repeat to the next; in a run the rest of the
+model passes through them in between (tiny_moe's 58 MB against a 32 MB L3), sampling and token bookkeeping
+work per sequence, and the engine does its own work between forwards. So the profiler also runs the executor
+on a short calibration job (conf/workload/calibration.yaml: uniform lengths, unlike every workload validation
+checks), predicts the same job with the table built from the grid (the executor's capabilities and KV pool,
+hence the same decisions), and keeps, per module kind, the ratio of the time measured inside the runs to the
+time predicted: attention, ffn (router and experts), head (LM head and sampling) and step (everything else a
+run lasts: the engine's per-forward and per-boundary work). `TablePredictor` multiplies by these ratios.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+SCALED = ("attention", "ffn", "head", "step")
+POLICIES = ("continuous", "coroutine", "static")
+
+
+def calibration_cases(model: str, device: str, threads: int | None, hardware: str, table: Path, repeats: int):
+    """The executor jobs of the stage, as validation cases (same composition, same comparison)."""
+    from batchgen.validate.cases import Case
+
+    base = (f"model={model}", "backend=exec", f"backend.device={device}", f"backend.repeats={repeats}",
+            f"backend.threads={threads if threads is not None else 'auto'}", f"cluster.gpu={hardware}",
+            "output.plot=false", "efficiency=auto", "latency=table", f"latency.calibration={table.resolve()}",
+            "workload=calibration")
+    return [Case("calibration", p, (*base, f"+policy={p}")) for p in POLICIES]
+
+
+def in_run_scales(cases, log=None) -> dict:
+    """Run the cases on the executor and the simulator; per module kind, measured / predicted seconds summed
+    over the cases, with what they were computed from."""
+    from batchgen.validate.compare import compare, measure
+
+    results = [compare(case, run) for case, run in zip(cases, measure(cases))]
+    measured = {k: sum(r.measured.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
+    predicted = {k: sum(r.predicted.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
+    scales = {k: round(measured[k] / predicted[k], 4) for k in SCALED if predicted[k] > 0 and measured[k] > 0}
+    if log:
+        for r in results:
+            log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s, grid-only prediction "
+                f"{r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
+        log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
+    return {"workload": "calibration", "policies": list(POLICIES), "scales": scales,
+            "measured_s": {k: round(v, 4) for k, v in measured.items()},
+            "predicted_s": {k: round(v, 4) for k, v in predicted.items()},
+            "bct_s": {r.case.name: [round(r.measured.bct_s, 4), round(r.predicted.bct_s, 4)] for r in results}}
+
+
+def _key(kind: str) -> str:
+    """Validation names the per-forward and per-boundary remainder `rest`."""
+    return "rest" if kind == "step" else kind
