@@ -119,3 +119,14 @@ def test_the_executor_pads_nothing_so_its_simulation_does_not_either():
     padded, unpadded = simulate(job), simulate(job, capabilities=Capabilities(padded_batches=False))
     assert [r.decision for r in padded.records] == [r.decision for r in unpadded.records]
     assert unpadded.records[-1].start + unpadded.records[-1].duration < padded.records[-1].start + padded.records[-1].duration
+
+
+def test_a_cpu_device_plans_device_resident_kv_and_device_attention():
+    """On the CPU executor "host" KV would sit in the same memory and "CPU attention" on the same cores:
+    the planner offers neither, and an explicit knob still wins."""
+    from batchgen.job import prepare
+
+    cpu = load_hardware("cpu_epyc_milan_2c")
+    job = make_job("coroutine", n=24, cluster_overrides={"gpu": cpu, "num_gpus": 1})
+    plan = prepare(job).plan
+    assert (plan.kv_residency, plan.attention) == ("device", "gpu")
