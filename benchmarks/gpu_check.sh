@@ -27,3 +27,8 @@ timeout 200 "$PY" benchmarks/exec_throughput.py --device cuda --dtype bfloat16 -
     --residency host --attention gpu 2>&1 | tee "$OUT/bench.txt"
 timeout 60 "$PY" benchmarks/exec_throughput.py --device cuda --dtype bfloat16 --prompts 256 --kv-mb 48 \
     --residency host --attention cpu --engines coroutine 2>&1 | tee "$OUT/bench_cpu_attention.txt"
+# Calibration of this GPU (issue 8): the executor's modules over the quick grid, bf16, into $OUT; fit it with
+#   python -m batchgen.calibrate profile=<that file> hardware=h200 out=conf/efficiency/h200.yaml
+# (in_run=false: the in-run stage would build the whole model; run it with a model that fits, e.g. small_moe)
+timeout 300 "$PY" -m batchgen.profile model=qwen3_30b_a3b backend.device=cuda backend.dtype=bfloat16 \
+    hardware=h200 in_run=false out="$OUT/calibration-h200-qwen3_30b_a3b.json" 2>&1 | tee "$OUT/profile.txt"
