@@ -17,7 +17,7 @@ IdTuple = tuple[int, ...]
 
 
 def _ids(a) -> IdTuple:
-    return tuple(sorted(int(x) for x in np.asarray(a).ravel()))
+    return tuple(np.sort(np.asarray(a, dtype=np.int64).ravel()).tolist())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.gemm import gemm_seconds
 
-_EXPERT_CHUNK = 4096  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
+_LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token count from a cached curve
+_EXPERT_CHUNK = 4096
+_EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 
 
 def _arr(x, what: str) -> np.ndarray:
@@ -70,6 +72,7 @@ class Roofline:
         self.host_flops = host.flops * cpu.host_compute / self.gpus_per_node    # achieved, this GPU's share
         self.host_link_bw = min(gpu.pcie_bw * copy.link, host.dram_bw * copy.host_memory / self.gpus_per_node)
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
+        self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
 
     @property
     def attention_padding(self) -> float:
@@ -85,14 +88,38 @@ class Roofline:
     def _weight_gemms(self, module: str, tokens, shapes, calls=1):
         """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
         per GEMM), at the module's factors."""
+        t, c = np.broadcast_arrays(np.asarray(tokens, float), np.asarray(calls, float))
+        scalar_shapes = all(np.ndim(k) == 0 and np.ndim(n) == 0 for k, n in shapes)
+        if scalar_shapes and t.size > _LOOKUP_ABOVE and np.all(t == np.floor(t)) and np.all(c == np.floor(c)):
+            # a (ranks x iterations) grid of whole token counts: read each launch count's curve, computed
+            # once per model over 0..max tokens, instead of pricing every cell's tiles again
+            out = np.empty(t.shape)
+            for launches in np.unique(c):
+                cells = c == launches
+                curve = self._gemm_curve(module, tuple(shapes), float(launches), int(t[cells].max()))
+                out[cells] = curve[t[cells].astype(np.int64)]
+            return out
+        return self._gemms_direct(module, t, shapes, c)
+
+    def _gemms_direct(self, module: str, t, shapes, c):
         e = self._eff[module]
         total = 0.0
         for k, n in shapes:
-            total = total + gemm_seconds(tokens, k, n, peak_flops=self._gemm_peak, mem_bw=self.gpu.hbm_bw,
+            total = total + gemm_seconds(t, k, n, peak_flops=self._gemm_peak, mem_bw=self.gpu.hbm_bw,
                                          weight_bytes=self.model.weight_bytes, act_bytes=self.model.act_bytes,
                                          compute=e.compute, memory=e.memory, kernel_s=e.kernel_s,
-                                         pad_rows=e.gemm_pad_rows, sm_count=self.gpu.sm_count, calls=calls)
+                                         pad_rows=e.gemm_pad_rows, sm_count=self.gpu.sm_count, calls=c)
         return total
+
+    def _gemm_curve(self, module: str, shapes: tuple, launches: float, upto: int) -> np.ndarray:
+        """Seconds of the module's GEMMs for 0..n tokens in `launches` launches, n >= upto (grown by doubling)."""
+        key = (module, shapes, launches)
+        curve = self._curves.get(key)
+        if curve is None or curve.size <= upto:
+            size = max(upto + 1, 2 * (curve.size if curve is not None else 512))
+            curve = self._curves[key] = np.asarray(
+                self._gemms_direct(module, np.arange(size, dtype=float), shapes, launches), float)
+        return curve
 
     def _streaming(self, module: str, flops, bytes_, launches):
         """A kernel without weights (attention scores over the KV): max(FLOPs, bytes) + launches."""
@@ -245,12 +272,25 @@ class Roofline:
         t = _arr(total_tokens, "total_tokens")
         if not self.model.is_moe:
             return _out(np.zeros_like(t)), _out(np.zeros_like(t))
+        top = float(t.max(initial=0.0))
+        if t.size > _LOOKUP_ABOVE and top <= _EXPERT_LOOKUP_MAX and np.all(t == np.floor(t)):
+            curve = self._curves.get("experts")
+            if curve is None or curve[0].size <= top:  # decode batch sizes: one curve, computed once
+                size = int(max(top + 1, 2 * (curve[0].size if curve is not None else 1024)))
+                curve = self._curves["experts"] = self._expert_times(np.arange(size, dtype=float))
+            index = t.astype(np.int64)
+            return _out(curve[0][index]), _out(curve[1][index])
         values, inverse = np.unique(t, return_inverse=True)  # a grid repeats few distinct batch sizes
+        worst, mean = self._expert_times(values)
+        return _out(worst[inverse].reshape(t.shape)), _out(mean[inverse].reshape(t.shape))
+
+    def _expert_times(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slowest rank, mean rank) seconds for each global gate batch in the 1-D `values`."""
         worst, mean = np.empty_like(values), np.empty_like(values)
         for i in range(0, values.size, _EXPERT_CHUNK):
             ranks = self._expert_rank_times(values[i:i + _EXPERT_CHUNK])
             worst[i:i + _EXPERT_CHUNK], mean[i:i + _EXPERT_CHUNK] = ranks.max(axis=1), ranks.mean(axis=1)
-        return _out(worst[inverse].reshape(t.shape)), _out(mean[inverse].reshape(t.shape))
+        return worst, mean
 
     def expert_batch_per_expert(self, total_tokens):
         """Mean tokens per routed expert: total_tokens * top_k / num_experts (0 for a dense model)."""
