@@ -17,7 +17,7 @@ _EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (dec
 def _arr(x, what: str) -> np.ndarray:
     """`x` as a float array; negative amounts of work are a caller bug, so they raise."""
     a = np.asarray(x, dtype=float)
-    if np.any(a < 0) or np.any(np.isnan(a)):
+    if not a.min(initial=0.0) >= 0:  # one pass: a NaN minimum fails the comparison too
         raise ValueError(f"{what} must be >= 0, got {x!r}")
     return a
 

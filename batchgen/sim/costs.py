@@ -259,37 +259,47 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
     gate = load.gate_tokens
-    head = (lat.lm_head(load.sequences) + lat.step_overhead(load.sequences)).max(axis=0)
-    busy = np.zeros(gate.shape)
-    iteration = head.copy()
+    head = lat.lm_head(load.sequences)
+    busy = np.zeros(gate.shape) + head
+    iteration = (head + lat.step_overhead(load.sequences)).max(axis=0)
     comm = np.zeros(gate.shape[1])
     comm_rank = np.zeros(gate.shape) + join * (n_dense + n_moe)
+    ffn = np.zeros(gate.shape[1])  # slowest rank's FFN work per iteration, all layers (the module split)
     if n_dense:
-        dense = attn + lat.dense_ffn(gate)
+        dense_ffn = lat.dense_ffn(gate)
+        dense = attn + dense_ffn
         iteration += n_dense * (dense + join).max(axis=0)
         busy += n_dense * dense
+        ffn += n_dense * np.max(dense_ffn, axis=0)
     if n_moe:
         total = gate.sum(axis=0)
-        local = attn + lat.shared_experts(gate) + lat.router(gate)
+        local_ffn = lat.shared_experts(gate) + lat.router(gate)
+        local = attn + local_ffn
         slowest, mean = lat.experts(total)
         a2a = lat.all_to_all(total)
         iteration += n_moe * ((local + join).max(axis=0) + a2a + slowest)
         busy += n_moe * (local + mean)
         comm = n_moe * a2a
-    busy += lat.lm_head(load.sequences)
+        ffn += n_moe * (np.max(local_ffn, axis=0) + a2a + slowest)
     if weight_stream_s > 0:
         iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
     active = gate.sum(axis=0) > 0
     iteration = np.where(active, iteration, 0.0)
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    modules = _module_split(lat, attn, load.sequences, gate, active)
+    attention = (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0)
+    modules = _module_totals({"attention": attention, "ffn": ffn, "head": np.max(head, axis=0)}, active)
     return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
 
 
-def _module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str, float]:
-    """Seconds of each module kind over the run, the slowest rank of each iteration: attention (every
+def _module_totals(per_iteration: dict[str, np.ndarray], active: np.ndarray) -> dict[str, float]:
+    """Seconds of each module kind over the run's iterations (each the slowest rank's): attention (every
     layer), ffn (dense FFN, router, shared and routed experts, all-to-all) and head (LM head and sampling,
     once per forward). What else a run lasts (engine overheads, exposed copies) is the rest."""
+    return {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
+
+
+def _module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str, float]:
+    """`_module_totals` of a run priced elsewhere (the DAG of `price_host`), from the same latency model."""
     n_dense, n_moe = lat.layer_counts()
     ffn = np.zeros(gate.shape[1])
     if n_dense:
@@ -298,9 +308,8 @@ def _module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str,
         total = gate.sum(axis=0)
         local = lat.shared_experts(gate) + lat.router(gate)
         ffn = ffn + n_moe * (np.max(local, axis=0) + lat.all_to_all(total) + lat.experts(total)[0])
-    per_iteration = {"attention": (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0),
-                     "ffn": ffn, "head": np.max(lat.lm_head(sequences), axis=0)}
-    return {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
+    return _module_totals({"attention": (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0),
+                           "ffn": ffn, "head": np.max(lat.lm_head(sequences), axis=0)}, active)
 
 
 def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
