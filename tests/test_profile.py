@@ -39,3 +39,21 @@ def test_bad_arguments_give_one_line_errors(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_in_run_stage_measures_each_module_inside_real_runs(tmp_path):
+    """The in-run stage runs the executor on the calibration workload and the simulator on the grid's table,
+    with the same decisions, and keeps measured / predicted per module kind."""
+    import dataclasses
+
+    from batchgen.profile.in_run import SCALED, calibration_cases, in_run_scales
+
+    out = tmp_path / "cal.json"
+    assert main(["model=tiny_moe", "backend.device=cpu", "backend.threads=1", "grid=test", "warmup=0",
+                 "repeats=1", f"out={out}"]) == 0
+    cases = calibration_cases("tiny_moe", "cpu", 1, "cpu_epyc_milan_2c", out, repeats=1)[:1]
+    cases = [dataclasses.replace(c, overrides=(*c.overrides, "workload.num_sequences=6")) for c in cases]
+    stage = in_run_scales(cases)
+    assert set(stage["scales"]) == set(SCALED)
+    assert all(0.2 < v < 20 for v in stage["scales"].values())  # same code, same machine: same order
+    assert all(stage["measured_s"][k] > 0 and stage["predicted_s"][k] > 0 for k in SCALED)
