@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.job import Job
-from batchgen.latency import LatencySettings, load_efficiency
+from batchgen.latency import LatencySettings, check_calibration, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
 from batchgen.policy import make_policy, policy_names
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -37,6 +37,7 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
         memory = MemorySettings(**_plain(cfg.get("memory")))
         efficiency = load_efficiency(_plain(cfg.get("efficiency")), cluster.gpu.name)
         latency = LatencySettings(**_plain(cfg.get("latency")))
+        check_calibration(latency, model)
         workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir)
         return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
                    efficiency=efficiency, latency=latency, page_tokens=_typed(cfg, "page_tokens", int, 64),

@@ -289,8 +289,11 @@ def test_check_invariants_wrong_type(tmp_path):
     (("+policy=continuous", "model=deepseek_r1", "cluster=h100_8", SMALL), ("coroutine",)),
     (("+policy=continuous", "model=llama2_7b", "workload=longbench_12k_4k"), ("sequence", "4,096")),
     (("+policy=coroutine", "policy.b_moe=abc"), ("policy.b_moe", "abc")),
+    (("+policy=coroutine", "latency=table", "latency.calibration=nope.json"), ("nope.json", "batchgen.profile")),
+    (("+policy=coroutine", "latency=table", "latency.calibration=cpu_epyc_milan_2c-tiny_moe.json"),
+     ("tiny_moe", "qwen3_30b_a3b", "batchgen.profile model=qwen3_30b_a3b")),
 ], ids=["no-policy", "zero-gpus", "negative-length", "missing-trace", "fits-nowhere", "continuous-too-big",
-        "context", "wrong-type"])
+        "context", "wrong-type", "missing-calibration", "calibration-of-another-model"])
 def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, words):
     line = assert_clean_cli_error(tmp_path, run_cli(tmp_path, *args))
     assert_mentions(line, *words)

@@ -43,8 +43,9 @@ is not decided here: batchgen.plan builds the per-layer DAG and takes its critic
 between CPU attention and concurrent PCIe copies of the same node is not modelled.
 """
 from batchgen.latency.base import LatencyModel
-from batchgen.latency.build import LatencySettings, build_latency
+from batchgen.latency.build import LatencySettings, build_latency, check_calibration
 from batchgen.latency.efficiency import Efficiency, load_efficiency
 from batchgen.latency.roofline import Roofline
 
-__all__ = ["Efficiency", "LatencyModel", "LatencySettings", "Roofline", "build_latency", "load_efficiency"]
+__all__ = ["Efficiency", "LatencyModel", "LatencySettings", "Roofline", "build_latency", "check_calibration",
+           "load_efficiency"]

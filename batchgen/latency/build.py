@@ -40,6 +40,17 @@ class LatencySettings:
                                 f"{', '.join(names) or 'none'}); make one with python -m batchgen.profile")
 
 
+def check_calibration(settings: LatencySettings, model) -> None:
+    """Before any work: a table's calibration file exists, is well formed and was measured on `model`'s
+    shape (raises FileNotFoundError or ValueError naming the fix)."""
+    if settings.name != "table":
+        return
+    from batchgen.calibrate.fileformat import check_model, read
+
+    path = settings.calibration_path()
+    check_model(read(path), model, str(path))
+
+
 def build_latency(settings: LatencySettings, model, gpu, eff: Efficiency = Efficiency(), **kw) -> LatencyModel:
     """The job's latency model; `kw` are Roofline's (ep_ranks, gpus_per_node, routing_skew, use_fp8, host)."""
     roofline = Roofline(model, gpu, eff, **kw)
