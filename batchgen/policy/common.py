@@ -45,17 +45,31 @@ def fill_ranks(candidate_need: np.ndarray, slots: np.ndarray, free: np.ndarray, 
     owner = np.repeat(ranks, caps)[:n]
     need = candidate_need[:n]
     cum = np.cumsum(need)
-    first = np.r_[0, np.flatnonzero(owner[1:] != owner[:-1]) + 1]      # first candidate of each rank's run
-    start = np.repeat(cum[first] - need[first], np.diff(np.r_[first, n]))
-    fits = cum - start <= free[owner]
+    # pages the candidates before each one's run (on the same rank) took: 0 for the first of each run
+    run_start = np.ones(n, bool)
+    np.not_equal(owner[1:], owner[:-1], out=run_start[1:])
+    before = np.maximum.accumulate(np.where(run_start, cum - need, 0))
+    fits = cum - before <= free[owner]
     cut = n if fits.all() else int(np.argmin(fits))
     return owner[:cut]
 
 
 def level_slots(count: np.ndarray, slots: np.ndarray, n: int) -> np.ndarray:
     """Slots per rank that spread n newcomers evenly: fill the emptiest ranks up to a common level first
-    (water-filling), never beyond each rank's own slots."""
+    (water-filling), never beyond each rank's own slots.
+
+    The level is the smallest L in [min(count), max(count) + n] whose room, sum(min(slots, max(L - count, 0))),
+    holds n (the top of that range if none does). A refill brings a few sequences at a time, so the level is
+    nearly always within n of the emptiest rank: try those levels in one array operation, and bisect (a numpy
+    pass per step) only past them."""
     lo, hi = int(count.min(initial=0)), int(count.max(initial=0)) + n
+    window = np.arange(lo, min(lo + n, lo + _LEVEL_WINDOW, hi) + 1)
+    room = np.minimum(slots, np.maximum(window[:, None] - count, 0)).sum(axis=1)
+    k = int(np.searchsorted(room, n))  # room never shrinks as the level rises
+    if k < window.size:
+        lo = hi = int(window[k])
+    else:
+        lo = min(int(window[-1]) + 1, hi)
     while lo < hi:  # smallest level whose room holds all n
         mid = (lo + hi) // 2
         if np.minimum(slots, np.maximum(mid - count, 0)).sum() >= n:
@@ -63,6 +77,9 @@ def level_slots(count: np.ndarray, slots: np.ndarray, n: int) -> np.ndarray:
         else:
             lo = mid + 1
     return np.minimum(slots, np.maximum(lo - count, 0))
+
+
+_LEVEL_WINDOW = 64  # levels level_slots tries at once before it bisects
 
 
 def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarray:

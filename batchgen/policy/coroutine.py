@@ -110,7 +110,7 @@ class CoroutinePolicy:
         if d.offload_ids.size and d.evict_ids.size:
             d.offload_ids = np.setdiff1d(d.offload_ids, d.evict_ids)
         ids, rank, ctx = snap.active_ids[keep], snap.active_rank[keep], snap.active_context[keep]
-        on_device = keep & ~snap.active_host_resident & ~np.isin(snap.active_ids, d.offload_ids)
+        on_device = keep & ~snap.active_host_resident & ~_among(snap.active_ids, d.offload_ids)
         used = per_rank(snap.active_rank[on_device], pages_for(snap.active_context[on_device] + P, P), R)
         count = np.bincount(rank, minlength=R)
         own = snap.own_nodes()
@@ -127,7 +127,7 @@ class CoroutinePolicy:
                 self._prefill(snap, d, watermark, snap.pages_capacity - used)
         # host room left once evicted copies are dropped and every running copy has grown by a page
         n_nodes = snap.host_capacity_tokens.size
-        evicted = np.isin(snap.active_ids, d.evict_ids)
+        evicted = _among(snap.active_ids, d.evict_ids)
         released = np.bincount(snap.rank_node[snap.active_rank[evicted]], weights=snap.active_context[evicted],
                                minlength=n_nodes)
         growth = np.bincount(snap.rank_node[rank], minlength=n_nodes) * P
@@ -228,35 +228,43 @@ class CoroutinePolicy:
         any rank; then, once no prompt is waiting here, what other instances' pools hold beyond what their own
         GPUs can run (work stealing: taking work a busy instance would run anyway only moves the imbalance).
         Host-resident admissions take b_moe slots but no device pages."""
+        # host-resident admissions are bounded by slots only: free pages that never run out
+        free = np.full_like(room.free, _UNBOUNDED) if host_resident else room.free
         everyone = np.arange(snap.num_ranks)
         for node in own:
-            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room, host_resident=host_resident)
+            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room, free, host_resident)
         if not self.migrate:
             return
         for node in own:
-            self._offer(snap, d, int(node), everyone, room, host_resident=host_resident)
+            self._offer(snap, d, int(node), everyone, room, free, host_resident)
         if self.migrate_across_instances and not len(snap.pending):
             # instances are the same size, so a node's own ranks can run about this many of its sequences
             node_slots = int(slots_total * snap.gpus_per_node / snap.num_ranks)
             others = [n for n in range(len(snap.suspended)) if n not in own]
             for node in sorted(others, key=lambda n: -len(snap.suspended[n])):
-                self._offer(snap, d, node, everyone, room, limit=len(snap.suspended[node]) - node_slots,
-                            host_resident=host_resident)
+                self._offer(snap, d, node, everyone, room, free, host_resident,
+                            limit=len(snap.suspended[node]) - node_slots)
 
-    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room",
-               limit: int | None = None, host_resident: bool = False) -> None:
-        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages (unless host-resident)
-        and host room (and at most `limit` sequences)."""
+    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room", free: np.ndarray,
+               host_resident: bool, limit: int | None = None) -> None:
+        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages `free` (unbounded for
+        host-resident admissions) and host room (and at most `limit` sequences).
+
+        A refill makes ~17 offers per boundary and most find an empty pool or a head that does not fit: those
+        return before any per-candidate work (see `_head_fits`)."""
         P = snap.page_tokens
-        free = np.full_like(room.free, np.iinfo(np.int64).max // 4) if host_resident else room.free
-        open_ranks = ranks[(room.slots[ranks] > 0) & (free[ranks] > 0)]
         skip = room.taken.get(node, 0)
-        if not open_ranks.size or len(snap.suspended[node]) <= skip or (limit is not None and limit <= 0):
+        if len(snap.suspended[node]) <= skip or (limit is not None and limit <= 0):
+            return
+        open_ranks = ranks[(room.slots[ranks] > 0) & (free[ranks] > 0)]
+        if not open_ranks.size:
             return
         want = int(room.slots[open_ranks].sum()) if limit is None else min(int(room.slots[open_ranks].sum()), limit)
         cand = snap.suspended[node].peek(skip + want)[skip:]
         ctx = snap.lengths.context(cand)
         need = np.zeros(cand.size, np.int64) if host_resident else pages_for(ctx + P, P)
+        if not _head_fits(snap, node, open_ranks, room, free, int(need[0]), int(ctx[0])):
+            return
         order = open_ranks[np.argsort(room.count[open_ranks], kind="stable")]  # least-loaded first
         caps = np.zeros_like(room.slots)
         caps[open_ranks] = level_slots(room.count[open_ranks], room.slots[open_ranks], cand.size)
@@ -269,9 +277,11 @@ class CoroutinePolicy:
         assigned = assigned[:n]
         d.admits.append(Admit(node, cand[:n], assigned, host_resident))
         room.taken[node] = skip + n
-        np.subtract.at(room.slots, assigned, 1)
-        np.subtract.at(room.free, assigned, need[:n])
-        np.add.at(room.count, assigned, 1)
+        taken = np.bincount(assigned, minlength=room.slots.size)
+        room.slots -= taken
+        room.count += taken
+        if not host_resident:
+            room.free -= np.bincount(assigned, weights=need[:n], minlength=room.free.size).astype(np.int64)
 
     # -- 4. the long tail ---------------------------------------------------------------------------------
     def _tail(self, snap: Snapshot, d: Decision, ids: np.ndarray, rank: np.ndarray, ctx: np.ndarray,
@@ -322,18 +332,46 @@ class _Room:
     taken: dict[int, int]  # ids already planned from the head of each node's pool
 
 
+_UNBOUNDED = np.iinfo(np.int64).max // 4  # free pages of a host-resident admission's rank: never the limit
+
+
+def _among(ids: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """np.isin(ids, chosen), without its sort when nothing is chosen (the common case)."""
+    return np.isin(ids, chosen) if chosen.size else np.zeros(ids.size, bool)
+
+
+def _head_fits(snap: Snapshot, node: int, open_ranks: np.ndarray, room: "_Room", free: np.ndarray,
+               head_need: int, head_ctx: int) -> bool:
+    """Whether an offer admits anything at all: level_slots gives the least-loaded open rank (the first
+    of them) at least one slot, so the pool's head goes there; fill_ranks and _host_prefix cut the FIFO
+    run at its first misfit, so if the head does not fit that rank's pages or its node's host room,
+    nothing is admitted. Checked before the per-candidate arrays are built."""
+    first = int(open_ranks[np.argmin(room.count[open_ranks])])
+    if head_need > free[first]:
+        return False
+    dest = int(snap.rank_node[first])
+    return snap.page_tokens + (head_ctx if dest != node else 0) <= room.host_free[dest]
+
+
 def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> int:
     """Length of the FIFO prefix whose cost fits each destination's room (and consume it): host KV tokens
-    per node, or KV pages per rank."""
+    per node, or KV pages per rank. Costs are >= 0, so each destination's running sum never falls."""
     if not dest.size:
         return 0
+    if dest[0] == dest[-1] and np.all(dest == dest[0]):  # one destination (a local refill): one running sum
+        cum = np.cumsum(cost)
+        n = int(np.searchsorted(cum, host_free[dest[0]], side="right"))
+        if n:
+            host_free[dest[0]] -= cum[n - 1]
+        return n
     order = np.argsort(dest, kind="stable")
-    cum = np.cumsum(cost[order])
-    first = np.r_[0, np.flatnonzero(np.diff(dest[order])) + 1]
-    start = np.repeat(cum[first] - cost[order][first], np.diff(np.r_[first, dest.size]))
-    ok_sorted = cum - start <= host_free[dest[order]]
+    d_sorted, c_sorted = dest[order], cost[order]
+    cum = np.cumsum(c_sorted)
+    first = np.ones(dest.size, bool)  # first of each destination's run in the sorted order
+    np.not_equal(d_sorted[1:], d_sorted[:-1], out=first[1:])
+    before = np.maximum.accumulate(np.where(first, cum - c_sorted, np.iinfo(np.int64).min))  # earlier runs' sum
     ok = np.empty(dest.size, bool)
-    ok[order] = ok_sorted
+    ok[order] = cum - before <= host_free[d_sorted]
     n = dest.size if ok.all() else int(np.argmin(ok))
     np.subtract.at(host_free, dest[:n], cost[:n])
     return n
