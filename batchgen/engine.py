@@ -138,21 +138,17 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     topo, t = state.topo, state.table
     gpus = topo.instance_gpus(instance)
     ids = state.active[instance]
-    node_instance = np.full(topo.num_nodes, -1, np.int64)  # -1: the node's GPUs serve several instances
-    node_instance[topo.gpu_node] = topo.gpu_instance
-    shared = np.bincount(topo.gpu_node, minlength=topo.num_nodes) != np.bincount(
-        topo.gpu_node, weights=(topo.gpu_instance == node_instance[topo.gpu_node]), minlength=topo.num_nodes)
-    node_instance[shared] = -1
+    # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
-        rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus].copy(),
+        rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
         pad_rows=progress.pad_rows.copy(),
         active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
-        active_decoded=t.decoded[ids].copy(), active_pages=t.pages[ids].copy(), active_tp=t.tp[ids].copy(),
-        active_host_resident=t.host_resident[ids].copy(),
+        active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
+        active_host_resident=t.host_resident[ids],
         pending=_ReadOnlyPool(state.pending[instance]), pinned=[_ReadOnlyPool(state.pinned[g]) for g in gpus],
         suspended=[_ReadOnlyPool(q) for q in state.suspended],
-        node_instance=node_instance, host_capacity_tokens=state.host_kv_tokens,
+        node_instance=state.node_instance.copy(), host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
         capabilities=capabilities,

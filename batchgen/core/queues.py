@@ -46,19 +46,32 @@ class IdQueue:
         self._len += ids.size
 
     def peek(self, n: int) -> np.ndarray:
-        """The first n ids (fewer if the queue is shorter), without removing them."""
+        """The first n ids (fewer if the queue is shorter), without removing them.
+
+        Pools grow by many small chunks (a prefill's per-node share, a yield's), and a refill looks at the
+        same head several times per boundary: the head run that spans chunks is stored back as one chunk, so
+        later peeks slice it instead of joining the pieces again (the queue's contents do not change)."""
         n = min(max(int(n), 0), self._len)
         if n == 0:
             return _EMPTY
-        parts, need, head = [], n, self._head
-        for chunk in self._chunks:
-            take = chunk[head:head + need]
-            parts.append(take)
-            need -= take.size
-            head = 0
-            if need == 0:
-                break
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        first = self._chunks[0]
+        if first.size - self._head >= n:
+            return first[self._head:self._head + n]
+        parts, need = [first[self._head:]], n - (first.size - self._head)
+        self._chunks.popleft()
+        while need:
+            chunk = self._chunks.popleft()
+            if chunk.size > need:
+                parts.append(chunk[:need])
+                self._chunks.appendleft(chunk[need:])
+                need = 0
+            else:
+                parts.append(chunk)
+                need -= chunk.size
+        head = np.concatenate(parts)
+        self._chunks.appendleft(head)
+        self._head = 0
+        return head
 
     def pop(self, n: int) -> np.ndarray:
         """Remove and return the first n ids."""

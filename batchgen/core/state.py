@@ -69,6 +69,7 @@ class ClusterState:
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.kv_split_by_heads = bool(kv_split_by_heads)
         self._instance_gpus = [topo.instance_gpus(i) for i in range(topo.num_instances)]
+        self.node_instance = _node_instance(topo)  # computed once: every snapshot carries it
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
         self.host_used = np.zeros(topo.num_nodes, np.int64)
@@ -230,7 +231,10 @@ class ClusterState:
         """
         t = self.table
         self.suspended[node].take_head_ids(ids)
-        host_resident = np.broadcast_to(np.asarray(host_resident, bool), ids.shape)
+        host_resident = np.asarray(host_resident, bool)
+        # one flag for the whole admit (the usual case): a plain array is cheaper to index than a broadcast view
+        host_resident = np.full(ids.shape, bool(host_resident)) if host_resident.ndim == 0 else \
+            np.broadcast_to(host_resident, ids.shape)
         bytes_ = t.context(ids) * self.kv_bytes_per_token
         remote = self.topo.gpu_node[gpus] != node
         local = ~remote & ~host_resident
@@ -446,3 +450,13 @@ class ClusterState:
             raise InvariantError(f"sequences {bad.tolist()} are in {places[bad].tolist()} places, not exactly one")
         if self.num_finished != int((t.where == FINISHED).sum()):
             raise InvariantError("finished count drifted")
+
+
+def _node_instance(topo: Topology) -> np.ndarray:
+    """The instance whose GPUs fill each node, or -1 where the node's GPUs serve several instances."""
+    node_instance = np.full(topo.num_nodes, -1, np.int64)
+    node_instance[topo.gpu_node] = topo.gpu_instance
+    shared = np.bincount(topo.gpu_node, minlength=topo.num_nodes) != np.bincount(
+        topo.gpu_node, weights=(topo.gpu_instance == node_instance[topo.gpu_node]), minlength=topo.num_nodes)
+    node_instance[shared] = -1
+    return node_instance
