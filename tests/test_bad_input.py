@@ -292,8 +292,9 @@ def test_check_invariants_wrong_type(tmp_path):
     (("+policy=coroutine", "latency=table", "latency.calibration=nope.json"), ("nope.json", "batchgen.profile")),
     (("+policy=coroutine", "latency=table", "latency.calibration=cpu_epyc_milan_2c-tiny_moe.json"),
      ("tiny_moe", "qwen3_30b_a3b", "batchgen.profile model=qwen3_30b_a3b")),
+    (("+policy=coroutine", "backend=exec", "model=deepseek_r1"), ("671.0B parameters", "model=tiny_moe")),
 ], ids=["no-policy", "zero-gpus", "negative-length", "missing-trace", "fits-nowhere", "continuous-too-big",
-        "context", "wrong-type", "missing-calibration", "calibration-of-another-model"])
+        "context", "wrong-type", "missing-calibration", "calibration-of-another-model", "exec-model-too-large"])
 def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, words):
     line = assert_clean_cli_error(tmp_path, run_cli(tmp_path, *args))
     assert_mentions(line, *words)

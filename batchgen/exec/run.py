@@ -16,6 +16,7 @@ from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
 from batchgen.engine import StepRecord, instance_loop
 from batchgen.exec.backend import ExecBackend
+from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
                                   init_random, load_model, load_tokenizer)
@@ -159,6 +160,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         cluster = effective_cluster(job)
         devices = settings.instance_devices(cluster.num_instances)
         dtype = settings.torch_dtype(devices)
+        check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, cluster.instance_size)
         model = build_model(job, settings, devices[0], dtype).eval()
         models = {devices[0]: model}
         for dev in devices[1:]:  # one copy of the weights per device that runs an instance

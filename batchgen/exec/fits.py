@@ -1,0 +1,65 @@
+"""Refuse, before any allocation, a job this machine cannot hold.
+
+Random weights are built in full before anything runs: `backend=exec` with the default Qwen3-30B spec (122 GB
+in fp32) or DeepSeek-R1 grew to 23.8 GB of resident memory on a 24 GB machine until the kernel killed it, and
+other jobs with it. So the weights (one copy per device that runs an instance) and the KV budget of the ranks
+on each device are compared with what the device has free, and a job that cannot fit stops with one line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batchgen.memory import ConfigError
+
+# A checkpoint's tensors are usually stored in bf16 / fp16: its file size / 2 estimates its parameter count.
+CHECKPOINT_BYTES_PER_PARAM = 2
+SAFETY = 0.9  # leave a tenth of the free memory for activations, the allocator and everything else
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory `device` has free now: CUDA's own count, or the kernel's MemAvailable for the CPU (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def parameter_count(job, model_path: str | None) -> tuple[int, str] | None:
+    """(parameters, where the count comes from): the spec's, or a checkpoint's size on disk; None for a model
+    directory without safetensors (the loader then says what is wrong with it)."""
+    if model_path:
+        files = list(Path(model_path).glob("*.safetensors"))
+        if not files:
+            return None
+        return sum(f.stat().st_size for f in files) // CHECKPOINT_BYTES_PER_PARAM, f"the checkpoint in {model_path}"
+    return int(job.model.total_params), f"model={job.model.name}"
+
+
+def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
+               ranks_per_instance: int, free=free_bytes) -> None:
+    """Raise ConfigError when some device cannot hold its weights and KV budget."""
+    counted = parameter_count(job, model_path)
+    if counted is None:
+        return
+    params, source = counted
+    weights = params * torch.tensor([], dtype=dtype).element_size()
+    need: dict[torch.device, float] = {}
+    for device in devices:  # each instance's ranks keep their KV on its device; weights once per device
+        need[device] = need.get(device, weights) + ranks_per_instance * kv_budget_mb * 2**20
+    for device, bytes_ in need.items():
+        have = free(device)
+        if have is None or bytes_ <= SAFETY * have:
+            continue
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights plus "
+            f"{(bytes_ - weights) / 1e9:.1f} GB of KV budget on {device}, which has {have / 1e9:.1f} GB free: "
+            "choose a smaller model (model=tiny_moe or model=small_moe), a smaller backend.kv_budget_mb, "
+            "backend.dtype=bfloat16, or a device with more memory")
