@@ -33,6 +33,7 @@ from batchgen.exec.models.decoder import MoEDecoder
 from batchgen.exec.models.tensor_parallel import shard_attention
 from batchgen.exec.shards import ShardStore, shards_of
 from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
+from batchgen.sim.costs import SIMILAR, SIMILAR_SLACK  # one rule: the simulator prices the calls made here
 
 
 @dataclass
@@ -246,8 +247,6 @@ def _chunks(n: int, size: int):
         yield lo, min(lo + size, n)
 
 
-SIMILAR = 1.25    # a padded attention call's longest context is at most this x its shortest, ...
-SIMILAR_SLACK = 64  # ... plus this many tokens (short contexts need not be split finely)
 
 
 def _chunks_similar(lengths: list[int], size: int):

@@ -137,17 +137,11 @@ class _Frozen(dict):
 def load_efficiency(cfg: Mapping[str, Any], gpu: str) -> Efficiency:
     """The `efficiency` config as run: with `auto: true`, the fitted file of GPU `gpu` when one ships
     (conf/efficiency/<gpu>.yaml) under the config's other keys; `inherit: <file>` starts from that file."""
-    from batchgen.specs.catalog import efficiency_names, load_efficiency_dict
+    from batchgen.specs.catalog import efficiency_names, load_efficiency_dict, merge_factors
 
     d = dict(cfg)
     auto = d.pop("auto", False)
     base = d.pop("inherit", None)
     if base is None and auto and gpu in efficiency_names():
         base = gpu
-    merged = load_efficiency_dict(base) if base is not None else {}
-    modules = {m: dict(f) for m, f in (merged.get("modules") or {}).items()}
-    for module, factors in (d.pop("modules", None) or {}).items():
-        modules[module] = {**modules.get(module, {}), **factors}
-    merged.update(d)
-    merged["modules"] = modules
-    return Efficiency.from_dict(merged)
+    return Efficiency.from_dict(merge_factors(load_efficiency_dict(base) if base is not None else {}, d))

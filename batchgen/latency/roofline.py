@@ -60,7 +60,6 @@ class Roofline:
         fp8 = use_fp8 and gpu.flops_fp8 > 0 and model.weight_bytes == 1
         self._gemm_peak = gpu.flops_fp8 if fp8 else gpu.flops_bf16  # weight GEMMs; attention scores run bf16
         self.gemm_flops = self._gemm_peak * eff.compute  # achieved by large weight GEMMs (top-level factors)
-        self.score_flops = gpu.flops_bf16 * eff.compute  # achieved, attention scores (bf16 kernels)
         self.mem_bw = gpu.hbm_bw * eff.memory  # achieved HBM bytes/s
         self._act_row = model.hidden_size * model.act_bytes  # bytes of one token's hidden state
         self._eff = {name: eff.for_module(name) for name in MODULE_NAMES}

@@ -85,8 +85,8 @@ class SimBackend:
         R = plan.gpus.size
         ids = plan.decode_ids
         remaining = t.remaining(ids)
-        padded = plan.padded and self.capabilities.padded_batches
-        if not padded:  # finished rows dropped (the batch's slots still held: that is the policy's)
+        if plan.padded and not self.capabilities.padded_batches:
+            # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
                                        pad_context=np.zeros_like(plan.pad_context))
         if plan.prefill_ids.size:

@@ -111,9 +111,10 @@ def partition_join(lat: LatencyModel, rank: np.ndarray, alive_for: np.ndarray, t
     return lat.all_reduce(tokens * lat.model.hidden_size * lat.model.act_bytes, int(tp.max()))
 
 
-# Padded attention kernels are called on runs of similar contexts (the executor's rule, batchgen.exec.runner):
-# a run's longest context is at most SIMILAR x its shortest + SIMILAR_SLACK tokens, and a run holds at most
-# B_attn sequences; so the padded work is per run, and every run is a call (a launch, the projections).
+# Padded attention kernels are called on runs of similar contexts (the executor's calls, batchgen.exec.runner,
+# which imports these): a run's longest context is at most SIMILAR x its shortest + SIMILAR_SLACK tokens (short
+# contexts need not be split finely), and a run holds at most B_attn sequences; so the padded work is per run,
+# and every run is a call (a launch, the projections).
 SIMILAR, SIMILAR_SLACK = 1.25, 64
 
 

@@ -5,6 +5,7 @@ compare GPUs), so these loaders read the same files Hydra composes, from the sam
 """
 
 from pathlib import Path
+from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
@@ -111,10 +112,16 @@ def load_efficiency_dict(name: str, conf_dir: str | Path | None = None) -> dict:
         name = data.pop("inherit", None)
     merged: dict = {}
     for data in reversed(layers):
-        modules = {**merged.get("modules", {})}
-        for module, factors in (data.get("modules") or {}).items():
-            modules[module] = {**modules.get(module, {}), **factors}
-        merged.update(data)
-        if modules:
-            merged["modules"] = modules
+        merged = merge_factors(merged, data)
+    return merged
+
+
+def merge_factors(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict:
+    """Efficiency factors `over` laid on `base`: top-level keys replace, `modules` merge module by module."""
+    modules = {m: dict(f) for m, f in (base.get("modules") or {}).items()}
+    for module, factors in (over.get("modules") or {}).items():
+        modules[module] = {**modules.get(module, {}), **factors}
+    merged = {**base, **over}
+    if modules:
+        merged["modules"] = modules
     return merged
