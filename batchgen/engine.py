@@ -8,7 +8,7 @@ policy's decision through the coroutine primitives and recording results, lives 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generator, Protocol
+from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
@@ -264,10 +264,21 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         progress.pad_context[drained] = 0
 
 
+StepObserver = Callable[[StepPlan, StepResult], None]
+
+
+def finished_ids(plan: StepPlan, result: StepResult) -> np.ndarray:
+    """The sequences that ended in this run (decodes that stopped, prefills whose one token was the last)."""
+    return np.concatenate([plan.decode_ids[result.finished], plan.prefill_ids[result.prefill_finished]])
+
+
 def instance_loop(policy: Policy, backend: Backend, instance: int, records: list[StepRecord], *,
-                  gpus_per_node: int, check_invariants: bool = False, max_idle_decisions: int = 3
-                  ) -> Generator[Any, Any, None]:
-    """Drive one expert-parallel instance until its policy has nothing left to run."""
+                  gpus_per_node: int, check_invariants: bool = False, max_idle_decisions: int = 3,
+                  on_step: StepObserver | None = None) -> Generator[Any, Any, None]:
+    """Drive one expert-parallel instance until its policy has nothing left to run.
+
+    `on_step(plan, result)` is called after each run's outcome is folded into the state: progress bars, and
+    batch jobs that write each result the moment its sequence finishes (`finished_ids`)."""
     state = backend.state
     progress = InstanceProgress(state.topo.instance_gpus(instance).size)
     idle, last = 0, 0.0
@@ -297,6 +308,8 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         summary, folded = BoundaryDecision.of(decision, plan, folded), None
         result = yield from backend.execute(plan)
         record_outcome(state, plan, result, now, progress, decision.padded)
+        if on_step is not None:
+            on_step(plan, result)
         backend.notify_change()
         progress.last_phase = plan.phase
         records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,

@@ -8,13 +8,14 @@ import statistics
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
-from batchgen.engine import StepRecord, instance_loop
+from batchgen.engine import StepRecord, finished_ids, instance_loop
 from batchgen.exec.backend import ExecBackend
 from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
@@ -31,6 +32,7 @@ from batchgen.policy.base import Capabilities
 from batchgen.results.metrics import bct
 from batchgen.sim.run import RunOutput
 
+FinishObserver = Callable[[np.ndarray, SequenceTokens], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,9 +148,13 @@ def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtyp
     return kv_bytes, pages_each
 
 
-def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None) -> ExecOutput:
+def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None,
+            params: list[SamplingParams] | None = None, on_finish: FinishObserver | None = None) -> ExecOutput:
     """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
-    synthetic prompts of those lengths (seeded by `settings.weights_seed`).
+    synthetic prompts of those lengths (seeded by `settings.weights_seed`). `params`: each sequence's own
+    sampling and stopping (its max_tokens the workload's output length); None: the settings' for every one.
+    `on_finish(ids, tokens)`: called after every run in which sequences ended, with their ids and the run's
+    tokens (a batch job writes each result the moment it is known), in every repeat.
 
     With `settings.repeats` = N the job runs N times on the same weights and prompts; the run returned is the
     one of median BCT (the lower median for even N, so that every number reported comes from one real run),
@@ -166,7 +172,9 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         for dev in devices[1:]:  # one copy of the weights per device that runs an instance
             models.setdefault(dev, copy.deepcopy(model).to(dev))
         prompts = _checked_prompts(job, settings, model.config, prompts)
-        runs = [_run_once(job, settings, models, devices, dtype, prompts) for _ in range(settings.repeats)]
+        params = _checked_params(job, settings, params)
+        runs = [_run_once(job, settings, models, devices, dtype, prompts, params, on_finish)
+                for _ in range(settings.repeats)]
     names = sorted({str(d) for d in devices})
     for r in runs:
         r.device = names[0] if len(names) == 1 else ",".join(names)
@@ -208,8 +216,25 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
     return prompts
 
 
+def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParams] | None) -> list[SamplingParams]:
+    w = job.workload
+    if params is None:
+        try:
+            return [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                                   max_tokens=int(n), ignore_eos=settings.ignore_eos, stop=settings.stop)
+                    for n in w.output_lens]
+        except ValueError as e:
+            raise ConfigError(f"backend sampling settings: {e}") from e
+    budgets = [p.max_tokens for p in params]
+    if budgets != [int(n) for n in w.output_lens]:
+        raise ConfigError(f"params: {len(params)} sampling settings with max_tokens {budgets[:8]} do not match the "
+                          f"workload's {len(w)} output lengths {[int(n) for n in w.output_lens[:8]]}")
+    return params
+
+
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
-              prompts: list[np.ndarray]) -> ExecOutput:
+              prompts: list[np.ndarray], params: list[SamplingParams], on_finish: FinishObserver | None
+              ) -> ExecOutput:
     """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
     start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
@@ -227,25 +252,26 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
                                        staging_pages=pages_each)
               for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
-    try:
-        params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                                 max_tokens=int(n), ignore_eos=settings.ignore_eos, stop=settings.stop)
-                  for n in w.output_lens]
-    except ValueError as e:
-        raise ConfigError(f"backend sampling settings: {e}") from e
     decode = None
     if settings.model_path and (Path(settings.model_path) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(settings.model_path)
         decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
-    elif settings.stop:
-        raise ConfigError("backend.stop needs a tokenizer: set backend.model_path to a directory with "
+    elif any(p.stop for p in params):
+        raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
                           "tokenizer.json")
     tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode)
     runners = [InstanceRunner(models[dev]) for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
     records: list[StepRecord] = []
+
+    def on_step(plan, result) -> None:
+        ended = finished_ids(plan, result)
+        if ended.size:
+            on_finish(ended, tokens)
+
     loops = [instance_loop(prepared.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
-                           check_invariants=job.check_invariants)
+                           check_invariants=job.check_invariants,
+                           on_step=on_step if on_finish else None)
              for inst in range(prepared.state.topo.num_instances)]
     while loops:  # round-robin: each instance runs one step (or one wait) at a time
         for loop in list(loops):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import simpy
 
 from batchgen.core.sequences import InvariantError
-from batchgen.engine import StepRecord, instance_loop
+from batchgen.engine import StepObserver, StepRecord, instance_loop
 from batchgen.job import Job, Prepared, prepare
 from batchgen.policy.base import Capabilities
 from batchgen.sim.backend import SimBackend
@@ -27,7 +27,7 @@ class RunOutput:
 
 
 def simulate(job: Job, *, capabilities: Capabilities | None = None,
-             kv_pages_per_gpu: int | None = None) -> RunOutput:
+             kv_pages_per_gpu: int | None = None, on_step: StepObserver | None = None) -> RunOutput:
     """`capabilities` and `kv_pages_per_gpu`: another backend's (the executor's), so that the policy sees the
     same snapshots there and here and takes the same decisions (validation); None: the simulator's own.
     Each step record carries its seconds per module (attention, ffn, head), as the executor's do."""
@@ -41,7 +41,7 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
     for inst in range(state.topo.num_instances):
         env.process(instance_loop(policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
-                                  check_invariants=job.check_invariants))
+                                  check_invariants=job.check_invariants, on_step=on_step))
     env.run()
     if not state.all_finished():
         left = len(state.table) - state.num_finished
