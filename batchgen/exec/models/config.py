@@ -256,6 +256,25 @@ class ExecModelConfig:
                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, max_position_embeddings=spec.max_context,
                    tie_word_embeddings=spec.tie_embeddings)
 
+    def to_spec(self, name: str, element_bytes: float) -> Any:
+        """The batchgen `ModelSpec` of this model, for the planner, the memory checks and the results' labels.
+        Qwen3-MoE's dense layers may sit anywhere; the spec counts them as the first ones (the same sizes)."""
+        from batchgen.specs import ModelSpec
+
+        mla = self.is_mla
+        return ModelSpec(
+            name=name, num_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+            max_context=self.max_position_embeddings, attention="mla" if mla else "gqa", num_heads=self.num_heads,
+            num_kv_heads=self.num_heads if mla else self.num_kv_heads, head_dim=0 if mla else self.head_dim,
+            q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            intermediate_size=self.intermediate_size, num_experts=self.num_experts,
+            num_shared_experts=self.n_shared_experts, top_k=self.top_k,
+            moe_intermediate_size=self.moe_intermediate_size,
+            first_dense_layers=self.num_dense_layers if self.num_experts else 0,
+            tie_embeddings=self.tie_word_embeddings, weight_bytes=float(element_bytes),
+            kv_bytes=float(element_bytes), act_bytes=float(element_bytes))
+
     @classmethod
     def _from_mla_spec(cls, spec: Any, rope_theta: float, rms_norm_eps: float) -> "ExecModelConfig":
         moe = spec.num_experts > 0
