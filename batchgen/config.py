@@ -11,6 +11,7 @@ from batchgen.confdir import conf_dir
 from batchgen.job import Job
 from batchgen.latency import LatencySettings, check_calibration, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
+from batchgen.overrides import check_known_keys
 from batchgen.policy import make_policy, policy_names
 from batchgen.specs import ClusterSpec, ModelSpec
 from batchgen.workload import build_workload
@@ -22,8 +23,13 @@ def _plain(node: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
-def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
-    """Validate the config and build the job; raises ConfigError with a message that says how to fix it."""
+def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | None = "batchgen.experiment") -> Job:
+    """Validate the config and build the job; raises ConfigError with a message that says how to fix it.
+
+    `command`: whose keys the config may hold (`check_known_keys`; conf/config.yaml's for batchgen.experiment),
+    None to skip that check (a caller that checked its own config already)."""
+    if command is not None:
+        check_known_keys(cfg, command)
     if cfg.get("policy") is None:
         raise ConfigError(f"no policy chosen: add +policy=<name> with one of {', '.join(policy_names())}, "
                           "e.g. python -m batchgen.experiment +policy=coroutine")
@@ -35,8 +41,13 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None) -> Job:
         model = ModelSpec.from_dict(_plain(cfg.model))
         cluster = ClusterSpec.from_config(_plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
         memory = MemorySettings(**_plain(cfg.get("memory")))
-        efficiency = load_efficiency(_plain(cfg.get("efficiency")), cluster.gpu.name)
+        # null factors (conf/config.yaml lists every one, so that efficiency.compute=0.5 works without +): unset
+        efficiency = load_efficiency({k: v for k, v in _plain(cfg.get("efficiency")).items() if v is not None},
+                                     cluster.gpu.name)
         latency = LatencySettings(**_plain(cfg.get("latency")))
+        if latency.calibration is not None and latency.name != "table":
+            raise ConfigError(f"latency.calibration is read by latency=table only (this job uses "
+                              f"latency={latency.name}): add latency=table, or drop latency.calibration")
         check_calibration(latency, model)
         workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir)
         return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,

@@ -205,7 +205,8 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
         i = int(too_long[0])
         raise ConfigError(f"sequence {i} needs {int(w.input_lens[i] + w.output_lens[i]):,} positions (input "
                           f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
-                          f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / max_output)")
+                          f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / "
+                          "workload.max_output)")
     if prompts is None:
         return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]

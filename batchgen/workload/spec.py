@@ -129,8 +129,10 @@ class WorkloadSpec:
         clips = {k: _optional_positive_int(k, cfg.get(k)) for k in ("max_input", "max_output")}
         trace = cfg.get("trace")
         if trace is not None:
-            if "input" in cfg or "output" in cfg:
-                raise ValueError("workload: give either 'trace' or 'input'/'output' distributions, not both")
+            if cfg.get("input") is not None or cfg.get("output") is not None:
+                raise ValueError(f"workload.trace={trace} with workload {cfg.get('name')!r}, which draws lengths from "
+                                 "'input'/'output' distributions: give one or the other, not both (a trace workload: "
+                                 f"workload=azure_conv workload.trace={trace})")
             if not isinstance(trace, (str, Path)) or not str(trace):
                 raise ValueError(f"workload.trace must be a file name, got {trace!r}")
             name = cfg.get("name") or Path(trace).stem
