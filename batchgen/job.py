@@ -62,8 +62,9 @@ def effective_cluster(job: Job) -> ClusterSpec:
     return job.cluster if job.model.is_moe else dataclasses.replace(job.cluster, gpus_per_instance=1)
 
 
-def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
-    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs.
+def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None) -> Prepared:
+    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs
+    (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit it).
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
@@ -95,7 +96,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None) -> Prepared:
         budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages_per_gpu))
     if len(w):
         check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv,
-                          host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"))
+                          host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"),
+                          **({"pool_fix": pool_fix} if pool_fix else {}))
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),

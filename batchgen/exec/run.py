@@ -21,6 +21,7 @@ from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
                                   init_random, load_model, load_tokenizer)
+from batchgen.exec.models.loading import read_config
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.staging import BUFFERS, staging_pages
 from batchgen.exec.sampling import SamplingParams
@@ -104,17 +105,59 @@ class ExecOutput(RunOutput):
     repeats_same_decisions: bool = True
 
 
+def model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
+    """The model's architecture, from config.json or the spec: known before any weight is built."""
+    if settings.model_path:
+        try:
+            return read_config(settings.model_path)
+        except (ModelLoadError, UnsupportedModelError) as e:  # bad input: say so before any work starts
+            raise ConfigError(f"backend.model_path: {e}") from e
+    try:
+        return ExecModelConfig.from_spec(job.model)
+    except ValueError as e:
+        raise ConfigError(f"model {job.model.name} cannot run on the executor: {e}") from e
+
+
 def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: torch.dtype) -> MoEDecoder:
     if settings.model_path:
         try:
             return load_model(settings.model_path, dtype=dtype, device=device)
-        except (ModelLoadError, UnsupportedModelError) as e:  # bad input: say so before any work starts
+        except (ModelLoadError, UnsupportedModelError) as e:
             raise ConfigError(f"backend.model_path: {e}") from e
-    try:
-        config = ExecModelConfig.from_spec(job.model)
-    except ValueError as e:
-        raise ConfigError(f"model {job.model.name} cannot run on the executor: {e}") from e
-    return init_random(config, seed=settings.weights_seed, dtype=dtype, device=device)
+    return init_random(model_config(job, settings), seed=settings.weights_seed, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class KVPools:
+    """Each rank's KV memory as the executor allocates it: the paged pool and the staging buffers."""
+
+    geometry: dict
+    pool_bytes: int
+    staging_pages: int | None
+    num_pages: int
+    max_context: int
+
+
+def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: torch.dtype) -> KVPools:
+    """Sized from the config alone, so that a job whose requests cannot fit is refused before any weight is
+    built; `prepare` with the resulting pool checks every sequence against it."""
+    w = job.workload
+    geometry = config.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
+    max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
+    # the policy as it will run ("auto" knobs planned), for its staging buffers
+    policy = prepare(job).policy
+    pool_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context, config.is_mla)
+    per_page = PagedKVCache.page_bytes(**geometry, page_size=job.page_tokens, dtype=dtype)
+    num_pages = pool_bytes // per_page
+    per_token = per_page // job.page_tokens
+    need_mb = -(-(max_context + job.page_tokens) * per_token // 2**20) + settings.kv_budget_mb - pool_bytes / 2**20
+    fix = (f"raise backend.kv_budget_mb (now {settings.kv_budget_mb:g}; a token's KV takes {per_token:,} bytes in "
+           f"{str(dtype).removeprefix('torch.')}, so the longest request, {max_context:,} tokens, needs about "
+           f"{max(need_mb, 1):,.0f} MB) or shorten the longest requests")
+    if num_pages < 1:
+        raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: {fix}")
+    prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix)
+    return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context)
 
 
 def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtype: torch.dtype,
@@ -167,13 +210,16 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         devices = settings.instance_devices(cluster.num_instances)
         dtype = settings.torch_dtype(devices)
         check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, cluster.instance_size)
+        config = model_config(job, settings)
+        _check_lengths(job, config)
+        pools = kv_pools(job, settings, config, dtype)
+        params = _checked_params(job, settings, params)
         model = build_model(job, settings, devices[0], dtype).eval()
         models = {devices[0]: model}
         for dev in devices[1:]:  # one copy of the weights per device that runs an instance
             models.setdefault(dev, copy.deepcopy(model).to(dev))
         prompts = _checked_prompts(job, settings, model.config, prompts)
-        params = _checked_params(job, settings, params)
-        runs = [_run_once(job, settings, models, devices, dtype, prompts, params, on_finish)
+        runs = [_run_once(job, settings, models, devices, dtype, pools, prompts, params, on_finish)
                 for _ in range(settings.repeats)]
     names = sorted({str(d) for d in devices})
     for r in runs:
@@ -196,9 +242,7 @@ def median_run(runs: list[ExecOutput]) -> ExecOutput:
     return out
 
 
-def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
-                     prompts: list[np.ndarray] | None) -> list[np.ndarray]:
-    """The prompts every repeat runs (synthetic when None), after checking they fit the model."""
+def _check_lengths(job: Job, c: ExecModelConfig) -> None:
     w = job.workload
     too_long = np.flatnonzero(w.input_lens + w.output_lens > c.max_position_embeddings)
     if too_long.size:
@@ -207,6 +251,12 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
                           f"{int(w.input_lens[i]):,} + output {int(w.output_lens[i]):,}) but the model allows "
                           f"{c.max_position_embeddings:,}: clip the workload (workload.max_input / "
                           "workload.max_output)")
+
+
+def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
+                     prompts: list[np.ndarray] | None) -> list[np.ndarray]:
+    """The prompts every repeat runs (synthetic when None), after checking they fit the model."""
+    w = job.workload
     if prompts is None:
         return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
@@ -234,23 +284,15 @@ def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParam
 
 
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
-              prompts: list[np.ndarray], params: list[SamplingParams], on_finish: FinishObserver | None
-              ) -> ExecOutput:
+              pools: KVPools, prompts: list[np.ndarray], params: list[SamplingParams],
+              on_finish: FinishObserver | None) -> ExecOutput:
     """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
     start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
-    model = models[devices[0]]
-    c = model.config
-    w = job.workload
-    geometry = model.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
-    max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
-    # the policy as it will run ("auto" knobs planned), for its staging buffers; prepared again below with the
-    # pool actually allocated
-    policy = prepare(job).policy
-    kv_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context, model.config.is_mla)
-    caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens, budget_bytes=kv_bytes, dtype=dtype,
-                                       device=devices[gpu // cluster.instance_size], max_context=max_context,
-                                       staging_pages=pages_each)
+    c = models[devices[0]].config
+    caches = [PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
+                                       dtype=dtype, device=devices[gpu // cluster.instance_size],
+                                       max_context=pools.max_context, staging_pages=pools.staging_pages)
               for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
     decode = None

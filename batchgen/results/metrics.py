@@ -153,10 +153,21 @@ def _memory_peaks(out) -> dict[str, float]:
     return {"peak_kv_frac": float(kv.max(initial=0.0)), "peak_host_frac": float(host.max(initial=0.0))}
 
 
+def where_it_ran(out) -> tuple[str, str]:
+    """(cluster, gpu) labels: the simulated cluster's, or for the executor the device it measured on (its
+    job's cluster is only the topology of its ranks, never hardware that ran anything)."""
+    job = out.job
+    if out.backend == "exec":
+        ranks = int(job.cluster.num_gpus)
+        return f"executor: {ranks} rank{'s' if ranks > 1 else ''} on {out.device}", out.device
+    return job.cluster.name, job.cluster.gpu.name
+
+
 def _identity(out) -> dict[str, Any]:
     job = out.job
+    cluster, gpu = where_it_ran(out)
     return {"policy": job.policy.name, "backend": out.backend, "model": job.model.name,
-            "cluster": job.cluster.name, "gpu": job.cluster.gpu.name, "workload": job.workload.name,
+            "cluster": cluster, "gpu": gpu, "workload": job.workload.name,
             "num_sequences": len(out.prepared.state.table), "num_gpus": int(job.cluster.num_gpus),
             "num_instances": int(out.prepared.cluster.num_instances)}
 

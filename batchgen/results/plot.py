@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgen.results.metrics import StepArrays, bct, step_arrays
+from batchgen.results.metrics import StepArrays, bct, step_arrays, where_it_ran
 
 BINS = 1000           # two points per bin with step drawing: ~2000 points per line
 MAX_LINES = 8         # more instances than this are drawn as one aggregate line with a min-max band
@@ -64,7 +64,7 @@ def _draw_utilisation(ax, edges: np.ndarray, series: dict[str, np.ndarray]) -> N
     ax.legend(loc="lower left", fontsize=7, ncol=3)
 
 
-def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray) -> None:
+def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray, clock: str) -> None:
     if running.shape[0] <= MAX_LINES:
         for inst, row in enumerate(running):
             _step(ax, edges, row, linewidth=1, label=f"instance {inst}")
@@ -73,7 +73,7 @@ def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray
               label=f"all {running.shape[0]} instances")
     ax.set_ylim(bottom=0)
     ax.set_ylabel("running sequences")
-    ax.set_xlabel("simulated time (s)")
+    ax.set_xlabel(f"{clock} time (s)")
     twin = ax.twinx()
     done = np.searchsorted(np.sort(finish), edges, side="right") / max(finish.size, 1)
     twin.plot(edges, done, color="black", linestyle="--", linewidth=1, label="finished (cumulative)")
@@ -95,10 +95,13 @@ def plot_timeline(out, path: Path) -> Path:
     finish = out.prepared.state.table.finish_time
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), constrained_layout=True)
     _draw_utilisation(top, edges, series)
-    _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)])
+    measured = out.backend == "exec"
+    _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)], "measured" if measured else "simulated")
     bottom.set_xlim(0, horizon)
     job = out.job
-    fig.suptitle(f"{job.policy.name} | {job.model.name} | {job.cluster.name} | BCT {bct(out):.1f} s")
+    where = where_it_ran(out)[0]
+    fig.suptitle(f"{job.policy.name} | {job.model.name} | {where} | {'measured' if measured else 'simulated'} "
+                 f"BCT {bct(out):.1f} s")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
