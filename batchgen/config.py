@@ -49,7 +49,8 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | N
             raise ConfigError(f"latency.calibration is read by latency=table only (this job uses "
                               f"latency={latency.name}): add latency=table, or drop latency.calibration")
         check_calibration(latency, model)
-        workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir)
+        workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir,
+                                  progress=progress_setting(cfg))
         return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
                    efficiency=efficiency, latency=latency, page_tokens=_typed(cfg, "page_tokens", int, 64),
                    routing_skew=_typed(cfg, "routing_skew", float, 0.0),
@@ -60,6 +61,15 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | N
         raise ConfigError(f"bad setting: {e}") from e
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+
+
+def progress_setting(cfg: DictConfig) -> Any:
+    """output.progress (auto, true, false; see batchgen.progress), checked; auto when the config has none."""
+    output = cfg.get("output")
+    value = output.get("progress", "auto") if output is not None else "auto"
+    if not (isinstance(value, bool) or value is None or value == "auto"):
+        raise ConfigError(f"output.progress must be auto, true or false, got {value!r}")
+    return value
 
 
 def _typed(cfg: DictConfig, key: str, kind: type, default: Any) -> Any:

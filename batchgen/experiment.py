@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
-from batchgen.config import build_job
+from batchgen.config import build_job, progress_setting
 from batchgen.memory import ConfigError
 
 log = logging.getLogger("batchgen")
@@ -32,15 +33,22 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     from batchgen.sim.run import simulate
 
     job = build_job(cfg, base_dir=Path.cwd())
+    progress = progress_setting(cfg)
     if cfg.backend.name == "exec":
         from batchgen.exec.run import ExecSettings, execute
+        from batchgen.progress import FinishProgress
         settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+        repeats = settings.get("repeats", 1)
+        repeats = repeats if isinstance(repeats, int) and repeats > 0 else 1
+        shown = FinishProgress(len(job.workload) * repeats, f"execute {job.policy.name}", progress)
         try:
-            out = execute(job, ExecSettings(**settings))
+            out = execute(job, ExecSettings(**settings), on_finish=shown if shown.active else None)
         except TypeError as e:
             raise ConfigError(f"bad backend setting: {e}") from e
+        finally:
+            shown.close()
     else:
-        out = simulate(job)
+        out = simulate(job, progress=progress)
     plan = getattr(out.prepared, "plan", None)
     if plan is not None:
         print(plan.describe())
@@ -75,8 +83,44 @@ def main(cfg: DictConfig) -> None:
         (run_dir / ERROR_FILE).write_text(f"{e}\n")
 
 
+def sweep_size(task_overrides: list[str]) -> int | None:
+    """How many jobs a sweep's command-line overrides make (the product of each sweep's values); None if unknown."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(list(task_overrides))
+        size = 1
+        for o in overrides:
+            if o.is_sweep_override():
+                size *= len(list(o.sweep_string_iterator()))
+        return size
+    except Exception:  # noqa: BLE001 - a count is only shown, never relied on
+        return None
+
+
 class SweepSummary(Callback):
-    """After a sweep (-m), one table of every run and what explains the differences."""
+    """During a sweep (-m), `run i/N done in X s` after each run; after it, one table of every run and what
+    explains the differences."""
+
+    def __init__(self) -> None:
+        self.size: int | None = None
+        self.started = time.perf_counter()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.size = sweep_size(list(config.hydra.overrides.task))
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        hc = config.get("hydra")
+        if hc is None or hc.mode != RunMode.MULTIRUN:
+            return
+        num = int(hc.job.get("num", 0)) + 1
+        of = f"/{self.size}" if self.size else ""
+        failed = (Path(hc.runtime.output_dir) / ERROR_FILE).exists()
+        print(f"run {num}{of} {'failed' if failed else 'done'} in {time.perf_counter() - self.started:.1f} s "
+              f"({hc.job.override_dirname or 'no overrides'})", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from batchgen.results import explain, format_table

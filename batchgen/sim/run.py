@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import simpy
 
 from batchgen.core.sequences import InvariantError
-from batchgen.engine import StepObserver, StepRecord, instance_loop
+from batchgen.engine import StepObserver, StepRecord, finished_ids, instance_loop
 from batchgen.job import Job, Prepared, prepare
 from batchgen.policy.base import Capabilities
+from batchgen.progress import Throttle, bar
 from batchgen.sim.backend import SimBackend
 
 
@@ -26,11 +27,41 @@ class RunOutput:
     host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
 
 
+class SimProgress:
+    """A step observer that shows sequences finished / total and the simulated clock (batchgen.progress); it
+    counts every step but touches the bar at most twice a second."""
+
+    def __init__(self, env: simpy.Environment, total: int, desc: str, setting="auto"):
+        self.env, self.done, self.throttle = env, 0, Throttle()
+        self.bar = bar(total, desc, unit="seq", setting=setting)
+
+    def __call__(self, plan, result) -> None:
+        self.done += finished_ids(plan, result).size
+        if self.throttle.due():
+            self.show()
+
+    def show(self) -> None:
+        self.bar.set_postfix_str(f"simulated {self.env.now:,.1f} s", refresh=False)
+        self.bar.update(self.done - self.bar.n)
+
+    def close(self) -> None:
+        self.show()
+        self.bar.close()
+
+
+def _both(first: StepObserver | None, second: StepObserver | None) -> StepObserver | None:
+    if first is None or second is None:
+        return first or second
+    return lambda plan, result: (first(plan, result), second(plan, result))
+
+
 def simulate(job: Job, *, capabilities: Capabilities | None = None,
-             kv_pages_per_gpu: int | None = None, on_step: StepObserver | None = None) -> RunOutput:
+             kv_pages_per_gpu: int | None = None, on_step: StepObserver | None = None,
+             progress="auto") -> RunOutput:
     """`capabilities` and `kv_pages_per_gpu`: another backend's (the executor's), so that the policy sees the
     same snapshots there and here and takes the same decisions (validation); None: the simulator's own.
-    Each step record carries its seconds per module (attention, ffn, head), as the executor's do."""
+    Each step record carries its seconds per module (attention, ffn, head), as the executor's do.
+    `progress`: a bar of sequences finished on stderr: auto (a terminal, or BATCHGEN_PROGRESS), True, False."""
     start = time.perf_counter()
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
@@ -39,10 +70,15 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
                          capabilities=capabilities)
     records: list[StepRecord] = []
     policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
+    shown = SimProgress(env, len(job.workload), f"simulate {policy.name}", progress)
+    observer = _both(on_step, None if shown.bar.disable else shown)
     for inst in range(state.topo.num_instances):
         env.process(instance_loop(policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
-                                  check_invariants=job.check_invariants, on_step=on_step))
-    env.run()
+                                  check_invariants=job.check_invariants, on_step=observer))
+    try:
+        env.run()
+    finally:
+        shown.close()
     if not state.all_finished():
         left = len(state.table) - state.num_finished
         raise InvariantError(f"policy {policy.name!r} stopped with {left} sequences unfinished")

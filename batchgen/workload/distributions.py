@@ -18,6 +18,8 @@ import numpy as np
 # Standard-normal quantiles at 0.99 and 0.95 (scipy.stats.norm.ppf), written out to avoid a scipy dependency.
 Z_99 = 2.3263478740408408
 Z_95 = 1.6448536269514722
+BISECTION_STEPS = 60  # LongTailed: halvings of the scale's bracket when the absolute cap binds
+FITTING = ", fitting the mean"  # a progress bar's description meanwhile
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -36,6 +38,22 @@ def _check_n(n: Any) -> None:
     _check_int("n", n, 0)
 
 
+CHUNK = 4_000_000  # draws per progress update: the same stream as one draw of all, so the same arrays
+
+
+def _draw(draw, n: int, dtype, progress) -> np.ndarray:
+    """draw(n), or, with a progress bar, the same values drawn CHUNK at a time (numpy's generators give the
+    same stream either way: tests/test_progress.py checks it) with the bar advanced after each chunk."""
+    if progress is None:
+        return draw(n)
+    out = np.empty(n, dtype=dtype)
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        out[start:stop] = draw(stop - start)
+        progress.update(stop - start)
+    return out
+
+
 @dataclass(frozen=True)
 class Fixed:
     """Every request has the same length: the paper's LongBench-style runs fix the prompt length."""
@@ -45,8 +63,10 @@ class Fixed:
     def __post_init__(self) -> None:
         _check_int("value", self.value, 1)
 
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, n: int, rng: np.random.Generator, progress=None) -> np.ndarray:
         _check_n(n)
+        if progress is not None:
+            progress.update(n)
         return np.full(n, self.value, dtype=np.int64)
 
 
@@ -63,9 +83,10 @@ class Uniform:
         if self.high < self.low:
             raise ValueError(f"high must be >= low, got low={self.low}, high={self.high}")
 
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, n: int, rng: np.random.Generator, progress=None) -> np.ndarray:
         _check_n(n)
-        return rng.integers(self.low, self.high, size=n, endpoint=True, dtype=np.int64)
+        return _draw(lambda k: rng.integers(self.low, self.high, size=k, endpoint=True, dtype=np.int64), n,
+                     np.int64, progress)
 
 
 @dataclass(frozen=True)
@@ -122,21 +143,35 @@ class LongTailed:
     def sigma(self) -> float:
         return math.log(self.p99_over_p95) / (Z_99 - Z_95)
 
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, n: int, rng: np.random.Generator, progress=None) -> np.ndarray:
+        """`progress`: a tqdm-like bar counting sequences drawn; when the cap binds, the passes of the bisection
+        over all n (about 60) are added to its total and counted too."""
         _check_n(n)
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        standard = np.exp(self.sigma * rng.standard_normal(n))  # lognormal with mu = 0
+        standard = np.exp(self.sigma * _draw(rng.standard_normal, n, np.float64, progress))  # lognormal, mu = 0
         if math.isfinite(self.max_over_p95):
             np.minimum(standard, self.max_over_p95 * np.quantile(standard, 0.95), out=standard)
         scale = self.mean / standard.mean()
         if math.isfinite(self.max) and standard.max() * scale > self.max:
+            def capped_mean(s: float) -> float:
+                if progress is not None:
+                    progress.update(n)
+                return np.minimum(standard * s, self.max).mean()
+
+            if progress is not None:  # the bisection's passes, each over every sequence (when n is large, most
+                progress.total += (BISECTION_STEPS + 1) * n  # of the time goes here)
+                desc = getattr(progress, "desc", None)
+                if desc is not None and not desc.endswith(FITTING):
+                    progress.set_description_str(desc + FITTING, refresh=False)
             lo, hi = scale, scale * 2
-            while np.minimum(standard * hi, self.max).mean() < self.mean and hi < scale * 1e6:
+            while capped_mean(hi) < self.mean and hi < scale * 1e6:
+                if progress is not None:
+                    progress.total += n
                 hi *= 2
-            for _ in range(60):  # the capped mean is monotone in the scale
+            for _ in range(BISECTION_STEPS):  # the capped mean is monotone in the scale
                 mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if np.minimum(standard * mid, self.max).mean() < self.mean else (lo, mid)
+                lo, hi = (mid, hi) if capped_mean(mid) < self.mean else (lo, mid)
             scale = hi
         scaled = np.minimum(standard * scale, self.max)
         return np.maximum(np.rint(scaled), self.min).astype(np.int64)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.progress import bar
+
 from .distributions import Distribution, make_distribution
 from .traces import SHIPPED_DIR, load_trace, shipped_traces
 
@@ -151,8 +153,9 @@ class WorkloadSpec:
                 raise ValueError(f"workload.{side}: {e}") from None
         return cls(name=str(cfg.get("name") or "workload"), num_sequences=num_sequences, **dists, **clips)
 
-    def build(self, seed: int, base_dir: Path | None = None) -> Workload:
-        """Draw (or read) the arrays. Same seed, same arrays.
+    def build(self, seed: int, base_dir: Path | None = None, progress: Any = "auto") -> Workload:
+        """Draw (or read) the arrays. Same seed, same arrays, with or without a progress bar (`progress`: auto,
+        True, False; see batchgen.progress: a bar shows only once sampling has taken a second or so).
 
         Input, output and trace-row sampling each get their own stream spawned from the seed, so changing
         the input distribution does not reshuffle the output lengths: two configs that differ in one side
@@ -166,8 +169,11 @@ class WorkloadSpec:
             inputs, outputs = self._read_trace(row_rng, base_dir)
         else:
             assert self.input is not None and self.output is not None and self.num_sequences is not None
-            inputs = self.input.sample(self.num_sequences, input_rng)
-            outputs = self.output.sample(self.num_sequences, output_rng)
+            n = self.num_sequences
+            with bar(2 * n, f"workload {self.name}", unit="seq", setting=progress, unit_scale=True) as shown:
+                counter = None if shown.disable else shown
+                inputs = self.input.sample(n, input_rng, progress=counter)
+                outputs = self.output.sample(n, output_rng, progress=counter)
 
         if self.max_input is not None:
             inputs = np.minimum(inputs, self.max_input)
@@ -208,6 +214,8 @@ def resolve_trace(trace: str | Path, base_dir: Path | None = None) -> Path:
     raise FileNotFoundError(f"workload trace {str(trace)!r} not found; tried: {tried}. Shipped traces: {shipped}")
 
 
-def build_workload(cfg: Mapping[str, Any], seed: int, base_dir: Path | None = None) -> Workload:
-    """Build a Workload from the Hydra ``workload`` node (see conf/workload/*.yaml)."""
-    return WorkloadSpec.from_config(cfg).build(seed, base_dir)
+def build_workload(cfg: Mapping[str, Any], seed: int, base_dir: Path | None = None,
+                   progress: Any = "auto") -> Workload:
+    """Build a Workload from the Hydra ``workload`` node (see conf/workload/*.yaml); `progress`: a bar while
+    sampling (auto: when stderr is a terminal, or BATCHGEN_PROGRESS says so)."""
+    return WorkloadSpec.from_config(cfg).build(seed, base_dir, progress)
