@@ -50,7 +50,7 @@ def _section_keys(section: str, cfg: Mapping[str, Any]) -> list[str] | None:
         return list(VALID_KEYS)
     if section == "model":
         from batchgen.specs import ModelSpec
-        return _dataclass_keys(ModelSpec)
+        return ["path", *_dataclass_keys(ModelSpec)]  # path: a model directory, read by the executor
     if section == "cluster":
         from batchgen.specs import ClusterSpec
         return _dataclass_keys(ClusterSpec)

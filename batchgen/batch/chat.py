@@ -21,6 +21,12 @@ from pathlib import Path
 from typing import Any
 
 
+# ChatML, as Qwen and SmolLM2 write it: the demo model's template, and the one an estimate without the model
+# directory assumes. Its markers are special tokens, so a tokenizer never splits them.
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 class MessageError(ValueError):
     """`messages` cannot be rendered; `code` is the LineError code (invalid_parameter or unsupported_parameter)."""
 

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
+from batchgen.batch.chat import CHATML as CHAT_TEMPLATE
 from batchgen.exec.models import ExecModelConfig, init_random
 
-# ChatML, as Qwen and SmolLM2 write it; the tokens are special, so the tokenizer never splits them.
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS = "<|im_end|>"
 

@@ -55,7 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.batch.chat import MessageError, load_chat_template, read_tokenizer_config, render_chat, special_token
+from batchgen.batch.chat import (CHATML, MessageError, load_chat_template, read_tokenizer_config, render_chat,
+                                 special_token)
 from batchgen.exec.sampling import SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -95,6 +96,29 @@ class ModelInfo:
                    chat_template=load_chat_template(path, tok_config),
                    bos_token=special_token(tok_config.get("bos_token")),
                    eos_token=special_token(tok_config.get("eos_token")))
+
+    @classmethod
+    def approximate(cls, vocab_size: int, max_context: int) -> "ModelInfo":
+        """For estimates without the model directory: guessed token counts and a ChatML template."""
+        return cls(vocab_size=vocab_size, max_context=max_context, tokenizer=ApproximateTokenizer(),
+                   chat_template=CHATML)
+
+
+class ApproximateTokenizer:
+    """Token counts without a tokenizer (an estimate made without the model directory): about 4 bytes of UTF-8
+    text a token, the usual ratio of English text for BPE vocabularies of 32K-150K tokens."""
+
+    BYTES_PER_TOKEN = 4
+
+    class _Encoding:
+        def __init__(self, n: int):
+            self.ids = [0] * n
+
+    def encode_batch(self, texts, add_special_tokens: bool = True):
+        return [self._Encoding(max(1, -(-len(t.encode("utf-8")) // self.BYTES_PER_TOKEN))) for t in texts]
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return 1
 
 
 @dataclass(frozen=True)

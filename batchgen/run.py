@@ -1,0 +1,152 @@
+"""Entry point of batch jobs:
+
+    python -m batchgen.run +policy=coroutine model.path=DIR job.input=requests.jsonl job.output=results.jsonl
+
+reads an OpenAI Batch API file, runs it on the executor and appends one OpenAI Batch output record per request
+the moment it completes (an error record for each bad line). Run the same command again to resume after a crash.
+`job.estimate=true` predicts the completion time on `cluster=...` under each policy instead, without loading any
+weight. See conf/run.yaml for every setting.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import hydra
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from batchgen.confdir import conf_dir
+from batchgen.memory import ConfigError
+
+COMMAND = "batchgen.run"
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+
+
+def _model_path(cfg: DictConfig):
+    return cfg.model.get("path") or cfg.backend.get("model_path")
+
+
+def run_job(cfg: DictConfig) -> None:
+    from batchgen.batch.job import JobSettings, executor_cluster, model_dir, model_name, run_batch
+    from batchgen.setup import build_setup, checked_calibration, model_spec
+    from batchgen.exec.models.loading import read_config
+    from batchgen.exec.run import ExecSettings, execute
+    from batchgen.job import Job
+    from batchgen.progress import bar
+
+    settings = JobSettings.from_config(_plain(cfg.job), seed=cfg.get("seed", 0))
+    path = model_dir(_model_path(cfg))
+    setup = build_setup(cfg, command=COMMAND)
+    backend = {k: v for k, v in _plain(cfg.backend).items() if k != "name"}
+    backend["model_path"] = str(path)
+    try:
+        exec_settings = ExecSettings(**backend)
+    except TypeError as e:
+        raise ConfigError(f"bad backend setting: {e}") from e
+    if exec_settings.repeats != 1:
+        raise ConfigError(f"backend.repeats={exec_settings.repeats}: a batch job runs its requests once; drop it")
+    dtype = exec_settings.torch_dtype(exec_settings.instance_devices(1))
+    spec = read_config(path).to_spec(model_name(path), dtype.itemsize)
+    checked_calibration(setup, spec)
+    cluster = executor_cluster(setup.cluster)
+
+    def build(workload) -> Job:
+        return Job(model=spec, cluster=cluster, workload=workload, policy=setup.policy, memory=setup.memory,
+                   efficiency=setup.efficiency, latency=setup.latency, page_tokens=setup.page_tokens,
+                   check_invariants=setup.check_invariants)
+
+    def run_on_executor(job, prompts, params, on_finish):
+        return execute(job, exec_settings, prompts=prompts, params=params, on_finish=on_finish)
+
+    summary = run_batch(settings, path, build, run_on_executor,
+                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress))
+    if summary.completed == 0 and summary.failed + summary.already_done == summary.requests:
+        print(f"job already complete: every one of the {summary.requests:,} requests has a record in "
+              f"{settings.output}; nothing to do")
+    print(summary.format())
+
+
+def estimate_job(cfg: DictConfig) -> None:
+    """The input's prompt lengths and max_tokens, simulated on `cluster` under each policy; no weight is read.
+    With model.path, lengths come from its tokenizer and its config.json gives the shape; else the `model`
+    group's spec is used and text lengths are guessed (about 4 bytes a token), which the printout says."""
+    from batchgen.batch.estimate import DEFAULT_OUTPUT, EstimateInput, estimate, format_estimate
+    from batchgen.batch.job import model_dir, model_name
+    from batchgen.batch.requests import ApproximateTokenizer, ModelInfo, read_requests
+    from batchgen.setup import build_setup, checked_calibration, model_spec
+    from batchgen.exec.models.loading import read_config
+    from batchgen.policy import policy_names
+    from batchgen.progress import enabled
+
+    job = _plain(cfg.job)
+    src = Path(str(job.get("input") or "")).expanduser()
+    if not job.get("input") or not src.is_file():
+        raise ConfigError(f"job.input={job.get('input')}: no such file (an OpenAI batch file: one JSON request a line)")
+    setup = build_setup(cfg, policy_required=False, command=COMMAND)
+    path = _model_path(cfg)
+    if path:
+        path = model_dir(path)
+        info = ModelInfo.from_dir(path)
+        if info.tokenizer is None:
+            info = replace(info, tokenizer=ApproximateTokenizer())
+        config = read_config(path)
+        spec = config.to_spec(model_name(path), checkpoint_bytes(path))
+    else:
+        spec = model_spec(cfg)
+        info = ModelInfo.approximate(spec.vocab_size, spec.max_context)
+    requests, errors = read_requests(src, info, job_seed=cfg.get("seed", 0),
+                                     default_max_tokens=job.get("default_max_tokens"))
+    if not requests:
+        raise ConfigError(f"job.input={src}: no valid request to estimate ({len(errors)} bad lines; run the job "
+                          "to get an error record for each)")
+    inp = EstimateInput(np.array([len(r.prompt_ids) for r in requests]), np.array([r.params.max_tokens for r in requests]),
+                        np.array([r.params.ignore_eos for r in requests]),
+                        approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer))
+    names = list(job.get("estimate_policies") or [])
+    unknown = [n for n in names if n not in policy_names()]
+    if not names or unknown:
+        raise ConfigError(f"job.estimate_policies={names}: give a list of policies from {', '.join(policy_names())}")
+    chosen = _plain(cfg.policy) if cfg.get("policy") is not None else {}
+    policies = [chosen if chosen.get("name") == n else _policy_file(n) for n in names]
+    output = job.get("estimate_output") or DEFAULT_OUTPUT
+    rows = estimate(spec, setup.cluster, inp, policies, output=output, seed=cfg.get("seed", 0),
+                    efficiency=setup.efficiency, latency=setup.latency, memory=setup.memory,
+                    progress=enabled(job.get("progress", "auto")))
+    print(format_estimate(rows, inp, output, spec, setup.cluster))
+    if errors:
+        print(f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
+
+
+def checkpoint_bytes(path: Path) -> float:
+    """Bytes per weight the checkpoint says it holds (config.json's torch_dtype; bf16 when it does not say)."""
+    import json
+
+    dtype = str(json.loads((path / "config.json").read_text()).get("torch_dtype") or "bfloat16")
+    return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(dtype, 1.0 if "float8" in dtype else 2.0)
+
+
+def _policy_file(name: str) -> dict:
+    return _plain(OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml"))
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="run")
+def main(cfg: DictConfig) -> None:
+    from batchgen.batch.output import OutputFileError
+    from batchgen.overrides import check_known_keys
+
+    try:
+        check_known_keys(cfg, COMMAND)
+        estimate_job(cfg) if cfg.job.get("estimate") else run_job(cfg)
+    except (ConfigError, OutputFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Batch jobs end to end (`python -m batchgen.run`): bad lines become error records and the job goes on; a job
+killed at random points and resumed ends with exactly the output of an uninterrupted run; a finished job exits 0
+without recomputing; job-level problems stop before any work with a message naming the setting."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchgen.batch.demo import write_demo_model
+from batchgen.confdir import conf_dir
+
+SMALL_EXEC = ["+policy=coroutine", "backend.device=cpu", "backend.threads=1", "backend.kv_budget_mb=8"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("demo"), requests=False)
+
+
+def completion(cid, prompt, max_tokens=12, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}}
+
+
+def chat(cid, text, max_tokens=12, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+                     **body}}
+
+
+def write_lines(path: Path, lines) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def comparable(records: list[dict]) -> dict:
+    """custom_id (or error line) -> record without the wall-clock `created` field."""
+    out = {}
+    for r in records:
+        key = r["custom_id"] if r["response"] else ("line", r["error"]["line"])
+        assert key not in out, f"{key} recorded twice"
+        if r["response"]:
+            r = json.loads(json.dumps(r))
+            r["response"]["body"].pop("created")
+        out[key] = r
+    return out
+
+
+def run_in_process(demo, requests: Path, output: Path, *overrides: str, capsys=None):
+    from batchgen.run import run_job
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("run", overrides=[*SMALL_EXEC, f"model.path={demo}", f"job.input={requests}",
+                                         f"job.output={output}", *overrides])
+    run_job(cfg)
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchgen.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "BATCHGEN_PROGRESS": "0"})
+
+
+def bad_and_good_lines():
+    """Ten lines, two of them bad in each listed way (a fifth of a larger file below)."""
+    return [
+        completion("a", "The quick brown fox"),
+        "{not json",                                                       # malformed line
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions"},    # missing body
+        chat("c", "What is the capital of France?"),
+        {**completion("d", "hello"), "url": "/v1/embeddings"},             # unknown url
+        completion("a", "a duplicate custom_id"),                          # duplicate custom_id
+        completion("e", [5, 6, 7, 8], max_tokens=8, return_token_ids=True),
+        completion("f", "x " * 3000, max_tokens=4),                        # longer than the context
+        completion("g", "Two plus two", temperature=-1),                   # invalid parameter
+        completion("h", "Once upon a time", max_tokens=6, ignore_eos=True),
+    ]
+
+
+def test_a_fifth_of_the_lines_bad(demo, tmp_path):
+    lines = []
+    for k in range(3):  # 30 lines: 6 good + 4 bad per copy, with distinct custom_ids per copy
+        for line in bad_and_good_lines():
+            if isinstance(line, dict):
+                line = {**line, "custom_id": f"{line['custom_id']}{k}"}
+            lines.append(line)
+    lines += [completion(f"extra{k}", "Write a short poem about the sea", max_tokens=5) for k in range(20)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    output = tmp_path / "results.jsonl"
+    run_in_process(demo, requests, output)
+    records = read_records(output)
+    good = [r for r in records if r["response"]]
+    errors = {r["error"]["line"]: r["error"] for r in records if r["error"]}
+    bad_lines = {i + 1 for i, line in enumerate(lines) if i < 30 and i % 10 in (1, 2, 4, 5, 7, 8)}
+    assert len(bad_lines) / len(lines) == pytest.approx(0.36)  # 18 of 50
+    assert set(errors) == bad_lines
+    for line, err in errors.items():
+        assert err["message"].startswith(f"line {line}: ")
+    codes = sorted({e["code"] for e in errors.values()})
+    assert codes == sorted({"invalid_json", "missing_field", "invalid_url", "duplicate_custom_id",
+                            "prompt_too_long", "invalid_parameter"})
+    assert sorted(r["custom_id"] for r in good) == sorted(
+        [f"{c}{k}" for k in range(3) for c in "acdeh" if c != "d"] + [f"extra{k}" for k in range(20)])
+    by_id = {r["custom_id"]: r["response"] for r in good}
+    assert all(r["status_code"] == 200 for r in by_id.values())
+    chat_body, ids_body, eos_body = by_id["c0"]["body"], by_id["e0"]["body"], by_id["h0"]["body"]
+    assert chat_body["object"] == "chat.completion" and chat_body["model"] == "batchgen-demo-moe"
+    assert chat_body["choices"][0]["message"]["role"] == "assistant"
+    assert ids_body["object"] == "text_completion"
+    assert ids_body["choices"][0]["prompt_token_ids"] == [5, 6, 7, 8]
+    assert len(ids_body["choices"][0]["token_ids"]) == ids_body["usage"]["completion_tokens"]
+    assert "token_ids" not in by_id["a0"]["body"]["choices"][0]
+    assert eos_body["usage"]["completion_tokens"] == 6 and eos_body["choices"][0]["finish_reason"] == "length"
+    for body in (chat_body, by_id["a0"]["body"]):
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] >= 2
+
+
+def test_requests_end_at_eos_unless_ignore_eos(demo, tmp_path):
+    """The demo model's EOS is <|im_end|>; a prompt made of it followed by itself makes greedy decoding likely to
+    stop at EOS somewhere within 64 tokens: whichever sequence stops early must say `stop`, and the same prompt
+    with ignore_eos runs to max_tokens."""
+    from batchgen.exec.models import load_tokenizer
+
+    eos = load_tokenizer(demo).token_to_id("<|im_end|>")
+    cfg = json.loads((demo / "config.json").read_text())
+    assert cfg["eos_token_id"] == eos
+    lines = [completion(f"p{k}", [k + 3, k + 9, eos], max_tokens=48) for k in range(24)]
+    lines += [completion(f"q{k}", [k + 3, k + 9, eos], max_tokens=48, ignore_eos=True, return_token_ids=True)
+              for k in range(24)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    output = tmp_path / "results.jsonl"
+    run_in_process(demo, requests, output)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in read_records(output)}
+    for k in range(24):
+        free, forced = by_id[f"p{k}"], by_id[f"q{k}"]
+        assert forced["usage"]["completion_tokens"] == 48 and forced["choices"][0]["finish_reason"] == "length"
+        n = free["usage"]["completion_tokens"]
+        # the same greedy tokens up to where the free one stopped
+        if free["choices"][0]["finish_reason"] == "stop":
+            assert forced["choices"][0]["token_ids"][n - 1] == eos and n < 48
+        else:
+            assert n == 48 and eos not in forced["choices"][0]["token_ids"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_resume(demo, tmp_path):
+    # ~13K tokens: a few seconds of decoding on one CPU thread, so that the kills land mid-run
+    lines = [completion(f"r{k}", f"Request number {k}: summarize the following text", max_tokens=40 + k % 80)
+             for k in range(160)]
+    lines.insert(7, "{torn")  # a bad line too: its error record must not be duplicated by resumes
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    baseline = tmp_path / "baseline.jsonl"
+    run_in_process(demo, requests, baseline)
+
+    output = tmp_path / "results.jsonl"
+    args = [*SMALL_EXEC, f"model.path={demo}", f"job.input={requests}", f"job.output={output}",
+            f"hydra.run.dir={tmp_path / 'hydra'}"]
+    rng = random.Random(1234)
+    kills = 0
+    for attempt in range(4):
+        before = len(output.read_text().splitlines()) if output.exists() else 0
+        proc = subprocess.Popen([sys.executable, "-m", "batchgen.run", *args], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, env={**os.environ, "BATCHGEN_PROGRESS": "0"})
+        deadline = time.monotonic() + 120
+        # wait until this run has written something new, then kill it a random moment later
+        while time.monotonic() < deadline and proc.poll() is None:
+            if output.exists() and len(output.read_text().splitlines()) > before + 1:
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.4))
+        if proc.poll() is not None:
+            break  # it finished before the kill: nothing left to interrupt
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 2, "the job finished too fast to be interrupted twice: give it more work"
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert comparable(read_records(output)) == comparable(read_records(baseline))
+
+    again = cli(*args)  # a finished job says so, recomputes nothing, and exits 0
+    assert again.returncode == 0, again.stderr
+    assert "job already complete" in again.stdout
+    assert comparable(read_records(output)) == comparable(read_records(baseline))
+
+
+@pytest.mark.slow
+def test_cli_job_level_errors_before_any_work(demo, tmp_path):
+    requests = write_lines(tmp_path / "requests.jsonl", [completion("a", "hello", max_tokens=1000)])
+    cases = [
+        ([f"job.input={requests}", f"job.output={tmp_path / 'out.jsonl'}"], "model.path"),
+        ([f"model.path={tmp_path / 'nowhere'}", f"job.input={requests}", f"job.output={tmp_path / 'o.jsonl'}"],
+         "no such directory"),
+        ([f"model.path={demo}", f"job.input={tmp_path / 'missing.jsonl'}", f"job.output={tmp_path / 'o.jsonl'}"],
+         "job.input"),
+        ([f"model.path={demo}", f"job.input={requests}", f"job.output={tmp_path / 'no' / 'dir' / 'o.jsonl'}"],
+         "does not exist"),
+        ([f"model.path={demo}", f"job.input={requests}", f"job.output={tmp_path / 'o.jsonl'}",
+          "backend.kv_budget_mb=0.05", "policy.kv_residency=device"], "backend.kv_budget_mb"),
+    ]
+    for overrides, needle in cases:
+        res = cli("+policy=coroutine", "backend.device=cpu", f"hydra.run.dir={tmp_path / 'hydra'}", *overrides)
+        assert res.returncode == 2, (overrides, res.stdout, res.stderr)
+        assert needle in res.stderr, (needle, res.stderr)
+        assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
