@@ -5,62 +5,53 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from batchgen.confdir import conf_dir
 from batchgen.job import Job
-from batchgen.latency import LatencySettings, check_calibration, load_efficiency
-from batchgen.memory import ConfigError, MemorySettings
+from batchgen.memory import ConfigError
 from batchgen.overrides import check_known_keys
-from batchgen.policy import make_policy, policy_names
-from batchgen.specs import ClusterSpec, ModelSpec
+from batchgen.setup import build_setup, checked_calibration, model_path, model_spec, typed
 from batchgen.workload import build_workload
 
 BACKENDS = ("sim", "exec")
-
-
-def _plain(node: Any) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
 def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | None = "batchgen.experiment") -> Job:
     """Validate the config and build the job; raises ConfigError with a message that says how to fix it.
 
     `command`: whose keys the config may hold (`check_known_keys`; conf/config.yaml's for batchgen.experiment),
-    None to skip that check (a caller that checked its own config already)."""
+    None to skip that check (a caller that checked its own config already). With a model directory (model.path,
+    or backend.model_path for the executor) the model's name and shape come from its config.json."""
     if command is not None:
         check_known_keys(cfg, command)
-    if cfg.get("policy") is None:
-        raise ConfigError(f"no policy chosen: add +policy=<name> with one of {', '.join(policy_names())}, "
-                          "e.g. python -m batchgen.experiment +policy=coroutine")
+    setup = build_setup(cfg, command=command or "batchgen.experiment")
     backend = cfg.get("backend", {}).get("name")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    model = model_spec(cfg, executor_element_bytes(cfg) if backend == "exec" else None)
+    checked_calibration(setup, model)
     try:
-        policy = make_policy(_plain(cfg.policy))
-        model = ModelSpec.from_dict(_plain(cfg.model))
-        cluster = ClusterSpec.from_config(_plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
-        memory = MemorySettings(**_plain(cfg.get("memory")))
-        # null factors (conf/config.yaml lists every one, so that efficiency.compute=0.5 works without +): unset
-        efficiency = load_efficiency({k: v for k, v in _plain(cfg.get("efficiency")).items() if v is not None},
-                                     cluster.gpu.name)
-        latency = LatencySettings(**_plain(cfg.get("latency")))
-        if latency.calibration is not None and latency.name != "table":
-            raise ConfigError(f"latency.calibration is read by latency=table only (this job uses "
-                              f"latency={latency.name}): add latency=table, or drop latency.calibration")
-        check_calibration(latency, model)
-        workload = build_workload(cfg.workload, seed=_typed(cfg, "seed", int, 0), base_dir=base_dir,
+        workload = build_workload(cfg.workload, seed=typed(cfg, "seed", int, 0), base_dir=base_dir,
                                   progress=progress_setting(cfg))
-        return Job(model=model, cluster=cluster, workload=workload, policy=policy, memory=memory,
-                   efficiency=efficiency, latency=latency, page_tokens=_typed(cfg, "page_tokens", int, 64),
-                   routing_skew=_typed(cfg, "routing_skew", float, 0.0),
-                   check_invariants=_typed(cfg, "check_invariants", bool, False))
-    except ConfigError:
-        raise
-    except TypeError as e:  # unknown keyword in memory / latency
-        raise ConfigError(f"bad setting: {e}") from e
+        return Job(model=model, cluster=setup.cluster, workload=workload, policy=setup.policy,
+                   memory=setup.memory, efficiency=setup.efficiency, latency=setup.latency,
+                   page_tokens=setup.page_tokens, routing_skew=setup.routing_skew,
+                   check_invariants=setup.check_invariants)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+
+
+def executor_element_bytes(cfg: DictConfig) -> float | None:
+    """Bytes per weight the executor will hold a model directory in (its dtype), for the model's spec."""
+    if not model_path(cfg):
+        return None
+    from batchgen.exec.run import ExecSettings
+
+    b = cfg.backend
+    settings = ExecSettings(device=b.get("device", "auto"), dtype=b.get("dtype", "auto"))
+    devices = [settings._device(d) for d in (settings.device if isinstance(settings.device, list)
+                                             else [settings.device])]
+    return settings.torch_dtype(devices).itemsize
 
 
 def progress_setting(cfg: DictConfig) -> Any:
@@ -69,15 +60,4 @@ def progress_setting(cfg: DictConfig) -> Any:
     value = output.get("progress", "auto") if output is not None else "auto"
     if not (isinstance(value, bool) or value is None or value == "auto"):
         raise ConfigError(f"output.progress must be auto, true or false, got {value!r}")
-    return value
-
-
-def _typed(cfg: DictConfig, key: str, kind: type, default: Any) -> Any:
-    value = cfg.get(key, default)
-    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        what = {int: "a whole number", float: "a number", bool: "true or false"}[kind]
-        raise ConfigError(f"{key} must be {what}, got {value!r}")
     return value

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.config import build_job, progress_setting
+from batchgen.setup import model_path
 from batchgen.memory import ConfigError
 
 log = logging.getLogger("batchgen")
@@ -38,6 +39,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         from batchgen.exec.run import ExecSettings, execute
         from batchgen.progress import FinishProgress
         settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+        settings["model_path"] = model_path(cfg)  # model.path, or backend.model_path
         repeats = settings.get("repeats", 1)
         repeats = repeats if isinstance(repeats, int) and repeats > 0 else 1
         shown = FinishProgress(len(job.workload) * repeats, f"execute {job.policy.name}", progress)

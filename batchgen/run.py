@@ -28,20 +28,15 @@ def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
-def _model_path(cfg: DictConfig):
-    return cfg.model.get("path") or cfg.backend.get("model_path")
-
-
 def run_job(cfg: DictConfig) -> None:
-    from batchgen.batch.job import JobSettings, executor_cluster, model_dir, model_name, run_batch
-    from batchgen.setup import build_setup, checked_calibration, model_spec
-    from batchgen.exec.models.loading import read_config
+    from batchgen.batch.job import JobSettings, executor_cluster, model_dir, run_batch
+    from batchgen.setup import build_setup, checked_calibration, model_path, model_spec
     from batchgen.exec.run import ExecSettings, execute
     from batchgen.job import Job
     from batchgen.progress import bar
 
     settings = JobSettings.from_config(_plain(cfg.job), seed=cfg.get("seed", 0))
-    path = model_dir(_model_path(cfg))
+    path = model_dir(model_path(cfg))
     setup = build_setup(cfg, command=COMMAND)
     backend = {k: v for k, v in _plain(cfg.backend).items() if k != "name"}
     backend["model_path"] = str(path)
@@ -52,7 +47,7 @@ def run_job(cfg: DictConfig) -> None:
     if exec_settings.repeats != 1:
         raise ConfigError(f"backend.repeats={exec_settings.repeats}: a batch job runs its requests once; drop it")
     dtype = exec_settings.torch_dtype(exec_settings.instance_devices(1))
-    spec = read_config(path).to_spec(model_name(path), dtype.itemsize)
+    spec = model_spec(cfg, dtype.itemsize)
     checked_calibration(setup, spec)
     cluster = executor_cluster(setup.cluster)
 
@@ -77,10 +72,9 @@ def estimate_job(cfg: DictConfig) -> None:
     With model.path, lengths come from its tokenizer and its config.json gives the shape; else the `model`
     group's spec is used and text lengths are guessed (about 4 bytes a token), which the printout says."""
     from batchgen.batch.estimate import DEFAULT_OUTPUT, EstimateInput, estimate, format_estimate
-    from batchgen.batch.job import model_dir, model_name
+    from batchgen.batch.job import model_dir
     from batchgen.batch.requests import ApproximateTokenizer, ModelInfo, read_requests
-    from batchgen.setup import build_setup, checked_calibration, model_spec
-    from batchgen.exec.models.loading import read_config
+    from batchgen.setup import build_setup, checked_calibration, model_path, model_spec
     from batchgen.policy import policy_names
     from batchgen.progress import enabled
 
@@ -89,16 +83,14 @@ def estimate_job(cfg: DictConfig) -> None:
     if not job.get("input") or not src.is_file():
         raise ConfigError(f"job.input={job.get('input')}: no such file (an OpenAI batch file: one JSON request a line)")
     setup = build_setup(cfg, policy_required=False, command=COMMAND)
-    path = _model_path(cfg)
+    path = model_path(cfg)
+    spec = model_spec(cfg)
+    checked_calibration(setup, spec)
     if path:
-        path = model_dir(path)
-        info = ModelInfo.from_dir(path)
+        info = ModelInfo.from_dir(model_dir(path))
         if info.tokenizer is None:
             info = replace(info, tokenizer=ApproximateTokenizer())
-        config = read_config(path)
-        spec = config.to_spec(model_name(path), checkpoint_bytes(path))
     else:
-        spec = model_spec(cfg)
         info = ModelInfo.approximate(spec.vocab_size, spec.max_context)
     requests, errors = read_requests(src, info, job_seed=cfg.get("seed", 0),
                                      default_max_tokens=job.get("default_max_tokens"))
@@ -121,14 +113,6 @@ def estimate_job(cfg: DictConfig) -> None:
     print(format_estimate(rows, inp, output, spec, setup.cluster))
     if errors:
         print(f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
-
-
-def checkpoint_bytes(path: Path) -> float:
-    """Bytes per weight the checkpoint says it holds (config.json's torch_dtype; bf16 when it does not say)."""
-    import json
-
-    dtype = str(json.loads((path / "config.json").read_text()).get("torch_dtype") or "bfloat16")
-    return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(dtype, 1.0 if "float8" in dtype else 2.0)
 
 
 def _policy_file(name: str) -> dict:

@@ -32,9 +32,29 @@ def plain(node: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
-def model_spec(cfg: DictConfig) -> ModelSpec:
-    """The `model` group's spec (its `path`, read by the executor, is not part of the shape)."""
-    return ModelSpec.from_dict({k: v for k, v in plain(cfg.model).items() if k != "path"})
+def model_path(cfg: DictConfig) -> str | None:
+    """A model directory given as model.path (or, for the executor, backend.model_path)."""
+    backend = cfg.get("backend") or {}
+    return cfg.model.get("path") or (backend.get("model_path") if backend.get("name") == "exec" else None)
+
+
+def model_spec(cfg: DictConfig, element_bytes: float | None = None) -> ModelSpec:
+    """The model's shape and name: from config.json when a model directory is given (what actually runs, in
+    `element_bytes` per weight or the checkpoint's own), else the `model` group's spec."""
+    path = model_path(cfg)
+    if not path:
+        try:
+            return ModelSpec.from_dict({k: v for k, v in plain(cfg.model).items() if k != "path"})
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    from batchgen.exec.models import ModelLoadError, UnsupportedModelError
+    from batchgen.exec.models.loading import checkpoint_bytes, checkpoint_name, read_config
+
+    try:
+        config = read_config(path)
+    except (ModelLoadError, UnsupportedModelError) as e:
+        raise ConfigError(f"model.path: {e}") from e
+    return config.to_spec(checkpoint_name(path), element_bytes or checkpoint_bytes(path))
 
 
 def build_setup(cfg: DictConfig, *, policy_required: bool = True, command: str = "batchgen.experiment") -> Setup:

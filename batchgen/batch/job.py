@@ -7,7 +7,6 @@ again (nothing is recomputed that was written, and nothing is written twice), an
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 
 from batchgen.batch.output import ResultLog, chat_body, completion_body, error_record, success_record
 from batchgen.batch.requests import CHAT, LineError, ModelInfo, Request, read_requests
+from batchgen.exec.models.loading import checkpoint_name
 from batchgen.memory import ConfigError
 
 DEMO_HINT = "python -m batchgen.batch.demo DIR writes a small one to try"
@@ -100,15 +100,6 @@ def model_dir(path: Any) -> Path:
     return p
 
 
-def model_name(path: Path) -> str:
-    """What results call the model: config.json's own name for it, else the directory's."""
-    try:
-        name = json.loads((path / "config.json").read_text()).get("_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        name = None
-    return str(name) if name else path.resolve().name
-
-
 @dataclass
 class _Writer:
     """Turns each finished sequence into its output record, appended and flushed at once."""
@@ -167,7 +158,7 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, ba
                                 np.array([r.params.max_tokens for r in todo]))
             job = build_job(workload)
             bar = bar_factory(len(todo)) if bar_factory else None
-            writer = _Writer(log, todo, model_name(model_path), summary, bar)
+            writer = _Writer(log, todo, checkpoint_name(model_path), summary, bar)
             try:
                 execute(job, [r.prompt_ids for r in todo], [r.params for r in todo], writer)
             finally:

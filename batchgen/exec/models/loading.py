@@ -139,6 +139,26 @@ def read_config(path: str | Path) -> ExecModelConfig:
         raise ModelLoadError(f"{config_file}: {e}") from e
 
 
+def checkpoint_name(path: str | Path) -> str:
+    """What results call a model directory's model: config.json's own name for it, else the directory's."""
+    path = Path(path)
+    try:
+        name = json.loads((path / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    return str(name) if name else path.resolve().name
+
+
+def checkpoint_bytes(path: str | Path) -> float:
+    """Bytes per weight the checkpoint holds (config.json's torch_dtype or dtype; bf16 when it does not say)."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        d = {}
+    dtype = str(d.get("torch_dtype") or d.get("dtype") or "bfloat16")
+    return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(dtype, 1.0 if "float8" in dtype else 2.0)
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> MoEDecoder:
     """Weights are cast to `dtype` on load; parameters are allocated on `device` once, never initialised."""
