@@ -109,10 +109,16 @@ def estimate_job(cfg: DictConfig) -> None:
     output = job.get("estimate_output") or DEFAULT_OUTPUT
     rows = estimate(spec, setup.cluster, inp, policies, output=output, seed=cfg.get("seed", 0),
                     efficiency=setup.efficiency, latency=setup.latency, memory=setup.memory,
-                    progress=enabled(job.get("progress", "auto")))
+                    progress=enabled(job.get("progress", "auto")), share=_share(job.get("estimate_share", "auto")))
     print(format_estimate(rows, inp, output, spec, setup.cluster))
     if errors:
         print(f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
+
+
+def _share(value) -> bool | None:
+    if value == "auto" or isinstance(value, bool):
+        return None if value == "auto" else value
+    raise ConfigError(f"job.estimate_share must be auto, true or false, got {value!r}")
 
 
 def _policy_file(name: str) -> dict:

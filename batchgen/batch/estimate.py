@@ -383,12 +383,16 @@ def format_estimate(rows: Sequence[EstimateRow], inp: EstimateInput, output: Map
         if r.ok and r.plan:
             lines.append(f"  {r.policy}: {r.plan}")
     ignore = int(inp.ignore_eos.sum())
-    lines += ["", "Assumptions (the figures depend on them):",
-              f"- output lengths are unknown until EOS, so they were {describe_output(output)}, clipped at each "
-              f"request's max_tokens" + (f"; {ignore:,} request(s) with ignore_eos run to exactly max_tokens"
-                                         if ignore else "")
-              + ". Longer answers than assumed mean a later completion; "
-                "output={kind: max_tokens} gives the upper bound."]
+    lines += ["", "Assumptions (the figures depend on them):"]
+    if dict(output).get("kind") == "max_tokens":
+        lines.append("- every request runs to its max_tokens: an upper bound, since requests that end at EOS "
+                     "finish earlier")
+    else:
+        lines.append(f"- output lengths are unknown until EOS, so they were {describe_output(output)}, clipped at "
+                     f"each request's max_tokens" + (f"; {ignore:,} request(s) with ignore_eos run to exactly "
+                                                     "max_tokens" if ignore else "")
+                     + ". Longer answers than assumed mean a later completion; "
+                       "job.estimate_output={kind:max_tokens} gives the upper bound.")
     if inp.approximate_prompts:
         lines.append("- prompt lengths are approximate (no tokenizer was available: estimated from the text)")
     sims = {r.simulated_requests for r in rows}
@@ -399,5 +403,5 @@ def format_estimate(rows: Sequence[EstimateRow], inp: EstimateInput, output: Map
                      f"running its round-robin share ({simulated:,} of {n:,} requests; the group that gets the "
                      "longest request): an approximation, since the other groups' shares are statistically equal "
                      "but not identical and coroutine's cross-instance migration cannot reach other groups here "
-                     "(share=False simulates the whole cluster)")
+                     "(job.estimate_share=false simulates the whole cluster)")
     return "\n".join(lines)

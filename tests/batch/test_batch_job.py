@@ -215,3 +215,41 @@ def test_cli_job_level_errors_before_any_work(demo, tmp_path):
         assert res.returncode == 2, (overrides, res.stdout, res.stderr)
         assert needle in res.stderr, (needle, res.stderr)
         assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
+
+
+def estimate_output(capsys, *overrides: str) -> str:
+    from batchgen.run import estimate_job
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("run", overrides=["job.estimate=true", "job.progress=false", *overrides])
+    estimate_job(cfg)
+    return capsys.readouterr().out
+
+
+def test_estimate_reads_the_file_and_loads_no_weights(demo, tmp_path, capsys, monkeypatch):
+    import batchgen.exec.models.loading as loading
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the estimate must not load weights")
+
+    monkeypatch.setattr(loading, "load_model", no_weights)
+    lines = [completion(f"a{k}", "The quick brown fox " * (1 + k % 5), max_tokens=64) for k in range(150)]
+    lines += [chat(f"c{k}", "Summarize this text " * 3, max_tokens=32, ignore_eos=True) for k in range(50)]
+    lines.append("{bad")
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    out = estimate_output(capsys, f"model.path={demo}", f"job.input={requests}", "cluster=h100_8",
+                          "job.estimate_policies=[coroutine,static]")
+    assert "200 requests" in out and "batchgen-demo-moe" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["coroutine"], ["static"])]
+    assert [r[0] for r in rows] == ["coroutine", "static"]
+    assert "output lengths" in out and "1 lines of the input are bad" in out
+    assert "approximate" not in out  # the demo directory has a tokenizer
+
+
+def test_estimate_without_a_model_directory_guesses_prompt_lengths(tmp_path, capsys):
+    requests = write_lines(tmp_path / "requests.jsonl",
+                           [completion(f"a{k}", "word " * 200, max_tokens=128) for k in range(100)])
+    out = estimate_output(capsys, f"job.input={requests}", "model=qwen3_30b_a3b", "cluster=h100_8",
+                          "job.estimate_policies=[coroutine]")
+    assert "qwen3_30b_a3b" in out and "prompt lengths are approximate" in out
+    assert "25,000 prompt tokens" in out  # 100 prompts of 1,000 bytes, about 4 bytes a token
