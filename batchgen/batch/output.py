@@ -78,45 +78,26 @@ def _usage(prompt_ids: Sequence[int], token_ids: Sequence[int]) -> dict:
             "total_tokens": len(prompt_ids) + len(token_ids)}
 
 
-def _choice(choice: dict, prompt_ids: Sequence[int], token_ids: Sequence[int], return_token_ids: bool) -> dict:
-    # vLLM's convention for returning token ids in an OpenAI response: on the choice, next to the text.
-    if return_token_ids:
+def _body(prefix: str, obj: str, choice: dict, *, custom_id: str, model: str, created: int,
+          prompt_ids: Sequence[int], token_ids: Sequence[int], finish_reason: str, return_token_ids: bool) -> dict:
+    choice = {"index": 0, **choice, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+    if return_token_ids:  # vLLM's convention for returning token ids in an OpenAI response: on the choice
         choice["token_ids"] = [int(t) for t in token_ids]
         choice["prompt_token_ids"] = [int(t) for t in prompt_ids]
-    return choice
+    return {"id": f"{prefix}-{_hex(prefix, custom_id, n=32)}", "object": obj, "created": created, "model": model,
+            "choices": [choice], "usage": _usage(prompt_ids, token_ids)}
 
 
-def completion_body(*, custom_id: str, model: str, created: int, prompt_ids: Sequence[int],
-                    token_ids: Sequence[int], text: str | None, finish_reason: str,
-                    return_token_ids: bool) -> dict:
+def completion_body(*, text: str | None, **fields) -> dict:
     """An OpenAI Completion object (the answer to /v1/completions). `text` is None for a model without a
-    tokenizer; the text is then "" and only the token ids (if asked for) carry the answer."""
-    choice = {"index": 0, "text": text or "", "logprobs": None,
-              "finish_reason": openai_finish_reason(finish_reason)}
-    return {
-        "id": f"cmpl-{_hex('cmpl', custom_id, n=32)}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(choice, prompt_ids, token_ids, return_token_ids)],
-        "usage": _usage(prompt_ids, token_ids),
-    }
+    tokenizer; the text is then "" and only the token ids (if asked for) carry the answer. `fields`: custom_id,
+    model, created, prompt_ids, token_ids, finish_reason (batchgen's), return_token_ids."""
+    return _body("cmpl", "text_completion", {"text": text or ""}, **fields)
 
 
-def chat_body(*, custom_id: str, model: str, created: int, prompt_ids: Sequence[int],
-              token_ids: Sequence[int], text: str | None, finish_reason: str,
-              return_token_ids: bool) -> dict:
+def chat_body(*, text: str | None, **fields) -> dict:
     """An OpenAI ChatCompletion object (the answer to /v1/chat/completions); see `completion_body`."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
-              "finish_reason": openai_finish_reason(finish_reason)}
-    return {
-        "id": f"chatcmpl-{_hex('chatcmpl', custom_id, n=32)}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(choice, prompt_ids, token_ids, return_token_ids)],
-        "usage": _usage(prompt_ids, token_ids),
-    }
+    return _body("chatcmpl", "chat.completion", {"message": {"role": "assistant", "content": text or ""}}, **fields)
 
 
 def encode_record(record: dict) -> bytes:
