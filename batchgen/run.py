@@ -56,8 +56,9 @@ def run_job(cfg: DictConfig) -> None:
                    efficiency=setup.efficiency, latency=setup.latency, page_tokens=setup.page_tokens,
                    check_invariants=setup.check_invariants)
 
-    def run_on_executor(job, prompts, params, on_finish):
-        return execute(job, exec_settings, prompts=prompts, params=params, on_finish=on_finish)
+    def run_on_executor(job, prompts, params, on_finish, resumed, after_run):
+        return execute(job, exec_settings, prompts=prompts, params=params, on_finish=on_finish, resumed=resumed,
+                       after_run=after_run)
 
     summary = run_batch(settings, path, build, run_on_executor,
                         bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress))

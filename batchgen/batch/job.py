@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.batch.checkpoint import Checkpointer, load_partial, partial_path
 from batchgen.batch.output import ResultLog, chat_body, completion_body, error_record, success_record
 from batchgen.batch.requests import CHAT, LineError, ModelInfo, Request, read_requests
 from batchgen.exec.models.loading import checkpoint_name
@@ -32,6 +33,7 @@ class JobSettings:
     fsync: bool = True
     progress: bool | None = None  # None: when stderr is a terminal
     seed: int = 0
+    checkpoint_s: float | None = 60.0  # save the tokens of requests still decoding this often (None: never)
 
     @classmethod
     def from_config(cls, job: dict, seed: int = 0) -> "JobSettings":
@@ -61,7 +63,11 @@ class JobSettings:
             raise ConfigError(f"job.progress must be auto, true or false, got {progress!r}")
         if not isinstance(job.get("fsync", True), bool):
             raise ConfigError(f"job.fsync must be true or false, got {job.get('fsync')!r}")
-        return cls(src, out, limit, job.get("fsync", True), None if progress == "auto" else progress, seed)
+        every = job.get("checkpoint_s", 60.0)
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0):
+            raise ConfigError(f"job.checkpoint_s must be a number of seconds > 0, or null (never), got {every!r}")
+        return cls(src, out, limit, job.get("fsync", True), None if progress == "auto" else progress, seed,
+                   None if every is None else float(every))
 
 
 @dataclass
@@ -75,6 +81,8 @@ class JobSummary:
     wall_s: float = 0.0
     output: Path | None = None
     repaired_bytes: int = 0  # a torn last line cut off the results file (a previous run was killed mid-write)
+    resumed: int = 0         # requests that continued from the tokens an interrupted run had saved
+    resumed_tokens: int = 0
 
     def format(self) -> str:
         rate = self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -83,6 +91,9 @@ class JobSummary:
                  f"tokens in {self.prompt_tokens:,}, tokens out {self.output_tokens:,}, wall time {self.wall_s:.1f} s"
                  + (f" ({rate:,.1f} tokens/s out)" if self.completed else ""),
                  f"results: {self.output}"]
+        if self.resumed:
+            lines.append(f"({self.resumed:,} requests continued from the {self.resumed_tokens:,} tokens an interrupted "
+                         "run had generated)")
         if self.repaired_bytes:
             lines.append(f"(cut a torn last line of {self.repaired_bytes} bytes left by an interrupted run)")
         return "\n".join(lines)
@@ -138,8 +149,9 @@ def record_line_errors(log: ResultLog, errors: list[LineError]) -> int:
 
 
 def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, bar_factory=None) -> JobSummary:
-    """build_job(workload) -> Job and execute(job, prompts, params, on_finish) -> output: the caller's executor
-    (single process or distributed) and its settings. bar_factory(total) -> a tqdm-like bar, or None."""
+    """build_job(workload) -> Job and execute(job, prompts, params, on_finish, resumed, after_run) -> output: the
+    caller's executor (single process or distributed) and its settings (see `batchgen.exec.run.execute`).
+    bar_factory(total) -> a tqdm-like bar, or None."""
     from batchgen.workload import Workload
 
     start = time.perf_counter()
@@ -154,16 +166,24 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, ba
         todo = [r for r in requests if r.custom_id not in log.done_ids]
         summary.already_done = len(requests) - len(todo)
         if todo:
-            workload = Workload(f"batch:{settings.input.name}", np.array([len(r.prompt_ids) for r in todo]),
-                                np.array([r.params.max_tokens for r in todo]))
+            resumed = load_partial(settings.output, todo)
+            summary.resumed = sum(1 for t in resumed if t)
+            summary.resumed_tokens = sum(len(t) for t in resumed)
+            done_before = np.array([len(t) for t in resumed], dtype=np.int64)
+            workload = Workload(f"batch:{settings.input.name}",
+                                np.array([len(r.prompt_ids) for r in todo]) + done_before,
+                                np.array([r.params.max_tokens for r in todo]) - done_before)
             job = build_job(workload)
             bar = bar_factory(len(todo)) if bar_factory else None
             writer = _Writer(log, todo, checkpoint_name(model_path), summary, bar)
+            checkpoint = (Checkpointer(settings.output, todo, settings.checkpoint_s, settings.fsync)
+                          if settings.checkpoint_s else None)
             try:
-                execute(job, [r.prompt_ids for r in todo], [r.params for r in todo], writer)
+                execute(job, [r.prompt_ids for r in todo], [r.params for r in todo], writer, resumed, checkpoint)
             finally:
                 if bar is not None:
                     bar.close()
+        partial_path(settings.output).unlink(missing_ok=True)  # every request has its record now
     summary.wall_s = time.perf_counter() - start
     return summary
 

@@ -192,12 +192,17 @@ def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtyp
 
 
 def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | None = None,
-            params: list[SamplingParams] | None = None, on_finish: FinishObserver | None = None) -> ExecOutput:
+            params: list[SamplingParams] | None = None, on_finish: FinishObserver | None = None,
+            resumed: list[list[int]] | None = None, after_run: Callable[[SequenceTokens], None] | None = None
+            ) -> ExecOutput:
     """`prompts`: real prompt token ids, one per workload sequence, of the workload's input lengths; None:
     synthetic prompts of those lengths (seeded by `settings.weights_seed`). `params`: each sequence's own
     sampling and stopping (its max_tokens the workload's output length); None: the settings' for every one.
     `on_finish(ids, tokens)`: called after every run in which sequences ended, with their ids and the run's
-    tokens (a batch job writes each result the moment it is known), in every repeat.
+    tokens (a batch job writes each result the moment it is known), in every repeat. `resumed`: tokens each
+    sequence generated in an earlier, interrupted run (see `SequenceTokens`); the workload's input lengths then
+    count them (prompt + resumed) and its output lengths what is left. `after_run(tokens)`: called after every
+    run (a batch job checkpoints the unfinished sequences' tokens from it).
 
     With `settings.repeats` = N the job runs N times on the same weights and prompts; the run returned is the
     one of median BCT (the lower median for even N, so that every number reported comes from one real run),
@@ -213,13 +218,15 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         config = model_config(job, settings)
         _check_lengths(job, config)
         pools = kv_pools(job, settings, config, dtype)
-        params = _checked_params(job, settings, params)
+        done_before = [len(r) for r in resumed] if resumed is not None else [0] * len(job.workload)
+        params = _checked_params(job, settings, params, done_before)
         model = build_model(job, settings, devices[0], dtype).eval()
         models = {devices[0]: model}
         for dev in devices[1:]:  # one copy of the weights per device that runs an instance
             models.setdefault(dev, copy.deepcopy(model).to(dev))
-        prompts = _checked_prompts(job, settings, model.config, prompts)
-        runs = [_run_once(job, settings, models, devices, dtype, pools, prompts, params, on_finish)
+        prompts = _checked_prompts(job, settings, model.config, prompts, done_before)
+        runs = [_run_once(job, settings, models, devices, dtype, pools, prompts, params, on_finish, resumed,
+                          after_run)
                 for _ in range(settings.repeats)]
     names = sorted({str(d) for d in devices})
     for r in runs:
@@ -253,21 +260,22 @@ def _check_lengths(job: Job, c: ExecModelConfig) -> None:
                           "workload.max_output)")
 
 
-def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig,
-                     prompts: list[np.ndarray] | None) -> list[np.ndarray]:
+def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig, prompts: list[np.ndarray] | None,
+                     done_before: list[int]) -> list[np.ndarray]:
     """The prompts every repeat runs (synthetic when None), after checking they fit the model."""
     w = job.workload
     if prompts is None:
         return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
-    lens = [len(p) for p in prompts]
-    if lens != [int(n) for n in w.input_lens]:
+    lens = [len(p) + d for p, d in zip(prompts, done_before)]
+    if len(prompts) != len(w) or lens != [int(n) for n in w.input_lens]:
         raise ConfigError(f"prompts: {len(prompts)} prompts of lengths {lens[:8]} do not match the workload's "
                           f"{len(w.input_lens)} input lengths {[int(n) for n in w.input_lens[:8]]}")
     return prompts
 
 
-def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParams] | None) -> list[SamplingParams]:
+def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParams] | None,
+                    done_before: list[int]) -> list[SamplingParams]:
     w = job.workload
     if params is None:
         try:
@@ -276,8 +284,8 @@ def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParam
                     for n in w.output_lens]
         except ValueError as e:
             raise ConfigError(f"backend sampling settings: {e}") from e
-    budgets = [p.max_tokens for p in params]
-    if budgets != [int(n) for n in w.output_lens]:
+    budgets = [p.max_tokens - d for p, d in zip(params, done_before)]
+    if len(params) != len(w) or budgets != [int(n) for n in w.output_lens]:
         raise ConfigError(f"params: {len(params)} sampling settings with max_tokens {budgets[:8]} do not match the "
                           f"workload's {len(w)} output lengths {[int(n) for n in w.output_lens[:8]]}")
     return params
@@ -285,7 +293,8 @@ def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParam
 
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
               pools: KVPools, prompts: list[np.ndarray], params: list[SamplingParams],
-              on_finish: FinishObserver | None) -> ExecOutput:
+              on_finish: FinishObserver | None, resumed: list[list[int]] | None = None,
+              after_run: Callable[[SequenceTokens], None] | None = None) -> ExecOutput:
     """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
     start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
@@ -302,19 +311,21 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     elif any(p.stop for p in params):
         raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
                           "tokenizer.json")
-    tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode)
+    tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode, resumed=resumed)
     runners = [InstanceRunner(models[dev]) for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
     records: list[StepRecord] = []
 
     def on_step(plan, result) -> None:
         ended = finished_ids(plan, result)
-        if ended.size:
+        if ended.size and on_finish:
             on_finish(ended, tokens)
+        if after_run:
+            after_run(tokens)
 
     loops = [instance_loop(prepared.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
                            check_invariants=job.check_invariants,
-                           on_step=on_step if on_finish else None)
+                           on_step=on_step if on_finish or after_run else None)
              for inst in range(prepared.state.topo.num_instances)]
     while loops:  # round-robin: each instance runs one step (or one wait) at a time
         for loop in list(loops):

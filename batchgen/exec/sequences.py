@@ -23,6 +23,9 @@ class SequenceTokens:
     params: list[SamplingParams]
     eos_token_ids: tuple[int, ...] = ()
     decode: Callable[[Sequence[int]], str] | None = None  # a tokenizer's decode: needed for stop strings
+    # tokens some sequences generated before (a resumed batch job): they continue from there, their KV rebuilt by
+    # prefilling prompt + these tokens, and sample their next token at step len(resumed[i]), as they would have
+    resumed: list[Sequence[int]] | None = None
     generated: list[list[int]] = field(init=False)
     stops: list[StopChecker] = field(init=False)
 
@@ -34,6 +37,10 @@ class SequenceTokens:
         self.generated = [[] for _ in self.prompts]
         self.stops = [StopChecker(p, self.eos_token_ids, context_ids=prompt[-4:].tolist())
                       for p, prompt in zip(self.params, self.prompts)]
+        for sid, earlier in enumerate(self.resumed or ()):
+            for token in earlier:
+                if self.append(sid, token):
+                    raise ValueError(f"sequence {sid}: its resumed tokens already end it; it is not unfinished")
 
     def context(self, sid: int) -> list[int]:
         """Everything whose KV a sequence needs: the prompt, then what it generated."""

@@ -166,7 +166,7 @@ def test_sigkill_at_random_points_then_resume(demo, tmp_path):
 
     output = tmp_path / "results.jsonl"
     args = [*SMALL_EXEC, f"model.path={demo}", f"job.input={requests}", f"job.output={output}",
-            f"hydra.run.dir={tmp_path / 'hydra'}"]
+            f"hydra.run.dir={tmp_path / 'hydra'}", "job.checkpoint_s=0.2"]
     rng = random.Random(1234)
     kills = 0
     for attempt in range(4):
@@ -176,7 +176,8 @@ def test_sigkill_at_random_points_then_resume(demo, tmp_path):
         deadline = time.monotonic() + 120
         # wait until this run has written something new, then kill it a random moment later
         while time.monotonic() < deadline and proc.poll() is None:
-            if output.exists() and len(output.read_text().splitlines()) > before + 1:
+            if (output.exists() and len(output.read_text().splitlines()) > before + 1
+                    and Path(f"{output}.partial").exists()):
                 break
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.4))
@@ -188,6 +189,8 @@ def test_sigkill_at_random_points_then_resume(demo, tmp_path):
     assert kills >= 2, "the job finished too fast to be interrupted twice: give it more work"
     done = cli(*args)
     assert done.returncode == 0, done.stderr
+    assert "requests continued from the" in done.stdout  # the killed run's unfinished requests went on
+    assert not Path(f"{output}.partial").exists()
     assert comparable(read_records(output)) == comparable(read_records(baseline))
 
     again = cli(*args)  # a finished job says so, recomputes nothing, and exits 0
@@ -196,25 +199,56 @@ def test_sigkill_at_random_points_then_resume(demo, tmp_path):
     assert comparable(read_records(output)) == comparable(read_records(baseline))
 
 
-@pytest.mark.slow
-def test_cli_job_level_errors_before_any_work(demo, tmp_path):
+def test_job_level_errors_before_any_work(demo, tmp_path):
+    from batchgen.memory import ConfigError
+    from batchgen.run import run_job
+
     requests = write_lines(tmp_path / "requests.jsonl", [completion("a", "hello", max_tokens=1000)])
+    out = tmp_path / "o.jsonl"
     cases = [
-        ([f"job.input={requests}", f"job.output={tmp_path / 'out.jsonl'}"], "model.path"),
-        ([f"model.path={tmp_path / 'nowhere'}", f"job.input={requests}", f"job.output={tmp_path / 'o.jsonl'}"],
-         "no such directory"),
-        ([f"model.path={demo}", f"job.input={tmp_path / 'missing.jsonl'}", f"job.output={tmp_path / 'o.jsonl'}"],
-         "job.input"),
+        ([f"job.input={requests}", f"job.output={out}"], "model.path"),
+        ([f"model.path={tmp_path / 'nowhere'}", f"job.input={requests}", f"job.output={out}"], "no such directory"),
+        ([f"model.path={demo}", f"job.input={tmp_path / 'missing.jsonl'}", f"job.output={out}"], "job.input"),
         ([f"model.path={demo}", f"job.input={requests}", f"job.output={tmp_path / 'no' / 'dir' / 'o.jsonl'}"],
          "does not exist"),
-        ([f"model.path={demo}", f"job.input={requests}", f"job.output={tmp_path / 'o.jsonl'}",
-          "backend.kv_budget_mb=0.05", "policy.kv_residency=device"], "backend.kv_budget_mb"),
+        ([f"model.path={demo}", f"job.input={requests}", f"job.output={out}", "backend.kv_budget_mb=0.05",
+          "policy.kv_residency=device"], "backend.kv_budget_mb"),
+        ([f"model.path={demo}", f"job.input={requests}", f"job.output={out}", "job.checkpoint_s=-1"],
+         "job.checkpoint_s"),
     ]
     for overrides, needle in cases:
-        res = cli("+policy=coroutine", "backend.device=cpu", f"hydra.run.dir={tmp_path / 'hydra'}", *overrides)
-        assert res.returncode == 2, (overrides, res.stdout, res.stderr)
-        assert needle in res.stderr, (needle, res.stderr)
-        assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("run", overrides=["+policy=coroutine", "backend.device=cpu", *overrides])
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            run_job(cfg)
+        assert not out.exists() or not out.read_text()  # nothing ran
+
+
+def test_cli_says_what_is_wrong_with_exit_code_2(tmp_path):
+    requests = write_lines(tmp_path / "requests.jsonl", [completion("a", "hello")])
+    res = cli("+policy=coroutine", f"job.input={requests}", f"job.output={tmp_path / 'o.jsonl'}",
+              f"hydra.run.dir={tmp_path / 'hydra'}", "model.path=/nonexistent/model")
+    assert res.returncode == 2 and "error: model.path=/nonexistent/model: no such directory" in res.stderr
+
+
+def test_partial_tokens_are_kept_only_for_the_same_request(demo, tmp_path):
+    from batchgen.batch.checkpoint import Checkpointer, load_partial, partial_path
+    from batchgen.batch.requests import ModelInfo, read_requests
+    from batchgen.exec.sequences import SequenceTokens
+
+    info = ModelInfo.from_dir(demo)
+    src = write_lines(tmp_path / "in.jsonl", [completion("a", [3, 4, 5], max_tokens=9),
+                                             completion("b", [6, 7], max_tokens=9)])
+    todo, _ = read_requests(src, info)
+    out = tmp_path / "out.jsonl"
+    assert load_partial(out, todo) == [[], []]  # no file yet
+    tokens = SequenceTokens([r.prompt_ids for r in todo], [r.params for r in todo], (), resumed=[[11, 12], []])
+    Checkpointer(out, todo, interval_s=60).save(tokens)
+    assert load_partial(out, todo) == [[11, 12], []]
+    changed, _ = read_requests(write_lines(tmp_path / "in2.jsonl", [completion("a", [3, 4, 6], max_tokens=9)]), info)
+    assert load_partial(out, changed) == [[]]  # the request changed: its old tokens are not reused
+    partial_path(out).write_text('{"format": "batchgen-partial/1", "requ')  # torn: start over, no error
+    assert load_partial(out, todo) == [[], []]
 
 
 def estimate_output(capsys, *overrides: str) -> str:
