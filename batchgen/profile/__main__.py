@@ -48,13 +48,12 @@ def compose(overrides: list[str]):
 
 
 def main(argv: list[str]) -> int:
-    from omegaconf import OmegaConf
 
     from batchgen.exec.run import ExecSettings
     from batchgen.memory import ConfigError
     from batchgen.profile.grid import grid_named
     from batchgen.profile.run import ProfileSettings, log_stderr, profile, summary
-    from batchgen.specs import ModelSpec
+    from batchgen.setup import model_spec
     from batchgen.calibrate.fileformat import write
 
     try:
@@ -62,7 +61,7 @@ def main(argv: list[str]) -> int:
         if not any(o.split("=", 1)[0] == "model" for o in overrides):
             raise ValueError("which model? add model=<name>, e.g. model=tiny_moe")
         cfg = compose(overrides)
-        spec = ModelSpec.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        spec = model_spec(cfg)  # the group's spec, or a model.path's config.json
         exec_settings = ExecSettings(device=cfg.backend.device, dtype=cfg.backend.dtype)
         device = exec_settings.instance_devices(1)[0]
         dtype = exec_settings.torch_dtype([device])
