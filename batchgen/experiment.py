@@ -1,12 +1,12 @@
 """Entry point: `python -m batchgen.experiment +policy=coroutine [model=... cluster=... workload=...]`.
 
 Writes results.json, CSVs and a timeline plot into the Hydra run directory and prints a summary; with `-m`
-(a sweep) it also prints one table comparing every run of the sweep, with the numbers that explain it.
+(a sweep) it also writes sweep.csv, sweep.png and sweep.pdf into the sweep directory and prints one table of
+every run, grouped by the swept keys, with the numbers that explain each group's differences.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -101,8 +101,8 @@ def sweep_size(task_overrides: list[str]) -> int | None:
 
 
 class SweepSummary(Callback):
-    """During a sweep (-m), `run i/N done in X s` after each run; after it, one table of every run and what
-    explains the differences."""
+    """During a sweep (-m), `run i/N done in X s` after each run; after it, sweep.csv/.png/.pdf and one table
+    of every run grouped by the swept keys, with what explains the differences within each group."""
 
     def __init__(self) -> None:
         self.size: int | None = None
@@ -125,25 +125,18 @@ class SweepSummary(Callback):
               f"({hc.job.override_dirname or 'no overrides'})", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from batchgen.results import explain, format_table
+        from batchgen.results import summarize_sweep
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        job_dirs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
-                          key=lambda p: int(p.name))
-        rows = []
-        for job in job_dirs:
-            if (job / "results.json").exists():
-                row = json.loads((job / "results.json").read_text())
-                row.pop("config", None)
-                rows.append(row)
-        failed = [(job.name, (job / ERROR_FILE).read_text().strip()) for job in job_dirs
-                  if (job / ERROR_FILE).exists()]
-        if rows:
+        # sweep.csv, sweep.png, sweep.pdf in the sweep directory; the table grouped by every swept key but the
+        # policy, each run compared only with the best policy of its group
+        text, runs = summarize_sweep(sweep_dir)
+        if text:
             print("\n== sweep summary ==")
-            print(format_table(rows))
-            print(explain(rows))
-        for name, message in failed:
-            print(f"run {name} failed: {message}", file=sys.stderr)
+            print(text)
+        failed = [run for run in runs if run.error is not None]
+        for run in failed:
+            print(f"run {run.name} failed: {run.error}", file=sys.stderr)
         if failed:
             sys.exit(2)
 

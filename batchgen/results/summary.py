@@ -16,10 +16,12 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("policy", "policy", str),
     ("gpus", "num_gpus", str),
     ("inst", "num_instances", str),
-    ("BCT s", "bct_s", lambda v: f"{v:.1f}"),
+    ("BCT s", "bct_s", lambda v: f"{v:.2f}" if v < 10 else f"{v:.1f}"),
+    ("x best", "bct_vs_group_best", lambda v: f"{v:.2f}x"),  # sweeps: BCT / the best BCT of the run's group
     ("spread %", "bct_spread", lambda v: f"{100 * v:.1f}"),   # executor repeats: (max - min) / median BCT
     ("tok/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
     ("busy %", "gpu_busy_frac", lambda v: f"{100 * v:.1f}"),
+    ("comm %", "gpu_comm_frac", lambda v: f"{100 * v:.1f}"),
     ("idle %", "gpu_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("tail idle %", "tail_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("prefill %", "prefill_frac", lambda v: f"{100 * v:.1f}"),
@@ -44,9 +46,16 @@ def _cell(row: Row, key: str, fmt: Callable[[Any], str]) -> str:
     return "-" if value is None else fmt(value)
 
 
+# Always shown; any other column that no row has a value for (the executor's spread in a simulated run, the
+# ratio outside a sweep) is left out.
+KEEP = ("policy", "bct_s")
+
+
 def format_table(rows: list[Row]) -> str:
-    cells = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS] for r in rows]
-    widths = [max(len(line[j]) for line in cells) for j in range(len(COLUMNS))]
+    """Fixed width, one line per run; every header is defined in README.md (Comparing policies, Columns)."""
+    columns = [c for c in COLUMNS if c[1] in KEEP or any(r.get(c[1]) is not None for r in rows)]
+    cells = [[h for h, _, _ in columns]] + [[_cell(r, k, f) for _, k, f in columns] for r in rows]
+    widths = [max(len(line[j]) for line in cells) for j in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths)))
              for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -55,6 +64,9 @@ def format_table(rows: list[Row]) -> str:
 
 QUALIFIERS = (("num_gpus", "{}gpu"), ("num_instances", "{}inst"), ("cluster", "{}"), ("model", "{}"),
               ("workload", "{}"))
+# Runs are compared only with runs of the same job on the same GPUs: the same values of these (how the GPUs
+# are split into instances is the policy's choice, so runs with different instance counts are compared).
+SAME_JOB = ("model", "cluster", "gpu", "num_gpus", "workload", "num_sequences", "backend")
 
 
 def labels(rows: list[Row]) -> list[str]:
@@ -134,10 +146,17 @@ def _line(name: str, row: Row, best: Row, best_name: str) -> str:
 
 
 def explain(rows: list[Row]) -> str:
+    """Each run against the best BCT among the runs of the same job (same model, cluster, GPUs, workload,
+    backend): never one model's run against another model's. A job with one run says nothing."""
     runs = [(n, r) for n, r in zip(labels(rows), rows) if r.get("bct_s")]
-    if len(runs) < 2:
-        return ""
-    best_name, best = min(runs, key=lambda nr: nr[1]["bct_s"])
-    lines = [f"{best_name}: best BCT, {best['bct_s']:.1f} s"]
-    lines += [_line(n, r, best, best_name) for n, r in runs if n != best_name]
+    groups: dict[tuple[str, ...], list[tuple[str, Row]]] = {}
+    for name, row in runs:
+        groups.setdefault(tuple(str(row.get(k)) for k in SAME_JOB), []).append((name, row))
+    lines: list[str] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        best_name, best = min(group, key=lambda nr: nr[1]["bct_s"])
+        lines.append(f"{best_name}: best BCT, {best['bct_s']:.1f} s")
+        lines += [_line(n, r, best, best_name) for n, r in group if n != best_name]
     return "\n".join(lines)
