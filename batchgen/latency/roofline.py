@@ -10,6 +10,7 @@ from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.gemm import gemm_seconds
 
 _LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token count from a cached curve
+_GEMM_LOOKUP_MAX = 1 << 16  # ... and so do smaller ones up to this many tokens (a serving engine's forwards)
 _EXPERT_CHUNK = 4096
 _EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 
@@ -89,9 +90,10 @@ class Roofline:
         per GEMM), at the module's factors."""
         t, c = np.broadcast_arrays(np.asarray(tokens, float), np.asarray(calls, float))
         scalar_shapes = all(np.ndim(k) == 0 and np.ndim(n) == 0 for k, n in shapes)
-        if scalar_shapes and t.size > _LOOKUP_ABOVE and np.all(t == np.floor(t)) and np.all(c == np.floor(c)):
-            # a (ranks x iterations) grid of whole token counts: read each launch count's curve, computed
-            # once per model over 0..max tokens, instead of pricing every cell's tiles again
+        if (scalar_shapes and (t.size > _LOOKUP_ABOVE or t.max(initial=0.0) <= _GEMM_LOOKUP_MAX)
+                and np.all(t == np.floor(t)) and np.all(c == np.floor(c))):
+            # whole token counts (a run's ranks x iterations grid, or one forward's few ranks): read each launch
+            # count's curve, computed once per model over 0..max tokens, instead of pricing the tiles again
             out = np.empty(t.shape)
             for launches in np.unique(c):
                 cells = c == launches
@@ -272,7 +274,7 @@ class Roofline:
         if not self.model.is_moe:
             return _out(np.zeros_like(t)), _out(np.zeros_like(t))
         top = float(t.max(initial=0.0))
-        if t.size > _LOOKUP_ABOVE and top <= _EXPERT_LOOKUP_MAX and np.all(t == np.floor(t)):
+        if top <= _EXPERT_LOOKUP_MAX and np.all(t == np.floor(t)):
             curve = self._curves.get("experts")
             if curve is None or curve[0].size <= top:  # decode batch sizes: one curve, computed once
                 size = int(max(top + 1, 2 * (curve[0].size if curve is not None else 1024)))
