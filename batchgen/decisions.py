@@ -27,6 +27,7 @@ class BoundaryDecision:
     instance: int
     phase: str
     prefilled: IdTuple
+    chunked: IdTuple          # sequences a chunk of whose prompt this forward prefilled (chunked prefill)
     decoded: IdTuple
     host_resident: IdTuple    # of the decoded, those running with KV on host
     yielded: IdTuple
@@ -48,7 +49,7 @@ class BoundaryDecision:
         flags = ",".join(n for n in ("prefill_to_host", "host_sync", "cpu_attention", "padded")
                          if getattr(decision, n))
         rec = cls(instance=int(plan.instance), phase=plan.phase, prefilled=_ids(plan.prefill_ids),
-                  decoded=_ids(plan.decode_ids),
+                  chunked=_ids(plan.chunk_ids), decoded=_ids(plan.decode_ids),
                   host_resident=_ids(plan.decode_ids[np.asarray(plan.decode_host_resident, bool)]),
                   yielded=_ids(decision.yield_ids), offloaded=_ids(decision.offload_ids),
                   evicted=_ids(decision.evict_ids), migrated=_ids(decision.move_ids), admitted=_ids(admitted),
@@ -59,7 +60,7 @@ class BoundaryDecision:
     def merged(self, earlier: "BoundaryDecision") -> "BoundaryDecision":
         """This decision with the id sets of an earlier (idle) one added."""
         sets = {f: tuple(sorted(set(getattr(self, f)) | set(getattr(earlier, f)))) for f in ID_FIELDS
-                if f not in ("prefilled", "decoded", "host_resident")}
+                if f not in ("prefilled", "chunked", "decoded", "host_resident")}
         return replace(self, **sets)
 
     def changes_something(self) -> bool:

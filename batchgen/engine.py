@@ -13,7 +13,7 @@ from typing import Any, Callable, Generator, Protocol
 import numpy as np
 
 from batchgen.core.state import ClusterState, Moves
-from batchgen.core.sequences import InvariantError
+from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.decisions import BoundaryDecision
 from batchgen.policy.base import Capabilities, Decision, Lengths, Phase, Policy, Snapshot
 
@@ -41,11 +41,20 @@ class StepPlan:
     prefill_to_host: bool
     padded: bool
     start: float = 0.0         # clock reading when the boundary began (before the decision)
+    # chunked prefill: one forward in which each chunk writes context tokens [start, start + len) of its sequence
+    # beside every decode (a chunk that ends its context samples the sequence's first token)
+    chunk_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+    chunk_rank: np.ndarray = field(default_factory=lambda: _EMPTY)
+    chunk_start: np.ndarray = field(default_factory=lambda: _EMPTY)
+    chunk_len: np.ndarray = field(default_factory=lambda: _EMPTY)
+    chunk_completes: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # the chunk ends its context
 
     @property
     def phase(self) -> Phase:
         if self.prefill_ids.size:
             return "prefill"
+        if self.chunk_ids.size:
+            return "mixed" if self.decode_ids.size else "prefill"
         return "decode" if self.decode_ids.size else "idle"
 
 
@@ -64,6 +73,11 @@ class StepResult:
     tokens: int                 # tokens processed (prefill + decode)
     # seconds per module over the run (attention, ffn, head = LM head + sampling, ...), where the backend knows
     modules: dict[str, float] = field(default_factory=dict)
+    chunk_finished: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # per chunk: ended its context
+                                                                                  # and its one token was the last
+
+
+_EMPTY = np.empty(0, np.int64)
 
 
 class Backend(Protocol):
@@ -151,7 +165,7 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         node_instance=state.node_instance.copy(), host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
-        capabilities=capabilities,
+        capabilities=capabilities, active_prefilled=t.prefilled[ids],
     )
 
 
@@ -172,7 +186,10 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     if d.move_ids.size:
         state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
     prefill = d.prefill_ids.size > 0
-    steps = 1 if prefill else max(int(d.steps), 1)
+    chunked = d.chunk_ids.size > 0
+    if prefill and chunked:
+        raise InvariantError("a decision prefills whole prompts or chunks of them, not both")
+    steps = 1 if prefill or chunked else max(int(d.steps), 1)
     for admit in d.admits:
         state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
                       host_resident=admit.host_resident)
@@ -183,6 +200,12 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     decode_ids = state.active[instance]
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
+    partial = t.prefilled[decode_ids] > 0
+    if partial.any():  # part-way through a chunked prefill: no token to decode yet
+        decode_ids = decode_ids[~partial]
+    chunk = {}
+    if chunked:
+        chunk = _take_chunks(state, instance, d, gpus)
     state.reserve(decode_ids, steps)
     _reserve_host(state, instance, d, decode_ids, steps)
     if not d.padded:
@@ -194,7 +217,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
         cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
-        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, **chunk,
     )
 
 
@@ -229,6 +252,30 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
 
 
+def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
+    """First chunks leave their queue (in order: each rank's are the head of its queue); every chunk's pages are
+    allocated. Returns the plan's chunk fields."""
+    t = state.table
+    ids, ranks = np.asarray(d.chunk_ids, np.int64), np.asarray(d.chunk_ranks, np.int64)
+    lens = np.asarray(d.chunk_lens, np.int64)
+    if not (ids.size == ranks.size == lens.size) or np.unique(ids).size != ids.size:
+        raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
+    starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
+    first = t.where[ids] == PENDING
+    if np.any(first & (starts != 0)):
+        raise InvariantError("a pending sequence has no prefill under way")
+    if first.any():
+        new, new_ranks = ids[first], ranks[first]
+        if d.prefill_pinned:
+            for r in np.unique(new_ranks):
+                state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
+        else:
+            state.take_pending(instance, new)
+    completes = starts + lens == t.context(ids)
+    state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
+    return dict(chunk_ids=ids, chunk_rank=ranks, chunk_start=starts, chunk_len=lens, chunk_completes=completes)
+
+
 def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: float,
                    progress: InstanceProgress, padded: bool) -> None:
     """Fold what the run produced back into the state: tokens, finishes, prefilled sequences."""
@@ -256,6 +303,16 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
             state.prefilled_to_host(inst, ids[live], gpus[live], plan.moves)
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
+    if plan.chunk_ids.size:
+        ids = plan.chunk_ids
+        done_prompt = ids[plan.chunk_completes]
+        if done_prompt.size:
+            state.advance(done_prompt, np.ones(done_prompt.size, np.int64), host_sync=False)  # the first token
+            t.first_token_time[done_prompt] = np.where(np.isnan(t.first_token_time[done_prompt]),
+                                                       start + res.duration, t.first_token_time[done_prompt])
+        done = ids[res.chunk_finished]
+        if done.size:
+            state.finish(inst, done, np.full(done.size, start + res.duration))
     state.reserve_host(inst, np.empty(0, np.int64), np.empty(0, np.int64))  # the run's additions are real now
     if padded:
         running = state.gpu_rank[t.where[state.active[inst]]]
@@ -269,7 +326,10 @@ StepObserver = Callable[[StepPlan, StepResult], None]
 
 def finished_ids(plan: StepPlan, result: StepResult) -> np.ndarray:
     """The sequences that ended in this run (decodes that stopped, prefills whose one token was the last)."""
-    return np.concatenate([plan.decode_ids[result.finished], plan.prefill_ids[result.prefill_finished]])
+    parts = [plan.decode_ids[result.finished], plan.prefill_ids[result.prefill_finished]]
+    if plan.chunk_ids.size:
+        parts.append(plan.chunk_ids[result.chunk_finished])
+    return np.concatenate(parts)
 
 
 def instance_loop(policy: Policy, backend: Backend, instance: int, records: list[StepRecord], *,
@@ -313,7 +373,8 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         backend.notify_change()
         progress.last_phase = plan.phase
         records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
-                                  int(plan.decode_ids.size + plan.prefill_ids.size), result.expert_tokens,
+                                  int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
+                                  result.expert_tokens,
                                   result.expert_calls, result.rank_busy, result.rank_comm, summary,
                                   result.modules))
         if check_invariants:

@@ -123,11 +123,33 @@ def test_coroutine_refills_drained_rank_from_pool_in_fifo_order():
 
 def test_continuous_pins_round_robin_and_prefills_first():
     job = make_job("continuous", n=10, inputs=np.full(10, 100), outputs=np.full(10, 50),
-                   cluster_overrides={"num_gpus": 2})
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"chunked_prefill": False})
     state = prepare(job).state
     d = job.policy.decide(snapshot(state))
     assert np.array_equal(d.pin_ranks, np.arange(10) % 2)
     assert d.prefill_ids.size == 10 and d.prefill_pinned and not d.prefill_to_host
+
+
+def test_continuous_chunks_prompts_within_the_token_budget():
+    """Chunked prefill (the default): each rank's forward takes prompts FIFO up to its token budget, the last
+    one cut; a sequence part-way through continues first, and running sequences' decode tokens count."""
+    job = make_job("continuous", n=10, inputs=np.full(10, 100), outputs=np.full(10, 50),
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"token_budget": 250})
+    state = prepare(job).state
+    d = job.policy.decide(snapshot(state))
+    assert d.prefill_ids.size == 0 and d.prefill_pinned
+    assert d.chunk_ids.tolist() == [0, 2, 4, 1, 3, 5] and d.chunk_ranks.tolist() == [0, 0, 0, 1, 1, 1]
+    assert d.chunk_lens.tolist() == [100, 100, 50] * 2
+    from batchgen.engine import InstanceProgress, apply_decision
+    plan = apply_decision(state, 0, d, InstanceProgress(2))
+    assert plan.phase == "prefill" and plan.steps == 1 and plan.chunk_completes.tolist() == [True, True, False] * 2
+    t = state.table
+    assert t.prefilled[[4, 5]].tolist() == [50, 50] and t.prefilled[[0, 1]].tolist() == [0, 0]
+    assert t.pages[4] == -(-50 // job.page_tokens) and t.pages[0] == -(-101 // job.page_tokens)
+    t.decoded[[0, 1, 2, 3]] = 1  # as the forward's outcome would record
+    d = job.policy.decide(snapshot(state))
+    # two decodes per rank, then the cut prompt's last 50 tokens, then the next prompts within 248 tokens
+    assert d.chunk_ids.tolist() == [4, 6, 8, 5, 7, 9] and d.chunk_lens.tolist() == [50, 100, 98] * 2
 
 
 def test_static_waits_for_the_whole_batch():

@@ -55,7 +55,8 @@ def test_summary_matches_the_run(runs, summaries, policy):
     assert s["prompt_tokens"] == int(out.job.workload.input_lens.sum())
     assert s["tokens_per_s"] == pytest.approx(s["output_tokens"] / s["bct_s"], rel=TOL)
     assert s["steps"] == len(out.records)
-    assert s["prefill_s"] + s["decode_s"] == pytest.approx(sum(r.duration for r in out.records), rel=TOL)
+    assert s["prefill_s"] + s["decode_s"] + s["mixed_s"] == pytest.approx(sum(r.duration for r in out.records),
+                                                                          rel=TOL)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -31,6 +31,8 @@ jobs = st.fixed_dictionaries({
     "residency": st.sampled_from(["device", "host", "mixed"]),  # coroutine only: where running KV lives
     "b_moe": st.sampled_from([4, 64, 2048]),
     "cpu_attention": st.booleans(),
+    "chunked": st.booleans(),                       # continuous only: chunked prefill ...
+    "token_budget": st.sampled_from([16, 300, 8192]),  # ... within this many tokens per rank per forward
 })
 
 
@@ -40,6 +42,8 @@ def build(p):
     outputs = rng.integers(1, p["max_out"] + 1, p["n"])
     knobs = ({"kv_residency": p["residency"], "b_moe": p["b_moe"],
               "attention": "cpu" if p["cpu_attention"] else "gpu"} if p["policy"] == "coroutine" else {})
+    if p["policy"] == "continuous":
+        knobs = {"chunked_prefill": p["chunked"], "token_budget": p["token_budget"]}
     job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"],
                    routing_skew=p["routing_skew"], policy_overrides=knobs)
     per_instance = max(p["num_gpus"] // p["instances"], 1)
@@ -89,6 +93,82 @@ def test_every_sequence_finishes_once_with_its_length_and_memory_holds(p):
         assert np.all(starts[1:] >= ends[:-1] - 1e-9)
         assert all(r.duration >= 0 for r in steps)
     assert t.finish_time.max() <= max(r.start + r.duration for r in out.records) + 1e-9
+
+
+class ChunkRules:
+    """A step observer that checks chunked prefill's rules after every forward: chunks plus decode tokens stay
+    within each rank's token budget, and every running sequence done prefilling took part in the forward (decode
+    never stalls while prompts wait or are part-way through)."""
+
+    def __init__(self, budget: int):
+        self.state, self.budget, self.chunked_forwards, self.split = None, budget, 0, 0
+
+    def __call__(self, plan, result) -> None:
+        t = self.state.table
+        R = plan.gpus.size
+        if plan.chunk_ids.size:
+            self.chunked_forwards += 1
+            self.split += int((~plan.chunk_completes).sum())
+            tokens = np.bincount(plan.chunk_rank, weights=plan.chunk_len, minlength=R)
+            decodes = np.bincount(plan.decode_rank, minlength=R)
+            assert np.all(plan.chunk_len >= 1)
+            assert np.all((tokens == 0) | (tokens + decodes <= self.budget)), (tokens, decodes)
+            assert np.array_equal(plan.chunk_completes, t.prefilled[plan.chunk_ids] == 0)
+            left = plan.chunk_ids[~plan.chunk_completes]  # part-way through: progress as far as this chunk
+            assert np.array_equal(t.prefilled[left], (plan.chunk_start + plan.chunk_len)[~plan.chunk_completes])
+        running = self.state.active[plan.instance]
+        done_prefilling = running[t.prefilled[running] == 0]
+        ran = np.concatenate([plan.decode_ids, plan.chunk_ids])
+        assert np.isin(done_prefilling, ran).all(), "a running sequence sat out a forward"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs)
+def test_chunked_prefill_keeps_its_budget_and_never_stalls_decode(p):
+    p = {**p, "policy": "continuous", "chunked": True, "max_out": min(p["max_out"], 300)}
+    import batchgen.sim.run as sim_run
+    rules, real_prepare = ChunkRules(p["token_budget"]), sim_run.prepare
+
+    def spy(*args, **kwargs):  # the observer needs the run's state, which simulate() builds
+        prepared = real_prepare(*args, **kwargs)
+        rules.state = prepared.state
+        return prepared
+    try:
+        sim_run.prepare = spy
+        out = simulate(build(p), on_step=rules)
+    except ConfigError:
+        assume(False)
+        return
+    finally:
+        sim_run.prepare = real_prepare
+    t = out.prepared.state.table
+    assert np.all(t.where == FINISHED) and np.array_equal(t.decoded, t.output_len)
+    assert np.all(t.prefilled == 0)
+
+
+def test_chunked_prefill_splits_long_prompts_and_decodes_beside_them():
+    """A budget smaller than the prompts: every prompt is split over several forwards, running sequences decode
+    in each of them, and the old rule (whole prompts first) still runs unchanged when asked for."""
+    import batchgen.sim.run as sim_run
+    inputs, outputs = np.random.default_rng(1).integers(100, 400, 40), np.random.default_rng(2).integers(1, 200, 40)
+    rules, real_prepare = ChunkRules(64), sim_run.prepare
+
+    def spy(*args, **kwargs):
+        prepared = real_prepare(*args, **kwargs)
+        rules.state = prepared.state
+        return prepared
+    job = make_job("continuous", inputs=inputs, outputs=outputs, cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"token_budget": 64})
+    try:
+        sim_run.prepare = spy
+        out = simulate(job, on_step=rules)
+    finally:
+        sim_run.prepare = real_prepare
+    assert rules.split >= 40  # each prompt (100-400 tokens) took several forwards
+    assert {"mixed", "decode"} <= {r.phase for r in out.records}
+    old = simulate(make_job("continuous", inputs=inputs, outputs=outputs, cluster_overrides={"num_gpus": 2},
+                            policy_overrides={"chunked_prefill": False}))
+    assert {r.phase for r in old.records} == {"prefill", "decode"}
 
 
 @pytest.mark.parametrize("policy", POLICIES)

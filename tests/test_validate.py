@@ -23,11 +23,13 @@ POLICIES = ("coroutine", "continuous", "static")
 
 def small_job(policy: str):
     rng = np.random.default_rng(1)
-    return make_job(policy, cluster_overrides=dict(num_gpus=1, gpus_per_node=1), inputs=rng.integers(8, 64, 12),
-                    outputs=rng.integers(2, 30, 12), page_tokens=16)
+    knobs = {"token_budget": 24} if policy == "continuous_chunks" else None  # prompts split over forwards
+    return make_job(policy.split("_")[0], cluster_overrides=dict(num_gpus=1, gpus_per_node=1),
+                    inputs=rng.integers(8, 64, 12), outputs=rng.integers(2, 30, 12), page_tokens=16,
+                    policy_overrides=knobs)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [*POLICIES, "continuous_chunks"])
 def test_both_backends_take_the_same_decisions(policy):
     """Given the executor's capabilities and KV pool, the simulator decides exactly as the executor did; with
     its own (layer-by-layer offload, the planned pool) it does not: the test can fail."""
@@ -47,8 +49,8 @@ def test_both_backends_take_the_same_decisions(policy):
 
 
 def _decision(**changes) -> BoundaryDecision:
-    base = dict(instance=0, phase="decode", prefilled=(), decoded=(0, 1, 2), host_resident=(), yielded=(),
-                offloaded=(), evicted=(), migrated=(), admitted=(), partitioned=(), pinned=(), steps=16,
+    base = dict(instance=0, phase="decode", prefilled=(), chunked=(), decoded=(0, 1, 2), host_resident=(),
+                yielded=(), offloaded=(), evicted=(), migrated=(), admitted=(), partitioned=(), pinned=(), steps=16,
                 stop="none", micro_batch=0, flags="")
     return BoundaryDecision(**{**base, **changes})
 

@@ -45,6 +45,9 @@ class SequenceTable:
     migrations: np.ndarray = field(init=False)
     recomputes: np.ndarray = field(init=False)
     partitions: np.ndarray = field(init=False)
+    # tokens of the context (prompt, plus generated tokens for a recompute) whose KV a chunked prefill has written
+    # so far, while it is under way (0 < prefilled < context, running, device-resident); 0 for everyone else
+    prefilled: np.ndarray = field(init=False)
 
     def __post_init__(self):
         # own copies: an executor learns true output lengths (EOS) and writes them here
@@ -67,6 +70,7 @@ class SequenceTable:
         self.migrations = np.zeros(n, np.int32)
         self.recomputes = np.zeros(n, np.int32)
         self.partitions = np.zeros(n, np.int32)
+        self.prefilled = np.zeros(n, np.int64)
 
     def __len__(self) -> int:
         return self.input_len.size
@@ -100,3 +104,11 @@ class SequenceTable:
             raise InvariantError("a suspended sequence must have its KV on some node's host memory")
         if np.any((self.where == PENDING) & (self.host_node >= 0)):
             raise InvariantError("a pending sequence has no KV, so no host copy")
+        partial = self.prefilled != 0
+        if partial.any():
+            ids = np.flatnonzero(partial)
+            bad = ids[(self.where[ids] < 0) | self.host_resident[ids] | (self.tp[ids] != 1)
+                      | (self.prefilled[ids] < 0) | (self.prefilled[ids] >= self.context(ids))]
+            if bad.size:
+                raise InvariantError(f"sequences {bad[:5].tolist()}: a prompt part-way through a chunked prefill must "
+                                     "run device-resident on one GPU with 0 < prefilled < its context")

@@ -185,17 +185,19 @@ class ClusterState:
         self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
         self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
+        self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
         self.active[instance] = np.setdiff1d(self.active[instance], ids, assume_unique=True)
 
     def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
-                  host_resident: np.ndarray | bool = False) -> None:
+                  host_resident: np.ndarray | bool = False, reserve: bool = True) -> None:
         if np.any(self.topo.gpu_instance[gpus] != instance):
             raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
         self.table.where[ids] = gpus
         self.table.host_resident[ids] = host_resident
         self.table.instance[ids] = instance
         self.active[instance] = np.concatenate([self.active[instance], ids])
-        self.reserve(ids, lookahead_tokens)
+        if reserve:
+            self.reserve(ids, lookahead_tokens)
 
     def _require(self, ids: np.ndarray, ok: np.ndarray, what: str) -> None:
         if not ok.all():
@@ -207,6 +209,7 @@ class ClusterState:
         gpus = t.where[ids]
         self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance),
                       f"running on instance {instance}")
+        self._require(ids, t.prefilled[ids] == 0, "done prefilling (a part-prefilled prompt has no KV to yield)")
         ctx = t.context(ids)
         nodes = self.topo.gpu_node[gpus]
         fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
@@ -280,7 +283,8 @@ class ClusterState:
         t = self.table
         gpus = t.where[ids]
         self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance)
-                      & ~t.host_resident[ids], f"running device-resident on instance {instance}")
+                      & ~t.host_resident[ids] & (t.prefilled[ids] == 0),
+                      f"running device-resident on instance {instance}, done prefilling")
         ctx = t.context(ids)
         fresh = t.host_node[ids] < 0
         np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
@@ -299,7 +303,7 @@ class ClusterState:
         """
         t = self.table
         gpus = t.where[ids]
-        self._require(ids, gpus >= 0, "running")
+        self._require(ids, (gpus >= 0) & (t.prefilled[ids] == 0), "running, done prefilling")
         degree = np.asarray(degree, np.int64)
         n_gpus = self.topo.instance_gpus(instance).size
         if np.any(degree < 1) or np.any(degree > n_gpus):
@@ -382,6 +386,32 @@ class ClusterState:
         self._require(ids, self.table.where[ids] == PENDING, "pending")
         self._join_gpu(instance, ids, gpus, lookahead_tokens)
 
+    def prefill_chunks(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
+                       lengths: np.ndarray) -> None:
+        """Chunked prefill: each sequence's KV grows by the chunk [start, start + length) of its context in the
+        coming forward. A first chunk (start 0) takes a pending sequence (already removed from its queue) onto its
+        GPU; a later one continues a sequence part-way through its prefill on that GPU. Pages are allocated for
+        what the chunk writes (and for the first generated token when the chunk completes the context), and the
+        progress is recorded now, as pages are (other instances check the state while this forward runs): a
+        sequence whose chunk completes its context is an ordinary running one (prefilled 0) from here on."""
+        t = self.table
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        new = starts == 0
+        self._require(ids[new], t.where[ids[new]] == PENDING, "pending (a first chunk starts a prompt)")
+        old = ids[~new]
+        self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
+                      "part-way through a chunked prefill on that GPU at that position")
+        end = starts + lengths
+        ctx = t.context(ids)
+        self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
+        if new.any():
+            self._join_gpu(instance, ids[new], gpus[new], lookahead_tokens=0, reserve=False)
+        need = self.pages_needed(ids, end + (end == ctx))
+        grow = need > t.pages[ids]
+        if grow.any():
+            self._set_pages(ids[grow], need[grow])
+        t.prefilled[ids] = np.where(end == ctx, 0, end)
+
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
         """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync).
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
@@ -416,6 +446,9 @@ class ClusterState:
             raise InvariantError("GPU page counts drifted from the per-sequence pages")
         if np.any(self.pages_used > self.gpu_pages):
             raise InvariantError("a GPU holds more KV pages than its capacity")
+        partial = np.flatnonzero(t.prefilled)
+        if partial.size and np.any(t.pages[partial] != self.pages_needed(partial, t.prefilled[partial])):
+            raise InvariantError("a part-prefilled sequence must hold exactly the pages of the chunks it has written")
         host = t.host_node >= 0
         recount = np.bincount(t.host_node[host], t.context(np.flatnonzero(host)), self.topo.num_nodes)
         if not np.array_equal(recount.astype(np.int64), self.host_used):

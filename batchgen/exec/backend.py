@@ -8,7 +8,9 @@ says runs host-resident on GPU g is host-only in g's cache: yielded there if it 
 copy completed first), or imported without loading if another cache holds it. Then the run itself: one
 forward with prefills, or up to `steps` decode iterations, each a module-batched forward over every rank, in
 which host-resident sequences restore their KV layer by layer into staging buffers (or attend on the host
-CPU with `plan.cpu_attention`).
+CPU with `plan.cpu_attention`); or, with chunked prefill, one forward of prompt chunks (each written into the
+paged cache after the KV its earlier chunks wrote) beside every decode, sampling only for the decodes and for
+the chunks that end their context.
 """
 
 from __future__ import annotations
@@ -67,7 +69,12 @@ class ExecBackend:
 
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         self.reconcile(plan)
-        result = self._prefill(plan) if plan.prefill_ids.size else self._decode(plan)
+        if plan.prefill_ids.size:
+            result = self._prefill(plan)
+        elif plan.chunk_ids.size:
+            result = self._chunked(plan)
+        else:
+            result = self._decode(plan)
         self.events += 1
         yield None  # one step done: the driver may run another instance now
         return result
@@ -125,7 +132,8 @@ class ExecBackend:
         t = self.state.table
         self._join_partitions()
         # A sequence prefilled again was evicted (possibly in this very decision): its old KV goes first.
-        for sid in plan.prefill_ids.tolist():
+        restarted = plan.chunk_ids[plan.chunk_start == 0] if plan.chunk_ids.size else plan.chunk_ids
+        for sid in plan.prefill_ids.tolist() + restarted.tolist():
             src = self._holder.pop(sid, None)
             if src is not None:
                 self.caches[src].release([sid])
@@ -214,6 +222,8 @@ class ExecBackend:
         return out
 
     def _sample(self, ids: list[int], logits: torch.Tensor) -> list[int]:
+        if not ids:  # a forward of prompt chunks none of which ends its prompt
+            return []
         steps = [len(self.tokens.generated[s]) for s in ids]
         params = [self.tokens.params[s] for s in ids]
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
@@ -228,7 +238,7 @@ class ExecBackend:
                                                 max(len(b.seq_ids) for b in batches))
         if plan.cpu_attention:
             self.traffic["cpu_attention_seq_steps"] += stats.host_resident
-        ids = [s for b in batches for s in b.seq_ids]
+        ids = [s for b in batches for s, keep in zip(b.seq_ids, b.sample or [True] * len(b.seq_ids)) if keep]
         rows = [l for l in logits if l.numel()]
         return ids, (torch.cat(rows) if rows else torch.empty(0)), stats
 
@@ -306,6 +316,47 @@ class ExecBackend:
         busy = np.array(stats.rank_attention_s) + stats.ffn_s
         offsets = np.where(finished, now, np.nan)
         return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1, modules)
+
+    def _chunked(self, plan: StepPlan) -> StepResult:
+        """One forward of chunked prefill: per rank, each chunk's tokens at their positions (attending over the
+        KV its earlier chunks left in the paged cache, and writing its own there), then one token for every
+        running sequence. Only decodes and chunks that end their context reach the LM head and sample."""
+        dec_ids, dec_ranks = plan.decode_ids, plan.decode_rank
+        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident)
+        for r, (g, batch) in enumerate(zip(plan.gpus, decodes)):
+            on_rank = np.flatnonzero(plan.chunk_rank == r)
+            ids = plan.chunk_ids[on_rank].tolist()
+            starts, lens = plan.chunk_start[on_rank].tolist(), plan.chunk_len[on_rank].tolist()
+            tokens: list[int] = []
+            for sid, start, n in zip(ids, starts, lens):
+                tokens.extend(self.tokens.context(sid)[start:start + n])
+                self._holder[sid] = int(g)
+            batch.sample = plan.chunk_completes[on_rank].tolist() + [True] * len(batch.seq_ids)
+            batch.host_resident = [False] * len(ids) + (batch.host_resident or [False] * len(batch.seq_ids))
+            batch.tp = [1] * len(ids) + (batch.tp or [1] * len(batch.seq_ids))
+            batch.seq_ids = ids + batch.seq_ids
+            batch.token_ids = tokens + batch.token_ids
+            batch.new_counts = lens + batch.new_counts
+            batch.start_positions = starts + batch.start_positions
+        order, logits, stats = self._forward(plan, decodes)
+        modules: Counter = Counter()
+        sampled = self._timed_sample(order, logits, stats, modules)
+        now = self.now() - plan.start
+        done = dict(zip(order, (self.tokens.append(sid, tok) for sid, tok in zip(order, sampled))))
+        chunk_finished = np.array([done.get(int(s), False) for s in plan.chunk_ids], bool)
+        finished = np.array([done[int(s)] for s in dec_ids], bool)
+        produced = np.ones(dec_ids.size, np.int64)
+        self._true_lengths(plan.chunk_ids, np.ones(plan.chunk_ids.size, np.int64), chunk_finished)
+        self._true_lengths(dec_ids, produced, finished)
+        if plan.host_sync:
+            self._sync(plan, dec_ids[~finished])
+        busy = np.array(stats.rank_attention_s) + stats.ffn_s
+        offsets = np.where(finished, now, np.nan)
+        result = self._result(plan, 1, produced, finished, offsets, np.zeros(0, bool), busy, stats.gate_tokens, 1,
+                              modules)
+        result.chunk_finished = chunk_finished
+        result.tokens = int(produced.sum() + plan.chunk_len.sum())
+        return result
 
     def _true_lengths(self, ids: np.ndarray, produced: np.ndarray, finished: np.ndarray) -> None:
         """A sequence that stopped before its max_tokens (EOS, stop string) has found its output length."""

@@ -47,6 +47,9 @@ class RankBatch:
     start_positions: list[int]   # position of each sequence's first new token (= its KV length so far)
     host_resident: list[bool] = field(default_factory=list)  # per sequence; empty: all device-resident
     tp: list[int] = field(default_factory=list)  # per sequence: ranks its attention is split over; empty: all 1
+    # per sequence: whether its last new token's logits are wanted (a prompt chunk that does not end its context
+    # samples nothing, so it skips the LM head); empty: all
+    sample: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -86,7 +89,8 @@ class InstanceRunner:
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
                 cpu_attention: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
-        """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each), and timings."""
+        """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each; only the sequences whose
+        `sample` flag is set where a rank gives flags), and timings."""
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
         if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):
@@ -205,7 +209,7 @@ class InstanceRunner:
                             tokens.extend(batch.token_ids[starts[i]:starts[i + 1]])
                             offset += batch.new_counts[i]
                             last[i] = offset - 1
-            last_rows.append(last)
+            last_rows.append([row for row, keep in zip(last, batch.sample) if keep] if batch.sample else last)
         return pieces, tokens, last_rows
 
     def _pipelines(self, pieces: list[_Piece], mb: int) -> dict[int, RestorePipeline]:

@@ -16,7 +16,7 @@ import numpy as np
 EMPTY = np.empty(0, dtype=np.int64)
 
 Stop = Literal["none", "first_finish", "rank_drains"]
-Phase = Literal["prefill", "decode", "idle"]
+Phase = Literal["prefill", "decode", "mixed", "idle"]  # mixed: one forward of prefill chunks and decodes
 
 
 class PoolView(Protocol):
@@ -85,6 +85,9 @@ class Snapshot:
     last_phase: Phase
     gpus_per_node: int
     capabilities: Capabilities = Capabilities()
+    # per running sequence: context tokens a chunked prefill has written so far while it is under way (such a
+    # sequence does not decode yet and holds the pages of what it wrote); 0 for every sequence that decodes
+    active_prefilled: np.ndarray = field(default_factory=lambda: EMPTY)
 
     @property
     def layerwise_offload(self) -> bool:
@@ -115,8 +118,15 @@ class Admit:
 class Decision:
     """What to change at this boundary, and how long to run before the next one.
 
-    Applied in field order: pin, evict, yield, offload, move, admit, partition, prefill; then the instance runs one
-    forward pass if anything prefills, else up to `steps` decode iterations (stopping early per `stop`).
+    Applied in field order: pin, evict, yield, offload, move, admit, partition, prefill, chunks; then the instance
+    runs one forward pass if anything prefills (whole prompts or chunks), else up to `steps` decode iterations
+    (stopping early per `stop`).
+
+    Chunked prefill (`chunk_ids`): one forward carries every running sequence's decode token and, per rank,
+    chunks of prompts: `chunk_lens[i]` tokens of sequence `chunk_ids[i]` from where its prefill stands (a
+    sequence part-way through its prefill continues there; any other starts at 0 and is taken from the head of
+    its rank's pinned queue with `prefill_pinned`, else of the pending pool). A chunk that completes its context
+    makes the sequence's first token. `prefill_ids` and `chunk_ids` are not used together.
     """
 
     pin_ids: np.ndarray = field(default_factory=lambda: EMPTY)
@@ -139,10 +149,13 @@ class Decision:
     micro_batch: int = 0             # B_attn: attention runs in micro-batches of this many sequences (0 = one)
     cpu_attention: bool = False      # host-resident sequences' attention runs on the host CPU beside their KV
     padded: bool = False             # static batches: finished rows keep costing until the whole batch ends
+    chunk_ids: np.ndarray = field(default_factory=lambda: EMPTY)    # chunked prefill: these sequences ...
+    chunk_ranks: np.ndarray = field(default_factory=lambda: EMPTY)  # ... on these ranks ...
+    chunk_lens: np.ndarray = field(default_factory=lambda: EMPTY)   # ... write this many more context tokens
 
     @property
     def phase(self) -> Phase:
-        if self.prefill_ids.size:
+        if self.prefill_ids.size or self.chunk_ids.size:
             return "prefill"
         return "decode"
 

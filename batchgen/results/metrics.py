@@ -206,6 +206,8 @@ def summarize(out) -> dict[str, Any]:
                decode_expert_batch=_decode_expert_batch(out, steps), mean_running=_mean_running(out, steps),
                prefill_s=float(steps.duration[steps.phase == "prefill"].sum()),
                decode_s=float(steps.duration[steps.phase == "decode"].sum()),
+               # chunked prefill's forwards of prompt chunks beside every decode (decode does not wait)
+               mixed_s=float(steps.duration[steps.phase == "mixed"].sum()),
                partitions=int(t.partitions.sum()),
                yields=int(t.yields.sum()), migrations=int(t.migrations.sum()), recomputes=int(t.recomputes.sum()),
                host_bytes=float(getattr(out, "host_bytes", 0.0)) or None,
@@ -215,6 +217,7 @@ def summarize(out) -> dict[str, Any]:
     # Share of instance-time spent in forwards that prefill: in lockstep every rank of the instance waits
     # for them, so a high share means decode was stalled by prompts (serving engines' prefill-first rule).
     res["prefill_frac"] = _ratio(res["prefill_s"], total_bct * out.prepared.cluster.num_instances)
+    res["mixed_frac"] = _ratio(res["mixed_s"], total_bct * out.prepared.cluster.num_instances)
     res.update(_memory_peaks(out))
     res.update(_measurement(out))
     res = {k: _round(v) if isinstance(v, float) else v for k, v in res.items()}

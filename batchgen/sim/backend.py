@@ -18,8 +18,8 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
-from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, partition_join, prefill_load, price,
-                                price_host)
+from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
+                                prefill_load, price, price_host)
 
 
 class SimBackend:
@@ -98,6 +98,12 @@ class SimBackend:
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
+        elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
+            load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
+                              plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
+            iterations, produced = 1, np.ones(ids.size, np.int64)
+            cost = price(self.lat, load, self.weight_stream_s)
+            self.host_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
             context = t.context(ids)
@@ -126,7 +132,7 @@ class SimBackend:
         transfer = self._transfer_seconds(plan, produced)
         exposed = float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
-        boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size))  # the engine's decision
+        boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size + plan.chunk_ids.size))
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
@@ -135,13 +141,15 @@ class SimBackend:
             clock = boundary + np.cumsum(cost.iteration_s) * scale
             offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
         prefill_finished = t.remaining(plan.prefill_ids) == 1
+        chunk_finished = plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
         self.events += 1
         yield self.env.timeout(duration)
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
                           int((cost.expert_tokens > 0).sum()) if self.lat.model.is_moe else 0,
-                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules)
+                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
+                          chunk_finished=chunk_finished)
 
     @property
     def host_bytes_per_iteration(self) -> float:

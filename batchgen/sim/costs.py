@@ -50,6 +50,7 @@ class RankLoad:
     prefill_max: np.ndarray     # longest prompt prefilled, else 0
     prefill_seqs: np.ndarray    # prompts prefilled
     sequences: np.ndarray       # sequences in the forward (the engine's per-forward overhead grows with them)
+    head_rows: np.ndarray | None = None  # rows through the LM head and sampling (None: one per sequence)
 
 
 def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,
@@ -235,6 +236,71 @@ def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_r
                     col(d_max), col(p_max), col(p_seq), col(seqs))
 
 
+def mixed_load(chunk_rank: np.ndarray, chunk_start: np.ndarray, chunk_len: np.ndarray, chunk_completes: np.ndarray,
+               decode_rank: np.ndarray, decode_context: np.ndarray, num_ranks: int, micro_batch: int,
+               similar_calls: bool = False) -> RankLoad:
+    """One forward of chunked prefill: on each rank, prompt chunks (chunk i writes context tokens
+    [start, start + len) over the KV its earlier chunks wrote) beside one decode token for every running sequence.
+
+    Every token goes through the weights once (projections, FFN, experts: the gate sees chunk + decode tokens).
+    A chunk's queries attend causally over its prefix and themselves: start x len + len^2 / 2 score pairs, passed
+    to `attention_prefill` as the squared length len^2 + 2 x start x len (a whole prompt's chunks add up to its
+    prompt^2); a one-token chunk is a decode query over start + 1 tokens, as the executor calls it. Decode queries
+    are priced as in `prefill_load`. The LM head and sampling run only for decodes and for chunks that complete
+    their context; the per-forward overhead counts every sequence. `similar_calls`: calls of similar lengths, as
+    in `prefill_load`; a chunk call pads to its longest chunk x its longest context."""
+    R = num_ranks
+    c_len, c_start = chunk_len.astype(float), chunk_start.astype(float)
+    multi = chunk_len > 1
+    single = ~multi
+    m_rank, m_len, m_start = chunk_rank[multi], c_len[multi], c_start[multi]
+    # one-token chunks attend like decode queries over their context (start + 1)
+    q_rank = np.concatenate([decode_rank, chunk_rank[single]])
+    q_ctx = np.concatenate([decode_context.astype(float), c_start[single] + 1.0])
+    p_tok = np.bincount(m_rank, weights=m_len, minlength=R)
+    p_sq = np.bincount(m_rank, weights=m_len ** 2 + 2.0 * m_start * m_len, minlength=R)
+    p_seq = np.bincount(m_rank, minlength=R)
+    d_tok = np.bincount(q_rank, minlength=R).astype(float)
+    d_ctx = np.bincount(q_rank, weights=q_ctx, minlength=R)
+    p_max, d_max = np.zeros(R), np.zeros(R)
+    np.maximum.at(p_max, m_rank, np.sqrt(m_len * (m_start + m_len)))
+    np.maximum.at(d_max, q_rank, q_ctx)
+    seqs = p_seq + d_tok
+    mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
+    if similar_calls:
+        p_calls, p_work = _chunk_runs(m_rank, m_start, m_len, micro_batch, R)
+        d_calls, d_work = _static_runs(q_rank, q_ctx, micro_batch, R, square=False)
+        mb = p_calls + d_calls
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p_max = np.where(p_seq > 0, np.sqrt(p_work / np.maximum(p_seq, 1)), 0.0)
+            d_max = np.where(d_tok > 0, d_work / np.maximum(d_tok, 1), 0.0)
+    head = (np.bincount(decode_rank, minlength=R)
+            + np.bincount(chunk_rank[chunk_completes], minlength=R)).astype(float)
+    col = lambda a: a[:, None].astype(float)  # noqa: E731
+    return RankLoad(col(d_tok), col(d_ctx), col(p_tok + d_tok), col(p_sq), col(p_tok), col(np.maximum(mb, 1)),
+                    col(d_max), col(p_max), col(p_seq), col(seqs), col(head))
+
+
+def _chunk_runs(rank: np.ndarray, start: np.ndarray, length: np.ndarray, micro_batch: int, R: int):
+    """(calls, padded work) per rank of one forward's prompt chunks called in runs of similar context ends (the
+    executor's calls): work is members x longest chunk x longest context."""
+    calls, work = np.zeros(R), np.zeros(R)
+    if rank.size == 0:
+        return calls, work
+    end = start + length
+    run = similar_runs(rank, end, micro_batch)
+    runs = int(run.max()) + 1
+    longest_q, longest_k = np.zeros(runs), np.zeros(runs)
+    members = np.bincount(run, minlength=runs).astype(float)
+    np.maximum.at(longest_q, run, length.astype(float))
+    np.maximum.at(longest_k, run, end.astype(float))
+    run_rank = np.zeros(runs, np.int64)
+    run_rank[run] = rank
+    np.add.at(calls, run_rank, 1.0)
+    np.add.at(work, run_rank, members * longest_q * longest_k)
+    return calls, work
+
+
 def _static_runs(rank: np.ndarray, length: np.ndarray, micro_batch: int, R: int, square: bool):
     """(calls, padded work) per rank of one forward's runs of similar lengths: work is members x longest
     (decode queries) or members x longest^2 (prompts: queries and keys both padded)."""
@@ -260,7 +326,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
     gate = load.gate_tokens
-    head = lat.lm_head(load.sequences)
+    head = lat.lm_head(load.sequences if load.head_rows is None else load.head_rows)
     busy = np.zeros(gate.shape) + head
     iteration = (head + lat.step_overhead(load.sequences)).max(axis=0)
     comm = np.zeros(gate.shape[1])
