@@ -25,6 +25,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("idle %", "gpu_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("tail idle %", "tail_idle_frac", lambda v: f"{100 * v:.1f}"),
     ("prefill %", "prefill_frac", lambda v: f"{100 * v:.1f}"),
+    ("mixed %", "mixed_frac", lambda v: f"{100 * v:.1f}"),  # forwards with prompt chunks beside decodes
     ("expert batch", "mean_expert_batch", lambda v: f"{v:.1f}"),
     ("decode expert batch", "decode_expert_batch", lambda v: f"{v:.1f}"),
     ("running", "mean_running", lambda v: f"{v:,.0f}"),
