@@ -20,12 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.memory import ConfigError
+from batchgen.setup import plain as _plain
 
 COMMAND = "batchgen.run"
-
-
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
 def run_job(cfg: DictConfig) -> None:
