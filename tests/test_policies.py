@@ -152,6 +152,56 @@ def test_continuous_chunks_prompts_within_the_token_budget():
     assert d.chunk_ids.tolist() == [4, 6, 8, 5, 7, 9] and d.chunk_lens.tolist() == [50, 100, 98] * 2
 
 
+def _one_gpu_with_running(running: int, admission: str, **knobs):
+    """A 1-GPU rank of ~2,900 KV tokens, `running` sequences decoding on it and the rest of 10 prompts waiting."""
+    job = squeezed(make_job("continuous", n=10, inputs=np.full(10, 100), outputs=np.full(10, 2000),
+                            cluster_overrides={"num_gpus": 1, "gpus_per_node": 1},
+                            policy_overrides={"admission": admission, "reserve_max_tokens": 1000, **knobs}), 3000)
+    state = prepare(job).state
+    run_on_gpu(state, np.arange(running), 0)
+    return job, state
+
+
+def test_conservative_admission_holds_back_prompts_greedy_would_admit():
+    """SGLang's rule: a new prompt (100 tokens + min(max_tokens, clip) = 1,100) needs room beside each running
+    sequence's reserve, min(max_tokens - generated, clip) x 0.7 = 700 tokens; greedy admits while pages last."""
+    for running, greedy_takes, conservative_takes in ((4, 6, 0), (1, 9, 1)):
+        taken = {}
+        for admission in ("greedy", "conservative"):
+            job, state = _one_gpu_with_running(running, admission)
+            d = job.policy.decide(snapshot(state))
+            assert d.evict_ids.size == 0
+            taken[admission] = d.chunk_ids.tolist()
+        assert taken["greedy"] == list(range(running, running + greedy_takes))
+        assert taken["conservative"] == list(range(running, running + conservative_takes))
+    job, state = _one_gpu_with_running(0, "conservative")  # an empty rank always takes its first prompt
+    assert job.policy.decide(snapshot(state)).chunk_ids.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        make_job("continuous", policy_overrides={"admission": "conservative", "chunked_prefill": False})
+
+
+def test_conservative_ratio_decays_per_forward_and_is_reestimated_after_a_preemption():
+    job, state = _one_gpu_with_running(4, "conservative", new_token_ratio_decay=0.002)
+    p = job.policy
+    p.decide(snapshot(state))
+    assert p._state[0]["ratio"].tolist() == [0.7]
+    p.decide(snapshot(state))  # the same snapshot again: no forward ran, same ratio (and same decision)
+    assert p._state[0]["ratio"].tolist() == [0.7]
+    state.table.decoded[:4] = 200  # 200 decode forwards later
+    p.decide(snapshot(state))
+    assert p._state[0]["ratio"][0] == pytest.approx(0.3)
+    state.table.decoded[:4] = 500  # later: at the floor
+    p.decide(snapshot(state))
+    assert p._state[0]["ratio"][0] == pytest.approx(0.1)
+    # the running sequences outgrow the pool: the newest are preempted, and the ratio is SGLang's retract
+    # estimate over those kept, (generated + 20 each) / max_tokens, at most 1
+    state.table.decoded[:4] = 650
+    d = p.decide(snapshot(state))
+    kept = 4 - d.evict_ids.size
+    assert 0 < kept < 4
+    assert p._state[0]["ratio"][0] == pytest.approx(min(1.0, (650 + 20) * kept / (1000 * kept + 1)))
+
+
 def test_static_waits_for_the_whole_batch():
     job = make_job("static", n=6, inputs=np.full(6, 10), outputs=np.full(6, 100), cluster_overrides={"num_gpus": 1},
                    policy_overrides={"batch_size": 3})

@@ -33,6 +33,8 @@ jobs = st.fixed_dictionaries({
     "cpu_attention": st.booleans(),
     "chunked": st.booleans(),                       # continuous only: chunked prefill ...
     "token_budget": st.sampled_from([16, 300, 8192]),  # ... within this many tokens per rank per forward
+    "admission": st.sampled_from(["greedy", "conservative"]),  # ... admitting as vLLM or as SGLang does, ...
+    "reserve_max_tokens": st.sampled_from([0, 64, 2000]),  # ... with this max_tokens (0: context - prompt)
 })
 
 
@@ -43,7 +45,9 @@ def build(p):
     knobs = ({"kv_residency": p["residency"], "b_moe": p["b_moe"],
               "attention": "cpu" if p["cpu_attention"] else "gpu"} if p["policy"] == "coroutine" else {})
     if p["policy"] == "continuous":
-        knobs = {"chunked_prefill": p["chunked"], "token_budget": p["token_budget"]}
+        knobs = {"chunked_prefill": p["chunked"], "token_budget": p["token_budget"],
+                 "admission": p["admission"] if p["chunked"] else "greedy",
+                 "reserve_max_tokens": p["reserve_max_tokens"]}
     job = make_job(p["policy"], p["model"], p["cluster"], inputs, outputs, page_tokens=p["page_tokens"],
                    routing_skew=p["routing_skew"], policy_overrides=knobs)
     per_instance = max(p["num_gpus"] // p["instances"], 1)

@@ -11,6 +11,19 @@ its pages allocated as chunks land), so decode never stalls while prompts wait. 
 prefill continues first in the next forward; preempted, it frees its pages and restarts. With prompts waiting
 a decision is taken at every forward; with none, once per page of decode.
 
+Admission (`admission`, chunked prefill only): `greedy` (vLLM V1's rule, the default) starts a waiting prompt whenever
+its chunk's pages are free and preempts the newest sequences when running decodes run short. `conservative` is
+SGLang's rule: a rank starts a new prompt only if the whole prompt plus its own clipped output reserve,
+min(max_tokens, clip_max_new_tokens), fits the free KV left after reserving, for every sequence already running
+there, min(max_tokens - generated, clip_max_new_tokens) x new_token_ratio tokens. Each rank (one SGLang scheduler
+per DP-attention rank) keeps its own new_token_ratio: it starts at `init_new_token_ratio`, falls by
+`new_token_ratio_decay` per decode forward to `min_new_token_ratio`, returns to the start when the rank runs
+empty, and after a preemption on the rank is set to (generated + 20 per sequence) / max_tokens summed over the
+sequences kept (at most 1), as SGLang's retract does. A policy never sees true output lengths: max_tokens is
+`reserve_max_tokens` per request, or (0) the model's context (`model_context`) minus the prompt; with neither
+known only the clip bounds the reserve. A part-prefilled prompt continues without the check (as SGLang's chunked
+request does) but is reserved for like a running sequence, with what is left of its prompt on top.
+
 Without it (`chunked_prefill: false`, the older engines' rule): a rank with waiting prompts and free KV pages
 prefills whole prompts first (up to `max_prefill_tokens` per forward) while decode waits; otherwise it decodes.
 Decisions are taken at every sequence finish (iteration granularity) while prompts wait.
@@ -23,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.memory import BatchShape
-from batchgen.policy.base import Decision, Snapshot
+from batchgen.policy.base import EMPTY, Decision, Snapshot
 from batchgen.policy.common import pages_for, per_rank, shed_to_fit
 
 
@@ -35,14 +48,34 @@ class ContinuousPolicy:
     page_lookahead: int = 64         # decode iterations between memory checks when nothing waits
     chunked_prefill: bool = True     # forwards from a token budget: decodes first, then prompt chunks
     token_budget: int = 8192         # chunked prefill: tokens per rank per forward (decodes + prompt chunks)
+    admission: str = "greedy"        # chunked prefill: greedy (vLLM V1) | conservative (SGLang's reserve)
+    init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
+    min_new_token_ratio: float = 0.1      # ... floor (SGLang: 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098) ...
+    new_token_ratio_decay: float = 0.001  # ... per decode forward: (0.7 - 0.1) over SGLang's 600 decay steps
+    clip_max_new_tokens: int = 4096       # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: reserve at most this per request
+    reserve_max_tokens: int = 0           # max_tokens of every request; 0: model_context minus the prompt
+    model_context: int = 0                # the model's context (conf: model.max_context); 0: unknown
     name: str = "continuous"
     can_stream_weights: bool = False
     uses_host_kv: bool = False
 
     def __post_init__(self):
-        for key in ("max_running", "max_prefill_tokens", "page_lookahead", "token_budget"):
+        # conservative admission: per instance, new_token_ratio of each rank and where decoding stood at the last
+        # decision (to count the forwards run since): the engine's own state, not a knob nor a field
+        object.__setattr__(self, "_state", {})
+        for key in ("max_running", "max_prefill_tokens", "page_lookahead", "token_budget", "clip_max_new_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+        if self.admission not in ("greedy", "conservative"):
+            raise ValueError(f"policy.admission must be greedy or conservative, got {self.admission!r}")
+        if self.admission == "conservative" and not self.chunked_prefill:
+            raise ValueError("policy.admission=conservative needs policy.chunked_prefill=true")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("policy: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
+                             f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        for key in ("new_token_ratio_decay", "reserve_max_tokens", "model_context"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"policy.{key} must be >= 0, got {getattr(self, key)}")
 
     def batch_shape(self, max_context: int) -> BatchShape:
         """One batch for attention and experts: max_running sequences, or a prefill forward's token budget."""
@@ -110,6 +143,7 @@ class ContinuousPolicy:
         count = np.bincount(snap.active_rank[keep], minlength=R)
         free = snap.pages_capacity * (1 - self.admit_watermark) - per_rank(snap.active_rank[keep], need[keep], R)
         budget = self.token_budget - np.bincount(snap.active_rank[keep & ~partial], minlength=R)
+        room = self._admit_room(snap, waiting, drop, keep, free) if self.admission == "conservative" else None
         ids_out, ranks_out, lens_out = [], [], []
         evicted_ranks = snap.active_rank[drop]
         for r in np.flatnonzero((budget > 0) & ((waiting > 0) | np.bincount(snap.active_rank[keep & partial],
@@ -121,6 +155,11 @@ class ContinuousPolicy:
             fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else np.empty(0, np.int64)
             slots = max(self.max_running - int(count[r]), 0)
             queued = np.concatenate([snap.pinned[r].peek(slots), fresh])[:slots]
+            if room is not None and queued.size:  # SGLang: whole prompt + its clipped output within the room
+                fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
+                                                                            self.clip_max_new_tokens)) < room[r]
+                fits[0] |= not count[r]  # an empty rank always takes one: nothing running will free memory
+                queued = queued[: int(np.argmin(fits)) if not fits.all() else queued.size]
             cand = np.concatenate([going, queued])
             start = np.concatenate([prefilled[mine], np.zeros(queued.size, np.int64)])
             ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), int(budget[r]), float(free[r]), P)
@@ -135,6 +174,67 @@ class ContinuousPolicy:
         if not waiting.sum() and not partial.any() and not drop.size:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
+
+    def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
+        """max_tokens of each request as the engine knows it (never the true output length): the configured
+        cap, else the model's context minus the prompt; unknown (a huge number) when neither is set."""
+        if self.reserve_max_tokens:
+            return np.full(ids.size, self.reserve_max_tokens, np.int64)
+        if self.model_context:
+            return np.maximum(self.model_context - snap.lengths.input_len[ids], 1).astype(np.int64)
+        return np.full(ids.size, _UNKNOWN, np.int64)
+
+    def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """new_token_ratio of each rank at this decision, kept across decisions per instance (SGLang keeps one
+        per scheduler, i.e. per DP-attention rank): decayed per decode forward run since the last decision,
+        back to its start on a rank that ran empty, re-estimated on a rank that preempts now."""
+        R = snap.num_ranks
+        st = self._state.get(snap.instance)
+        if st is None or st["ratio"].size != R or snap.now < st["now"] or not snap.active_ids.size:
+            # a new job (or an idle instance, where SGLang resets too) starts at the top
+            st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY,
+                  "now": snap.now}
+        ratio = st["ratio"].copy()
+        if st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
+            ran = np.zeros(R, np.int64)
+            np.maximum.at(ran, st["rank"], snap.lengths.decoded[st["ids"]] - st["dec"])
+            ratio = np.maximum(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
+        busy = np.bincount(snap.active_rank, minlength=R) + waiting
+        ratio[busy == 0] = self.init_new_token_ratio
+        decoding = keep & (snap.active_prefilled == 0) if snap.active_prefilled.size else keep
+        for r in np.unique(snap.active_rank[drop]):  # SGLang's retract: (generated + 20 each) / max_tokens
+            mine = decoding & (snap.active_rank == r)
+            cap = self._max_tokens(snap, snap.active_ids[mine])
+            if not mine.any() or (cap >= _UNKNOWN).any():
+                ratio[r] = self.init_new_token_ratio
+            else:
+                done = snap.active_decoded[mine].sum() + _RETRACT_DECODE_STEPS * int(mine.sum())
+                ratio[r] = min(1.0, done / (cap.sum() + 1))
+        self._state[snap.instance] = {"ratio": ratio, "ids": snap.active_ids.copy(),
+                                      "rank": snap.active_rank.copy(), "dec": snap.active_decoded.copy(),
+                                      "now": snap.now}
+        return ratio
+
+    def _admit_room(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray,
+                    free: np.ndarray) -> np.ndarray:
+        """Tokens per rank a new prompt and its output reserve may take (SGLang's rem_total_tokens): the free
+        pages (already net of the running sequences' next page) less, for each running sequence, its estimated
+        remaining decode beyond that page, min(max_tokens - generated, clip) x new_token_ratio; a part-prefilled
+        prompt also reserves what is left of its prompt and its clipped max_tokens x the ratio."""
+        R, P = snap.num_ranks, snap.page_tokens
+        ratio = self._ratios(snap, waiting, drop, keep)
+        ids, rank = snap.active_ids[keep], snap.active_rank[keep]
+        prefilled = snap.active_prefilled[keep] if snap.active_prefilled.size else np.zeros(ids.size, np.int64)
+        decoded = snap.active_decoded[keep]
+        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
+        est = left * ratio[rank]
+        reserve = np.where(prefilled > 0, snap.lengths.context(ids) - prefilled + est,
+                           np.maximum(est - self.page_lookahead, 0))
+        return free * P - np.bincount(rank, weights=reserve, minlength=R)
+
+
+_UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
+_RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS
 
 
 def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budget: int, free_pages: float,
