@@ -113,10 +113,12 @@ class StepRecord:
 
 @dataclass
 class InstanceProgress:
-    """Per-instance state that is not per-sequence: static padding rows and the last phase."""
+    """Per-instance state that is not per-sequence: static padding rows, the last phase, and what the policy's
+    last decision carries to its next one."""
 
     num_ranks: int
     last_phase: Phase = "idle"
+    carry: Any = None
     pad_rows: np.ndarray = field(init=False)
     pad_context: np.ndarray = field(init=False)
 
@@ -165,7 +167,7 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         node_instance=state.node_instance.copy(), host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
-        capabilities=capabilities, active_prefilled=t.prefilled[ids],
+        capabilities=capabilities, active_prefilled=t.prefilled[ids], carry=progress.carry,
     )
 
 
@@ -350,6 +352,7 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         last = now
         snap = make_snapshot(state, instance, now, progress, gpus_per_node, backend.capabilities)
         decision = policy.decide(snap)
+        progress.carry = decision.carry
         plan = apply_decision(state, instance, decision, progress, now)
         if plan.phase == "idle":
             change = BoundaryDecision.of(decision, plan, folded)

@@ -24,9 +24,9 @@ def squeezed(job, kv_tokens_per_gpu):
     return dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve))
 
 
-def snapshot(state, instance=0, last_phase="decode", capabilities=None):
+def snapshot(state, instance=0, last_phase="decode", capabilities=None, carry=None):
     from batchgen.policy.base import Capabilities
-    progress = InstanceProgress(state.topo.instance_gpus(instance).size, last_phase=last_phase)
+    progress = InstanceProgress(state.topo.instance_gpus(instance).size, last_phase=last_phase, carry=carry)
     return make_snapshot(state, instance, 0.0, progress, gpus_per_node=8,
                          capabilities=capabilities or Capabilities())
 
@@ -181,25 +181,28 @@ def test_conservative_admission_holds_back_prompts_greedy_would_admit():
 
 
 def test_conservative_ratio_decays_per_forward_and_is_reestimated_after_a_preemption():
+    """The ratio travels from one decision to the next in `Decision.carry` (the engine hands it to the next
+    snapshot): the policy itself keeps nothing."""
     job, state = _one_gpu_with_running(4, "conservative", new_token_ratio_decay=0.002)
     p = job.policy
-    p.decide(snapshot(state))
-    assert p._state[0]["ratio"].tolist() == [0.7]
-    p.decide(snapshot(state))  # the same snapshot again: no forward ran, same ratio (and same decision)
-    assert p._state[0]["ratio"].tolist() == [0.7]
+    first = p.decide(snapshot(state))
+    assert first.carry["ratio"].tolist() == [0.7]
+    again = p.decide(snapshot(state, carry=first.carry))  # no forward ran since: same ratio (and decision)
+    assert again.carry["ratio"].tolist() == [0.7]
+    assert p.decide(snapshot(state)).carry["ratio"].tolist() == [0.7]  # no carry: a job's first decision
     state.table.decoded[:4] = 200  # 200 decode forwards later
-    p.decide(snapshot(state))
-    assert p._state[0]["ratio"][0] == pytest.approx(0.3)
+    later = p.decide(snapshot(state, carry=again.carry))
+    assert later.carry["ratio"][0] == pytest.approx(0.3)
     state.table.decoded[:4] = 500  # later: at the floor
-    p.decide(snapshot(state))
-    assert p._state[0]["ratio"][0] == pytest.approx(0.1)
+    floor = p.decide(snapshot(state, carry=later.carry))
+    assert floor.carry["ratio"][0] == pytest.approx(0.1)
     # the running sequences outgrow the pool: the newest are preempted, and the ratio is SGLang's retract
     # estimate over those kept, (generated + 20 each) / max_tokens, at most 1
     state.table.decoded[:4] = 650
-    d = p.decide(snapshot(state))
+    d = p.decide(snapshot(state, carry=floor.carry))
     kept = 4 - d.evict_ids.size
     assert 0 < kept < 4
-    assert p._state[0]["ratio"][0] == pytest.approx(min(1.0, (650 + 20) * kept / (1000 * kept + 1)))
+    assert d.carry["ratio"][0] == pytest.approx(min(1.0, (650 + 20) * kept / (1000 * kept + 1)))
 
 
 def test_static_waits_for_the_whole_batch():
@@ -279,8 +282,9 @@ def test_decide_is_a_pure_function_of_the_snapshot():
     run_on_gpu(state, np.arange(10), 0)
     before = (state.table.where.copy(), state.table.decoded.copy(), len(state.pending[0]))
     snap = snapshot(state)
-    for policy in ("coroutine", "continuous", "static"):
-        p = make_job(policy).policy
+    for policy, knobs in (("coroutine", {}), ("continuous", {}), ("continuous", {"admission": "conservative"}),
+                          ("static", {})):
+        p = make_job(policy, policy_overrides=knobs).policy
         a, b = p.decide(snap), p.decide(snap)
         assert np.array_equal(a.prefill_ids, b.prefill_ids) and np.array_equal(a.yield_ids, b.yield_ids)
         assert [x.ids.tolist() for x in a.admits] == [x.ids.tolist() for x in b.admits]
@@ -301,11 +305,15 @@ def test_decisions_serialise_for_a_multi_process_backend():
                  move_ids=arr(6), move_ranks=arr(1), admits=[Admit(0, arr(7, 8), arr(1, 0), np.array([True, False]))],
                  partition_ids=arr(9), partition_degree=arr(2), prefill_ids=arr(10, 11), prefill_ranks=arr(0, 1),
                  prefill_pinned=True, prefill_to_host=True, host_sync=True, steps=17, stop="first_finish",
-                 micro_batch=5, cpu_attention=True, padded=True)
+                 micro_batch=5, cpu_attention=True, padded=True, chunk_ids=arr(12), chunk_ranks=arr(1),
+                 chunk_lens=arr(300), carry={"ratio": np.array([0.5])})
     back = pickle.loads(pickle.dumps(d))
     for f in dataclasses.fields(Decision):
         a, b = getattr(d, f.name), getattr(back, f.name)
-        if f.name == "admits":
+        assert f.name in ("admits", "carry") or not np.array_equal(a, getattr(Decision(), f.name)), f"{f.name} unset"
+        if f.name == "carry":
+            assert np.array_equal(a["ratio"], b["ratio"])
+        elif f.name == "admits":
             assert [(x.node, x.ids.tolist(), x.ranks.tolist(), np.asarray(x.host_resident).tolist()) for x in a] \
                 == [(x.node, x.ids.tolist(), x.ranks.tolist(), np.asarray(x.host_resident).tolist()) for x in b]
         else:

@@ -9,7 +9,7 @@ Output lengths are not in the snapshot: like a real engine, a policy learns a se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -88,6 +88,9 @@ class Snapshot:
     # per running sequence: context tokens a chunked prefill has written so far while it is under way (such a
     # sequence does not decode yet and holds the pages of what it wrote); 0 for every sequence that decodes
     active_prefilled: np.ndarray = field(default_factory=lambda: EMPTY)
+    # what this policy's previous decision on this instance left for the next one (`Decision.carry`; None at the
+    # first): a policy that must remember (SGLang's new_token_ratio) stays a pure function of its snapshot
+    carry: Any = None
 
     @property
     def layerwise_offload(self) -> bool:
@@ -152,6 +155,7 @@ class Decision:
     chunk_ids: np.ndarray = field(default_factory=lambda: EMPTY)    # chunked prefill: these sequences ...
     chunk_ranks: np.ndarray = field(default_factory=lambda: EMPTY)  # ... on these ranks ...
     chunk_lens: np.ndarray = field(default_factory=lambda: EMPTY)   # ... write this many more context tokens
+    carry: Any = None  # handed to this instance's next snapshot (`Snapshot.carry`), untouched by the engine
 
     @property
     def phase(self) -> Phase:

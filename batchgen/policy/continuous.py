@@ -60,9 +60,6 @@ class ContinuousPolicy:
     uses_host_kv: bool = False
 
     def __post_init__(self):
-        # conservative admission: per instance, new_token_ratio of each rank and where decoding stood at the last
-        # decision (to count the forwards run since): the engine's own state, not a knob nor a field
-        object.__setattr__(self, "_state", {})
         for key in ("max_running", "max_prefill_tokens", "page_lookahead", "token_budget", "clip_max_new_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
@@ -143,7 +140,9 @@ class ContinuousPolicy:
         count = np.bincount(snap.active_rank[keep], minlength=R)
         free = snap.pages_capacity * (1 - self.admit_watermark) - per_rank(snap.active_rank[keep], need[keep], R)
         budget = self.token_budget - np.bincount(snap.active_rank[keep & ~partial], minlength=R)
-        room = self._admit_room(snap, waiting, drop, keep, free) if self.admission == "conservative" else None
+        room = None
+        if self.admission == "conservative":
+            room, d.carry = self._admit_room(snap, waiting, drop, keep, free)
         ids_out, ranks_out, lens_out = [], [], []
         evicted_ranks = snap.active_rank[drop]
         for r in np.flatnonzero((budget > 0) & ((waiting > 0) | np.bincount(snap.active_rank[keep & partial],
@@ -184,16 +183,17 @@ class ContinuousPolicy:
             return np.maximum(self.model_context - snap.lengths.input_len[ids], 1).astype(np.int64)
         return np.full(ids.size, _UNKNOWN, np.int64)
 
-    def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """new_token_ratio of each rank at this decision, kept across decisions per instance (SGLang keeps one
-        per scheduler, i.e. per DP-attention rank): decayed per decode forward run since the last decision,
-        back to its start on a rank that ran empty, re-estimated on a rank that preempts now."""
+    def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray
+                ) -> tuple[np.ndarray, dict]:
+        """new_token_ratio of each rank at this decision (SGLang keeps one per scheduler, i.e. per DP-attention
+        rank): decayed per decode forward run since the last decision, back to its start on a rank that ran
+        empty, re-estimated on a rank that preempts now. The ratios and where decoding stood come back as the
+        decision's `carry`, which the engine hands to the next snapshot of this instance."""
         R = snap.num_ranks
-        st = self._state.get(snap.instance)
-        if st is None or st["ratio"].size != R or snap.now < st["now"] or not snap.active_ids.size:
-            # a new job (or an idle instance, where SGLang resets too) starts at the top
-            st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY,
-                  "now": snap.now}
+        st = snap.carry
+        if st is None or st["ratio"].size != R or not snap.active_ids.size:
+            # the job's first decision (or an idle instance, where SGLang resets too) starts at the top
+            st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY}
         ratio = st["ratio"].copy()
         if st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
             ran = np.zeros(R, np.int64)
@@ -210,19 +210,17 @@ class ContinuousPolicy:
             else:
                 done = snap.active_decoded[mine].sum() + _RETRACT_DECODE_STEPS * int(mine.sum())
                 ratio[r] = min(1.0, done / (cap.sum() + 1))
-        self._state[snap.instance] = {"ratio": ratio, "ids": snap.active_ids.copy(),
-                                      "rank": snap.active_rank.copy(), "dec": snap.active_decoded.copy(),
-                                      "now": snap.now}
-        return ratio
+        return ratio, {"ratio": ratio, "ids": snap.active_ids.copy(), "rank": snap.active_rank.copy(),
+                       "dec": snap.active_decoded.copy()}
 
     def _admit_room(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray,
-                    free: np.ndarray) -> np.ndarray:
+                    free: np.ndarray) -> tuple[np.ndarray, dict]:
         """Tokens per rank a new prompt and its output reserve may take (SGLang's rem_total_tokens): the free
         pages (already net of the running sequences' next page) less, for each running sequence, its estimated
         remaining decode beyond that page, min(max_tokens - generated, clip) x new_token_ratio; a part-prefilled
         prompt also reserves what is left of its prompt and its clipped max_tokens x the ratio."""
         R, P = snap.num_ranks, snap.page_tokens
-        ratio = self._ratios(snap, waiting, drop, keep)
+        ratio, carry = self._ratios(snap, waiting, drop, keep)
         ids, rank = snap.active_ids[keep], snap.active_rank[keep]
         prefilled = snap.active_prefilled[keep] if snap.active_prefilled.size else np.zeros(ids.size, np.int64)
         decoded = snap.active_decoded[keep]
@@ -230,7 +228,7 @@ class ContinuousPolicy:
         est = left * ratio[rank]
         reserve = np.where(prefilled > 0, snap.lengths.context(ids) - prefilled + est,
                            np.maximum(est - self.page_lookahead, 0))
-        return free * P - np.bincount(rank, weights=reserve, minlength=R)
+        return free * P - np.bincount(rank, weights=reserve, minlength=R), carry
 
 
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
