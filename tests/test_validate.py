@@ -23,13 +23,14 @@ POLICIES = ("coroutine", "continuous", "static")
 
 def small_job(policy: str):
     rng = np.random.default_rng(1)
-    knobs = {"token_budget": 24} if policy == "continuous_chunks" else None  # prompts split over forwards
+    knobs = {"continuous_chunks": {"token_budget": 24},  # prompts split over forwards
+             "continuous_conservative": {"token_budget": 24, "admission": "conservative"}}.get(policy)
     return make_job(policy.split("_")[0], cluster_overrides=dict(num_gpus=1, gpus_per_node=1),
                     inputs=rng.integers(8, 64, 12), outputs=rng.integers(2, 30, 12), page_tokens=16,
                     policy_overrides=knobs)
 
 
-@pytest.mark.parametrize("policy", [*POLICIES, "continuous_chunks"])
+@pytest.mark.parametrize("policy", [*POLICIES, "continuous_chunks", "continuous_conservative"])
 def test_both_backends_take_the_same_decisions(policy):
     """Given the executor's capabilities and KV pool, the simulator decides exactly as the executor did; with
     its own (layer-by-layer offload, the planned pool) it does not: the test can fail."""
