@@ -84,20 +84,8 @@ class ContinuousPolicy:
         if self.chunked_prefill:
             return self._decide_chunked(snap)
         R, P = snap.num_ranks, snap.page_tokens
-        d = Decision(micro_batch=0, stop="first_finish", steps=self.page_lookahead)
-        if len(snap.pending):  # pin everything once, round-robin over ranks
-            ids = snap.pending.peek(len(snap.pending))
-            d.pin_ids, d.pin_ranks = ids, np.arange(ids.size) % R
-        waiting = np.array([len(q) for q in snap.pinned]) + np.bincount(d.pin_ranks, minlength=R)
-        steps = self.page_lookahead
-        # Preempt (recompute) the newest sequences when the next `steps` tokens would not fit.
-        need = pages_for(snap.active_context + steps, P)
-        drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), snap.pages_capacity)
-        keep = np.ones(snap.active_ids.size, bool)
-        keep[drop] = False
-        d.evict_ids = snap.active_ids[drop]
-        count = np.bincount(snap.active_rank[keep], minlength=R)
-        free = snap.pages_capacity * (1 - self.admit_watermark) - per_rank(snap.active_rank[keep], need[keep], R)
+        d, waiting = self._pin(snap)
+        drop, keep, count, free = self._preempt(snap, d)
         prefill_ids, prefill_ranks = [], []
         for r in np.flatnonzero((waiting > 0) & (count < self.max_running)):
             queue = snap.pinned[r]
@@ -121,24 +109,36 @@ class ContinuousPolicy:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
 
-    def _decide_chunked(self, snap: Snapshot) -> Decision:
-        R, P = snap.num_ranks, snap.page_tokens
+    def _pin(self, snap: Snapshot) -> tuple[Decision, np.ndarray]:
+        """A decision with every pending prompt pinned once, round-robin over ranks; prompts waiting per rank."""
+        R = snap.num_ranks
         d = Decision(micro_batch=0, stop="first_finish", steps=self.page_lookahead)
-        if len(snap.pending):  # pin everything once, round-robin over ranks
+        if len(snap.pending):
             ids = snap.pending.peek(len(snap.pending))
             d.pin_ids, d.pin_ranks = ids, np.arange(ids.size) % R
-        waiting = np.array([len(q) for q in snap.pinned]) + np.bincount(d.pin_ranks, minlength=R)
-        prefilled = snap.active_prefilled
-        partial = prefilled > 0
-        # Preempt (recompute) the newest sequences when the running ones' next page of tokens would not fit; a
-        # part-prefilled prompt needs the pages of what it has written.
-        need = np.where(partial, pages_for(prefilled, P), pages_for(snap.active_context + self.page_lookahead, P))
+        return d, np.array([len(q) for q in snap.pinned]) + np.bincount(d.pin_ranks, minlength=R)
+
+    def _preempt(self, snap: Snapshot, d: Decision) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Preempt (recompute) the newest sequences when the running ones' next page of tokens would not fit (a
+        part-prefilled prompt needs the pages of what it has written). Returns the dropped indices, the kept
+        mask, sequences kept per rank and the pages left per rank for admissions."""
+        R, P = snap.num_ranks, snap.page_tokens
+        prefilled = snap.active_prefilled if snap.active_prefilled.size else np.zeros(snap.active_ids.size, np.int64)
+        need = np.where(prefilled > 0, pages_for(prefilled, P), pages_for(snap.active_context + self.page_lookahead, P))
         drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), snap.pages_capacity)
         keep = np.ones(snap.active_ids.size, bool)
         keep[drop] = False
         d.evict_ids = snap.active_ids[drop]
         count = np.bincount(snap.active_rank[keep], minlength=R)
         free = snap.pages_capacity * (1 - self.admit_watermark) - per_rank(snap.active_rank[keep], need[keep], R)
+        return drop, keep, count, free
+
+    def _decide_chunked(self, snap: Snapshot) -> Decision:
+        R, P = snap.num_ranks, snap.page_tokens
+        d, waiting = self._pin(snap)
+        prefilled = snap.active_prefilled
+        partial = prefilled > 0
+        drop, keep, count, free = self._preempt(snap, d)
         budget = self.token_budget - np.bincount(snap.active_rank[keep & ~partial], minlength=R)
         room = None
         if self.admission == "conservative":
