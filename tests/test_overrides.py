@@ -85,10 +85,20 @@ def test_the_source_names_the_keys_this_test_is_about():
         assert key in keys, f"{key} not found among {sorted(keys)}"
 
 
+def context_for(key: str) -> tuple[str, ...]:
+    """What `key` needs selected to exist; a policy knob: the policy whose file defines it (coroutine if none)."""
+    section, _, name = key.partition(".")
+    if section == "policy":
+        for file in sorted((conf_dir() / "policy").glob("*.yaml")):
+            if name.split(".")[0] in (OmegaConf.load(file) or {}):
+                return (f"+policy={file.stem}",)
+    return CONTEXT.get(section, ())
+
+
 @pytest.mark.parametrize("config,key", sorted(FOUND), ids=[f"{c}:{k}" for c, k in sorted(FOUND)])
 def test_every_key_a_message_names_works_as_typed(config, key):
     where = ", ".join(FOUND[(config, key)][:3])
-    context = CONTEXT.get(key.split(".")[0], ())
+    context = context_for(key)
     value = OmegaConf.select(composed(context, config), key)
     # set it to what it is (a changed backend.name would be another config), or null for a node or a missing key
     typed = (str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str)
