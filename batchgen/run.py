@@ -32,6 +32,9 @@ def run_job(cfg: DictConfig) -> None:
     from batchgen.job import Job
     from batchgen.progress import bar
 
+    if cfg.backend.get("name") != "exec":
+        raise ConfigError(f"backend={cfg.backend.get('name')}: a batch job runs on the executor (backend=exec, the "
+                          "default); to predict its time on a simulated cluster, add job.estimate=true")
     settings = JobSettings.from_config(_plain(cfg.job), seed=cfg.get("seed", 0))
     path = model_dir(model_path(cfg))
     setup = build_setup(cfg, command=COMMAND)

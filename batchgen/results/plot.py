@@ -46,7 +46,7 @@ def _step(ax, edges: np.ndarray, y: np.ndarray, **kw):
     return ax.step(edges, np.append(y, y[-1]), where="post", **kw)
 
 
-def _draw_utilisation(ax, edges: np.ndarray, series: dict[str, np.ndarray]) -> None:
+def _draw_utilisation(ax, edges: np.ndarray, series: dict[str, np.ndarray], unit: str) -> None:
     util, prefill = series["util"], series["prefill"]
     share = prefill.mean(axis=0)
     ax.fill_between(edges, 0, np.append(share, share[-1]), step="post", color="tab:orange", alpha=0.25,
@@ -60,7 +60,7 @@ def _draw_utilisation(ax, edges: np.ndarray, series: dict[str, np.ndarray]) -> N
                         alpha=0.2, linewidth=0, label=f"min-max over {util.shape[0]} instances")
         _step(ax, edges, util.mean(axis=0), color="tab:blue", linewidth=1, label="mean utilisation")
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("GPU busy fraction")
+    ax.set_ylabel(f"{unit} busy fraction")
     ax.legend(loc="lower left", fontsize=7, ncol=3)
 
 
@@ -94,8 +94,8 @@ def plot_timeline(out, path: Path) -> Path:
     series = _instance_series(s, edges, out.prepared.state.topo.num_instances)
     finish = out.prepared.state.table.finish_time
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), constrained_layout=True)
-    _draw_utilisation(top, edges, series)
     measured = out.backend == "exec"
+    _draw_utilisation(top, edges, series, "rank" if measured else "GPU")
     _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)], "measured" if measured else "simulated")
     bottom.set_xlim(0, horizon)
     job = out.job

@@ -215,10 +215,12 @@ def test_job_level_errors_before_any_work(demo, tmp_path):
           "policy.kv_residency=device"], "backend.kv_budget_mb"),
         ([f"model.path={demo}", f"job.input={requests}", f"job.output={out}", "job.checkpoint_s=-1"],
          "job.checkpoint_s"),
+        ([f"model.path={demo}", f"job.input={requests}", f"job.output={out}", "backend=sim"], "job.estimate=true"),
     ]
     for overrides, needle in cases:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("run", overrides=["+policy=coroutine", "backend.device=cpu", *overrides])
+            base = [] if "backend=sim" in overrides else ["backend.device=cpu"]
+            cfg = compose("run", overrides=["+policy=coroutine", *base, *overrides])
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
             run_job(cfg)
         assert not out.exists() or not out.read_text()  # nothing ran

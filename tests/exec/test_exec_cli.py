@@ -20,6 +20,8 @@ def test_exec_backend_writes_results_and_outputs(tmp_path, policy):
     results = json.loads((run / "results.json").read_text())
     assert results["backend"] == "exec" and results["policy"] == policy and results["num_sequences"] == 12
     assert results["bct_s"] > 0 and results["mean_expert_batch"] > 0
+    # labelled by where it ran, never by the simulated cluster of the config (h100_8 by default)
+    assert results["cluster"] == f"executor: 1 rank on {results['device']}" and results["gpu"] == results["device"]
     lines = [json.loads(x) for x in (run / "outputs.jsonl").read_text().splitlines()]
     assert [x["id"] for x in lines] == list(range(12))
     out_lens = [int(r.split(",")[2]) for r in (run / "sequences.csv").read_text().splitlines()[1:]]
