@@ -48,10 +48,7 @@ def executor_element_bytes(cfg: DictConfig) -> float | None:
     from batchgen.exec.run import ExecSettings
 
     b = cfg.backend
-    settings = ExecSettings(device=b.get("device", "auto"), dtype=b.get("dtype", "auto"))
-    devices = [settings._device(d) for d in (settings.device if isinstance(settings.device, list)
-                                             else [settings.device])]
-    return settings.torch_dtype(devices).itemsize
+    return ExecSettings(device=b.get("device", "auto"), dtype=b.get("dtype", "auto")).resolved_dtype().itemsize
 
 
 def progress_setting(cfg: DictConfig) -> Any:

@@ -46,8 +46,7 @@ def run_job(cfg: DictConfig) -> None:
         raise ConfigError(f"bad backend setting: {e}") from e
     if exec_settings.repeats != 1:
         raise ConfigError(f"backend.repeats={exec_settings.repeats}: a batch job runs its requests once; drop it")
-    dtype = exec_settings.torch_dtype(exec_settings.instance_devices(1))
-    spec = model_spec(cfg, dtype.itemsize)
+    spec = model_spec(cfg, exec_settings.resolved_dtype().itemsize)
     checked_calibration(setup, spec)
     cluster = executor_cluster(setup.cluster)
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from batchgen.latency import Efficiency, LatencySettings, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
+from batchgen.setup import plain
 from batchgen.specs import ClusterSpec, ModelSpec
 
 # The shipped Azure conversation trace (19,366 real requests, 2023): output median 129, P95 451, P99 601, max 1000
@@ -264,14 +265,6 @@ def _run_one(model: ModelSpec, cluster: ClusterSpec, prompts: np.ndarray, output
     return _summary_row(policy_name, out, total_output_tokens, time.perf_counter() - start, int(prompts.size))
 
 
-def _plain(cfg: Mapping) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover
-        return dict(cfg)
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
 def estimate(model: ModelSpec, cluster: ClusterSpec, inp: EstimateInput, policies: Sequence[Mapping], *,
              output: Mapping = DEFAULT_OUTPUT, seed: int = 0, efficiency: Efficiency | None = None,
              latency: LatencySettings | None = None, memory: MemorySettings | None = None,
@@ -289,7 +282,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, inp: EstimateInput, policie
 
     if len(inp) == 0:
         raise ValueError("the input has no requests: nothing to estimate")
-    policies = [_plain(p) for p in policies]
+    policies = [plain(p) for p in policies]
     for p in policies:
         make_policy(p)  # a typo in a policy config fails here, before minutes of simulation
     if efficiency is None:

@@ -77,6 +77,11 @@ class ExecSettings:
             raise ConfigError(f"backend.device={name} but this machine has no CUDA device: use cpu or auto")
         return dev
 
+    def resolved_dtype(self) -> torch.dtype:
+        """The dtype a job will run in, from the settings alone (before its instances are laid out)."""
+        names = list(self.device) if isinstance(self.device, (list, tuple)) else [self.device]
+        return self.torch_dtype([self._device(n) for n in names])
+
     def torch_dtype(self, devices: list[torch.device]) -> torch.dtype:
         """One dtype everywhere: a sequence migrating between devices keeps exactly its KV."""
         if self.dtype == "auto":

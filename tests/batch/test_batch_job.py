@@ -143,6 +143,7 @@ def test_requests_end_at_eos_unless_ignore_eos(demo, tmp_path):
     output = tmp_path / "results.jsonl"
     run_in_process(demo, requests, output)
     by_id = {r["custom_id"]: r["response"]["body"] for r in read_records(output)}
+    assert any(by_id[f"p{k}"]["choices"][0]["finish_reason"] == "stop" for k in range(24))  # EOS is exercised
     for k in range(24):
         free, forced = by_id[f"p{k}"], by_id[f"q{k}"]
         assert forced["usage"]["completion_tokens"] == 48 and forced["choices"][0]["finish_reason"] == "length"
