@@ -41,6 +41,7 @@ class StepPlan:
     prefill_to_host: bool
     padded: bool
     start: float = 0.0         # clock reading when the boundary began (before the decision)
+    ffn_schedule: str = "combined"  # Decision.ffn_schedule: one expert batch, or an FFN per micro-batch
     # chunked prefill: one forward in which each chunk writes context tokens [start, start + len) of its sequence
     # beside every decode (a chunk that ends its context samples the sequence's first token)
     chunk_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -219,7 +220,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
         cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
-        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, **chunk,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, **chunk,
     )
 
 

@@ -18,6 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
+from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -89,6 +90,7 @@ class SimBackend:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
                                        pad_context=np.zeros_like(plan.pad_context))
+        calls = None  # expert calls per iteration, where an FFN runs per micro-batch
         if plan.prefill_ids.size:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
@@ -113,7 +115,17 @@ class SimBackend:
             hosted = np.asarray(plan.decode_host_resident, bool)
             kv_split = self.state.kv_split_by_heads
             join = partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
-            if hosted.any() or self._prefetch_per_layer > 0:
+            calls = None
+            if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
+                load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
+                                                      cpu_attention=bool(plan.cpu_attention and hosted.any()),
+                                                      pipelined=plan.ffn_schedule == "pipelined",
+                                                      prefetch_bytes=self._prefetch_per_layer)
+                self.decode_host_bytes += h2d + d2h
+                self.host_bytes += h2d + d2h
+            elif hosted.any() or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
                 load.tp_join = join
@@ -147,7 +159,8 @@ class SimBackend:
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
-                          int((cost.expert_tokens > 0).sum()) if self.lat.model.is_moe else 0,
+                          (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
+                          if self.lat.model.is_moe else 0,
                           int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
 
