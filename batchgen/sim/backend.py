@@ -54,6 +54,7 @@ class SimBackend:
         n_moe = lat.layer_counts()[1]
         self._prefetch_per_layer = self.stream_bytes_per_iter / n_moe if n_moe else 0.0
         self.host_bytes = 0.0
+        self.h2d_bytes = 0.0  # the host -> device share of host_bytes (weights streamed, KV restored, outputs back)
         self.decode_host_bytes = 0.0
         self.decode_iterations = 0
         self.events = 0
@@ -100,12 +101,14 @@ class SimBackend:
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
+            self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                               plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
+            self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
             context = t.context(ids)
@@ -125,6 +128,7 @@ class SimBackend:
                                                       prefetch_bytes=self._prefetch_per_layer)
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
+                self.h2d_bytes += h2d
             elif hosted.any() or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
@@ -134,6 +138,7 @@ class SimBackend:
                                             prefetch_bytes=self._prefetch_per_layer)
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
+                self.h2d_bytes += h2d
             else:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
@@ -184,6 +189,7 @@ class SimBackend:
         lat = self.lat
         seconds = np.zeros(R)
         self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
+        self.h2d_bytes += float(plan.moves.h2d[g].sum())
         for arr, fn in ((plan.moves.h2d[g], lat.h2d), (d2h, lat.d2h)):
             seconds += np.where(arr > 0, fn(arr), 0.0)
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):
