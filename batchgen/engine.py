@@ -79,6 +79,7 @@ class StepResult:
 
 
 _EMPTY = np.empty(0, np.int64)
+FFN_SCHEDULES = ("combined", "micro_batch", "pipelined")  # Decision.ffn_schedule
 
 
 class Backend(Protocol):
@@ -188,6 +189,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         state.offload(instance, d.offload_ids, moves)
     if d.move_ids.size:
         state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+    if d.ffn_schedule not in FFN_SCHEDULES:
+        raise InvariantError(f"Decision.ffn_schedule must be one of {', '.join(FFN_SCHEDULES)}, got {d.ffn_schedule!r}")
     prefill = d.prefill_ids.size > 0
     chunked = d.chunk_ids.size > 0
     if prefill and chunked:
