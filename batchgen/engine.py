@@ -41,6 +41,7 @@ class StepPlan:
     prefill_to_host: bool
     padded: bool
     start: float = 0.0         # clock reading when the boundary began (before the decision)
+    ffn_schedule: str = "combined"  # Decision.ffn_schedule: one expert batch, or an FFN per micro-batch
     # chunked prefill: one forward in which each chunk writes context tokens [start, start + len) of its sequence
     # beside every decode (a chunk that ends its context samples the sequence's first token)
     chunk_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -78,6 +79,7 @@ class StepResult:
 
 
 _EMPTY = np.empty(0, np.int64)
+FFN_SCHEDULES = ("combined", "micro_batch", "pipelined")  # Decision.ffn_schedule
 
 
 class Backend(Protocol):
@@ -187,6 +189,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         state.offload(instance, d.offload_ids, moves)
     if d.move_ids.size:
         state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+    if d.ffn_schedule not in FFN_SCHEDULES:
+        raise InvariantError(f"Decision.ffn_schedule must be one of {', '.join(FFN_SCHEDULES)}, got {d.ffn_schedule!r}")
     prefill = d.prefill_ids.size > 0
     chunked = d.chunk_ids.size > 0
     if prefill and chunked:
@@ -219,7 +223,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
         cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
-        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, **chunk,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, **chunk,
     )
 
 

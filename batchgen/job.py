@@ -78,6 +78,10 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
         raise ConfigError(f"policy.attention=cpu is not offered for {m.name}: its MLA latent KV must be "
                           "up-projected on the GPU before attention; use policy.attention=gpu or auto")
     max_context = int((w.input_lens + w.output_lens).max()) if len(w) else 0
+    resolve = getattr(policy, "resolve_for_job", None)
+    if len(w) and callable(resolve):  # a system that sizes its own schedule (the offloading systems' searches)
+        from batchgen.policy.offload.search import Rig
+        policy = resolve(Rig.of(m, c, lat, job.memory, w, job.page_tokens))
     if len(w) and needs_plan(policy):
         try:
             plan = plan_job(m, c, lat, job.memory, policy, WorkloadStats.of(w), page_tokens=job.page_tokens)

@@ -169,6 +169,13 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
         ring = min(2, streamed_layers) * per_layer  # two slots: one computes while the next one loads
         resident = weights - streamed_layers * per_layer + ring
         fits_streaming = model.is_moe and resident + page_bytes <= usable
+        whole = whole_layer_streaming(model, lat)
+        if (not fits_streaming and can_stream_weights and model.is_moe and streamed_layers == n_moe
+                and whole[0] + page_bytes <= usable):
+            # even the non-expert weights do not fit (DeepSeek-V2 on a 24 GB GPU): every decoder layer streams
+            # whole (attention, shared experts, router and experts) through a ring of two layers
+            resident, per_layer = whole[0], whole[1] / max(n_moe, 1)
+            fits_streaming = True
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
                 how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
@@ -193,6 +200,18 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             raise ConfigError(f"no host memory left for KV on a node: {host_weights / gb:.0f} GB of weights vs "
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
     return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers)
+
+
+def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, float]:
+    """(resident bytes, streamed bytes per iteration) of one rank when every decoder layer's weights stream
+    from host through a ring of two layers: embeddings and LM head stay resident, with the two largest
+    layers' slots (a decision: the paper's memory-limited rig runs DeepSeek-V2, whose attention and shared
+    experts alone exceed an A5000)."""
+    weights = lat.weight_bytes_per_rank()
+    resident = model.embedding_params * model.weight_bytes
+    layers = weights - resident
+    per_layer = layers / max(model.num_layers, 1)
+    return resident + 2 * per_layer, layers
 
 
 def host_weight_bytes(model: ModelSpec, lat: LatencyModel, node_size: int) -> float:

@@ -306,7 +306,7 @@ def test_decisions_serialise_for_a_multi_process_backend():
                  partition_ids=arr(9), partition_degree=arr(2), prefill_ids=arr(10, 11), prefill_ranks=arr(0, 1),
                  prefill_pinned=True, prefill_to_host=True, host_sync=True, steps=17, stop="first_finish",
                  micro_batch=5, cpu_attention=True, padded=True, chunk_ids=arr(12), chunk_ranks=arr(1),
-                 chunk_lens=arr(300), carry={"ratio": np.array([0.5])})
+                 chunk_lens=arr(300), ffn_schedule="pipelined", carry={"ratio": np.array([0.5])})
     back = pickle.loads(pickle.dumps(d))
     for f in dataclasses.fields(Decision):
         a, b = getattr(d, f.name), getattr(back, f.name)

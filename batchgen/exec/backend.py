@@ -229,7 +229,10 @@ class ExecBackend:
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
 
     def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
-        logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention)
+        logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention,
+                                                            plan.ffn_schedule)
+        self.traffic["weight_bytes"] = stats.weight_bytes or self.traffic["weight_bytes"]
+        self.traffic["ffn_calls"] += stats.ffn_calls
         self.traffic["restored_bytes"] += stats.restored_bytes
         self.traffic["appended_bytes"] += stats.appended_bytes
         self.traffic["host_resident_seq_steps"] += stats.host_resident

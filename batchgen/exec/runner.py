@@ -61,6 +61,8 @@ class ForwardStats:
     host_resident: int = 0        # sequences that ran host-resident
     restored_bytes: int = 0       # KV restored from host into staging buffers, all layers
     appended_bytes: int = 0       # new tokens' KV sent back to host copies, all layers
+    ffn_calls: int = 0            # FFN calls over all layers when each micro-batch runs its own
+    weight_bytes: int = 0         # weights copied host -> device so far by this runner (streamed schedules)
 
 
 @dataclass
@@ -85,12 +87,17 @@ class InstanceRunner:
         self.model = model
         self.micro_batch = micro_batch
         self.device = next(model.parameters()).device
+        self.streamer = None  # a WeightStreamer once a forward streams weights (offloading systems' schedules)
 
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
-                cpu_attention: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
+                cpu_attention: bool = False, ffn_schedule: str = "combined") -> tuple[list[torch.Tensor], ForwardStats]:
         """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each; only the sequences whose
-        `sample` flag is set where a rank gives flags), and timings."""
+        `sample` flag is set where a rank gives flags), and timings.
+
+        `ffn_schedule` other than "combined" (the offloading systems): every layer's weights are copied from their
+        host copy before the layer runs (`weight_stream.WeightStreamer`, once per layer, reused by every
+        micro-batch), and each attention micro-batch runs its own FFN instead of one combined expert batch."""
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
         if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):
@@ -103,7 +110,13 @@ class InstanceRunner:
         pipelines = self._pipelines(pieces, mb)
         timer = _Timer(self.device)
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
+        offload = ffn_schedule != "combined"
+        if offload and self.streamer is None:
+            from batchgen.exec.weight_stream import WeightStreamer
+            self.streamer = WeightStreamer(self.model)
         for layer in range(self.model.num_layers):
+            if offload:
+                self.streamer.acquire(layer)
             for p in pieces:
                 if p.kind == "shard":
                     if p.shard == 0:  # the whole group at once: the sum needs every shard
@@ -121,9 +134,17 @@ class InstanceRunner:
                     pipelines[p.rank].release(layer, p.index)
                 timer.stop(start, p.rank)
             start = timer.start()
-            hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
+            if offload:  # an FFN per attention micro-batch (the weights already loaded for the layer)
+                for rows in _ffn_rows(pieces):
+                    hidden[rows] = self.model.ffn_block(layer, hidden[rows])
+                stats.ffn_calls += len(_ffn_rows(pieces))
+            else:
+                hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
             timer.stop(start, "ffn")
             stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
+        if offload:
+            self.streamer.finish()
+            stats.weight_bytes = self.streamer.copied_bytes
         start = timer.start()
         out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
         timer.stop(start, "head")
@@ -243,6 +264,15 @@ class InstanceRunner:
             p.cache.host_advance(p.seq_ids)
             stats.host_resident += len(p.seq_ids)
             stats.appended_bytes += p.meta.num_tokens * p.cache.bytes_per_token
+
+
+def _ffn_rows(pieces: list["_Piece"]) -> list[slice]:
+    """The distinct row ranges of a forward's micro-batches, in order (a partition group's shards share one)."""
+    out: list[slice] = []
+    for p in pieces:
+        if not out or p.rows != out[-1]:
+            out.append(p.rows)
+    return out
 
 
 def _chunks(n: int, size: int):

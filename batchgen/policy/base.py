@@ -152,6 +152,11 @@ class Decision:
     micro_batch: int = 0             # B_attn: attention runs in micro-batches of this many sequences (0 = one)
     cpu_attention: bool = False      # host-resident sequences' attention runs on the host CPU beside their KV
     padded: bool = False             # static batches: finished rows keep costing until the whole batch ends
+    # decode FFN schedule: "combined" (module-based batching: every micro-batch's tokens form one expert batch),
+    # "micro_batch" (each attention micro-batch runs its own FFN with the layer's weights, loaded once per layer:
+    # FlexGen / ZeRO-Inference), "pipelined" (the same, with the next micro-batch's attention overlapping this
+    # one's FFN: MoE-Lightning's CGOPipe); see batchgen.plan.microbatch
+    ffn_schedule: str = "combined"
     chunk_ids: np.ndarray = field(default_factory=lambda: EMPTY)    # chunked prefill: these sequences ...
     chunk_ranks: np.ndarray = field(default_factory=lambda: EMPTY)  # ... on these ranks ...
     chunk_lens: np.ndarray = field(default_factory=lambda: EMPTY)   # ... write this many more context tokens

@@ -18,6 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
+from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -53,6 +54,7 @@ class SimBackend:
         n_moe = lat.layer_counts()[1]
         self._prefetch_per_layer = self.stream_bytes_per_iter / n_moe if n_moe else 0.0
         self.host_bytes = 0.0
+        self.h2d_bytes = 0.0  # the host -> device share of host_bytes (weights streamed, KV restored, outputs back)
         self.decode_host_bytes = 0.0
         self.decode_iterations = 0
         self.events = 0
@@ -89,6 +91,7 @@ class SimBackend:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
                                        pad_context=np.zeros_like(plan.pad_context))
+        calls = None  # expert calls per iteration, where an FFN runs per micro-batch
         if plan.prefill_ids.size:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
@@ -98,12 +101,14 @@ class SimBackend:
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
+            self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                               plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = price(self.lat, load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
+            self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
             context = t.context(ids)
@@ -113,7 +118,18 @@ class SimBackend:
             hosted = np.asarray(plan.decode_host_resident, bool)
             kv_split = self.state.kv_split_by_heads
             join = partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
-            if hosted.any() or self._prefetch_per_layer > 0:
+            calls = None
+            if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
+                load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
+                                                      cpu_attention=bool(plan.cpu_attention and hosted.any()),
+                                                      pipelined=plan.ffn_schedule == "pipelined",
+                                                      prefetch_bytes=self._prefetch_per_layer)
+                self.decode_host_bytes += h2d + d2h
+                self.host_bytes += h2d + d2h
+                self.h2d_bytes += h2d
+            elif hosted.any() or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
                 load.tp_join = join
@@ -122,6 +138,7 @@ class SimBackend:
                                             prefetch_bytes=self._prefetch_per_layer)
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
+                self.h2d_bytes += h2d
             else:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
@@ -147,7 +164,8 @@ class SimBackend:
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
-                          int((cost.expert_tokens > 0).sum()) if self.lat.model.is_moe else 0,
+                          (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
+                          if self.lat.model.is_moe else 0,
                           int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
 
@@ -171,6 +189,7 @@ class SimBackend:
         lat = self.lat
         seconds = np.zeros(R)
         self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
+        self.h2d_bytes += float(plan.moves.h2d[g].sum())
         for arr, fn in ((plan.moves.h2d[g], lat.h2d), (d2h, lat.d2h)):
             seconds += np.where(arr > 0, fn(arr), 0.0)
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):

@@ -25,6 +25,7 @@ class RunOutput:
     backend: str = "sim"
     host_bytes: float = 0.0                # bytes moved host <-> device over the whole run, both directions
     host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
+    h2d_bytes: float = 0.0                 # host -> device bytes over the whole run (part of host_bytes)
 
 
 class SimProgress:
@@ -84,4 +85,5 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
         raise InvariantError(f"policy {policy.name!r} stopped with {left} sequences unfinished")
     state.check()
     return RunOutput(job, prepared, records, time.perf_counter() - start, backend.events,
-                     host_bytes=backend.host_bytes, host_bytes_per_iteration=backend.host_bytes_per_iteration)
+                     host_bytes=backend.host_bytes, host_bytes_per_iteration=backend.host_bytes_per_iteration,
+                     h2d_bytes=backend.h2d_bytes)

@@ -1,0 +1,28 @@
+"""A decode run under an offloading system's schedule (an FFN per attention micro-batch, weights loaded once
+per layer and reused by the block's micro-batches), priced on `batchgen.plan.microbatch`'s DAG."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.latency import LatencyModel
+from batchgen.plan.decode import DecodeGrid
+from batchgen.plan.microbatch import price_microbatched
+from batchgen.sim.costs import RunCost, _module_split
+
+
+def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, pipelined: bool,
+                  prefetch_bytes: float) -> tuple[RunCost, float, float, np.ndarray]:
+    """(cost, h2d bytes, d2h bytes, expert calls per iteration) of the run; `rank_comm` holds the all-to-all
+    and the host traffic / CPU time the GPU could not hide."""
+    p, calls = price_microbatched(lat, grid, micro_batch, cpu_attention=cpu_attention, pipelined=pipelined,
+                                  prefetch_bytes=prefetch_bytes)
+    gate = grid.gate_tokens
+    active = gate.sum(axis=0) > 0
+    rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
+    attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+            + lat.attention_decode(grid.host_tokens, grid.host_context,
+                                   np.ceil(grid.host_tokens / max(micro_batch, 1))))
+    modules = _module_split(lat, attn, gate, gate, active)
+    cost = RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
+    return cost, p.h2d_bytes, p.d2h_bytes, calls
