@@ -115,6 +115,9 @@ class Admit:
     ids: np.ndarray
     ranks: np.ndarray
     host_resident: np.ndarray | bool = False  # run with KV on host (restored per layer), holding no pages
+    # False: the host copy is dropped once the KV is on the GPU (nothing syncs it from then on; a later YIELD
+    # writes the whole KV down again). PD-disaggregation's decode side keeps no host copy.
+    keep_host_copy: bool = True
 
 
 @dataclass
