@@ -182,6 +182,8 @@ class PDDisaggPolicy:
             caps[open_ranks] = level_slots(count[open_ranks], slots[open_ranks], cand.size)
             order = open_ranks[np.argsort(count[open_ranks], kind="stable")]
             ranks = fill_ranks(need, caps, free, order)
+            if not ranks.size and not snap.active_ids.size and not d.admits:
+                ranks = self._head_alone(snap, d, int(ctx[0]), free)
             n = ranks.size
             if not n:
                 continue
@@ -190,4 +192,16 @@ class PDDisaggPolicy:
             slots -= taken
             count += taken
             free -= np.bincount(ranks, weights=need[:n], minlength=R).astype(np.int64)
+
+    def _head_alone(self, snap: Snapshot, d: Decision, ctx: int, free: np.ndarray) -> np.ndarray:
+        """An idle unit whose pages cannot hold the pool's head plus a page_lookahead of growth still takes it,
+        alone, for as many steps as its pages hold (continuous would preempt it at the next check and
+        recompute it, token by token, as it does with a sequence that outgrows a rank)."""
+        r = int(np.argmax(free))
+        steps = int(free[r]) * snap.page_tokens - ctx
+        if steps < 1:
+            return np.empty(0, np.int64)
+        d.steps = min(d.steps, steps)
+        free[r] = 0
+        return np.array([r])
 
