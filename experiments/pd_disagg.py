@@ -2,6 +2,7 @@
 
     python experiments/pd_disagg.py [--num-sequences 10000] [--ratios 1:7,2:6,3:5,4:4,5:3,6:2,7:1]
                                     [--unit-gpus 16] [--out DIR] [extra Hydra overrides...]
+    python experiments/pd_disagg.py --report DIR/pd_disagg.csv   # the table and figure again, no run
 
 Runs `pd_disagg` at each P:D ratio of 16-GPU units (prefill units only prefill, decode units only decode, the
 KV of every prefilled sequence shipped to a decode unit over the network) and coroutine as 2 x 64 (how the paper
@@ -67,8 +68,15 @@ def main() -> None:
     ap.add_argument("--unit-gpus", type=int, default=16)
     ap.add_argument("--no-coroutine", action="store_true", help="skip the coroutine 2 x 64 reference")
     ap.add_argument("--out", type=Path, default=None, help="the run directory")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the table and redraw the figure from this pd_disagg.csv instead of running")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. routing_skew=0.5")
     args = ap.parse_args()
+    if args.report:
+        rows = read_csv(args.report)
+        plot(rows, args.report.parent)
+        report(rows)
+        return
     out_dir = args.out or Path("outputs/experiments/pd_disagg") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     n = f"workload.num_sequences={args.num_sequences}"
@@ -110,6 +118,16 @@ def write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
+def read_csv(path: Path) -> list[dict]:
+    def value(key: str, text: str):
+        if key == "point":
+            return text
+        number = float(text) if text not in ("", "None") else 0.0
+        return int(number) if key in ("migrations", "recomputes", "num_sequences") else number
+    with open(path, newline="") as f:
+        return [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def plot(rows: list[dict], out_dir: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -127,7 +145,8 @@ def plot(rows: list[dict], out_dir: Path) -> None:
     a.set_title("DeepSeek-R1, 128 H20, 8K->2K (simulated)")
     a.legend()
     b.plot(x, [100 * r["prefill_units_running"] for r in pd_rows], "o-", label="prefill units running %")
-    b.plot(x, [100 * r["decode_units_idle"] for r in pd_rows], "s-", label="decode units idle %")
+    b.plot(x, [100 * r["decode_units_idle"] for r in pd_rows], "s-", label="decode units waiting for KV %")
+    b.plot(x, [100 * r["gpu_idle_frac"] for r in pd_rows], "^-", label="GPU idle % (all ranks)")
     b.set_xticks(x, [r["point"] for r in pd_rows])
     b.set_ylabel("% of the job's span")
     b.set_title("why: which side waits")
@@ -139,12 +158,16 @@ def plot(rows: list[dict], out_dir: Path) -> None:
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'point':>15} {'BCT min':>8} {'prefill run %':>13} {'decode idle %':>13} {'KV shipped GB':>13} "
-          f"{'recomputes':>10} {'dec. expert batch':>17} {'running':>8}")
+    # prefill run %: share of the span the prefill units ran (the rest: stalled on back-pressure, or no prompt
+    # left); decode wait %: share of the span the decode units had nothing to run (waiting for KV); GPU idle %:
+    # every rank's time neither computing nor communicating (a decode unit running a small batch is mostly idle)
+    print(f"\n{'point':>15} {'BCT min':>8} {'prefill run %':>13} {'decode wait %':>13} {'GPU idle %':>10} "
+          f"{'prefill %':>9} {'KV shipped GB':>13} {'recomputes':>10} {'dec. expert batch':>17} {'running':>8}")
     for r in rows:
         print(f"{r['point']:>15} {r['bct_min']:8.1f} {100 * r['prefill_units_running']:13.1f} "
-              f"{100 * r['decode_units_idle']:13.1f} {r['kv_shipped_gb']:13,.0f} {r['recomputes']:10d} "
-              f"{r['decode_expert_batch'] or 0:17.1f} {r['mean_running']:8,.0f}")
+              f"{100 * r['decode_units_idle']:13.1f} {100 * r['gpu_idle_frac']:10.1f} {100 * r['prefill_frac']:9.1f} "
+              f"{r['kv_shipped_gb']:13,.0f} {r['recomputes']:10d} {r['decode_expert_batch'] or 0:17.1f} "
+              f"{r['mean_running']:8,.0f}")
     pd_rows = [r for r in rows if ":" in r["point"]]
     co = next((r for r in rows if r["point"].startswith("coroutine")), None)
     lo, hi = PAPER["bct_min_range"]
