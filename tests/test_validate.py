@@ -146,3 +146,12 @@ def test_cli_prints_cases_and_ends_with_the_error_line(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert any(line.startswith("small/static") and "equal" in line for line in lines)
     assert re.fullmatch(r"median_abs_error=\d+\.\d% worst_abs_error=\d+\.\d%", lines[-1])
+
+
+def test_pd_disagg_cases_run_a_prefill_and_a_decode_unit():
+    """The executor's default is one GPU; PD-disaggregation needs a unit of each kind: its cases ask for two GPUs,
+    and an explicit cluster.num_gpus on the command line still wins (it comes later)."""
+    case = next(c for c in cases_from_args(["policy=pd_disagg"]))
+    assert "cluster.num_gpus=2" in case.overrides
+    case = next(c for c in cases_from_args(["policy=pd_disagg", "cluster.num_gpus=4"]))
+    assert case.overrides.index("cluster.num_gpus=4") > case.overrides.index("cluster.num_gpus=2")
