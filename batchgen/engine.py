@@ -198,7 +198,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     steps = 1 if prefill or chunked else max(int(d.steps), 1)
     for admit in d.admits:
         state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
-                      host_resident=admit.host_resident)
+                      host_resident=admit.host_resident, keep_host_copy=admit.keep_host_copy)
     if d.partition_ids.size:
         state.partition(instance, d.partition_ids, d.partition_degree, moves)
     if prefill:
@@ -348,6 +348,9 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
     state = backend.state
     progress = InstanceProgress(state.topo.instance_gpus(instance).size)
     idle, last = 0, 0.0
+    # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays until
+    # the job is done, though nothing is queued for it yet
+    receives = getattr(policy, "receives_work", None) or (lambda _instance: False)
     folded = None  # what idle decisions changed since the last run: recorded with the next one
     while True:
         now = backend.now()
@@ -361,7 +364,7 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
         if plan.phase == "idle":
             change = BoundaryDecision.of(decision, plan, folded)
             folded = change if change.changes_something() else folded
-            if not state.remaining_work(instance):
+            if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
                 backend.instance_done(instance)
                 return  # nothing here any more; other instances may still run
             idle += 1

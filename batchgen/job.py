@@ -58,8 +58,17 @@ def topology(cluster: ClusterSpec) -> Topology:
 
 def effective_cluster(job: Job) -> ClusterSpec:
     """The cluster as it runs: a dense model has no experts to spread, so every GPU runs its own replica,
-    data parallel, and no GPU waits for another (tensor parallelism is not modelled yet)."""
-    return job.cluster if job.model.is_moe else dataclasses.replace(job.cluster, gpus_per_instance=1)
+    data parallel, and no GPU waits for another (tensor parallelism is not modelled yet). A policy with an
+    `instance_gpus(num_gpus, node_size)` method sizes the instances itself (PD-disaggregation's units)."""
+    if not job.model.is_moe:
+        if callable(getattr(job.policy, "instance_gpus", None)):
+            raise ConfigError(f"policy {job.policy.name} lays out expert-parallel units; {job.model.name} is dense "
+                              "(every GPU runs its own replica): use an MoE model or another policy")
+        return dataclasses.replace(job.cluster, gpus_per_instance=1)
+    layout = getattr(job.policy, "instance_gpus", None)  # a policy that sizes its instances (PD's units)
+    if callable(layout):
+        return dataclasses.replace(job.cluster, gpus_per_instance=layout(job.cluster.num_gpus, job.cluster.node_size))
+    return job.cluster
 
 
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None) -> Prepared:
@@ -107,6 +116,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
                          host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
                          kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
-    # The upper-level split of the input over instances: round-robin keeps their loads statistically equal.
-    state.assign_instances(np.arange(len(w)) % c.num_instances)
+    # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
+    # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
+    route = getattr(policy, "route", None)
+    state.assign_instances(route(len(w), c.num_instances) if callable(route) else np.arange(len(w)) % c.num_instances)
     return Prepared(lat, budget, state, c, policy, plan)

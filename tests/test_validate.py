@@ -12,6 +12,7 @@ import pytest
 
 from batchgen.decisions import BoundaryDecision, first_difference, ranges, trace_of
 from batchgen.memory import ConfigError
+from batchgen.policy import policy_names
 from batchgen.sim.run import simulate
 from batchgen.validate.cases import LATENCY, cases_from_args
 from batchgen.validate.compare import CaseResult, Side
@@ -87,9 +88,9 @@ def test_simulated_modules_add_up_to_the_priced_run(padding):
 
 def test_cases_default_to_three_workloads_by_every_policy():
     cases = cases_from_args([])
-    assert len({c.workload for c in cases}) >= 3 and {c.policy for c in cases} == set(POLICIES)
+    assert len({c.workload for c in cases}) >= 3 and {c.policy for c in cases} == set(policy_names())
     assert all(LATENCY[0] in c.overrides and "backend.threads=1" in c.overrides for c in cases)
-    assert len(cases) == 3 * len({c.workload for c in cases})
+    assert len(cases) == len(policy_names()) * len({c.workload for c in cases})
 
 
 def test_cases_follow_the_command_line():
@@ -145,3 +146,12 @@ def test_cli_prints_cases_and_ends_with_the_error_line(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert any(line.startswith("small/static") and "equal" in line for line in lines)
     assert re.fullmatch(r"median_abs_error=\d+\.\d% worst_abs_error=\d+\.\d%", lines[-1])
+
+
+def test_pd_disagg_cases_run_a_prefill_and_a_decode_unit():
+    """The executor's default is one GPU; PD-disaggregation needs a unit of each kind: its cases ask for two GPUs,
+    and an explicit cluster.num_gpus on the command line still wins (it comes later)."""
+    case = next(c for c in cases_from_args(["policy=pd_disagg"]))
+    assert "cluster.num_gpus=2" in case.overrides
+    case = next(c for c in cases_from_args(["policy=pd_disagg", "cluster.num_gpus=4"]))
+    assert case.overrides.index("cluster.num_gpus=4") > case.overrides.index("cluster.num_gpus=2")

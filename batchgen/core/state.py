@@ -226,11 +226,12 @@ class ClusterState:
             self.suspended[int(node)].push(ids[nodes == node])
 
     def combine(self, instance: int, node: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves,
-                lookahead_tokens: int, host_resident: np.ndarray | bool = False) -> None:
+                lookahead_tokens: int, host_resident: np.ndarray | bool = False, keep_host_copy: bool = True) -> None:
         """COMBINE: resume suspended sequences from `node`'s pool (its head, FIFO) on GPUs of `instance`.
 
         A GPU on another node pulls the KV over the network (that is MIGRATE folded into the resume). A
         host-resident resume restores nothing now: its KV is restored layer by layer in every iteration.
+        keep_host_copy=False frees the host copy once the KV is on the GPU (device-resident resumes only).
         """
         t = self.table
         self.suspended[node].take_head_ids(ids)
@@ -242,10 +243,15 @@ class ClusterState:
         remote = self.topo.gpu_node[gpus] != node
         local = ~remote & ~host_resident
         np.add.at(moves.h2d, gpus[local], bytes_[local])
+        if not keep_host_copy and host_resident.any():
+            raise InvariantError("a host-resident sequence runs from its host copy: it cannot drop it")
         if remote.any():
             np.add.at(moves.network, gpus[remote], bytes_[remote])
-            self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
+            if keep_host_copy:
+                self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
             t.migrations[ids[remote]] += 1
+        if not keep_host_copy:
+            self._host_drop(ids)
         self._join_gpu(instance, ids, gpus, lookahead_tokens, host_resident)
 
     def _migrate_host_copy(self, ids: np.ndarray, nodes: np.ndarray) -> None:

@@ -115,6 +115,9 @@ class Admit:
     ids: np.ndarray
     ranks: np.ndarray
     host_resident: np.ndarray | bool = False  # run with KV on host (restored per layer), holding no pages
+    # False: the host copy is dropped once the KV is on the GPU (nothing syncs it from then on; a later YIELD
+    # writes the whole KV down again). PD-disaggregation's decode side keeps no host copy.
+    keep_host_copy: bool = True
 
 
 @dataclass
@@ -170,6 +173,12 @@ class Decision:
 
 
 class Policy(Protocol):
+    """Optional hooks, for a policy that gives instances roles (PD-disaggregation, batchgen/policy/pd_disagg.py):
+    `instance_gpus(num_gpus, node_size) -> int` sizes the instances (batchgen.job.effective_cluster),
+    `route(num_sequences, num_instances) -> instance per sequence` replaces the round-robin split of the input,
+    and `receives_work(instance) -> bool` keeps an instance with nothing queued alive until the job is done (it
+    runs what other instances hand over)."""
+
     name: str
 
     def decide(self, snap: Snapshot) -> Decision: ...

@@ -9,11 +9,12 @@ from batchgen.policy.base import Policy
 from batchgen.policy.continuous import ContinuousPolicy
 from batchgen.policy.coroutine import CoroutinePolicy
 from batchgen.policy.offload import FlexGenPolicy, MoELightningPolicy, ZeroInferencePolicy
+from batchgen.policy.pd_disagg import PDDisaggPolicy
 from batchgen.policy.static import StaticPolicy
 
 POLICIES: dict[str, type] = {"coroutine": CoroutinePolicy, "continuous": ContinuousPolicy, "static": StaticPolicy,
                              "flexgen": FlexGenPolicy, "moe_lightning": MoELightningPolicy,
-                             "zero_inference": ZeroInferencePolicy}
+                             "zero_inference": ZeroInferencePolicy, "pd_disagg": PDDisaggPolicy}
 _FIXED = {"can_stream_weights", "uses_host_kv"}  # properties of the policy, not knobs
 
 

@@ -73,6 +73,7 @@ class SimBackend:
     def notify_change(self) -> None:
         if self._waiting:
             changed, self._changed = self._changed, self.env.event()
+            self._waiting.clear()  # they wake (a waiter not yet resumed is not blocked: no false deadlock)
             changed.succeed()
 
     def instance_done(self, instance: int) -> None:

@@ -29,6 +29,9 @@ LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.
 # auto: conf/efficiency/cpu_epyc_milan_2c.yaml (the fitted factors) when it ships, else the data sheet's
 EFFICIENCY: tuple[str, ...] = ("efficiency=auto",)
 
+# what a policy needs beyond the executor's one-GPU default (the command line still wins)
+NEEDS: dict[str, tuple[str, ...]] = {"pd_disagg": ("cluster.num_gpus=2",)}  # a prefill and a decode unit
+
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   Runs each workload x policy on the executor (CPU) and on the simulator (CPU calibration) and compares them.
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
@@ -79,5 +82,5 @@ def cases_from_args(args: list[str]) -> list[Case]:
         # the executor's defaults clip any workload (exec.yaml); fewer sequences keep a CPU run short
         groups = {workload: [f"workload={workload}", "workload.num_sequences=24"]}
     base = (*BASE, *model_of_time["efficiency"], *model_of_time["latency"])
-    return [Case(name, p, (*base, *overrides, f"+policy={p}", *rest)) for name, overrides in groups.items()
-            for p in policies]
+    return [Case(name, p, (*base, *overrides, f"+policy={p}", *NEEDS.get(p, ()), *rest))
+            for name, overrides in groups.items() for p in policies]

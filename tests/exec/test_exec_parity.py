@@ -118,6 +118,29 @@ def test_instances_on_their_own_devices_steal_work_without_changing_outputs(save
     assert (out.prepared.state.table.instance[::2] == 1).any()  # a long one finished on the other instance
 
 
+def test_pd_disagg_matches_hf_generate(saved, kv_tokens=80):
+    """PD-disaggregation on two one-GPU units (1 prefill + 1 decode, each its own instance): every prompt is
+    prefilled on GPU 0 only, its KV shipped to GPU 1's cache (exported and imported), decoded there; with a
+    small KV pool the decode unit preempts and recomputes. Greedy outputs equal transformers'."""
+    model, path = saved
+    rng = np.random.default_rng(3)
+    inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
+    job = make_job("pd_disagg", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"token_budget": 64, "page_lookahead": 8})
+    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens)))
+    for sid in range(N):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    t = out.prepared.state.table
+    assert {r.phase for r in out.records if r.instance == 0} == {"prefill"}  # the prefill unit never decodes
+    assert "decode" in {r.phase for r in out.records if r.instance == 1}
+    # the decode unit prefills only what it preempted (recompute), never a fresh prompt
+    recomputed = [s for r in out.records if r.instance == 1 and r.decision is not None for s in r.decision.chunked]
+    assert all(t.recomputes[s] > 0 for s in recomputed)
+    assert np.all(t.instance == 1)  # every sequence finished on the decode unit
+    assert out.kv_moves.get("migrate", 0) >= N - int((t.output_len == 1).sum())  # KV shipped between caches
+    assert t.recomputes.sum() > 0  # the decode unit ran short and recomputed (chunked, on its own GPU)
+
+
 def test_sampled_outputs_do_not_depend_on_the_policy(saved):
     """Temperature and top-p sampling: a sequence's random draws belong to it (keyed by its id and step), so
     batching, yields, migrations and recomputes under different policies give the same tokens."""
