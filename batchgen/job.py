@@ -137,13 +137,20 @@ def _fraction_needed(job: Job, lat: LatencyModel, c: ClusterSpec, degree: int) -
     return need / c.gpu.hbm_bytes
 
 
+def memory_of(job: Job, policy) -> MemorySettings:
+    """The job's memory settings, with the policy's own gpu_memory_fraction where it sets one (sglang_opt: an
+    expert's --mem-fraction-static, tuned to just below out-of-memory)."""
+    fraction = getattr(policy, "gpu_memory_fraction", 0)
+    return dataclasses.replace(job.memory, gpu_memory_fraction=fraction) if fraction else job.memory
+
+
 def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers=None, kv_pages=None,
             pool_fix=None) -> MemoryBudget:
     """The memory budget as the scheduler sees it (per rank, a TP group's pages for TP attention), with the
     workload's longest sequence checked against it."""
     m, w = job.model, job.workload
     max_context = int((w.input_lens + w.output_lens).max()) if len(w) else 0
-    budget = group_budget(plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
+    budget = group_budget(plan_memory(m, c, lat, memory_of(job, policy), page_tokens=job.page_tokens,
                                       can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
                                       policy_name=policy.name, batch_shape=batch_shape_of(policy, max_context),
                                       max_context=max_context, streamed_layers=streamed_layers), lat)

@@ -8,9 +8,11 @@ from typing import Any, Mapping
 from batchgen.policy.base import Policy
 from batchgen.policy.continuous import ContinuousPolicy
 from batchgen.policy.coroutine import CoroutinePolicy
+from batchgen.policy.sglang_opt import SGLangOptPolicy
 from batchgen.policy.static import StaticPolicy
 
-POLICIES: dict[str, type] = {"coroutine": CoroutinePolicy, "continuous": ContinuousPolicy, "static": StaticPolicy}
+POLICIES: dict[str, type] = {"coroutine": CoroutinePolicy, "continuous": ContinuousPolicy, "static": StaticPolicy,
+                           "sglang_opt": SGLangOptPolicy}
 _FIXED = {"can_stream_weights", "uses_host_kv"}  # properties of the policy, not knobs
 _AUTO_KNOBS = {"attention_tp"}  # whole-number knobs that also take "auto" (resolved before the job runs)
 
