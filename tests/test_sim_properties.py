@@ -12,7 +12,7 @@ from batchgen.memory import ConfigError, MemorySettings, host_weight_bytes
 from batchgen.sim.run import simulate
 from conftest import make_job
 
-POLICIES = ["coroutine", "continuous", "static"]
+POLICIES = ["coroutine", "continuous", "static", "sglang_opt"]
 
 jobs = st.fixed_dictionaries({
     "policy": st.sampled_from(POLICIES),
