@@ -31,7 +31,7 @@ class SGLangOptPolicy(ContinuousPolicy):
     max_running: int = 0                 # 0: derived from memory (the KV pool), at most running_cap
     admission: str = "conservative"
     running_cap: int = 4096
-    gpu_memory_fraction: float = 0.95    # of HBM (replaces memory.gpu_memory_fraction); 0: keep memory's
+    gpu_memory_fraction: float = 0.97    # of HBM (replaces memory.gpu_memory_fraction); 0: keep memory's
     two_batch_overlap: bool = True
     name: str = "sglang_opt"
 
