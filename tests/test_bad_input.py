@@ -25,7 +25,7 @@ from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 
 CONF = conf_dir()
-POLICIES = ("continuous", "coroutine", "static")
+POLICIES = ("continuous", "coroutine", "sglang_opt", "static")
 SMALL = "workload.num_sequences=50"
 
 
