@@ -223,6 +223,7 @@ def host_weight_bytes(model: ModelSpec, lat: LatencyModel, node_size: int) -> fl
     replicates (attention, dense layers, embeddings, shared experts, routers) once, and the distinct expert
     shards its GPUs hold (node_size shards when an instance spans the node; every expert once when several
     instances, or replicas, share it)."""
+    lat = getattr(lat, "base", lat)  # a TP-attention group's GPUs share the node's one copy of the full weights
     non_expert = _non_expert_bytes(model, lat)
     shards = min(node_size, lat.ep_ranks) if model.is_moe else 0
     return non_expert + shards * (lat.weight_bytes_per_rank() - non_expert)

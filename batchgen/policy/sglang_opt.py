@@ -12,7 +12,8 @@ the batch caps that implies, two-batch overlap):
   the activations;
 - `two_batch_overlap`: each forward split in two micro-batches so one's all-to-all overlaps the other's
   compute; priced by the simulator (batchgen.sim.tbo), where it only hides communication. The decision is the
-  same; the executor runs the two halves' tokens in one forward (the split changes no token).
+  same; the executor runs every forward as the two micro-batches one after the other (same tokens: the overlap
+  itself needs two streams and several processes, so it is not performed on one process).
 Instances of 16 GPUs are the cluster's setting (cluster.gpus_per_instance=16), not the policy's.
 """
 
@@ -36,7 +37,12 @@ class SGLangOptPolicy(ContinuousPolicy):
     name: str = "sglang_opt"
 
     def __post_init__(self):
-        super().__post_init__() if self.max_running else dataclasses.replace(self, max_running=1)
+        if self.max_running < 0:
+            raise ValueError(f"policy.max_running must be >= 0 (0: derived from memory), got {self.max_running}")
+        if not self.max_running:  # the rest of continuous's checks, with a placeholder cap
+            dataclasses.replace(self, max_running=1)
+        else:
+            super().__post_init__()
         if self.running_cap < 1:
             raise ValueError(f"policy.running_cap must be >= 1, got {self.running_cap}")
         if not 0 <= self.gpu_memory_fraction <= 1:

@@ -13,8 +13,8 @@ so each half carries about half the tokens, queries, context and prompt work of 
   fill the pipeline: communication is hidden only behind the other half's compute;
 - dense layers have no all-to-all to hide: the halves run one after the other.
 Where there is no communication (one GPU, a dense model) it is strictly slower than the whole forward.
-The decision is the same; the executor runs the tokens of both halves in one forward (each token's result
-does not depend on how the batch is split), so only the time differs.
+The decision is the same; the executor runs the two micro-batches one after the other (batchgen.exec.backend),
+without the overlap, which needs two streams and several processes: the overlap exists only in this price.
 """
 
 from __future__ import annotations
