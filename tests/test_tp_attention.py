@@ -93,3 +93,14 @@ def test_sglang_opt_runs_with_memory_derived_caps_and_its_memory_fraction():
     assert out.prepared.state.all_finished()
     cont = prepare(dataclasses.replace(job, policy=make_job("continuous").policy))
     assert out.prepared.budget.kv_pages_per_gpu > cont.budget.kv_pages_per_gpu  # 0.95 of HBM, not 0.9
+
+
+@pytest.mark.parametrize("policy", ["continuous", "sglang_opt"])
+def test_tp_attention_runs_to_completion_with_invariants(policy):
+    """Groups of 2 on 4 GPUs (2 scheduler ranks): every sequence finishes, the engine's invariants hold, and the
+    attention all-reduce shows up as communication even within one group's node."""
+    job = make_job(policy, model="tiny_moe", n=60, cluster_overrides={"num_gpus": 4},
+                   policy_overrides={"attention_tp": 2})
+    out = simulate(job, progress=False)
+    assert out.prepared.state.all_finished() and out.prepared.state.topo.num_gpus == 2
+    assert sum(float(r.rank_comm.sum()) for r in out.records) > 0

@@ -12,7 +12,13 @@ dispatching 1/degree of its group's tokens (the all-to-all is the base model's, 
 with the shard's shapes (`shard_spec`: heads, intermediates and vocabulary divided by degree; GQA's KV bytes per
 token divided by degree, MLA's latent not), which is what each GPU of the group runs; `attention_join` is the
 all-reduce per layer. Routed experts, the all-to-all and copies are the base model's. The memory planner reads
-`weight_bytes_per_rank` (one GPU's share) and `kv_tokens_per_gpu_share` to size the group's KV.
+`weight_bytes_per_rank` (one GPU's share) and `kv_pages_per_group` to size the group's KV. With latency=table the sharded modules are priced by the roofline
+(a calibration measures whole modules, not head shards); the rest keeps the table.
+
+Why not PARTITION (which splits one sequence's heads over ranks on the fly): a TP-attention engine shards every
+sequence over a fixed group with one scheduler, one running cap and one KV pool per group; pricing and
+scheduling the group as one rank gives exactly that, where per-GPU ranks would have to hold an MLA sequence's
+replicated latent in 1/degree of a GPU's pool.
 """
 
 from __future__ import annotations
