@@ -104,3 +104,14 @@ def test_tp_attention_runs_to_completion_with_invariants(policy):
     out = simulate(job, progress=False)
     assert out.prepared.state.all_finished() and out.prepared.state.topo.num_gpus == 2
     assert sum(float(r.rank_comm.sum()) for r in out.records) > 0
+
+
+def test_two_batch_overlap_with_one_sequence_per_rank_is_the_whole_forward():
+    """Nothing to split (one sequence per rank): the second micro-batch is empty, so TBO costs exactly the
+    whole forward, neither a gain nor a doubled launch."""
+    p = prepare(make_job("continuous", model="qwen3_30b_a3b", cluster="h20_8", cluster_overrides={"num_gpus": 16}))
+    R = 16
+    load = decode_load(np.arange(R), np.full(R, 512), np.full(R, 8), np.ones(R, np.int64), R, 8, 0,
+                       np.zeros(R), np.zeros(R))
+    whole, tbo = price(p.latency, load), price(p.latency, load, tbo=True)
+    assert tbo.compute_s == pytest.approx(whole.compute_s)
