@@ -54,6 +54,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     plan = getattr(out.prepared, "plan", None)
     if plan is not None:
         print(plan.describe())
+    tp = getattr(out.prepared.policy, "attention_tp", None)
+    if tp is not None:
+        asked = getattr(job.policy, "attention_tp", tp)
+        print(f"attention: {'tensor-parallel over groups of ' + str(tp) + ' GPUs' if tp > 1 else 'data-parallel'}"
+              + (" (attention_tp=auto chose it)" if asked == "auto" else "") + "; "
+              + out.prepared.budget.describe(job.model))
     summary = summarize(out)
     write_results(out, run_dir, summary, config=OmegaConf.to_container(cfg, resolve=True),
                   sequences_csv=bool(cfg.output.get("sequences_csv", True)))

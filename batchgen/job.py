@@ -11,7 +11,7 @@ from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
 from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
-                             plan_memory)
+                             group_budget, plan_memory)
 from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -58,59 +58,153 @@ def topology(cluster: ClusterSpec) -> Topology:
 
 def effective_cluster(job: Job) -> ClusterSpec:
     """The cluster as it runs: a dense model has no experts to spread, so every GPU runs its own replica,
-    data parallel, and no GPU waits for another (tensor parallelism is not modelled yet). A policy with an
-    `instance_gpus(num_gpus, node_size)` method sizes the instances itself (PD-disaggregation's units)."""
+    data parallel, and no GPU waits for another. A policy with an `instance_gpus(num_gpus, node_size)` method
+    sizes the instances itself (PD-disaggregation's units). With tensor-parallel attention (`policy.attention_tp`
+    > 1, or auto resolved so) each scheduler rank is a group of that many GPUs: the cluster as the scheduler
+    sees it has one "GPU" per group (`group_cluster`)."""
+    return group_cluster(_gpu_cluster(job), resolve_attention_tp(job))
+
+
+def _gpu_cluster(job: Job) -> ClusterSpec:
+    layout = getattr(job.policy, "instance_gpus", None)  # a policy that sizes its instances (PD's units)
     if not job.model.is_moe:
-        if callable(getattr(job.policy, "instance_gpus", None)):
+        if callable(layout):
             raise ConfigError(f"policy {job.policy.name} lays out expert-parallel units; {job.model.name} is dense "
                               "(every GPU runs its own replica): use an MoE model or another policy")
         return dataclasses.replace(job.cluster, gpus_per_instance=1)
-    layout = getattr(job.policy, "instance_gpus", None)  # a policy that sizes its instances (PD's units)
     if callable(layout):
         return dataclasses.replace(job.cluster, gpus_per_instance=layout(job.cluster.num_gpus, job.cluster.node_size))
     return job.cluster
 
 
+def group_cluster(cluster: ClusterSpec, degree: int) -> ClusterSpec:
+    """`cluster` with every `degree` consecutive GPUs (a TP-attention group, within a node) as one rank."""
+    if degree == 1:
+        return cluster
+    return dataclasses.replace(cluster, num_gpus=cluster.num_gpus // degree,
+                               gpus_per_node=max(cluster.node_size // degree, 1),
+                               gpus_per_instance=cluster.instance_size // degree)
+
+
+def _latency(job: Job, c: ClusterSpec, degree: int) -> LatencyModel:
+    m = job.model
+    kw = dict(ep_ranks=c.instance_size, gpus_per_node=c.node_size, routing_skew=job.routing_skew,
+              use_fp8=m.weight_bytes == 1, host=c.host)
+    lat = build_latency(job.latency, m, c.gpu, job.efficiency, **kw)
+    if degree == 1:
+        return lat
+    from batchgen.latency.roofline import Roofline
+    from batchgen.latency.tp_attention import TPAttention, shard_spec
+
+    return TPAttention(lat, Roofline(shard_spec(m, degree), c.gpu, job.efficiency, **kw), degree)
+
+
+def resolve_attention_tp(job: Job) -> int:
+    """The TP-attention degree the job runs with: the policy's `attention_tp` (1 without the knob), or for
+    "auto" the smallest degree whose weights, activations and longest sequence fit (1 = data-parallel attention
+    when it fits), as SGLang users run --tp without --enable-dp-attention when DP attention does not fit.
+    Raises ConfigError for a degree the instance or the model's heads cannot take, or when none fits."""
+    want = getattr(job.policy, "attention_tp", 1)
+    m, c = job.model, _gpu_cluster(job)
+    if want == 1:
+        return 1
+    from batchgen.latency.tp_attention import attention_degrees
+
+    degrees = attention_degrees(m, c.instance_size) if m.is_moe else (1,)
+    if want != "auto":
+        if want not in degrees:
+            raise ConfigError(f"policy.attention_tp={want} does not fit {m.name} on {c.instance_size}-GPU instances: "
+                              f"choose one of {', '.join(map(str, degrees))} (it must divide the instance's GPUs "
+                              "and the model's heads and intermediates), or auto")
+        return int(want)
+    tried = []
+    for t in degrees:
+        try:
+            _budget(job, _latency(job, c, t), c, dataclasses.replace(job.policy, attention_tp=t))
+            return t
+        except ConfigError as e:
+            tried.append(f"attention_tp={t}: {e}")
+    raise ConfigError(f"policy.attention_tp=auto: {m.name} fits no TP-attention degree on {c.instance_size}-GPU "
+                      f"instances of {c.gpu.name}; " + "; ".join(tried[-1:])
+                      + f". With attention_tp={degrees[-1]} it fits from memory.gpu_memory_fraction="
+                      f"{_fraction_needed(job, _latency(job, c, degrees[-1]), c, degrees[-1]):.3f}")
+
+
+def _fraction_needed(job: Job, lat: LatencyModel, c: ClusterSpec, degree: int) -> float:
+    """The smallest memory.gpu_memory_fraction at which weights, activations, the fixed reserve and the KV of
+    the workload's longest sequence (one GPU's share of it) fit: what an SGLang user tunes --mem-fraction-static
+    up to before out-of-memory."""
+    from batchgen.memory import activation_bytes
+
+    m, w = job.model, job.workload
+    longest = int((w.input_lens + w.output_lens).max()) + job.page_tokens if len(w) else job.page_tokens
+    policy = dataclasses.replace(job.policy, attention_tp=degree)
+    shape = batch_shape_of(policy, longest)
+    act = activation_bytes(m, shape, longest) if shape is not None else 0.0
+    kv = longest * m.kv_bytes_per_token / (degree if m.attention == "gqa" else 1)
+    need = lat.weight_bytes_per_rank() + act + job.memory.activation_reserve_gb * 1e9 + kv
+    return need / c.gpu.hbm_bytes
+
+
+def memory_of(job: Job, policy) -> MemorySettings:
+    """The job's memory settings, with the policy's own gpu_memory_fraction where it sets one (sglang_opt: an
+    expert's --mem-fraction-static, tuned to just below out-of-memory)."""
+    fraction = getattr(policy, "gpu_memory_fraction", 0)
+    return dataclasses.replace(job.memory, gpu_memory_fraction=fraction) if fraction else job.memory
+
+
+def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers=None, kv_pages=None,
+            pool_fix=None) -> MemoryBudget:
+    """The memory budget as the scheduler sees it (per rank, a TP group's pages for TP attention), with the
+    workload's longest sequence checked against it."""
+    m, w = job.model, job.workload
+    max_context = int((w.input_lens + w.output_lens).max()) if len(w) else 0
+    budget = group_budget(plan_memory(m, c, lat, memory_of(job, policy), page_tokens=job.page_tokens,
+                                      can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
+                                      policy_name=policy.name, batch_shape=batch_shape_of(policy, max_context),
+                                      max_context=max_context, streamed_layers=streamed_layers), lat)
+    if kv_pages is not None:
+        budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages))
+    if len(w):
+        check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv,
+                          host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"),
+                          **({"pool_fix": pool_fix} if pool_fix else {}))
+    return budget
+
+
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None) -> Prepared:
-    """kv_pages_per_gpu: the KV pool a real backend allocated, instead of the one planned from the specs
+    """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of the one planned from the specs
     (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit it).
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
     (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
-    m, c = job.model, effective_cluster(job)
-    lat = build_latency(job.latency, m, c.gpu, job.efficiency, ep_ranks=c.instance_size, gpus_per_node=c.node_size,
-                        routing_skew=job.routing_skew, use_fp8=m.weight_bytes == 1, host=c.host)
+    m, gpus = job.model, _gpu_cluster(job)
+    degree = resolve_attention_tp(job)
+    lat = _latency(job, gpus, degree)
+    c = group_cluster(gpus, degree)
     w = job.workload
     policy, plan = job.policy, None
+    if degree > 1 or getattr(policy, "attention_tp", 1) == "auto":
+        policy = dataclasses.replace(policy, attention_tp=degree)
     if getattr(policy, "attention", None) == "cpu" and m.attention == "mla":
         raise ConfigError(f"policy.attention=cpu is not offered for {m.name}: its MLA latent KV must be "
                           "up-projected on the GPU before attention; use policy.attention=gpu or auto")
-    max_context = int((w.input_lens + w.output_lens).max()) if len(w) else 0
     resolve = getattr(policy, "resolve_for_job", None)
     if len(w) and callable(resolve):  # a system that sizes its own schedule (the offloading systems' searches)
         from batchgen.policy.offload.search import Rig
-        policy = resolve(Rig.of(m, c, lat, job.memory, w, job.page_tokens))
+        policy = resolve(Rig.of(m, c, lat, memory_of(job, policy), w, job.page_tokens))
     if len(w) and needs_plan(policy):
         try:
-            plan = plan_job(m, c, lat, job.memory, policy, WorkloadStats.of(w), page_tokens=job.page_tokens)
+            plan = plan_job(m, gpus, lat, job.memory, policy, WorkloadStats.of(w), page_tokens=job.page_tokens)
         except ConfigError:
             # weights that fit nowhere are the likelier cause: the memory plan says so more precisely
-            plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
+            plan_memory(m, gpus, lat, job.memory, page_tokens=job.page_tokens,
                         can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
                         policy_name=policy.name)
             raise
         policy = plan.resolve(policy)
-    budget = plan_memory(m, c, lat, job.memory, page_tokens=job.page_tokens,
-                         can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
-                         policy_name=policy.name, batch_shape=batch_shape_of(policy, max_context),
-                         max_context=max_context, streamed_layers=plan.streamed_layers if plan else None)
-    if kv_pages_per_gpu is not None:
-        budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages_per_gpu))
-    if len(w):
-        check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv,
-                          host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"),
-                          **({"pool_fix": pool_fix} if pool_fix else {}))
+    budget = _budget(job, lat, gpus, policy, plan.streamed_layers if plan else None, kv_pages_per_gpu, pool_fix)
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),

@@ -120,10 +120,19 @@ class MemoryBudget:
     #                                  fixed activation_reserve_gb
     staging_bytes: float = 0.0       # per GPU: the double-buffered staging area of host-resident decode
     streamed_layers: int = 0         # MoE layers whose experts stream through the ring buffer
+    attention_tp: int = 1            # >1: a scheduler rank is a TP-attention group of this many GPUs, and
+    #                                  kv_pages_per_gpu counts the group's pages (`group_budget`)
 
     def describe(self, model: ModelSpec) -> str:
         gb = 1e9
         kv_tok = self.kv_pages_per_gpu * self.page_tokens
+        if self.attention_tp > 1:
+            per = f"TP-attention group of {self.attention_tp} GPUs" + (
+                ", latent replicated on each" if model.attention == "mla" else ", KV heads split")
+            return (f"weights {self.weights_per_gpu_bytes / gb:.1f} GB/GPU resident (attention, dense FFN, shared "
+                    f"experts and vocabulary sharded 1/{self.attention_tp})"
+                    + (f", activations {self.activation_bytes / gb:.1f} GB/GPU" if self.activation_bytes else "")
+                    + f", KV {kv_tok:,} tokens per {per}")
         return (f"weights {self.weights_per_gpu_bytes / gb:.1f} GB/GPU resident"
                 + (f" (+{self.streamed_bytes_per_iter / gb:.1f} GB streamed per iteration, "
                    f"{self.streamed_layers} of {model.num_moe_layers} MoE layers)"
@@ -214,11 +223,26 @@ def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, f
     return resident + 2 * per_layer, layers
 
 
+def group_budget(budget: MemoryBudget, lat: LatencyModel) -> MemoryBudget:
+    """The budget as the scheduler sees it when each of its ranks is a TP-attention group (`lat.attention_tp`
+    > 1, batchgen.latency.tp_attention): KV pages per group, not per GPU. MLA replicates the latent on every GPU
+    of the group, so the group holds one GPU's pool once (not degree times); GQA splits each token's K/V over
+    the group, so it holds degree pools' worth of whole tokens."""
+    degree = getattr(lat, "attention_tp", 1)
+    if degree <= 1:
+        return budget
+    import dataclasses
+
+    return dataclasses.replace(budget, kv_pages_per_gpu=int(lat.kv_pages_per_group(budget.kv_pages_per_gpu)),
+                               attention_tp=int(degree))
+
+
 def host_weight_bytes(model: ModelSpec, lat: LatencyModel, node_size: int) -> float:
     """Weights one node keeps in host memory, the source of truth of its GPUs' weights: what every rank
     replicates (attention, dense layers, embeddings, shared experts, routers) once, and the distinct expert
     shards its GPUs hold (node_size shards when an instance spans the node; every expert once when several
     instances, or replicas, share it)."""
+    lat = getattr(lat, "base", lat)  # a TP-attention group's GPUs share the node's one copy of the full weights
     non_expert = _non_expert_bytes(model, lat)
     shards = min(node_size, lat.ep_ranks) if model.is_moe else 0
     return non_expert + shards * (lat.weight_bytes_per_rank() - non_expert)

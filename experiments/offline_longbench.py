@@ -8,8 +8,9 @@ A Hydra sweep (`python -m batchgen.experiment -m`) over the policies x 8K->2K an
 workload x cluster group). This script then prints, per group, coroutine's BCT ratio against every other policy
 beside the paper's: 1.25-1.66x over SGLang-Opt on 16 x H20 and 8 x H200, and 1.31-1.85x on 8 x H20, where the
 weights take most of HBM and the baselines are limited to batches of 8-16 while BatchGen runs 1,800+ sequences
-with their KV on the host. A policy that cannot run a group (DeepSeek-R1 does not fit 8 x H20 with replicated
-attention weights) is listed with its error.
+with their KV on the host. continuous and sglang_opt choose their attention parallelism (attention_tp: auto):
+data-parallel where DeepSeek-R1's replicated attention weights fit, else tensor-parallel attention (8 x H20).
+A policy that cannot run a group is listed with its error.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ WORKLOADS = ("longbench_8k_2k", "longbench_2k_8k")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-sequences", type=int, default=6000)
-    ap.add_argument("--policies", default="coroutine,continuous")
+    ap.add_argument("--policies", default="coroutine,continuous,sglang_opt")
     ap.add_argument("--out", type=Path, default=None, help="the sweep directory")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = ap.parse_args()

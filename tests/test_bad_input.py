@@ -25,7 +25,8 @@ from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 
 CONF = conf_dir()
-POLICIES = ("continuous", "coroutine", "flexgen", "moe_lightning", "pd_disagg", "static", "zero_inference")
+POLICIES = ("continuous", "coroutine", "flexgen", "moe_lightning", "pd_disagg", "sglang_opt", "static",
+            "zero_inference")
 SMALL = "workload.num_sequences=50"
 
 

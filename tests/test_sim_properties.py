@@ -12,7 +12,8 @@ from batchgen.memory import ConfigError, MemorySettings, host_weight_bytes
 from batchgen.sim.run import simulate
 from conftest import make_job
 
-POLICIES = ["coroutine", "continuous", "static", "flexgen", "moe_lightning", "zero_inference", "pd_disagg"]
+POLICIES = ["coroutine", "continuous", "static", "sglang_opt", "flexgen", "moe_lightning", "zero_inference",
+            "pd_disagg"]
 
 jobs = st.fixed_dictionaries({
     "policy": st.sampled_from(POLICIES),

@@ -19,14 +19,15 @@ from batchgen.validate.compare import CaseResult, Side
 from batchgen.validate.report import summary_line
 from tests.conftest import make_job
 
-POLICIES = ("coroutine", "continuous", "static")
+POLICIES = ("coroutine", "continuous", "static", "sglang_opt")
 
 
 def small_job(policy: str):
     rng = np.random.default_rng(1)
     knobs = {"continuous_chunks": {"token_budget": 24},  # prompts split over forwards
              "continuous_conservative": {"token_budget": 24, "admission": "conservative"}}.get(policy)
-    return make_job(policy.split("_")[0], cluster_overrides=dict(num_gpus=1, gpus_per_node=1),
+    return make_job(policy if policy in POLICIES else policy.split("_")[0],
+                    cluster_overrides=dict(num_gpus=1, gpus_per_node=1),
                     inputs=rng.integers(8, 64, 12), outputs=rng.integers(2, 30, 12), page_tokens=16,
                     policy_overrides=knobs)
 

@@ -15,6 +15,8 @@ the chunks that end their context.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections import Counter
 from typing import Any, Generator
@@ -35,14 +37,18 @@ from batchgen.exec.shards import join, split
 
 class ExecBackend:
     def __init__(self, state: ClusterState, runners: list[InstanceRunner], caches: list[PagedKVCache],
-                 tokens: SequenceTokens, job_seed: int = 0):
-        """One runner per instance (its device's copy of the model), one KV cache per GPU rank."""
+                 tokens: SequenceTokens, job_seed: int = 0, two_batch_overlap: bool = False):
+        """One runner per instance (its device's copy of the model), one KV cache per GPU rank.
+        `two_batch_overlap` (sglang_opt): every forward runs as two micro-batches, one after the other (each rank's
+        sequences split in halves); the overlap of one's all-to-all with the other's compute needs two streams
+        and several processes, so it is priced by the simulator only (batchgen.sim.tbo), never performed here."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
         if len(runners) != state.topo.num_instances:
             raise ValueError(f"one runner per instance: {state.topo.num_instances} instances, {len(runners)}")
         self.state, self.runners, self.caches, self.tokens = state, runners, caches, tokens
         self.job_seed = job_seed
+        self.two_batch_overlap = two_batch_overlap
         self.events = 0
         self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
         self._split: dict[int, tuple[int, int]] = {}  # PARTITIONed sequence -> (lead GPU, degree) of its shards
@@ -229,6 +235,20 @@ class ExecBackend:
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
 
     def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
+        if self.two_batch_overlap and any(len(b.seq_ids) > 1 for b in batches):
+            halves = [_halves(b) for b in batches]
+            first = self._forward_once(plan, [a for a, _ in halves])
+            second = self._forward_once(plan, [b for _, b in halves])
+            self.traffic["tbo_forwards"] += 1
+            stats = first[2]
+            stats.rank_attention_s = [x + y for x, y in zip(stats.rank_attention_s, second[2].rank_attention_s)]
+            stats.ffn_s += second[2].ffn_s
+            stats.head_s += second[2].head_s
+            stats.gate_tokens += second[2].gate_tokens
+            return first[0] + second[0], torch.cat([first[1], second[1]]), stats
+        return self._forward_once(plan, batches)
+
+    def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
         logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention,
                                                             plan.ffn_schedule)
         self.traffic["weight_bytes"] = stats.weight_bytes or self.traffic["weight_bytes"]
@@ -393,3 +413,18 @@ class ExecBackend:
                           tokens=int(produced.sum() + sum(self.tokens.context_len(int(s)) - 1
                                                           for s in plan.prefill_ids)),
                           modules=dict(modules or {}))
+
+
+def _halves(batch: RankBatch) -> tuple[RankBatch, RankBatch]:
+    """A rank's batch split by sequences into two micro-batches (two-batch overlap): the first half of its
+    sequences and the rest, each with its tokens and per-sequence flags."""
+    k = len(batch.seq_ids) // 2
+    cut = sum(batch.new_counts[:k])
+
+    def part(lo, hi, t_lo, t_hi):
+        pick = lambda xs: xs[lo:hi] if xs else []  # noqa: E731
+        return dataclasses.replace(batch, seq_ids=batch.seq_ids[lo:hi], token_ids=batch.token_ids[t_lo:t_hi],
+                                   new_counts=batch.new_counts[lo:hi], start_positions=batch.start_positions[lo:hi],
+                                   host_resident=pick(batch.host_resident), tp=pick(batch.tp),
+                                   sample=pick(batch.sample))
+    return part(0, k, 0, cut), part(k, len(batch.seq_ids), cut, len(batch.token_ids))

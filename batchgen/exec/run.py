@@ -317,8 +317,9 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
         raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
                           "tokenizer.json")
     tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode, resumed=resumed)
-    runners = [InstanceRunner(models[dev]) for dev in devices]
-    backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed)
+    runners = [InstanceRunner(models[dev], attention_tp=getattr(prepared.policy, "attention_tp", 1)) for dev in devices]
+    backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed,
+                          two_batch_overlap=getattr(prepared.policy, "two_batch_overlap", False))
     records: list[StepRecord] = []
 
     def on_step(plan, result) -> None:

@@ -30,7 +30,7 @@ import torch
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
-from batchgen.exec.models.tensor_parallel import shard_attention
+from batchgen.exec.models.tensor_parallel import group_attention, shard_attention
 from batchgen.exec.shards import ShardStore, shards_of
 from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
 from batchgen.sim.costs import SIMILAR, SIMILAR_SLACK  # one rule: the simulator prices the calls made here
@@ -83,9 +83,12 @@ class _Piece:
 
 
 class InstanceRunner:
-    def __init__(self, model: MoEDecoder, micro_batch: int = 0):
+    def __init__(self, model: MoEDecoder, micro_batch: int = 0, attention_tp: int = 1):
+        """`attention_tp` > 1: each rank is a TP-attention group; its device attention runs head-sharded over
+        that many shards whose partial outputs are summed (`group_attention`), as the group's GPUs do."""
         self.model = model
         self.micro_batch = micro_batch
+        self.attention_tp = attention_tp
         self.device = next(model.parameters()).device
         self.streamer = None  # a WeightStreamer once a forward streams weights (offloading systems' schedules)
 
@@ -129,7 +132,13 @@ class InstanceRunner:
                     kv = p.cache.host_layer(layer)
                 else:
                     kv = pipelines[p.rank].acquire(layer, p.index)
-                hidden[p.rows] = self.model.attention_block(layer, hidden[p.rows], p.meta, kv)
+                if self.attention_tp > 1 and p.kind == "device":
+                    block = self.model.layers[layer]
+                    x = hidden[p.rows]
+                    hidden[p.rows] = x + group_attention(block.self_attn, block.input_layernorm(x), p.meta, kv,
+                                                         self.attention_tp)
+                else:
+                    hidden[p.rows] = self.model.attention_block(layer, hidden[p.rows], p.meta, kv)
                 if p.kind == "staged":
                     pipelines[p.rank].release(layer, p.index)
                 timer.stop(start, p.rank)

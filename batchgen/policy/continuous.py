@@ -24,6 +24,11 @@ sequences kept (at most 1), as SGLang's retract does. A policy never sees true o
 known only the clip bounds the reserve. A part-prefilled prompt continues without the check (as SGLang's chunked
 request does) but is reserved for like a running sequence, with what is left of its prompt on top.
 
+Attention parallelism (`attention_tp`): with t > 1 a rank of this policy is a group of t GPUs running attention
+tensor-parallel (SGLang / vLLM without DP attention): the caps (max_running, token_budget) are per group, as
+they are per scheduler there, and the group holds one KV pool (batchgen.latency.tp_attention). The decisions
+are the same code; only what a rank is changes.
+
 Without it (`chunked_prefill: false`, the older engines' rule): a rank with waiting prompts and free KV pages
 prefills whole prompts first (up to `max_prefill_tokens` per forward) while decode waits; otherwise it decodes.
 Decisions are taken at every sequence finish (iteration granularity) while prompts wait.
@@ -55,6 +60,10 @@ class ContinuousPolicy:
     clip_max_new_tokens: int = 4096       # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: reserve at most this per request
     reserve_max_tokens: int = 0           # max_tokens of every request; 0: model_context minus the prompt
     model_context: int = 0                # the model's context (conf: model.max_context); 0: unknown
+    attention_tp: int | str = 1           # GPUs per attention group: 1 = data-parallel attention (replicated
+    #                                       attention weights), t > 1 = tensor-parallel attention (heads and
+    #                                       weights sharded over t GPUs, one rank here = one group), "auto":
+    #                                       1 if it fits, else the smallest t that does (batchgen.job)
     name: str = "continuous"
     can_stream_weights: bool = False
     uses_host_kv: bool = False
@@ -70,6 +79,8 @@ class ContinuousPolicy:
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("policy: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if self.attention_tp != "auto" and not (isinstance(self.attention_tp, int) and self.attention_tp >= 1):
+            raise ValueError(f"policy.attention_tp must be a whole number >= 1 or auto, got {self.attention_tp!r}")
         for key in ("new_token_ratio_decay", "reserve_max_tokens", "model_context"):
             if getattr(self, key) < 0:
                 raise ValueError(f"policy.{key} must be >= 0, got {getattr(self, key)}")

@@ -10,12 +10,14 @@ from batchgen.policy.continuous import ContinuousPolicy
 from batchgen.policy.coroutine import CoroutinePolicy
 from batchgen.policy.offload import FlexGenPolicy, MoELightningPolicy, ZeroInferencePolicy
 from batchgen.policy.pd_disagg import PDDisaggPolicy
+from batchgen.policy.sglang_opt import SGLangOptPolicy
 from batchgen.policy.static import StaticPolicy
 
 POLICIES: dict[str, type] = {"coroutine": CoroutinePolicy, "continuous": ContinuousPolicy, "static": StaticPolicy,
-                             "flexgen": FlexGenPolicy, "moe_lightning": MoELightningPolicy,
-                             "zero_inference": ZeroInferencePolicy, "pd_disagg": PDDisaggPolicy}
+                             "sglang_opt": SGLangOptPolicy, "pd_disagg": PDDisaggPolicy, "flexgen": FlexGenPolicy,
+                             "moe_lightning": MoELightningPolicy, "zero_inference": ZeroInferencePolicy}
 _FIXED = {"can_stream_weights", "uses_host_kv"}  # properties of the policy, not knobs
+_AUTO_KNOBS = {"attention_tp"}  # whole-number knobs that also take "auto" (resolved before the job runs)
 
 
 def policy_names() -> list[str]:
@@ -35,7 +37,7 @@ def make_policy(cfg: Mapping[str, Any]) -> Policy:
         raise ValueError(f"policy {name} has no setting {', '.join(unknown)}: valid settings are "
                          f"{', '.join(sorted(knobs))}")
     for key, value in cfg.items():
-        if key != "name":
+        if key != "name" and not (value == "auto" and key in _AUTO_KNOBS):
             _check_type(name, key, value, type(getattr(cls, key)))
     return cls(**cfg)
 

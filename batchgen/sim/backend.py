@@ -34,8 +34,9 @@ class SimBackend:
 
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
-                 capabilities: Capabilities | None = None):
-        """`capabilities`: what the simulated engine can do; default everything the simulator prices
+                 capabilities: Capabilities | None = None, two_batch_overlap: bool = False):
+        """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.sim.tbo), the
+        policy's choice (sglang_opt). `capabilities`: what the simulated engine can do; default everything the simulator prices
         (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
         degree the heads allow). A validation run passes the executor's, so both see the same snapshots."""
         self.env = env
@@ -43,6 +44,7 @@ class SimBackend:
                                                          partition_degrees=lat.model.partition_degrees())
         self.state = state
         self.lat = lat
+        self.tbo = bool(two_batch_overlap)
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self._similar_calls = lat.attention_padding > 0
         # a CPU "device" is the host's own cores: copies do not overlap its compute
@@ -100,14 +102,14 @@ class SimBackend:
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s)
+            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                               plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s)
+            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
@@ -144,7 +146,7 @@ class SimBackend:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
                                    self._similar_calls and not plan.padded)
-                cost = price(self.lat, load, self.weight_stream_s, join)
+                cost = price(self.lat, load, self.weight_stream_s, join, tbo=self.tbo)
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)

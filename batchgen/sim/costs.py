@@ -318,11 +318,18 @@ def _static_runs(rank: np.ndarray, length: np.ndarray, micro_batch: int, R: int,
     return calls, work
 
 
-def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0) -> RunCost:
+def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0, tbo: bool = False) -> RunCost:
     """Seconds per iteration for an instance in lockstep, and each rank's own busy time. `join`: seconds per
     layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
-    that layer's FFN and counts as communication."""
+    that layer's FFN and counts as communication. A latency model whose rank is a TP-attention group
+    (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
+    forward split in two overlapped micro-batches (batchgen.sim.tbo; not with streamed weights)."""
+    if tbo and weight_stream_s <= 0:
+        from batchgen.sim.tbo import price_tbo
+        return price_tbo(lat, load, join)
     n_dense, n_moe = lat.layer_counts()
+    if getattr(lat, "attention_tp", 1) > 1:
+        join = join + lat.attention_join(load.attn_tokens + load.prefill_tokens)
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
     gate = load.gate_tokens

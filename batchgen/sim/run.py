@@ -67,10 +67,10 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
-    backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
-                         capabilities=capabilities)
-    records: list[StepRecord] = []
     policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
+    backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
+                         capabilities=capabilities, two_batch_overlap=getattr(policy, "two_batch_overlap", False))
+    records: list[StepRecord] = []
     shown = SimProgress(env, len(job.workload), f"simulate {policy.name}", progress)
     observer = _both(on_step, None if shown.bar.disable else shown)
     for inst in range(state.topo.num_instances):

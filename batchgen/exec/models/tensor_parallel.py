@@ -72,3 +72,38 @@ def _mla_shard(attn: MLAttention, hidden, meta, kv_layer, shard: int, degree: in
     out = attn._attend(query, latent_pool, meta, kv_b).reshape(T, N * attn.v_dim)
     return F.linear(out, attn.o_proj.weight[:, shard * N * attn.v_dim:(shard + 1) * N * attn.v_dim])
 
+
+
+def group_attention(attn, hidden: torch.Tensor, meta: AttentionMetadata, kv_layer, degree: int) -> torch.Tensor:
+    """Attention of a TP-attention group (policy.attention_tp = degree) over its one KV pool: the sum of the
+    degree head shards' partial outputs (the all-reduce), with o_proj's bias once. MLA: every shard writes and
+    reads the same latent (the replica each GPU of the group holds); GQA: shard j writes and reads its slice of
+    the pool's KV heads (what GPU j holds). `hidden` is already normed."""
+    check_degree(attn, degree)
+    total = None
+    for shard in range(degree):
+        if isinstance(attn, MLAttention):
+            part = _mla_shard(attn, hidden, meta, kv_layer, shard, degree)
+        else:
+            part = _gqa_pool_shard(attn, hidden, meta, kv_layer, shard, degree)
+        total = part if total is None else total + part
+    return total if attn.o_proj.bias is None else total + attn.o_proj.bias
+
+
+def _gqa_pool_shard(attn: PagedAttention, hidden, meta, kv_layer, shard: int, degree: int) -> torch.Tensor:
+    """As `_gqa_shard`, over the shard's slice of KV heads of a whole pool [pages, tokens per page, Hkv, D]."""
+    T, D = hidden.shape[0], attn.head_dim
+    H, Hkv = attn.num_heads // degree, attn.num_kv_heads // degree
+    q = _rows(attn.q_proj, shard * H * D, (shard + 1) * H * D, hidden).view(T, H, D)
+    k = _rows(attn.k_proj, shard * Hkv * D, (shard + 1) * Hkv * D, hidden).view(T, Hkv, D)
+    v = _rows(attn.v_proj, shard * Hkv * D, (shard + 1) * Hkv * D, hidden).view(T, Hkv, D)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = attn.rope(meta.positions.to(q.device), q.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k_pool, v_pool = kv_layer
+    heads = slice(shard * Hkv, (shard + 1) * Hkv)
+    k_pool.view(-1, attn.num_kv_heads, D)[:, heads].index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+    v_pool.view(-1, attn.num_kv_heads, D)[:, heads].index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+    out = attn._attend(q, k_pool[:, :, heads], v_pool[:, :, heads], meta).reshape(T, H * D)
+    return F.linear(out, attn.o_proj.weight[:, shard * H * D:(shard + 1) * H * D])

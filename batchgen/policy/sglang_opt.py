@@ -1,0 +1,70 @@
+"""The paper's tuned SGLang configuration (SGLang-Opt): `continuous` with the knobs an expert sets.
+
+What it keeps from `continuous` (the same decisions, no code of its own): chunked prefill, SGLang's
+conservative admission (new_token_ratio reserve), preemption by recompute, pinned data-parallel attention
+ranks. What it sets (PAPER_NOTES: 16 DP-attention ranks per group, memory fraction just below out-of-memory,
+the batch caps that implies, two-batch overlap):
+
+- `gpu_memory_fraction`: replaces memory.gpu_memory_fraction for this job (the planner still subtracts the
+  fixed reserve and the activations of the batch shape, so "just below OOM" is a fraction near 1);
+- `max_running` 0: no fixed cap (SGLang's 256 CUDA-graph / scheduler default is lifted): a rank runs as many
+  sequences as its KV pool admits, up to `running_cap` (SGLang's largest request pool, 4096), which also sizes
+  the activations;
+- `two_batch_overlap`: each forward split in two micro-batches so one's all-to-all overlaps the other's
+  compute; priced by the simulator (batchgen.sim.tbo), where it only hides communication. The decision is the
+  same; the executor runs every forward as the two micro-batches one after the other (same tokens: the overlap
+  itself needs two streams and several processes, so it is not performed on one process).
+Instances of 16 GPUs are the cluster's setting (cluster.gpus_per_instance=16), not the policy's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from batchgen.memory import BatchShape
+from batchgen.policy.base import Decision, Snapshot
+from batchgen.policy.continuous import ContinuousPolicy
+
+
+@dataclass(frozen=True)
+class SGLangOptPolicy(ContinuousPolicy):
+    max_running: int = 0                 # 0: derived from memory (the KV pool), at most running_cap
+    admission: str = "conservative"
+    running_cap: int = 4096
+    gpu_memory_fraction: float = 0.97    # of HBM (replaces memory.gpu_memory_fraction); 0: keep memory's
+    two_batch_overlap: bool = True
+    name: str = "sglang_opt"
+
+    def __post_init__(self):
+        if self.max_running < 0:
+            raise ValueError(f"policy.max_running must be >= 0 (0: derived from memory), got {self.max_running}")
+        if not self.max_running:  # the rest of continuous's checks, with a placeholder cap
+            dataclasses.replace(self, max_running=1)
+        else:
+            super().__post_init__()
+        if self.running_cap < 1:
+            raise ValueError(f"policy.running_cap must be >= 1, got {self.running_cap}")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError(f"policy.gpu_memory_fraction must be in [0, 1] (0: memory's), got "
+                             f"{self.gpu_memory_fraction}")
+
+    def _capped(self, snap: Snapshot) -> ContinuousPolicy:
+        """This policy with max_running set from the rank's KV pool: one page per sequence at least, so memory
+        (the conservative admission's reserve) binds before the cap, as in a tuned SGLang."""
+        if self.max_running:
+            return self
+        cap = max(1, min(self.running_cap, int(snap.pages_capacity.min())))
+        cache = self.__dict__.setdefault("_by_cap", {})
+        if cap not in cache:
+            cache[cap] = dataclasses.replace(self, max_running=cap)
+        return cache[cap]
+
+    def decide(self, snap: Snapshot) -> Decision:
+        capped = self._capped(snap)
+        return ContinuousPolicy.decide(capped, snap)
+
+    def batch_shape(self, max_context: int) -> BatchShape:
+        if self.max_running:
+            return super().batch_shape(max_context)
+        return dataclasses.replace(self, max_running=self.running_cap).batch_shape(max_context)

@@ -1,0 +1,110 @@
+"""Two-batch overlap (TBO, SGLang's --enable-two-batch-overlap): each forward split into two micro-batches so
+that one's expert all-to-all (and TP-attention all-reduce) runs while the other computes.
+
+Priced from the same latency model as `costs.price`, on each micro-batch's load (the split is by sequences:
+the first takes ceil(S/2) of a rank's S sequences and their share of its tokens, context and prompt work, the
+second the rest, nothing on a rank that runs one sequence):
+
+- each half's GEMMs are half as large, so they run lower on the efficiency curve, and every module launches
+  twice (the per-micro-batch launch overhead comes with the kernel time of each call, and the engine's
+  per-forward overhead is paid per micro-batch);
+- per MoE layer the two halves share one compute stream (c_A + c_B: attention, router, shared and routed
+  experts of each half, slowest rank) and one communication stream (m_A + m_B: each half's all-to-all and
+  join), and each half's own chain (c + m) must fit too: the layer takes max(c_A + c_B, m_A + m_B, c_A + m_A,
+  c_B + m_B), and the second half's last all-to-all is exposed once per forward: communication is hidden only
+  behind the other half's compute;
+- dense layers have no all-to-all to hide: the halves run one after the other.
+Where there is no communication (one GPU, a dense model) it is strictly slower than the whole forward.
+The decision is the same; the executor runs the two micro-batches one after the other (batchgen.exec.backend),
+without the overlap, which needs two streams and several processes: the overlap exists only in this price.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from batchgen.latency import LatencyModel
+
+
+def split(load):
+    """The two micro-batches of a rank load, split by sequences: the first takes ceil(S/2) of each rank's S
+    sequences, the second the rest (none where a rank runs one); every amount of work goes with its share of the
+    sequences (token counts rounded to whole rows), the longest lengths stay with both."""
+    seqs = load.sequences
+    first = np.ceil(seqs / 2.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(seqs > 0, first / seqs, 0.0)
+    halves = []
+    for f in (share, 1.0 - share):
+        part = {}
+        for name in ("attn_tokens", "gate_tokens", "prefill_tokens", "prefill_seqs", "sequences"):
+            total = getattr(load, name)
+            a = np.round(total * share)
+            part[name] = a if f is share else total - a
+        for name in ("attn_context", "prefill_sq"):
+            part[name] = getattr(load, name) * f
+        part["head_rows"] = None if load.head_rows is None else (
+            np.round(load.head_rows * share) if f is share else load.head_rows - np.round(load.head_rows * share))
+        halves.append(dataclasses.replace(load, **part))
+    return halves
+
+
+def _half_parts(lat: LatencyModel, h, join_h):
+    """(attention, local FFN, dense FFN, head, overhead) per rank and (experts' slowest, mean, all-to-all) of one
+    micro-batch."""
+    attn = (lat.attention_decode(h.attn_tokens, h.attn_context, h.micro_batches, h.attn_max)
+            + lat.attention_prefill(h.prefill_tokens, h.prefill_sq, 1, h.prefill_max, h.prefill_seqs))
+    if getattr(lat, "attention_tp", 1) > 1:
+        join_h = join_h + lat.attention_join(h.attn_tokens + h.prefill_tokens)
+    gate = h.gate_tokens
+    head = lat.lm_head(h.sequences if h.head_rows is None else h.head_rows)
+    return attn, gate, head, lat.step_overhead(h.sequences), join_h
+
+
+def price_tbo(lat: LatencyModel, load, join=0.0):
+    """RunCost of a run whose every forward is split in two overlapped micro-batches (see module docstring)."""
+    from batchgen.sim.costs import RunCost, _module_totals
+
+    n_dense, n_moe = lat.layer_counts()
+    shape = load.gate_tokens.shape
+    iteration, busy = np.zeros(shape[1]), np.zeros(shape)
+    comm, ffn, attention, head_s = (np.zeros(shape[1]) for _ in range(4))
+    c_moe, m_moe = [], []
+    for h in split(load):
+        share = np.divide(h.sequences, load.sequences, out=np.zeros(shape), where=load.sequences > 0)
+        join_h = np.broadcast_to(np.asarray(join, float) * (share if np.ndim(join) else 1.0), shape)
+        attn, gate, head, overhead, join_h = _half_parts(lat, h, join_h)
+        busy += head
+        iteration += (head + overhead).max(axis=0)
+        head_s += np.max(head, axis=0)
+        attention += (n_dense + n_moe) * np.max(np.broadcast_to(attn, shape), axis=0)
+        if n_dense:
+            dense_ffn = lat.dense_ffn(gate)
+            iteration += n_dense * (attn + dense_ffn + join_h).max(axis=0)  # nothing to overlap: one half, then the other
+            busy += n_dense * (attn + dense_ffn)
+            ffn += n_dense * np.max(dense_ffn, axis=0)
+            comm += n_dense * join_h.max(axis=0)
+        if n_moe:
+            total = gate.sum(axis=0)
+            local_ffn = lat.shared_experts(gate) + lat.router(gate)
+            slowest, mean = lat.experts(total)
+            c_moe.append((attn + local_ffn).max(axis=0) + slowest)  # the half's compute, slowest rank
+            m_moe.append(lat.all_to_all(total) + join_h.max(axis=0))  # the half's communication
+            busy += n_moe * (attn + local_ffn + mean)
+            ffn += n_moe * (np.max(local_ffn, axis=0) + slowest)
+    if n_moe:
+        (c_a, c_b), (m_a, m_b) = c_moe, m_moe
+        # per layer: one compute stream (both halves), one communication stream, and each half's own chain
+        layer = np.maximum.reduce([c_a + c_b, m_a + m_b, c_a + m_a, c_b + m_b])
+        exposed = n_moe * (layer - c_a - c_b) + m_b  # the last half's last all-to-all has nothing left to hide it
+        iteration += n_moe * layer + m_b
+        comm += exposed
+        ffn += exposed
+    active = load.gate_tokens.sum(axis=0) > 0
+    iteration = np.where(active, iteration, 0.0)
+    rank_comm = np.full(shape[0], float(comm[active].sum()))
+    modules = _module_totals({"attention": attention, "ffn": ffn, "head": head_s}, active)
+    return RunCost(iteration, busy.sum(axis=1), rank_comm,
+                   np.where(active, load.gate_tokens.sum(axis=0), 0.0), modules)
