@@ -37,8 +37,11 @@ from batchgen.workload import build_workload
 VIDUR_RUN_S = 35.3
 
 
-def _load_policy(name: str):
-    return make_policy(OmegaConf.to_container(OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")))
+def _load_policy(name: str, model):
+    """The policy's config as a run composes it: interpolations such as ${model.max_context} resolved."""
+    root = OmegaConf.create({"model": {"max_context": model.max_context}})
+    root.policy = OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")
+    return make_policy(OmegaConf.to_container(root.policy, resolve=True))
 
 
 def vs_vidur(args: argparse.Namespace) -> None:
@@ -60,7 +63,7 @@ def vs_vidur(args: argparse.Namespace) -> None:
     rows = []
     for name in policy_names():
         start = time.perf_counter()
-        out = simulate(Job(model, cluster, workload, _load_policy(name)))
+        out = simulate(Job(model, cluster, workload, _load_policy(name, model)), progress=False)
         wall = walls[name] = time.perf_counter() - start
         bct = float(out.prepared.state.table.finish_time.max())
         rows.append((name, wall, out.events, bct))
@@ -95,7 +98,7 @@ def main() -> None:
         vs_vidur(args)
         return
     model, cluster = load_model(args.model), load_cluster(args.cluster)
-    policy = make_policy(OmegaConf.to_container(OmegaConf.load(conf_dir() / "policy" / f"{args.policy}.yaml")))
+    policy = _load_policy(args.policy, model)
     wcfg = OmegaConf.load(conf_dir() / "workload" / f"{args.workload}.yaml")
     print(f"{args.policy} on {args.model}, {cluster.num_gpus} x {cluster.gpu.name} "
           f"({cluster.num_instances} instances), workload shape {args.workload}")

@@ -54,6 +54,10 @@ class Moves:
     def zeros(cls, num_gpus: int) -> "Moves":
         return cls(*(np.zeros(num_gpus) for _ in range(4)))
 
+    def any(self) -> bool:
+        """Whether any byte moved (a backend skips pricing copies when none did)."""
+        return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
+
 
 class ClusterState:
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,

@@ -159,9 +159,11 @@ class SimBackend:
     def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray) -> np.ndarray:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
+        R = g.size
+        if not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
+            return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         kv = self.state.kv_bytes_per_token
         t = self.state.table
-        R = g.size
         d2h = plan.moves.d2h[g].copy()
         if plan.host_sync and plan.decode_ids.size:  # host-resident ones append on the DAG, layer by layer
             synced = ~np.asarray(plan.decode_host_resident, bool)
