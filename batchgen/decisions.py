@@ -17,6 +17,8 @@ IdTuple = tuple[int, ...]
 
 
 def _ids(a) -> IdTuple:
+    if (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets of a boundary are empty
+        return ()
     return tuple(np.sort(np.asarray(a, dtype=np.int64).ravel()).tolist())
 
 
