@@ -246,7 +246,7 @@ def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: n
 def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
     ids, ranks = d.prefill_ids, d.prefill_ranks
     if d.prefill_pinned:
-        for r in np.unique(ranks):
+        for r in _distinct(ranks):
             state.take_pending(instance, ids[ranks == r], int(gpus[r]))
     else:
         state.take_pending(instance, ids)
@@ -255,6 +255,11 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
     else:
         # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
+
+
+def _distinct(ranks: np.ndarray) -> list[int]:
+    """np.unique of a boundary's few ranks (ascending), without its sort machinery."""
+    return sorted(set(ranks.tolist()))
 
 
 def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
@@ -267,12 +272,12 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
     first = t.where[ids] == PENDING
-    if np.any(first & (starts != 0)):
+    if (first & (starts != 0)).any():
         raise InvariantError("a pending sequence has no prefill under way")
     if first.any():
         new, new_ranks = ids[first], ranks[first]
         if d.prefill_pinned:
-            for r in np.unique(new_ranks):
+            for r in _distinct(new_ranks):
                 state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
         else:
             state.take_pending(instance, new)

@@ -207,7 +207,7 @@ class ClusterState:
 
     def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
                   host_resident: np.ndarray | bool = False, reserve: bool = True) -> None:
-        if np.any(self.topo.gpu_instance[gpus] != instance):
+        if (self.topo.gpu_instance[gpus] != instance).any():
             raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
         self.table.where[ids] = gpus
         self.table.host_resident[ids] = host_resident

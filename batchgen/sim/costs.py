@@ -347,7 +347,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         dense = attn + dense_ffn
         iteration += n_dense * (dense + join).max(axis=0)
         busy += n_dense * dense
-        ffn += n_dense * np.max(dense_ffn, axis=0)
+        ffn += n_dense * dense_ffn.max(axis=0)
     if n_moe:
         total = gate.sum(axis=0)
         local_ffn = lat.shared_experts(gate) + lat.router(gate)
@@ -368,9 +368,8 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     else:
         iteration = np.where(active, iteration, 0.0)
         rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    attention = (n_dense + n_moe) * np.max(attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape),
-                                           axis=0)
-    modules = _module_totals({"attention": attention, "ffn": ffn, "head": np.max(head, axis=0)},
+    attention = (n_dense + n_moe) * (attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)).max(axis=0)
+    modules = _module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
                              None if every else active)
     return RunCost(iteration, busy.sum(axis=1), rank_comm, gate_sum if every else np.where(active, gate_sum, 0.0),
                    modules)
