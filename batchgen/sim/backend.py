@@ -56,6 +56,7 @@ class SimBackend:
         self.decode_host_bytes = 0.0
         self.decode_iterations = 0
         self.events = 0
+        self._boundary_s: dict[int, float] = {}  # boundary_overhead by sequences in play
         self._live = set(range(state.topo.num_instances))
         self._waiting: set[int] = set()
         self._changed = env.event()
@@ -132,7 +133,10 @@ class SimBackend:
         transfer = self._transfer_seconds(plan, produced)
         exposed = float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
-        boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size + plan.chunk_ids.size))
+        in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
+        boundary = self._boundary_s.get(in_play)
+        if boundary is None:  # a pure function of the count: priced once per count
+            boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
@@ -140,8 +144,8 @@ class SimBackend:
         if finished.any():
             clock = boundary + np.cumsum(cost.iteration_s) * scale
             offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
-        prefill_finished = t.remaining(plan.prefill_ids) == 1
-        chunk_finished = plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
+        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size else _NONE
+        chunk_finished = plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size else _NONE
         self.events += 1
         yield self.env.timeout(duration)
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
@@ -178,6 +182,10 @@ class SimBackend:
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):
             seconds += np.where(arr > 0, lat.network(arr, cross), 0.0)
         return seconds
+
+
+_NONE = np.empty(0, bool)
+_NONE.flags.writeable = False
 
 
 def _padded(lengths: np.ndarray, rank: np.ndarray, num_ranks: int) -> np.ndarray:
