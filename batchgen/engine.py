@@ -12,6 +12,7 @@ from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.decisions import BoundaryDecision
@@ -226,7 +227,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
 def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
     """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
     t, node = state.table, state.topo.gpu_node
-    if not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
+    if fastpath.ENABLED and not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
         state.reserve_host(instance, _EMPTY, _EMPTY)  # no host copy to grow, no prefill to host
         return
     parts_nodes, parts_tokens = [], []
@@ -259,7 +260,7 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
 
 def _distinct(ranks: np.ndarray) -> list[int]:
     """np.unique of a boundary's few ranks (ascending), without its sort machinery."""
-    return sorted(set(ranks.tolist()))
+    return sorted(set(ranks.tolist())) if fastpath.ENABLED else np.unique(ranks)
 
 
 def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
@@ -268,7 +269,8 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
     t = state.table
     ids, ranks = np.asarray(d.chunk_ids, np.int64), np.asarray(d.chunk_ranks, np.int64)
     lens = np.asarray(d.chunk_lens, np.int64)
-    if not (ids.size == ranks.size == lens.size) or len(set(ids.tolist())) != ids.size:
+    distinct = len(set(ids.tolist())) if fastpath.ENABLED else np.unique(ids).size
+    if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
     first = t.where[ids] == PENDING

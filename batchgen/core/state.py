@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 
@@ -133,7 +134,7 @@ class ClusterState:
         PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
         t = self.table
         tp = t.tp[ids].astype(np.int64)
-        if not tp.size or tp.max() == 1:  # nothing partitioned (the usual case): one GPU each
+        if fastpath.ENABLED and (not tp.size or tp.max() == 1):  # nothing partitioned (usual): one GPU each
             return np.arange(ids.size), t.where[ids].astype(np.int64)
         rep = np.repeat(np.arange(ids.size), tp)
         if rep.size == ids.size:
@@ -201,6 +202,9 @@ class ClusterState:
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
         # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
         active, leaving = self.active[instance], self._leaving
+        if not fastpath.ENABLED:
+            self.active[instance] = np.setdiff1d(active, ids, assume_unique=True)
+            return
         leaving[ids] = True
         self.active[instance] = active[~leaving[active]]
         leaving[ids] = False
@@ -374,13 +378,15 @@ class ClusterState:
         queue.take_head_ids(ids)
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
-        if not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
+        if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
             self.host_reserved[instance] = 0
             return
         self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
 
     def host_committed(self, except_instance: int) -> np.ndarray:
         """Host KV in use plus what other instances' runs in flight will add."""
+        if not fastpath.ENABLED:
+            return self.host_used + np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
         if self.topo.num_instances == 1:
             return self.host_used.copy()
         others = self.host_reserved.sum(axis=0) - self.host_reserved[except_instance]  # integers: exact
@@ -443,7 +449,7 @@ class ClusterState:
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
         t = self.table
         t.decoded[ids] += tokens
-        if not self.has_host_copies():
+        if fastpath.ENABLED and not self.has_host_copies():
             return  # no host copy anywhere: nothing to grow
         copy = (t.host_node[ids] >= 0) & (host_sync | t.host_resident[ids])
         if copy.any():

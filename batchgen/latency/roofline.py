@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.gemm import gemm_seconds
@@ -115,7 +116,7 @@ class Roofline:
     def _weight_gemms(self, module: str, tokens, shapes, calls=1):
         """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
         per GEMM), at the module's factors."""
-        launches = _uniform(calls, tokens)
+        launches = _uniform(calls, tokens) if fastpath.ENABLED else None
         if launches is not None and all(type(k) is int and type(n) is int for k, n in shapes):
             fast = self._gemm_lookup(module, tokens, shapes, launches)
             if fast is not None:
@@ -195,7 +196,7 @@ class Roofline:
         m = self.model
         if max_context is not None:
             longest = _arr(max_context, "max_context")
-            if self.eff.attention_padding != 0:  # else _padded returns the exact sum: skip the padded work
+            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact sum
                 ctx = self._padded(ctx, t * longest, max_context)
         proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
         kv = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
@@ -214,9 +215,9 @@ class Roofline:
         pairs = 0.5 * sq
         if max_context is not None and sequences is not None:
             seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
-            if self.eff.attention_padding != 0:  # else _padded returns the exact pairs: skip the padded work
+            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact pairs
                 pairs = self._padded(pairs, seqs * longest ** 2, max_context)
-        if t.ndim and not t.any() and _fits(t, sq, mb, pairs):
+        if fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
             return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
         proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
         kv = t * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row

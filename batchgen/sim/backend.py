@@ -13,6 +13,7 @@ from typing import Any, Generator
 import numpy as np
 import simpy
 
+from batchgen import fastpath
 from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
@@ -134,7 +135,7 @@ class SimBackend:
         exposed = float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
         in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
-        boundary = self._boundary_s.get(in_play)
+        boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
         if boundary is None:  # a pure function of the count: priced once per count
             boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
         duration = boundary + run
@@ -144,8 +145,10 @@ class SimBackend:
         if finished.any():
             clock = boundary + np.cumsum(cost.iteration_s) * scale
             offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
-        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size else _NONE
-        chunk_finished = plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size else _NONE
+        fast = fastpath.ENABLED
+        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
+        chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size or not fast
+                          else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
@@ -164,7 +167,7 @@ class SimBackend:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
         R = g.size
-        if not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
+        if fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
             return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         kv = self.state.kv_bytes_per_token
         t = self.state.table

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid, price_decode
 
@@ -75,7 +76,7 @@ def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp:
     attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
     its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
     by every rank of the group (which also charges each rank the whole score FLOPs: conservative)."""
-    if tp.size == 0 or tp.max() == 1:  # nothing partitioned (most runs): each sequence on its own rank, weight 1
+    if fastpath.ENABLED and (tp.size == 0 or tp.max() == 1):  # nothing partitioned: one rank each, weight 1
         ones, ctx = np.ones(rank.size), context.astype(float)
         attn_tokens = _alive(rank, alive_for, ones, R, K)
         attn_ctx0 = _alive(rank, alive_for, ctx, R, K)
@@ -190,9 +191,10 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K, kv_split)
     whole = (tp == 1)
     all_whole = bool(whole.all())
+    shortcut = fastpath.ENABLED and all_whole
     # unpartitioned, each sequence's query is one gate token on its rank: the same sum as its attention tokens
-    gate = attn_tokens if all_whole else _alive(rank, alive_for, np.ones(rank.size), R, K)
-    padding = bool(pad_rows.any())
+    gate = attn_tokens if shortcut else _alive(rank, alive_for, np.ones(rank.size), R, K)
+    padding = bool(pad_rows.any()) or not fastpath.ENABLED
     if padding:  # (without padding rows these would add zeros)
         ks = np.arange(K)
         attn_tokens = attn_tokens + pad_rows[:, None]
@@ -202,7 +204,7 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
         longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
         gate = gate + pad_rows[:, None]
     mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
-    if similar_calls and all_whole and not padding:
+    if similar_calls and all_whole and not pad_rows.any():
         mb, work = padded_runs(rank, context, alive_for, micro_batch, R, K)
         with np.errstate(divide="ignore", invalid="ignore"):
             longest = np.where(attn_tokens > 0, work / attn_tokens, 0.0)
@@ -362,12 +364,11 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
     gate_sum = gate.sum(axis=0)
     active = gate_sum > 0
-    every = bool(active.all())  # the usual run: no masking needed (the same sums, fewer array operations)
-    if every:
-        rank_comm = float(comm.sum()) + comm_rank.sum(axis=1)
-    else:
+    every = fastpath.ENABLED and bool(active.all())  # the usual run: no masking needed (the same sums)
+    if not every:
         iteration = np.where(active, iteration, 0.0)
-        rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
+    # masked even when every iteration ran: the masked copy's layout sets numpy's summation order
+    rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
     attention = (n_dense + n_moe) * (attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)).max(axis=0)
     modules = _module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
                              None if every else active)
