@@ -369,7 +369,8 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         iteration = np.where(active, iteration, 0.0)
     # masked even when every iteration ran: the masked copy's layout sets numpy's summation order
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    attention = (n_dense + n_moe) * (attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)).max(axis=0)
+    per_rank_attn = attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
+    attention = (n_dense + n_moe) * per_rank_attn.max(axis=0)
     modules = _module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
                              None if every else active)
     return RunCost(iteration, busy.sum(axis=1), rank_comm, gate_sum if every else np.where(active, gate_sum, 0.0),
