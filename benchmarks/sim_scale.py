@@ -11,9 +11,9 @@ runs Vidur's comparison workload instead (Llama-2-7B, one A100 80GB, the first 1
 conversation trace, prompts clipped to 3,096 tokens) under every registered policy, one row each (wall s,
 sequences per wall-second, events per sequence, simulated BCT, Vidur's wall time over the policy's), and ends
 with `slowest_policy=<name> vs_vidur=<ratio>`. The target (issue 7) is at least 10x for every policy.
-Measured November 30, 2026 on the shared 2-core machine (load average 1.9 and 2.3, two runs): continuous 27.9
-and 17.8 s (1.3x and 2.0x Vidur), coroutine 3.09 and 1.76 s (11.4x, 20.0x), static 7.42 and 5.34 s (4.8x,
-6.6x); the release before took 30.9 / 37.8, 4.73 / 3.19 and 15.8 / 10.4 s side by side (README, sim_scale).
+Measured November 30, 2026 on the shared 2-core machine, nearly idle (load average 0.5): continuous 15.0 s
+(2.4x Vidur), coroutine 2.04 s (17.3x), static 4.91 s (7.2x); the release before took 29.8, 3.41 and 9.16 s right
+after. Under load (1.9 and 2.3) two more runs gave 27.9 / 17.8, 3.09 / 1.76 and 7.42 / 5.34 s (README, sim_scale).
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """
 
