@@ -13,10 +13,14 @@ from typing import Iterable
 
 import numpy as np
 
+from batchgen import fastpath
+
 IdTuple = tuple[int, ...]
 
 
 def _ids(a) -> IdTuple:
+    if fastpath.ENABLED and (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets are empty
+        return ()
     return tuple(np.sort(np.asarray(a, dtype=np.int64).ravel()).tolist())
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.decisions import BoundaryDecision
@@ -154,7 +155,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
     topo, t = state.topo, state.table
-    gpus = topo.instance_gpus(instance)
+    gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
@@ -177,7 +178,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
                    now: float = 0.0) -> StepPlan:
     """Carry out a decision through the coroutine primitives and describe the run that follows."""
     topo, t = state.topo, state.table
-    gpus = topo.instance_gpus(instance)
+    gpus = state.instance_gpus(instance)
     moves = Moves.zeros(topo.num_gpus)
     if d.pin_ids.size:
         state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
@@ -230,13 +231,16 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
 def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
     """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
     t, node = state.table, state.topo.gpu_node
+    if fastpath.ENABLED and not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
+        state.reserve_host(instance, _EMPTY, _EMPTY)  # no host copy to grow, no prefill to host
+        return
     parts_nodes, parts_tokens = [], []
     if decode_ids.size:  # copies kept in sync grow: all of them with host_sync, host-resident ones always
         synced = decode_ids[(t.host_node[decode_ids] >= 0) & (d.host_sync | t.host_resident[decode_ids])]
         parts_nodes.append(t.host_node[synced])
         parts_tokens.append(np.full(synced.size, steps))
     if d.prefill_to_host and d.prefill_ids.size:
-        gpus = state.topo.instance_gpus(instance)
+        gpus = state.instance_gpus(instance)
         parts_nodes.append(node[gpus[d.prefill_ranks]])
         parts_tokens.append(t.context(d.prefill_ids) + 1)
     empty = np.empty(0, np.int64)
@@ -247,7 +251,7 @@ def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: n
 def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
     ids, ranks = d.prefill_ids, d.prefill_ranks
     if d.prefill_pinned:
-        for r in np.unique(ranks):
+        for r in _distinct(ranks):
             state.take_pending(instance, ids[ranks == r], int(gpus[r]))
     else:
         state.take_pending(instance, ids)
@@ -258,22 +262,28 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
 
 
+def _distinct(ranks: np.ndarray) -> list[int]:
+    """np.unique of a boundary's few ranks (ascending), without its sort machinery."""
+    return sorted(set(ranks.tolist())) if fastpath.ENABLED else np.unique(ranks)
+
+
 def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
     """First chunks leave their queue (in order: each rank's are the head of its queue); every chunk's pages are
     allocated. Returns the plan's chunk fields."""
     t = state.table
     ids, ranks = np.asarray(d.chunk_ids, np.int64), np.asarray(d.chunk_ranks, np.int64)
     lens = np.asarray(d.chunk_lens, np.int64)
-    if not (ids.size == ranks.size == lens.size) or np.unique(ids).size != ids.size:
+    distinct = len(set(ids.tolist())) if fastpath.ENABLED else np.unique(ids).size
+    if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
     first = t.where[ids] == PENDING
-    if np.any(first & (starts != 0)):
+    if (first & (starts != 0)).any():
         raise InvariantError("a pending sequence has no prefill under way")
     if first.any():
         new, new_ranks = ids[first], ranks[first]
         if d.prefill_pinned:
-            for r in np.unique(new_ranks):
+            for r in _distinct(new_ranks):
                 state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
         else:
             state.take_pending(instance, new)
@@ -319,7 +329,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         done = ids[res.chunk_finished]
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
-    state.reserve_host(inst, np.empty(0, np.int64), np.empty(0, np.int64))  # the run's additions are real now
+    state.reserve_host(inst, _EMPTY, _EMPTY)  # the run's additions are real now
     if padded:
         running = state.gpu_rank[t.where[state.active[inst]]]
         drained = np.bincount(running, minlength=plan.gpus.size) == 0
@@ -346,7 +356,7 @@ def instance_loop(policy: Policy, backend: Backend, instance: int, records: list
     `on_step(plan, result)` is called after each run's outcome is folded into the state: progress bars, and
     batch jobs that write each result the moment its sequence finishes (`finished_ids`)."""
     state = backend.state
-    progress = InstanceProgress(state.topo.instance_gpus(instance).size)
+    progress = InstanceProgress(state.instance_gpus(instance).size)
     idle, last = 0, 0.0
     # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays until
     # the job is done, though nothing is queued for it yet

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 
@@ -52,7 +53,11 @@ class Moves:
 
     @classmethod
     def zeros(cls, num_gpus: int) -> "Moves":
-        return cls(*(np.zeros(num_gpus) for _ in range(4)))
+        return cls(*np.zeros((4, num_gpus)))  # one allocation, four rows (one per kind)
+
+    def any(self) -> bool:
+        """Whether any byte moved (a backend skips pricing copies when none did)."""
+        return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
 
 
 class ClusterState:
@@ -69,6 +74,9 @@ class ClusterState:
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.kv_split_by_heads = bool(kv_split_by_heads)
         self._instance_gpus = [topo.instance_gpus(i) for i in range(topo.num_instances)]
+        for gpus in self._instance_gpus:
+            gpus.flags.writeable = False  # shared by every boundary's snapshot and plan (instance_gpus)
+        self._leaving = np.zeros(len(table), bool)  # scratch mask of _leave_gpu (all False between calls)
         self.node_instance = _node_instance(topo)  # computed once: every snapshot carries it
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
@@ -104,11 +112,15 @@ class ClusterState:
                 self.pinned[int(chunk_gpus[0])].push(chunk_ids)
 
     # ---- queries ---------------------------------------------------------------------------------
+    def instance_gpus(self, instance: int) -> np.ndarray:
+        """The instance's GPUs (global indices, increasing), computed once: a read-only array."""
+        return self._instance_gpus[instance]
+
     def active_ids(self, instance: int) -> np.ndarray:
         return self.active[instance]
 
     def remaining_work(self, instance: int) -> bool:
-        gpus = self.topo.instance_gpus(instance)
+        gpus = self._instance_gpus[instance]
         nodes = np.unique(self.topo.gpu_node[gpus])
         return bool(self.active[instance].size or len(self.pending[instance])
                     or any(len(self.pinned[g]) for g in gpus) or any(len(self.suspended[n]) for n in nodes))
@@ -122,6 +134,8 @@ class ClusterState:
         PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
         t = self.table
         tp = t.tp[ids].astype(np.int64)
+        if fastpath.ENABLED and (not tp.size or tp.max() == 1):  # nothing partitioned (usual): one GPU each
+            return np.arange(ids.size), t.where[ids].astype(np.int64)
         rep = np.repeat(np.arange(ids.size), tp)
         if rep.size == ids.size:
             return rep, t.where[ids].astype(np.int64)
@@ -186,11 +200,18 @@ class ClusterState:
         self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
-        self.active[instance] = np.setdiff1d(self.active[instance], ids, assume_unique=True)
+        # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
+        active, leaving = self.active[instance], self._leaving
+        if not fastpath.ENABLED:
+            self.active[instance] = np.setdiff1d(active, ids, assume_unique=True)
+            return
+        leaving[ids] = True
+        self.active[instance] = active[~leaving[active]]
+        leaving[ids] = False
 
     def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
                   host_resident: np.ndarray | bool = False, reserve: bool = True) -> None:
-        if np.any(self.topo.gpu_instance[gpus] != instance):
+        if (self.topo.gpu_instance[gpus] != instance).any():
             raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
         self.table.where[ids] = gpus
         self.table.host_resident[ids] = host_resident
@@ -363,12 +384,23 @@ class ClusterState:
         queue.take_head_ids(ids)
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
+        if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
+            self.host_reserved[instance] = 0
+            return
         self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
 
     def host_committed(self, except_instance: int) -> np.ndarray:
         """Host KV in use plus what other instances' runs in flight will add."""
-        others = np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
+        if not fastpath.ENABLED:
+            return self.host_used + np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
+        if self.topo.num_instances == 1:
+            return self.host_used.copy()
+        others = self.host_reserved.sum(axis=0) - self.host_reserved[except_instance]  # integers: exact
         return self.host_used + others
+
+    def has_host_copies(self) -> bool:
+        """Whether any sequence has a KV copy in host memory (each holds at least one token there)."""
+        return bool(self.host_used.any())
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
         self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
@@ -423,6 +455,8 @@ class ClusterState:
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
         t = self.table
         t.decoded[ids] += tokens
+        if fastpath.ENABLED and not self.has_host_copies():
+            return  # no host copy anywhere: nothing to grow
         copy = (t.host_node[ids] >= 0) & (host_sync | t.host_resident[ids])
         if copy.any():
             self._host_add(t.host_node[ids[copy]], tokens[copy])

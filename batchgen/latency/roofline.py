@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.gemm import gemm_seconds
@@ -17,16 +18,42 @@ _EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (dec
 
 def _arr(x, what: str) -> np.ndarray:
     """`x` as a float array; negative amounts of work are a caller bug, so they raise."""
-    a = np.asarray(x, dtype=float)
-    if not a.min(initial=0.0) >= 0:  # one pass: a NaN minimum fails the comparison too
+    # the simulator passes float arrays: no conversion then (a call costs as much as the arithmetic on a grid)
+    a = x if type(x) is np.ndarray and x.dtype == _FLOAT else np.asarray(x, dtype=float)
+    if a.size and not a.min() >= 0:  # one pass: a NaN minimum fails the comparison too
         raise ValueError(f"{what} must be >= 0, got {x!r}")
     return a
 
 
 def _out(a: np.ndarray):
     """0-d results come back as plain floats, arrays as arrays."""
-    a = np.asarray(a, dtype=float)
+    if type(a) is not np.ndarray or a.dtype != _FLOAT:
+        a = np.asarray(a, dtype=float)
     return float(a) if a.ndim == 0 else a
+
+
+_FLOAT = np.dtype(float)
+
+
+def _fits(t: np.ndarray, *others: np.ndarray) -> bool:
+    """Whether every array in `others` is 0-d or shaped like `t` (so that a result shaped like `t` is the
+    broadcast of them all)."""
+    return all(not o.ndim or o.shape == t.shape for o in others)
+
+
+def _uniform(calls, tokens) -> float | None:
+    """The one launch count of `calls` when every cell has the same and the result takes the shape of
+    `tokens` (a number, a 0-d array, or an array shaped like tokens); None otherwise."""
+    if type(calls) in (int, float):
+        return float(calls)
+    if type(calls) is not np.ndarray or not calls.size:
+        return None
+    if calls.ndim and calls.shape != np.shape(tokens):
+        return None
+    first = calls.flat[0]
+    if calls.size > 1 and not (calls == first).all():
+        return None
+    return float(first)
 
 
 class Roofline:
@@ -72,6 +99,7 @@ class Roofline:
         self.host_flops = host.flops * cpu.host_compute / self.gpus_per_node    # achieved, this GPU's share
         self.host_link_bw = min(gpu.pcie_bw * copy.link, host.dram_bw * copy.host_memory / self.gpus_per_node)
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
+        self._attention_gemms = tuple(self._attention_shapes_of_model())
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
 
     @property
@@ -88,6 +116,11 @@ class Roofline:
     def _weight_gemms(self, module: str, tokens, shapes, calls=1):
         """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
         per GEMM), at the module's factors."""
+        launches = _uniform(calls, tokens) if fastpath.ENABLED else None
+        if launches is not None and all(type(k) is int and type(n) is int for k, n in shapes):
+            fast = self._gemm_lookup(module, tokens, shapes, launches)
+            if fast is not None:
+                return fast
         t, c = np.broadcast_arrays(np.asarray(tokens, float), np.asarray(calls, float))
         scalar_shapes = all(np.ndim(k) == 0 and np.ndim(n) == 0 for k, n in shapes)
         if (scalar_shapes and (t.size > _LOOKUP_ABOVE or t.max(initial=0.0) <= _GEMM_LOOKUP_MAX)
@@ -101,6 +134,19 @@ class Roofline:
                 out[cells] = curve[t[cells].astype(np.int64)]
             return out
         return self._gemms_direct(module, t, shapes, c)
+
+    def _gemm_lookup(self, module: str, tokens, shapes, launches: float):
+        """The lookup branch of `_weight_gemms` for one launch count and whole token counts, in a few array
+        operations (the simulator prices small grids thousands of times a second); None where that branch
+        does not apply (the caller then takes the general path, which decides the same way)."""
+        t = tokens if type(tokens) is np.ndarray and tokens.dtype == _FLOAT else np.asarray(tokens, float)
+        if not t.size or launches != math.floor(launches):
+            return None
+        index = t.astype(np.int64)
+        top = int(index.max())
+        if not (t.size > _LOOKUP_ABOVE or top <= _GEMM_LOOKUP_MAX) or not (index == t).all():
+            return None
+        return self._gemm_curve(module, tuple(shapes), launches, top)[index]
 
     def _gemms_direct(self, module: str, t, shapes, c):
         e = self._eff[module]
@@ -149,7 +195,9 @@ class Roofline:
         t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
         m = self.model
         if max_context is not None:
-            ctx = self._padded(ctx, t * _arr(max_context, "max_context"), max_context)
+            longest = _arr(max_context, "max_context")
+            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact sum
+                ctx = self._padded(ctx, t * longest, max_context)
         proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
         kv = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
         scores = self._streaming("attention_decode", m.attention_score_flops_decode * ctx, kv, mb)
@@ -166,17 +214,23 @@ class Roofline:
         m = self.model
         pairs = 0.5 * sq
         if max_context is not None and sequences is not None:
-            pairs = self._padded(pairs, _arr(sequences, "sequences") * _arr(max_context, "max_context") ** 2,
-                                 max_context)
+            seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
+            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact pairs
+                pairs = self._padded(pairs, seqs * longest ** 2, max_context)
+        if fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
+            return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
         proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
         kv = t * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
         scores = self._streaming("attention_prefill", m.attention_score_flops_prefill * pairs, kv, mb)
         return _out(np.where(t > 0, proj + scores, 0.0))
 
     @property
-    def _attention_shapes(self) -> list[tuple[int, int]]:
+    def _attention_shapes(self) -> tuple[tuple[int, int], ...]:
         """(k, n) of the attention's weight GEMMs (fused QKV; MLA's low-rank chain), summing to
-        attention_params_per_layer."""
+        attention_params_per_layer; computed once (every priced step asks for them)."""
+        return self._attention_gemms
+
+    def _attention_shapes_of_model(self) -> list[tuple[int, int]]:
         m = self.model
         h, heads = m.hidden_size, m.num_heads
         if m.attention == "gqa":

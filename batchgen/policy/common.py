@@ -20,7 +20,7 @@ def shed_to_fit(rank: np.ndarray, need: np.ndarray, order_key: np.ndarray, capac
     R = capacity.size
     total = per_rank(rank, need, R)
     excess = total - capacity
-    if not np.any(excess > 0):
+    if not (excess > 0).any():
         return np.empty(0, np.int64)
     order = np.lexsort((-order_key, rank))
     r_sorted, n_sorted = rank[order], need[order]

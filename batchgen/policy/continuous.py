@@ -158,7 +158,7 @@ class ContinuousPolicy:
         evicted_ranks = snap.active_rank[drop]
         for r in np.flatnonzero((budget > 0) & ((waiting > 0) | np.bincount(snap.active_rank[keep & partial],
                                                                              minlength=R).astype(bool))):
-            if np.any(evicted_ranks == r):
+            if (evicted_ranks == r).any():
                 continue  # memory is short on this rank: decode to make room before prefilling again
             mine = keep & partial & (snap.active_rank == r)
             going = snap.active_ids[mine]  # part-way through: they continue first

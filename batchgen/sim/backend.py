@@ -13,6 +13,7 @@ from typing import Any, Generator
 import numpy as np
 import simpy
 
+from batchgen import fastpath
 from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
@@ -60,6 +61,7 @@ class SimBackend:
         self.decode_host_bytes = 0.0
         self.decode_iterations = 0
         self.events = 0
+        self._boundary_s: dict[int, float] = {}  # boundary_overhead by sequences in play
         self._live = set(range(state.topo.num_instances))
         self._waiting: set[int] = set()
         self._changed = env.event()
@@ -152,7 +154,10 @@ class SimBackend:
         transfer = self._transfer_seconds(plan, produced)
         exposed = float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
-        boundary = float(self.lat.boundary_overhead(ids.size + plan.prefill_ids.size + plan.chunk_ids.size))
+        in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
+        boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
+        if boundary is None:  # a pure function of the count: priced once per count
+            boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
@@ -160,8 +165,10 @@ class SimBackend:
         if finished.any():
             clock = boundary + np.cumsum(cost.iteration_s) * scale
             offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
-        prefill_finished = t.remaining(plan.prefill_ids) == 1
-        chunk_finished = plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
+        fast = fastpath.ENABLED
+        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
+        chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size or not fast
+                          else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
         rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
@@ -180,9 +187,11 @@ class SimBackend:
     def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray) -> np.ndarray:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
+        R = g.size
+        if fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
+            return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         kv = self.state.kv_bytes_per_token
         t = self.state.table
-        R = g.size
         d2h = plan.moves.d2h[g].copy()
         if plan.host_sync and plan.decode_ids.size:  # host-resident ones append on the DAG, layer by layer
             synced = ~np.asarray(plan.decode_host_resident, bool)
@@ -198,6 +207,10 @@ class SimBackend:
         for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):
             seconds += np.where(arr > 0, lat.network(arr, cross), 0.0)
         return seconds
+
+
+_NONE = np.empty(0, bool)
+_NONE.flags.writeable = False
 
 
 def _padded(lengths: np.ndarray, rank: np.ndarray, num_ranks: int) -> np.ndarray:

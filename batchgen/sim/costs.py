@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid, price_decode
 
@@ -75,6 +76,12 @@ def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp:
     attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
     its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
     by every rank of the group (which also charges each rank the whole score FLOPs: conservative)."""
+    if fastpath.ENABLED and (tp.size == 0 or tp.max() == 1):  # nothing partitioned: one rank each, weight 1
+        ones, ctx = np.ones(rank.size), context.astype(float)
+        attn_tokens = _alive(rank, alive_for, ones, R, K)
+        attn_ctx0 = _alive(rank, alive_for, ctx, R, K)
+        longest = _longest_alive(rank, alive_for, ctx, R, K)
+        return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), longest
     rep = np.repeat(np.arange(rank.size), tp)
     offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
     a_rank = (rank[rep] + offset) % R
@@ -182,17 +189,22 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     than in micro-batches of B_attn over the whole rank."""
     K, R = iterations, num_ranks
     attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K, kv_split)
-    gate = _alive(rank, alive_for, np.ones(rank.size), R, K)
-    ks = np.arange(K)
-    attn_tokens = attn_tokens + pad_rows[:, None]
-    attn_ctx = attn_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
-    with np.errstate(divide="ignore", invalid="ignore"):  # padding rows: as long as their mean
-        pad_longest = np.where(pad_rows > 0, pad_context / pad_rows, 0.0)[:, None] + ks
-    longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
-    gate = gate + pad_rows[:, None]
-    mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
     whole = (tp == 1)
-    if similar_calls and whole.all() and not pad_rows.any():
+    all_whole = bool(whole.all())
+    shortcut = fastpath.ENABLED and all_whole
+    # unpartitioned, each sequence's query is one gate token on its rank: the same sum as its attention tokens
+    gate = attn_tokens if shortcut else _alive(rank, alive_for, np.ones(rank.size), R, K)
+    padding = bool(pad_rows.any()) or not fastpath.ENABLED
+    if padding:  # (without padding rows these would add zeros)
+        ks = np.arange(K)
+        attn_tokens = attn_tokens + pad_rows[:, None]
+        attn_ctx = attn_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
+        with np.errstate(divide="ignore", invalid="ignore"):  # padding rows: as long as their mean
+            pad_longest = np.where(pad_rows > 0, pad_context / pad_rows, 0.0)[:, None] + ks
+        longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
+        gate = gate + pad_rows[:, None]
+    mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
+    if similar_calls and all_whole and not pad_rows.any():
         mb, work = padded_runs(rank, context, alive_for, micro_batch, R, K)
         with np.errstate(divide="ignore", invalid="ignore"):
             longest = np.where(attn_tokens > 0, work / attn_tokens, 0.0)
@@ -344,7 +356,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         dense = attn + dense_ffn
         iteration += n_dense * (dense + join).max(axis=0)
         busy += n_dense * dense
-        ffn += n_dense * np.max(dense_ffn, axis=0)
+        ffn += n_dense * dense_ffn.max(axis=0)
     if n_moe:
         total = gate.sum(axis=0)
         local_ffn = lat.shared_experts(gate) + lat.router(gate)
@@ -357,18 +369,28 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         ffn += n_moe * (np.max(local_ffn, axis=0) + a2a + slowest)
     if weight_stream_s > 0:
         iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
-    active = gate.sum(axis=0) > 0
-    iteration = np.where(active, iteration, 0.0)
+    gate_sum = gate.sum(axis=0)
+    active = gate_sum > 0
+    every = fastpath.ENABLED and bool(active.all())  # the usual run: no masking needed (the same sums)
+    if not every:
+        iteration = np.where(active, iteration, 0.0)
+    # masked even when every iteration ran: the masked copy's layout sets numpy's summation order
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    attention = (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0)
-    modules = _module_totals({"attention": attention, "ffn": ffn, "head": np.max(head, axis=0)}, active)
-    return RunCost(iteration, busy.sum(axis=1), rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
+    per_rank_attn = attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
+    attention = (n_dense + n_moe) * per_rank_attn.max(axis=0)
+    modules = _module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
+                             None if every else active)
+    return RunCost(iteration, busy.sum(axis=1), rank_comm, gate_sum if every else np.where(active, gate_sum, 0.0),
+                   modules)
 
 
-def _module_totals(per_iteration: dict[str, np.ndarray], active: np.ndarray) -> dict[str, float]:
+def _module_totals(per_iteration: dict[str, np.ndarray], active: np.ndarray | None) -> dict[str, float]:
     """Seconds of each module kind over the run's iterations (each the slowest rank's): attention (every
     layer), ffn (dense FFN, router, shared and routed experts, all-to-all) and head (LM head and sampling,
-    once per forward). What else a run lasts (engine overheads, exposed copies) is the rest."""
+    once per forward). What else a run lasts (engine overheads, exposed copies) is the rest. `active`: the
+    iterations that ran (None: all of them)."""
+    if active is None:
+        return {k: float(v.sum()) for k, v in per_iteration.items()}
     return {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
 
 
