@@ -59,7 +59,8 @@ def vidur_like(policy, n=150, **knobs):
 
 
 CASES = {
-    **{f"{p}-a100": (lambda p=p: vidur_like(p)) for p in POLICIES},
+    **{f"{p}-a100": (lambda p=p: vidur_like(p)) for p in POLICIES if p != "pd_disagg"},  # it needs experts
+    "pd_disagg-tiny-2x4": lambda: make_job("pd_disagg", "tiny_moe", "h100_8", n=80),
     "continuous-whole-prompts": lambda: vidur_like("continuous", chunked_prefill=False),
     "continuous-conservative": lambda: vidur_like("continuous", n=80, admission="conservative", token_budget=512),
     # several ranks and instances, host-resident KV, migration and partition: the general paths' territory
