@@ -20,6 +20,7 @@ Instances of 16 GPUs are the cluster's setting (cluster.gpus_per_instance=16), n
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from batchgen.memory import BatchShape
@@ -54,11 +55,7 @@ class SGLangOptPolicy(ContinuousPolicy):
         (the conservative admission's reserve) binds before the cap, as in a tuned SGLang."""
         if self.max_running:
             return self
-        cap = max(1, min(self.running_cap, int(snap.pages_capacity.min())))
-        cache = self.__dict__.setdefault("_by_cap", {})
-        if cap not in cache:
-            cache[cap] = dataclasses.replace(self, max_running=cap)
-        return cache[cap]
+        return _with_cap(self, max(1, min(self.running_cap, int(snap.pages_capacity.min()))))
 
     def decide(self, snap: Snapshot) -> Decision:
         capped = self._capped(snap)
@@ -68,3 +65,9 @@ class SGLangOptPolicy(ContinuousPolicy):
         if self.max_running:
             return super().batch_shape(max_context)
         return dataclasses.replace(self, max_running=self.running_cap).batch_shape(max_context)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_cap(policy: SGLangOptPolicy, cap: int) -> ContinuousPolicy:
+    """The policy with its running cap fixed (built once per pool size: decide runs at every forward)."""
+    return dataclasses.replace(policy, max_running=cap)
