@@ -42,6 +42,9 @@ def shard_attention(attn, hidden: torch.Tensor, meta: AttentionMetadata, kv_laye
 
 
 def _gqa_shard(attn: PagedAttention, hidden, meta, kv_layer, shard: int, degree: int) -> torch.Tensor:
+    """Shard `shard`'s heads over `kv_layer`: the shard's own pools [pages, tokens per page, Hkv / degree, D]
+    (a PARTITIONed sequence's), or a whole pool of every KV head (a TP-attention group's), of which it writes
+    and reads its slice."""
     T, D = hidden.shape[0], attn.head_dim
     H, Hkv = attn.num_heads // degree, attn.num_kv_heads // degree
     q = _rows(attn.q_proj, shard * H * D, (shard + 1) * H * D, hidden).view(T, H, D)
@@ -51,9 +54,12 @@ def _gqa_shard(attn: PagedAttention, hidden, meta, kv_layer, shard: int, degree:
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = attn.rope(meta.positions.to(q.device), q.dtype)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    k_pool, v_pool = kv_layer  # the shard's pools: [pages, tokens per page, Hkv / degree, D]
-    k_pool.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-    v_pool.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+    k_pool, v_pool = kv_layer
+    if k_pool.shape[2] != Hkv:  # a whole pool: this shard's slice of its KV heads (a view, written in place)
+        heads = slice(shard * Hkv, (shard + 1) * Hkv)
+        k_pool, v_pool = k_pool[:, :, heads], v_pool[:, :, heads]
+    k_pool.flatten(0, 1).index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+    v_pool.flatten(0, 1).index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
     out = attn._attend(q, k_pool, v_pool, meta).reshape(T, H * D)
     return F.linear(out, attn.o_proj.weight[:, shard * H * D:(shard + 1) * H * D])
 
@@ -82,28 +88,7 @@ def group_attention(attn, hidden: torch.Tensor, meta: AttentionMetadata, kv_laye
     check_degree(attn, degree)
     total = None
     for shard in range(degree):
-        if isinstance(attn, MLAttention):
-            part = _mla_shard(attn, hidden, meta, kv_layer, shard, degree)
-        else:
-            part = _gqa_pool_shard(attn, hidden, meta, kv_layer, shard, degree)
+        head_shard = _mla_shard if isinstance(attn, MLAttention) else _gqa_shard
+        part = head_shard(attn, hidden, meta, kv_layer, shard, degree)
         total = part if total is None else total + part
     return total if attn.o_proj.bias is None else total + attn.o_proj.bias
-
-
-def _gqa_pool_shard(attn: PagedAttention, hidden, meta, kv_layer, shard: int, degree: int) -> torch.Tensor:
-    """As `_gqa_shard`, over the shard's slice of KV heads of a whole pool [pages, tokens per page, Hkv, D]."""
-    T, D = hidden.shape[0], attn.head_dim
-    H, Hkv = attn.num_heads // degree, attn.num_kv_heads // degree
-    q = _rows(attn.q_proj, shard * H * D, (shard + 1) * H * D, hidden).view(T, H, D)
-    k = _rows(attn.k_proj, shard * Hkv * D, (shard + 1) * Hkv * D, hidden).view(T, Hkv, D)
-    v = _rows(attn.v_proj, shard * Hkv * D, (shard + 1) * Hkv * D, hidden).view(T, Hkv, D)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = attn.rope(meta.positions.to(q.device), q.dtype)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    k_pool, v_pool = kv_layer
-    heads = slice(shard * Hkv, (shard + 1) * Hkv)
-    k_pool.view(-1, attn.num_kv_heads, D)[:, heads].index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-    v_pool.view(-1, attn.num_kv_heads, D)[:, heads].index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
-    out = attn._attend(q, k_pool[:, :, heads], v_pool[:, :, heads], meta).reshape(T, H * D)
-    return F.linear(out, attn.o_proj.weight[:, shard * H * D:(shard + 1) * H * D])
