@@ -418,7 +418,7 @@ class ExecBackend:
 def _halves(batch: RankBatch) -> tuple[RankBatch, RankBatch]:
     """A rank's batch split by sequences into two micro-batches (two-batch overlap): the first half of its
     sequences and the rest, each with its tokens and per-sequence flags."""
-    k = len(batch.seq_ids) // 2
+    k = (len(batch.seq_ids) + 1) // 2  # ceil, as the simulator's split (batchgen.sim.tbo.split)
     cut = sum(batch.new_counts[:k])
 
     def part(lo, hi, t_lo, t_hi):

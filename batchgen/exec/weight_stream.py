@@ -33,11 +33,12 @@ class WeightStreamer:
                     host = p.detach().to("cpu", copy=True)
                     pairs.append((p, host.pin_memory() if self.cuda else host))
                 self.layers.append(pairs)
+        self._layer_bytes = [sum(h.numel() * h.element_size() for _, h in pairs) for pairs in self.layers]
         self.copied_bytes = 0
         self._ready: dict[int, object] = {}
 
     def layer_bytes(self, layer: int) -> int:
-        return sum(h.numel() * h.element_size() for _, h in self.layers[layer])
+        return self._layer_bytes[layer]
 
     @torch.no_grad()
     def issue(self, layer: int) -> None:

@@ -33,22 +33,20 @@ def split(load):
     sequences, the second the rest (none where a rank runs one); every amount of work goes with its share of the
     sequences (token counts rounded to whole rows), the longest lengths stay with both."""
     seqs = load.sequences
-    first = np.ceil(seqs / 2.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(seqs > 0, first / seqs, 0.0)
-    halves = []
-    for f in (share, 1.0 - share):
-        part = {}
-        for name in ("attn_tokens", "gate_tokens", "prefill_tokens", "prefill_seqs", "sequences"):
-            total = getattr(load, name)
-            a = np.round(total * share)
-            part[name] = a if f is share else total - a
-        for name in ("attn_context", "prefill_sq"):
-            part[name] = getattr(load, name) * f
-        part["head_rows"] = None if load.head_rows is None else (
-            np.round(load.head_rows * share) if f is share else load.head_rows - np.round(load.head_rows * share))
-        halves.append(dataclasses.replace(load, **part))
-    return halves
+        share = np.where(seqs > 0, np.ceil(seqs / 2.0) / seqs, 0.0)
+    first, second = {}, {}
+    for name in ("attn_tokens", "gate_tokens", "prefill_tokens", "prefill_seqs", "sequences", "head_rows"):
+        total = getattr(load, name)
+        if total is None:  # head_rows: one per sequence, split with them
+            first[name] = second[name] = None
+            continue
+        first[name] = np.round(total * share)
+        second[name] = total - first[name]
+    for name in ("attn_context", "prefill_sq"):
+        first[name] = getattr(load, name) * share
+        second[name] = getattr(load, name) * (1.0 - share)
+    return [dataclasses.replace(load, **first), dataclasses.replace(load, **second)]
 
 
 def _half_parts(lat: LatencyModel, h, join_h):
