@@ -101,8 +101,10 @@ def _latency(job: Job, c: ClusterSpec, degree: int) -> LatencyModel:
 
 def resolve_attention_tp(job: Job) -> int:
     """The TP-attention degree the job runs with: the policy's `attention_tp` (1 without the knob), or for
-    "auto" the smallest degree whose weights, activations and longest sequence fit (1 = data-parallel attention
-    when it fits), as SGLang users run --tp without --enable-dp-attention when DP attention does not fit.
+    "auto" data-parallel attention (1) when its weights, activations and longest sequence fit, and otherwise,
+    of the degrees that fit, the one whose groups hold the most KV in the instance (as SGLang users run --tp
+    without --enable-dp-attention when DP attention does not fit). The smallest degree that fits can leave a
+    pool of two sequences: with MLA each group replicates the latent, so fewer, larger groups can hold more.
     Raises ConfigError for a degree the instance or the model's heads cannot take, or when none fits."""
     want = getattr(job.policy, "attention_tp", 1)
     m, c = job.model, _gpu_cluster(job)
@@ -117,13 +119,18 @@ def resolve_attention_tp(job: Job) -> int:
                               f"choose one of {', '.join(map(str, degrees))} (it must divide the instance's GPUs "
                               "and the model's heads and intermediates), or auto")
         return int(want)
-    tried = []
+    tried, pool = [], {}
     for t in degrees:
         try:
-            _budget(job, _latency(job, c, t), c, dataclasses.replace(job.policy, attention_tp=t))
-            return t
+            budget = _budget(job, _latency(job, c, t), c, dataclasses.replace(job.policy, attention_tp=t))
         except ConfigError as e:
             tried.append(f"attention_tp={t}: {e}")
+            continue
+        if t == 1:
+            return 1
+        pool[t] = budget.kv_pages_per_gpu * (c.instance_size // t)  # the instance's KV: its groups' pools
+    if pool:  # the largest KV pool, the fewest all-reduce peers on a tie
+        return max(pool, key=lambda t: (pool[t], -t))
     raise ConfigError(f"policy.attention_tp=auto: {m.name} fits no TP-attention degree on {c.instance_size}-GPU "
                       f"instances of {c.gpu.name}; " + "; ".join(tried[-1:])
                       + f". With attention_tp={degrees[-1]} it fits from memory.gpu_memory_fraction="

@@ -198,7 +198,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                 how += f" (activations of the policy's batch shape take {act / gb:.1f} GB: smaller batches free it)"
             raise ConfigError(
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
-                f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_gb:g} GB are usable "
+                f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_bytes / gb:.1f} GB are usable "
                 f"(policy {policy_name}): {how}")
         streamed, weights = streamed_layers * per_layer, resident
     pages = int((usable - weights) // page_bytes)

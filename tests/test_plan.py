@@ -223,7 +223,7 @@ def tiny_case(pcie_gbs, kv_seqs):
     seq = -(-(stats.typical_context + 64) // 64) * 64 * m.kv_bytes_per_token
     shape = batch_shape_of(dataclasses.replace(POLICY, kv_residency="device"), stats.max_context)
     act = activation_bytes(m, shape, stats.max_context) if shape else 0.0
-    reserve = c.gpu.hbm_gb * 0.9 - (lat.weight_bytes_per_rank() + act + (kv_seqs + 0.5) * seq) / 1e9
+    reserve = c.gpu.hbm_bytes / 1e9 * 0.9 - (lat.weight_bytes_per_rank() + act + (kv_seqs + 0.5) * seq) / 1e9
     staging = staging_bytes(m, POLICY.b_attn, stats.max_context) if shape else 0.0
     return m, c, lat, stats, MemorySettings(activation_reserve_gb=reserve), seq, staging
 
@@ -260,7 +260,7 @@ def test_planner_streams_experts_only_when_they_do_not_fit():
     plan = plan_job(m, c, lat, MemorySettings(), CoroutinePolicy(), stats, page_tokens=64)
     assert 2 <= plan.streamed_layers <= m.num_moe_layers  # 93 GB of weights on a 24 GB card
     assert plan.host_seqs > plan.device_seqs  # host-resident KV lets B_moe reach thousands
-    huge = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, hbm_gb=2000.0))  # everything fits
+    huge = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, hbm_gb=2000.0, memory_mib=0.0))  # everything fits
     lat_huge = Roofline(m, huge.gpu, ep_ranks=1, gpus_per_node=1, host=huge.host)
     plan = plan_job(m, huge, lat_huge, MemorySettings(), CoroutinePolicy(), stats, page_tokens=64)
     assert (plan.streamed_layers, plan.kv_residency, plan.host_bytes_per_iter) == (0, "device", 0.0)

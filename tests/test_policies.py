@@ -18,7 +18,7 @@ def squeezed(job, kv_tokens_per_gpu):
     """The same job with a KV pool of about `kv_tokens_per_gpu` tokens per GPU."""
     import dataclasses
     probe = prepare(job)
-    usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
+    usable = job.cluster.gpu.hbm_bytes / 1e9 * job.memory.gpu_memory_fraction
     kv_gb = kv_tokens_per_gpu * job.model.kv_bytes_per_token / 1e9
     reserve = usable - (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9 - kv_gb
     return dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve))

@@ -59,7 +59,7 @@ def build(p):
         probe = prepare(dataclasses.replace(job, cluster=cluster))
         weights_gb = (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9
         need = (p["max_in"] + p["max_out"] + 2 * p["page_tokens"]) * job.model.kv_bytes_per_token / 1e9
-        usable = cluster.gpu.hbm_gb * memory.gpu_memory_fraction
+        usable = cluster.gpu.hbm_bytes / 1e9 * memory.gpu_memory_fraction
         memory = MemorySettings(activation_reserve_gb=max(usable - weights_gb - max(p["kv_gb"], need * 3), 0))
     if p["host_seqs"]:  # squeeze host memory to a few sequences' worth: host-KV policies must evict
         from batchgen.job import prepare
@@ -198,7 +198,7 @@ def test_host_resident_decode_runs_more_sequences_than_device_kv_holds(residency
         job = make_job("coroutine", "tiny_moe", "h100_8", inputs, outputs, cluster_overrides={"num_gpus": 1},
                        policy_overrides={"kv_residency": mode, "b_moe": 64, "b_attn": 16, "attention": "gpu"})
         probe = prepare(job)
-        usable = job.cluster.gpu.hbm_gb * job.memory.gpu_memory_fraction
+        usable = job.cluster.gpu.hbm_bytes / 1e9 * job.memory.gpu_memory_fraction
         kv_gb = 4 * 600 * job.model.kv_bytes_per_token / 1e9  # about four sequences' KV
         reserve = usable - (probe.budget.weights_per_gpu_bytes + probe.budget.activation_bytes) / 1e9 - kv_gb
         out = simulate(dataclasses.replace(job, memory=MemorySettings(activation_reserve_gb=reserve)))

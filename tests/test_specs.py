@@ -222,8 +222,10 @@ def test_hardware_validation_messages(changes, message):
 
 def test_hardware_si_units():
     assert H20.flops_bf16 == 148e12 and H20.flops_fp8 == 296e12
-    assert H20.hbm_bytes == 96e9 and H20.hbm_bw == 4000e9
+    assert H20.hbm_bytes == 97871 * 2**20 and H20.hbm_bw == 4000e9
     assert H20.pcie_bw == 64e9 and H20.nvlink_bw == 450e9 and H20.network_bw == 25e9
+    # without the driver's figure the data sheet's GB are read as GiB, as GPU memory is sold
+    assert replace(H20, memory_mib=0.0).hbm_bytes == 96 * 2**30
     with pytest.raises(ValueError, match=r"unknown hardware field\(s\) tflops"):
         HardwareSpec.from_dict({**H20.to_dict(), "tflops": 1})
 

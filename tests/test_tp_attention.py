@@ -34,18 +34,27 @@ def test_tp_attention_shards_weights_and_counts_the_replicated_latent_once():
     non_expert = (m.num_layers * m.attention_params_per_layer + m.num_dense_layers * m.dense_ffn_params
                   + m.embedding_params + m.num_moe_layers * m.shared_expert_params) * m.weight_bytes
     assert p.budget.weights_per_gpu_bytes == pytest.approx(replicated - non_expert * 7 / 8)
-    per_gpu_kv = (0.97 * 96e9 - 1e9 - p.budget.activation_bytes - p.budget.weights_per_gpu_bytes)
+    per_gpu_kv = (0.97 * 97871 * 2**20 - 1e9 - p.budget.activation_bytes - p.budget.weights_per_gpu_bytes)
     pages = int(per_gpu_kv // (64 * m.kv_bytes_per_token))
     assert p.budget.kv_pages_per_gpu == pages  # the group's pages: one GPU's, not 8 x
     assert p.state.gpu_pages.sum() == pages
 
 
-def test_auto_picks_dp_attention_when_it_fits_else_the_smallest_degree():
+def test_auto_picks_dp_attention_when_it_fits_else_the_largest_kv_pool():
     small = make_job("continuous", model="qwen3_30b_a3b", cluster="h20_8", policy_overrides={"attention_tp": "auto"})
     assert resolve_attention_tp(small) == 1
-    assert resolve_attention_tp(_r1_job("auto", 0.96)) == 4
+    # R1's MLA latent is replicated in each group: of the degrees that fit, auto takes the largest KV pool
+    pools = {}
+    for t in (2, 4, 8):
+        try:
+            budget = prepare(_r1_job(t, 0.96)).budget
+        except ConfigError:
+            continue
+        pools[t] = budget.kv_pages_per_gpu * 8 // t
+    assert resolve_attention_tp(_r1_job("auto", 0.96)) == max(pools, key=pools.get) == 4 and len(pools) == 3
+    assert resolve_attention_tp(_r1_job("auto", 0.9)) == 8  # the default fraction: the issue's command runs
     with pytest.raises(ConfigError, match="fits from memory.gpu_memory_fraction"):
-        resolve_attention_tp(_r1_job("auto", 0.9))
+        resolve_attention_tp(_r1_job("auto", 0.85))
     with pytest.raises(ConfigError, match="attention_tp=3"):
         resolve_attention_tp(_r1_job(3))
 

@@ -1,7 +1,10 @@
 """GPUs and clusters as plain data.
 
-YAML files hold data-sheet units (TFLOP/s, decimal GB, GB/s, one direction); the properties convert to SI
-(FLOP/s, bytes, bytes/s) so that the latency model never multiplies by 1e9 itself. Tensor throughputs are
+YAML files hold data-sheet units (TFLOP/s, GB, GB/s, one direction); the properties convert to SI (FLOP/s,
+bytes, bytes/s) so that the latency model never multiplies by 1e9 itself. Memory capacity is the exception to
+decimal units: GPU memory is sold in binary sizes (an "80 GB" A100 has 80 GiB), so capacity comes from
+`memory_mib`, the total the driver reports (nvidia-smi's total, in MiB), and failing that from `hbm_gb` read as
+GiB. Bandwidths stay decimal, as data sheets state them. Tensor throughputs are
 dense (no 2:4 sparsity): achieved efficiency is the latency model's business, not the spec's.
 `sm_count` (streaming multiprocessors) is what lets the GEMM model follow tiles and waves
 (batchgen.latency.gemm); 0 means unknown, or not a GPU, and falls back to the pad-rows roofline.
@@ -24,6 +27,8 @@ class HardwareSpec:
     fp8_tflops: float = 0.0
     hbm_gb: float
     hbm_gbs: float
+    # device memory as the driver reports it (nvidia-smi memory.total, MiB); 0: hbm_gb GiB
+    memory_mib: float = 0.0
     pcie_gbs: float
     nvlink_gbs: float = 0.0
     network_gbs: float = 0.0
@@ -39,12 +44,14 @@ class HardwareSpec:
                 "cpu when the device is the host's own cores (the CPU executor)")
         for name in ("bf16_tflops", "hbm_gb", "hbm_gbs", "pcie_gbs"):
             require(getattr(self, name) > 0, p, name, getattr(self, name), "be positive",
-                    "copy it from the GPU's data sheet (dense tensor TFLOP/s, decimal GB, GB/s per direction)")
+                    "copy it from the GPU's data sheet (dense tensor TFLOP/s, GB as sold, GB/s per direction)")
         require(self.fp8_tflops >= 0, p, "fp8_tflops", self.fp8_tflops, "be >= 0", "use 0 if FP8 is unsupported")
         require(self.nvlink_gbs >= 0, p, "nvlink_gbs", self.nvlink_gbs, "be >= 0",
                 "use 0 for no NVLink (intra-node traffic then goes over PCIe)")
         require(self.network_gbs >= 0, p, "network_gbs", self.network_gbs, "be >= 0",
                 "use 0 for no inter-node network (single-node clusters only)")
+        require(self.memory_mib >= 0, p, "memory_mib", self.memory_mib, "be >= 0",
+                "copy the total memory nvidia-smi reports for the GPU (MiB), or use 0 to read hbm_gb as GiB")
         require(self.sm_count >= 0, p, "sm_count", self.sm_count, "be >= 0",
                 "copy the SM count from the GPU's data sheet, or use 0 when unknown (no tile model)")
 
@@ -69,8 +76,8 @@ class HardwareSpec:
 
     @property
     def hbm_bytes(self) -> float:
-        """hbm_gb * 1e9 bytes."""
-        return self.hbm_gb * 1e9
+        """Device memory in bytes: memory_mib MiB where known, otherwise hbm_gb GiB (see the module's note)."""
+        return self.memory_mib * 2**20 if self.memory_mib else self.hbm_gb * 2**30
 
     @property
     def hbm_bw(self) -> float:
