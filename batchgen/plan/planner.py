@@ -11,9 +11,11 @@ experts stream from host through a two-layer ring buffer) the planner
    of its B_moe x GPUs running sequences at their final length (mean prompt + mean output);
 2. predicts one decode iteration at the typical context (mean prompt + half the mean output) with the same
    per-layer DAG the simulator prices runs with (batchgen.plan.decode), every rank of the instance alike;
-3. keeps the candidate with the highest predicted decode throughput per instance (`choose`: among those within
-   `TIE` (1%) of it, the smallest B_moe, then the least host traffic, then device before mixed before host
-   and GPU before CPU attention: a simpler plan for no measurable gain).
+3. keeps the candidate with the highest predicted decode throughput per instance over the whole batch: a rank
+   decodes its share of the input in waves of its running set, and the last, partial wave is priced on its own
+   (an iteration's fixed costs, streamed expert weights above all, do not shrink with the batch). `choose`:
+   among those within `TIE` (1%) of it, the smallest B_moe, then the least host traffic, then device before
+   mixed before host and GPU before CPU attention: a simpler plan for no measurable gain.
 Only the policy's knobs set to "auto" are planned; explicit values restrict the candidates. Where B_moe is
 bounded below a candidate by device KV (device residency) or host memory, the exact fill is planned too.
 """
@@ -76,7 +78,8 @@ class Plan:
     typical_context: int
     layer_s: float              # predicted steady-state seconds of one MoE layer (of a dense layer if no MoE)
     iteration_s: float          # predicted seconds of one decode iteration
-    tokens_per_s: float         # predicted decode tokens per second per instance
+    tokens_per_s: float         # predicted decode tokens per second per instance, steady state
+    batch_tokens_per_s: float   # the same over the batch's waves of running sets (what the planner maximises)
     host_bytes_per_iter: float  # predicted host <-> device bytes per decode iteration per instance
     device_gb: dict = field(default_factory=dict)  # per GPU: weights, kv, activations, staging, reserve, capacity
     host_gb: dict = field(default_factory=dict)    # per node: weights, kv, capacity
@@ -98,7 +101,8 @@ class Plan:
         return (f"plan: b_attn={self.b_attn} b_moe={self.b_moe} ({where[self.kv_residency]}: "
                 f"{self.device_seqs} device + {self.host_seqs} host per rank{attn}), {weights}; "
                 f"predicted {self.layer_s * 1e3:.2f} ms/layer, {self.iteration_s:.3f} s/iteration, "
-                f"{self.tokens_per_s:,.0f} decode tok/s per instance, "
+                f"{self.tokens_per_s:,.0f} decode tok/s per instance ({self.batch_tokens_per_s:,.0f} over the "
+                "batch's waves), "
                 f"{self.host_bytes_per_iter / 1e9:.1f} GB host<->device per iteration "
                 f"(context {self.typical_context:,}; {self.candidates} candidates)")
 
@@ -322,22 +326,61 @@ class _Planner:
                 if not mine:
                     continue
                 p = self.price(b_attn, cpu, mine)
+                tails = self.tails(mine)
+                tail_it = self.price(b_attn, cpu, [t for t in tails if t]).iteration_s if any(tails) else ()
+                tail_it = iter(float(x) for x in tail_it)
                 for j, c in enumerate(mine):
                     it = float(p.iteration_s[j])
                     tps = (c.n_dev + c.n_host) * self.R / it if it > 0 else 0.0
+                    batch_tps = self._batch_throughput(c, it, next(tail_it) if tails[j] else 0.0)
                     layer = float(p.moe_layer_s[j]) if n_moe else it / max(n_dense, 1)
-                    rows.append(Candidate(tps, c.b_moe, self._host_bytes(c, b_attn, cpu), c.residency, attention,
-                                          c.streamed, b_attn, payload=(c, it, layer)))
+                    rows.append(Candidate(batch_tps, c.b_moe, self._host_bytes(c, b_attn, cpu), c.residency,
+                                          attention, c.streamed, b_attn, payload=(c, it, layer, tps)))
         if not rows:
             raise ConfigError(self._why_nothing_fits())
         best = choose(rows)
-        c, it, layer = best.payload
+        c, it, layer, steady = best.payload
         gb = lambda d: {k: round(v / 1e9, 3) for k, v in d.items()}  # noqa: E731
         return Plan(b_attn=best.b_attn, b_moe=c.b_moe, kv_residency=c.residency, attention=best.attention,
                     streamed_layers=c.streamed, device_seqs=c.n_dev, host_seqs=c.n_host,
                     typical_context=self.stats.typical_context, layer_s=layer, iteration_s=it,
-                    tokens_per_s=best.tokens_per_s, host_bytes_per_iter=best.host_bytes, device_gb=gb(c.device),
+                    tokens_per_s=steady, batch_tokens_per_s=best.tokens_per_s,
+                    host_bytes_per_iter=best.host_bytes, device_gb=gb(c.device),
                     host_gb=gb(c.host), candidates=len(rows), ranks=self.R)
+
+    @property
+    def per_rank(self) -> int:
+        """Sequences one rank will see over the job (the input spread evenly)."""
+        return max(1, math.ceil(self.stats.num_sequences / self.c.num_gpus))
+
+    def tails(self, cells: list[_Cell]) -> list[_Cell | None]:
+        """Each cell's last, partial wave: the sequences left when the rank's share is not a whole number of
+        running sets (device KV first), or None."""
+        out = []
+        for c in cells:
+            n = c.n_dev + c.n_host
+            rest = self.per_rank % n if n else 0
+            if not rest or self.per_rank < n:
+                out.append(None)
+                continue
+            n_dev = min(rest, c.n_dev)
+            out.append(dataclasses.replace(c, n_dev=n_dev, n_host=rest - n_dev))
+        return out
+
+    def _batch_throughput(self, c: _Cell, it: float, tail_it: float) -> float:
+        """Decode tokens per second per instance over the whole batch, not the steady state: a rank decodes
+        its share in waves of the running set, and the last, partial wave pays every fixed cost of an
+        iteration (streamed expert weights above all) for fewer tokens. Streaming more layers to hold a few
+        more sequences wins in the steady state and can lose over the batch."""
+        n = c.n_dev + c.n_host
+        if n == 0 or it <= 0:
+            return 0.0
+        share = max(self.per_rank, 1)
+        waves = share // n if share >= n else 0
+        seconds = waves * it + (tail_it if waves and share % n else 0.0)
+        if waves == 0:  # every sequence runs at once (the running set is capped by the share)
+            return n * self.R / it
+        return share * self.R / seconds
 
     def _host_bytes(self, c: _Cell, b_attn: int, cpu: bool) -> float:
         """Host <-> device bytes of one decode iteration of the instance under this cell."""
