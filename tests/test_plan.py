@@ -279,22 +279,39 @@ def test_planner_is_fast_and_cached():
     assert cold < 2.0 and time.perf_counter() - start < 0.01
 
 
-def test_plan_prices_the_batch_waves_not_only_the_steady_state():
-    """DeepSeek-R1, 10K x 12K->4K on 128 H20 as 2 x 64: each rank sees 79 sequences. Streaming every MoE layer's
-    experts would hold 58 running sequences per rank against 48 with the weights resident, 4% more decode
-    throughput in the steady state; but the second, partial wave (21 sequences) still pays the 10 GB of
-    weights per iteration. Over the batch the resident plan wins (the simulator agreed: BCT 3,159 s against
-    4,645 s for the streaming plan, December 1, 2026)."""
+def test_plan_prices_the_batch_drain_not_only_the_steady_state():
+    """DeepSeek-R1, 10K x 12K->4K (long-tailed outputs) on 128 H20 as 2 x 64: each rank sees 79 sequences.
+    Streaming every MoE layer's experts would hold 58 running sequences per rank against 48 with the weights
+    resident, 4% more decode throughput in the steady state; but as the share drains, the last sequences
+    decode nearly alone and still pay 10 GB of streamed weights per iteration. Over the batch the resident
+    plan wins (the simulator agreed: BCT 3,159 s against 4,645 s for the streaming plan, December 1, 2026)."""
     from batchgen.job import prepare
     from conftest import make_job
+    from batchgen.workload import build_workload
+    from omegaconf import OmegaConf
+    from batchgen.confdir import conf_dir
 
-    job = make_job("coroutine", model="deepseek_r1", cluster="h20_128", inputs=np.full(10_000, 12_288),
-                   outputs=np.full(10_000, 4_096), cluster_overrides={"gpus_per_instance": 64})
+    w = build_workload(OmegaConf.load(conf_dir() / "workload" / "longbench_12k_4k.yaml"), seed=0)
+    job = make_job("coroutine", model="deepseek_r1", cluster="h20_128", inputs=w.input_lens,
+                   outputs=w.output_lens, cluster_overrides={"gpus_per_instance": 64})
     plan = prepare(job).plan
     assert plan.streamed_layers == 0 and plan.device_seqs == 48
-    per_rank, n = 79, plan.device_seqs + plan.host_seqs
-    waves, rest = divmod(per_rank, n)
-    assert rest and plan.batch_tokens_per_s < plan.tokens_per_s
-    # the batch's throughput: whole waves at the planned iteration, the rest at its own (cheaper) one
-    tail_s = (per_rank * plan.ranks / plan.batch_tokens_per_s) - waves * plan.iteration_s
-    assert 0 < tail_s < plan.iteration_s
+    assert plan.batch_tokens_per_s < 0.8 * plan.tokens_per_s  # the drain costs over a fifth here
+
+
+def test_occupancy_replays_a_rank_share():
+    from batchgen.plan.waves import occupancy, price_points, share_outputs, weighted_seconds
+
+    outs = np.array([10, 10, 10, 10, 10])
+    assert occupancy(outs, 2) == {2: 20, 1: 10}  # two full waves, then the fifth alone
+    assert occupancy(outs, 8) == {5: 10}  # everything at once
+    rng = np.random.default_rng(1)
+    outs = rng.integers(1, 500, 300)
+    hist = occupancy(outs, 37)
+    assert sum(m * k for m, k in hist.items()) == outs.sum()  # every token decoded once
+    assert max(hist) == 37 and sum(hist.values()) >= outs.sum() / 37
+    assert price_points(37) == [1, 2, 3, 5, 10, 19, 37]
+    assert weighted_seconds({1: 4, 3: 2}, [1, 5], [1.0, 5.0]) == 4 * 1.0 + 2 * 3.0
+    lens = share_outputs((1.0, 2.0, 100.0), 40, 0.0)
+    assert lens.size == 40 and lens.min() >= 1 and lens.max() <= 100
+    assert (share_outputs((), 3, 7.4) == 7).all()

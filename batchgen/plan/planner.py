@@ -11,9 +11,10 @@ experts stream from host through a two-layer ring buffer) the planner
    of its B_moe x GPUs running sequences at their final length (mean prompt + mean output);
 2. predicts one decode iteration at the typical context (mean prompt + half the mean output) with the same
    per-layer DAG the simulator prices runs with (batchgen.plan.decode), every rank of the instance alike;
-3. keeps the candidate with the highest predicted decode throughput per instance over the whole batch: a rank
-   decodes its share of the input in waves of its running set, and the last, partial wave is priced on its own
-   (an iteration's fixed costs, streamed expert weights above all, do not shrink with the batch). `choose`:
+3. keeps the candidate with the highest predicted decode throughput per instance over the whole batch, not
+   the steady state: a rank's share of the workload's output lengths is replayed with the candidate's running
+   set (batchgen.plan.waves), and the iterations of the drain, where few sequences are left, are priced at
+   their own size (an iteration's fixed costs, streamed expert weights above all, do not shrink). `choose`:
    among those within `TIE` (1%) of it, the smallest B_moe, then the least host traffic, then device before
    mixed before host and GPU before CPU attention: a simpler plan for no measurable gain.
 Only the policy's knobs set to "auto" are planned; explicit values restrict the candidates. Where B_moe is
@@ -33,6 +34,7 @@ from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
                              host_weight_bytes, staging_bytes)
 from batchgen.plan.decode import DecodeGrid, price_decode
+from batchgen.plan.waves import occupancy, output_sketch, price_points, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
 
 AUTO = "auto"
@@ -52,11 +54,12 @@ class WorkloadStats:
     mean_input: float
     mean_output: float
     max_context: int
+    output_sketch: tuple[float, ...] = ()  # percentiles of the output lengths (waves.output_sketch); () = all mean
 
     @classmethod
     def of(cls, workload) -> "WorkloadStats":
         inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
-        return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()))
+        return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out))
 
     @property
     def typical_context(self) -> int:
@@ -200,6 +203,8 @@ class _Planner:
         self.host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
         self.final_seq_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
+        self._share = None   # a rank's share of the output lengths (batch_throughputs), built once
+        self._occupancy = {}  # running-set cap -> iterations at each size over the share
 
     # ---- candidates ----------------------------------------------------------------------------------
 
@@ -326,13 +331,11 @@ class _Planner:
                 if not mine:
                     continue
                 p = self.price(b_attn, cpu, mine)
-                tails = self.tails(mine)
-                tail_it = self.price(b_attn, cpu, [t for t in tails if t]).iteration_s if any(tails) else ()
-                tail_it = iter(float(x) for x in tail_it)
+                batch = self.batch_throughputs(b_attn, cpu, mine)
                 for j, c in enumerate(mine):
                     it = float(p.iteration_s[j])
                     tps = (c.n_dev + c.n_host) * self.R / it if it > 0 else 0.0
-                    batch_tps = self._batch_throughput(c, it, next(tail_it) if tails[j] else 0.0)
+                    batch_tps = batch[j]
                     layer = float(p.moe_layer_s[j]) if n_moe else it / max(n_dense, 1)
                     rows.append(Candidate(batch_tps, c.b_moe, self._host_bytes(c, b_attn, cpu), c.residency,
                                           attention, c.streamed, b_attn, payload=(c, it, layer, tps)))
@@ -353,34 +356,29 @@ class _Planner:
         """Sequences one rank will see over the job (the input spread evenly)."""
         return max(1, math.ceil(self.stats.num_sequences / self.c.num_gpus))
 
-    def tails(self, cells: list[_Cell]) -> list[_Cell | None]:
-        """Each cell's last, partial wave: the sequences left when the rank's share is not a whole number of
-        running sets (device KV first), or None."""
-        out = []
+    def batch_throughputs(self, b_attn: int, cpu: bool, cells: list[_Cell]) -> list[float]:
+        """Each cell's decode tokens per second per instance over a rank's whole share of the batch (waves.py):
+        the iterations at each running-set size as the share drains, priced at that size (device KV first)."""
+        if self._share is None:
+            self._share = share_outputs(self.stats.output_sketch, self.per_rank, self.stats.mean_output)
+        variants, spans = [], []
         for c in cells:
-            n = c.n_dev + c.n_host
-            rest = self.per_rank % n if n else 0
-            if not rest or self.per_rank < n:
-                out.append(None)
+            n = min(c.n_dev + c.n_host, self.per_rank)
+            points = price_points(n) if n else []
+            spans.append((len(variants), points))
+            variants += [dataclasses.replace(c, n_dev=min(m, c.n_dev), n_host=m - min(m, c.n_dev)) for m in points]
+        seconds = self.price(b_attn, cpu, variants).iteration_s if variants else ()
+        out = []
+        for c, (start, points) in zip(cells, spans):
+            if not points:
+                out.append(0.0)
                 continue
-            n_dev = min(rest, c.n_dev)
-            out.append(dataclasses.replace(c, n_dev=n_dev, n_host=rest - n_dev))
+            n = points[-1]
+            if n not in self._occupancy:
+                self._occupancy[n] = occupancy(self._share, n)
+            total = weighted_seconds(self._occupancy[n], points, [float(x) for x in seconds[start:start + len(points)]])
+            out.append(float(self._share.sum()) * self.R / total if total > 0 else 0.0)
         return out
-
-    def _batch_throughput(self, c: _Cell, it: float, tail_it: float) -> float:
-        """Decode tokens per second per instance over the whole batch, not the steady state: a rank decodes
-        its share in waves of the running set, and the last, partial wave pays every fixed cost of an
-        iteration (streamed expert weights above all) for fewer tokens. Streaming more layers to hold a few
-        more sequences wins in the steady state and can lose over the batch."""
-        n = c.n_dev + c.n_host
-        if n == 0 or it <= 0:
-            return 0.0
-        share = max(self.per_rank, 1)
-        waves = share // n if share >= n else 0
-        seconds = waves * it + (tail_it if waves and share % n else 0.0)
-        if waves == 0:  # every sequence runs at once (the running set is capped by the share)
-            return n * self.R / it
-        return share * self.R / seconds
 
     def _host_bytes(self, c: _Cell, b_attn: int, cpu: bool) -> float:
         """Host <-> device bytes of one decode iteration of the instance under this cell."""

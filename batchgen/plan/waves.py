@@ -1,0 +1,73 @@
+"""How many decode iterations a rank runs at each running-set size over its share of a batch.
+
+A steady-state prediction (one iteration with the running set full) misjudges a batch job whose outputs are
+long-tailed: once the queue is empty the running set drains, and the last sequences decode almost alone for
+thousands of iterations. Each of those iterations still pays the iteration's fixed costs (expert weights
+streamed from host above all), so a plan that streams more weights to hold a few more sequences can win in the
+steady state and lose over the batch. `occupancy` replays one rank's share as the engine runs it (a full running
+set, a new sequence admitted as soon as one finishes, prefill not modelled) on the workload's output lengths and
+returns, per running-set size, the iterations spent there; the planner prices a few sizes and weighs them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+QUANTILES = 101  # the sketch of the workload's output lengths the planner keeps (percentiles 0..100)
+
+
+def output_sketch(output_lens: np.ndarray) -> tuple[float, ...]:
+    """Percentiles 0..100 of the output lengths: enough to replay a rank's share of any size."""
+    out = np.asarray(output_lens, float)
+    return tuple(float(x) for x in np.percentile(out, np.linspace(0, 100, QUANTILES))) if out.size else ()
+
+
+def share_outputs(sketch: tuple[float, ...], share: int, mean_output: float) -> np.ndarray:
+    """`share` output lengths spread over the sketch's distribution, in an arrival order unrelated to length
+    (a fixed shuffle: the planner is deterministic). Without a sketch every output is the mean."""
+    if not sketch:
+        return np.full(share, max(round(mean_output), 1), np.int64)
+    q = (np.arange(share) + 0.5) / share
+    lens = np.maximum(np.rint(np.interp(q, np.linspace(0, 1, len(sketch)), sketch)), 1).astype(np.int64)
+    return np.random.default_rng(0).permutation(lens)
+
+
+def occupancy(outputs: np.ndarray, running: int) -> dict[int, int]:
+    """Iterations at each running-set size while one rank decodes `outputs` (in arrival order) with at most
+    `running` at a time."""
+    if running < 1:
+        raise ValueError(f"occupancy: running must be >= 1, got {running}")
+    outs = [int(x) for x in outputs]
+    heap = [outs[i] for i in range(min(running, len(outs)))]
+    heapq.heapify(heap)
+    nxt, now, hist = len(heap), 0, {}
+    while heap:
+        size, end = len(heap), heap[0]
+        hist[size] = hist.get(size, 0) + end - now
+        now = end
+        while heap and heap[0] == end:
+            heapq.heappop(heap)
+        while nxt < len(outs) and len(heap) < running:
+            heapq.heappush(heap, now + outs[nxt])
+            nxt += 1
+    return {m: k for m, k in hist.items() if k > 0}
+
+
+def price_points(running: int) -> list[int]:
+    """Running-set sizes to price: the full set and halvings down to one (an iteration's time is close to
+    affine in the set between them, and interpolated so)."""
+    points, m = {running}, running
+    while m > 1:
+        m = math.ceil(m / 2)
+        points.add(m)
+    return sorted(points)
+
+
+def weighted_seconds(hist: dict[int, int], points: list[int], seconds: list[float]) -> float:
+    """Seconds of the iterations in `hist`, each size's iteration time interpolated between priced points."""
+    sizes = np.fromiter(hist, float, len(hist))
+    iters = np.fromiter(hist.values(), float, len(hist))
+    return float((np.interp(sizes, points, seconds) * iters).sum())
