@@ -22,7 +22,8 @@ import torch.distributed as dist
 from batchgen.dist.errors import WorkerLost
 from batchgen.dist.failure import Heartbeat
 
-_SLICE_TIMEOUT = "Operation timed out!"  # Work.wait(timeout) expiring; gloo's own timeout reads differently
+_SLICE_TIMEOUT = "Operation timed out!"  # Work.wait(timeout) expiring; the operation goes on
+_GLOO_TIMEOUT = "Timed out waiting"  # gloo giving up after the group's collective timeout
 
 
 class Comm:
@@ -88,10 +89,14 @@ class Comm:
             self.calls += 1
 
     def _lost_from_error(self, e: RuntimeError, what: str, peers: list[int]) -> WorkerLost:
-        """gloo failed the operation (a closed socket, its own timeout): name the peer whose heartbeat stops;
-        for a point-to-point operation the one peer; otherwise none."""
+        """gloo failed the operation: name the peer whose heartbeat stops (after a closed socket, wait for it
+        to go silent; after gloo's own timeout the heartbeat has had the whole timeout already), else the one
+        peer of a two-process operation (the only one it could have waited for), else none."""
         first = str(e).strip().splitlines()[0][:300]
-        rank = self.heartbeat.wait_for_loss(peers) if self.heartbeat is not None else None
+        rank = None
+        if self.heartbeat is not None:
+            lost = self.heartbeat.lost(peers)
+            rank = lost[0] if lost else None if _GLOO_TIMEOUT in first else self.heartbeat.wait_for_loss(peers)
         if rank is None and len(peers) == 1:
             rank = peers[0]
         return WorkerLost(rank, f"{what} failed: {first}")

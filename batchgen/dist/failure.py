@@ -124,10 +124,10 @@ class Heartbeat:
                     if r not in known and store.check([str(r)]):
                         known.append(r)
                 values = store.multi_get([str(r) for r in known]) if known else []
-            except Exception as e:  # noqa: BLE001: the store stopped answering
+            except Exception as e:  # noqa: BLE001: the store stopped answering; it will not come back
                 if self.store_host_rank is not None and self.store_host_rank != self.rank:
                     self._mark({self.store_host_rank: f"the store it hosts stopped answering ({e})"})
-                continue
+                return
             now = time.monotonic()
             for r, v in zip(known, values):
                 if v != seen[r][0]:

@@ -113,3 +113,24 @@ def test_ep_forward_with_interleaved_placement(layer, kernel):
     check_equal(torch.cat([g[0] for g in got]), ref, kernel)
     assert got[1][1] == tuple(range(1, moe.num_experts, 2))
     assert got[1][2] == ref_counts[1::2]
+
+
+def _two_instances(ctx, moe, x):
+    """4 processes as 2 instances of 2: each instance's ranks form a group and run their own EP layer on
+    their own tokens, at the same time."""
+    from batchgen.dist import instance_groups
+    torch.set_grad_enabled(False)
+    inst = instance_groups([2, 2])
+    ep = ExpertParallelMoE(moe, Comm(inst.group))
+    tokens = torch.split(x, [30, 23])[inst.index]  # instance 0 runs the first 30 tokens, instance 1 the rest
+    mine = torch.tensor_split(tokens, 2)[inst.local_rank(ctx.rank)]
+    return inst.index, inst.ranks, ep(mine)
+
+
+def test_two_instances_run_ep_side_by_side_in_their_own_groups(layer, kernel):
+    moe, x = layer
+    got = run_procs(_two_instances, 4, moe, x)
+    assert [g[:2] for g in got] == [(0, (0, 1)), (0, (0, 1)), (1, (2, 3)), (1, (2, 3))]
+    for index, (lo, hi) in enumerate([(0, 30), (30, 53)]):
+        ref, _ = reference(moe, x[lo:hi])
+        check_equal(torch.cat([g[2] for g in got if g[0] == index]), ref, kernel)
