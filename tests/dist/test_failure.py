@@ -85,3 +85,22 @@ def test_hung_collective_is_bounded_by_the_group_timeout():
     assert lost_rank == 1 and "all-reduce failed" in message, message
     assert timeout_s - 0.5 < after_s < timeout_s + 2.0, f"{after_s:.1f} s: {message}"
     print(f"hung peer: rank 0 raised after {after_s:.2f} s: {message}")
+
+
+def _stop_cleanly_then_watch(ctx, gate):
+    hb = Heartbeat.for_context(ctx, interval_s=0.2, dead_after_s=1.0).start()
+    Comm(heartbeat=hb).barrier()
+    if ctx.rank == 1:
+        hb.stop()  # finished: marks itself done
+        gate.wait(timeout=30)  # stay alive (rank 0 hosts the store) until rank 0 has looked
+        return None
+    time.sleep(2.5)  # 2.5 x dead_after_s without a beat from rank 1
+    lost = hb.lost()
+    gate.wait(timeout=30)
+    return lost
+
+
+def test_a_peer_that_stops_its_heartbeat_cleanly_is_not_lost():
+    gate = multiprocessing.get_context("fork").Barrier(2)
+    lost, _ = run_procs(_stop_cleanly_then_watch, 2, gate)
+    assert lost == []
