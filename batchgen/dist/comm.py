@@ -1,9 +1,10 @@
 """A process group's point-to-point and collective operations, each waited under the failure detector and
 timed.
 
-Every operation is issued asynchronously and waited in slices (`Work.wait(timeout)` raises "Operation timed
-out!" and leaves the operation running); between slices the heartbeat is asked whether one of the group's
-peers is lost, so a dead peer becomes `WorkerLost(rank)` within seconds whoever the operation was waiting on.
+Every operation is issued asynchronously and waited in slices (gloo: `Work.wait(timeout)` raises "Operation
+timed out!" and leaves the operation running; NCCL: `is_completed` is polled); between slices the heartbeat is
+asked whether one of the group's peers is lost, so a dead peer becomes `WorkerLost(rank)` within seconds
+whoever the operation was waiting on.
 Without a heartbeat the group's own collective timeout (init_distributed's timeout_s) is the bound.
 
 `comm_s` adds up the wall time spent inside operations, waiting for slower peers included: the
@@ -36,6 +37,7 @@ class Comm:
         self.heartbeat = heartbeat
         slice_s = slice_s if slice_s is not None else (heartbeat.interval_s if heartbeat is not None else 1.0)
         self._slice = datetime.timedelta(seconds=slice_s)
+        self._poll = dist.get_backend(self.group) == "nccl"
         self.comm_s = 0.0
         self.calls = 0
 
@@ -73,6 +75,9 @@ class Comm:
 
     def _wait(self, work, what: str, peers: list[int], t0: float) -> None:
         try:
+            if self._poll:
+                self._poll_until_done(work, what, peers)
+                return
             while True:
                 try:
                     work.wait(timeout=self._slice)
@@ -87,6 +92,23 @@ class Comm:
         finally:
             self.comm_s += time.perf_counter() - t0
             self.calls += 1
+
+    def _poll_until_done(self, work, what: str, peers: list[int]) -> None:
+        """NCCL: a timed-out `Work.wait(timeout)` may abort the communicator, so poll `is_completed` (a CUDA
+        event query) instead, asking the heartbeat every slice; then wait, which surfaces errors. Not run yet:
+        no GPU was available when this was written."""
+        next_check = time.monotonic() + self._slice.total_seconds()
+        while not work.is_completed():
+            if self.heartbeat is not None and time.monotonic() >= next_check:
+                lost = self.heartbeat.lost(peers)
+                if lost:
+                    raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}")
+                next_check = time.monotonic() + self._slice.total_seconds()
+            time.sleep(20e-6)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._lost_from_error(e, what, peers) from e
 
     def _lost_from_error(self, e: RuntimeError, what: str, peers: list[int]) -> WorkerLost:
         """gloo failed the operation: name the peer whose heartbeat stops (after a closed socket, wait for it
