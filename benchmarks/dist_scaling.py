@@ -2,7 +2,7 @@
 thread per process), the same tokens and weights in both.
 
     python benchmarks/dist_scaling.py [--experts 8] [--hidden 768] [--inter 2048] [--layers 4] [--top-k 2]
-        [--tokens 256] [--steps 4] [--rounds 2]
+        [--tokens 256] [--steps 4] [--rounds 3]
 
 The model is attention-free on purpose: only EP MoE layers (`batchgen.dist.ExpertParallelMoE`, residual
 added), so the experts' GEMMs dominate and the ratio measures what expert parallelism buys and what its
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"load average before: {os.getloadavg()}; cores: {os.cpu_count()}")
