@@ -104,3 +104,15 @@ def test_a_peer_that_stops_its_heartbeat_cleanly_is_not_lost():
     gate = multiprocessing.get_context("fork").Barrier(2)
     lost, _ = run_procs(_stop_cleanly_then_watch, 2, gate)
     assert lost == []
+
+
+def _fail_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad plan on rank 1")
+    return "fine"
+
+
+def test_launcher_reports_each_ranks_outcome():
+    ok, failed = run_procs(_fail_on_rank_1, 2, expect_ok=False)
+    assert ok.ok and ok.value == "fine"
+    assert not failed.ok and failed.exitcode == 1 and "ValueError: bad plan on rank 1" in failed.error
