@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CONF_GROUPS = ("model", "cluster", "workload", "policy")
 YAML_SUFFIXES = (".yaml", ".yml")
-JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist", ".*")
+# No "dist" or "build" here: ignore_patterns matches at any depth, and batchgen/dist is a package (only
+# batchgen/ and conf/ are copied, so the build outputs at the top level never are).
+JUNK = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".*")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:

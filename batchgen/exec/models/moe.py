@@ -14,6 +14,9 @@ private API: the probe falls back to the loop if a build lacks it or refuses the
 
 from __future__ import annotations
 
+import copy
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +24,7 @@ from torch import nn
 from batchgen.exec.models.config import ExecModelConfig
 
 _GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # stacked [E, ...]: what expert parallelism shards
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,22 +87,30 @@ class SparseMoE(nn.Module):
         run as grouped GEMMs on their contiguous slices (see the module docstring), and the weighted rows are
         scatter-added back per token. Nothing loops over tokens.
         """
+        if self.w_gate.shape[0] != self.num_experts:
+            raise RuntimeError(f"this module holds {self.w_gate.shape[0]} of {self.num_experts} experts (a shard): "
+                               "run it through batchgen.dist.ExpertParallelMoE")
         T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // k
         counts = self._last_counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        x = hidden[token_of]
+        out = self.sorted_expert_rows(hidden[token_of], counts)
+        weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
+
+    def sorted_expert_rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The held experts' SwiGLU on rows sorted by expert, unweighted: x [N, H], counts [held experts] (the
+        first counts[0] rows go to the first stored expert, ...) -> [N, H]. `experts` calls it with every
+        expert; expert parallelism (batchgen.dist) calls it on a shard (`expert_shard`) with the rows that
+        arrived from all ranks, so both run the same kernels on the same rows."""
         out = None
         if grouped_mm_available(x.device, x.dtype):
             try:
                 out = self._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32))
             except RuntimeError:  # a shape the kernel refuses (alignment): the loop from now on
                 _GROUPED[(x.device.type, x.dtype)] = False
-        if out is None:
-            out = self._looped(x, counts.tolist())
-        weighted = (out * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, token_of, weighted)
+        return self._looped(x, counts.tolist()) if out is None else out
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Three grouped GEMMs over all experts; offs [E] int32: end row of each expert's slice."""
@@ -125,6 +137,23 @@ class SparseMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(hidden)
         return self.experts(hidden, ids, weights)
+
+    def expert_shard(self, experts: Sequence[int]) -> "SparseMoE":
+        """A module of the same class holding only these experts' weights, stacked in the given order, and
+        sharing everything else with this one (the router, routing constants, shared experts): one rank's part
+        under expert parallelism. `route` and `shared` are unchanged (global expert ids); run the held experts
+        with `sorted_expert_rows`; `experts` refuses, since it needs every expert."""
+        idx = torch.as_tensor(list(experts), dtype=torch.int64, device=self.w_gate.device)
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.num_experts):
+            raise ValueError(f"expert ids {list(experts)} outside 0..{self.num_experts - 1}")
+        shard = copy.copy(self)  # same class and attributes; fresh registries so the copy's weights are its own
+        shard._parameters = {k: v for k, v in self._parameters.items() if k not in EXPERT_WEIGHTS}
+        shard._modules, shard._buffers = dict(self._modules), dict(self._buffers)
+        shard._last_counts = None
+        for name in EXPERT_WEIGHTS:
+            w = getattr(self, name)
+            setattr(shard, name, nn.Parameter(w.detach().index_select(0, idx), requires_grad=w.requires_grad))
+        return shard
 
 
 def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""The worker side of the multi-process executor (issue 9): one process per rank, on torch.distributed.
+
+Pieces, one module each:
+
+- `launch`: join the world group from torchrun's environment (`DistEnv.from_env`, `init_distributed`) or start
+  N processes on one machine (`launch`); gloo on CPU, NCCL on CUDA; every collective has a timeout; bad process
+  counts are refused first (`check_procs`: procs < 1, more processes than experts, WORLD_SIZE != procs).
+- `groups`: the world split into instances, one process group each (`instance_groups`), so instances run
+  concurrently and their all-to-alls never wait on each other.
+- `placement`: which rank of an instance owns which expert (contiguous blocks by default).
+- `ep_moe`: `ExpertParallelMoE`, an MoE layer over an instance's ranks: route here, all-to-all the rows to
+  the experts' owners, run the local shard (`SparseMoE.expert_shard` / `sorted_expert_rows`: the same kernels
+  as the single-process layer), all-to-all back, combine; shared experts (DeepSeek-V3) run where the tokens are.
+- `kv_transfer`: MIGRATE across processes: a sequence's KV packed from a `PagedKVCache`, sent with its
+  header (sequence id, dtype, shape), adopted into the receiver's cache.
+- `failure` + `comm`: a heartbeat per process and a `Comm` that waits for every operation in slices, so a
+  SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/dist: about 3.4 s for a killed worker,
+  0.5 s for a killed rank 0, whose store dies with it), never a hang.
+
+How the next step drives them (not built here; the engine integration waits for explicit per-rank plans):
+
+1. Start: torchrun or `launch` starts world = sum of instance sizes processes. Every process builds (or
+   loads) the model, keeps its experts' shard per MoE layer (`ExpertParallelMoE` over its instance's group),
+   starts a `Heartbeat`, and holds its own `PagedKVCache` and host copies. Rank 0 also runs the engine and
+   the policy: it is a worker of instance 0 as well, so no process idles.
+2. Each step: rank 0 turns the policy's decision into a plan of per-rank operation lists (yield, restore,
+   evict ids; migrations (id, source rank, destination rank); partition groups; prefill and decode ids) and
+   broadcasts it (`broadcast_object_list` on a gloo group kept for control messages, even when the data
+   moves over NCCL). Every worker then runs its own list in a fixed order: cache operations on its cache;
+   migrations in plan order (the source `send_sequence`, the destination `recv_sequence`; both walk the same
+   list, so sends and receives pair up without a global view); its sequences' attention; then every MoE layer
+   through `ExpertParallelMoE` (a rank with no tokens this step still takes part: the all-to-alls are
+   collective); sampling for its sequences. The source releases a migrated sequence in a later step, once
+   the plan confirms the receiver has it.
+3. Reports: each worker returns its sampled tokens and its timings (busy time, `Comm.comm_s` spent in
+   collectives, idle) to rank 0 with a gather; rank 0 updates the state and the metrics (tokens/s per GPU over
+   processes that exist).
+4. Failure: a worker's `Comm` raises `WorkerLost` in the collective that needed the dead peer; rank 0 also
+   polls `Heartbeat.lost()` between steps. Recovery will need a new group of the survivors (a torch process
+   group cannot drop a member), experts re-placed over them (their weights loaded again), and the lost
+   sequences restored or recomputed as the latency model prices it. Restoring needs host copies that outlive
+   their process (shared memory per node): today a host copy lives in its process and dies with it.
+
+Not covered yet: NCCL (the code selects it on CUDA; no GPU was available to run it), loading only a rank's
+experts from a checkpoint (each rank builds the whole layer, then keeps its shard), head-sharded PARTITION
+across processes.
+"""
+
+from batchgen.dist.comm import Comm
+from batchgen.dist.ep_moe import ExpertParallelMoE
+from batchgen.dist.errors import DistConfigError, WorkerLost
+from batchgen.dist.failure import Heartbeat
+from batchgen.dist.groups import InstanceGroup, instance_groups, instance_ranks
+from batchgen.dist.launch import DistContext, DistEnv, WorkerResult, check_procs, init_distributed, launch
+from batchgen.dist.placement import ExpertPlacement
+
+__all__ = ["Comm", "DistConfigError", "DistContext", "DistEnv", "ExpertParallelMoE", "ExpertPlacement",
+           "Heartbeat", "InstanceGroup", "WorkerLost", "WorkerResult", "check_procs", "init_distributed",
+           "instance_groups", "instance_ranks", "launch"]

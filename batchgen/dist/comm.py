@@ -1,0 +1,124 @@
+"""A process group's point-to-point and collective operations, each waited under the failure detector and
+timed.
+
+Every operation is issued asynchronously and waited in slices (gloo: `Work.wait(timeout)` raises "Operation
+timed out!" and leaves the operation running; NCCL: `is_completed` is polled); between slices the heartbeat is
+asked whether one of the group's peers is lost, so a dead peer becomes `WorkerLost(rank)` within seconds
+whoever the operation was waiting on.
+Without a heartbeat the group's own collective timeout (init_distributed's timeout_s) is the bound.
+
+`comm_s` adds up the wall time spent inside operations, waiting for slower peers included: the
+communication-and-wait share of a step, for per-rank busy/communication/idle accounting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from batchgen.dist.errors import WorkerLost
+from batchgen.dist.failure import Heartbeat
+
+_SLICE_TIMEOUT = "Operation timed out!"  # Work.wait(timeout) expiring; the operation goes on
+_GLOO_TIMEOUT = "Timed out waiting"  # gloo giving up after the group's collective timeout
+
+
+class Comm:
+    def __init__(self, group: dist.ProcessGroup | None = None, heartbeat: Heartbeat | None = None,
+                 slice_s: float | None = None):
+        self.group = dist.group.WORLD if group is None else group
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(self.group))
+        self.rank = dist.get_rank(self.group)  # within the group
+        self.size = len(self.ranks)
+        self.heartbeat = heartbeat
+        slice_s = slice_s if slice_s is not None else (heartbeat.interval_s if heartbeat is not None else 1.0)
+        self._slice = datetime.timedelta(seconds=slice_s)
+        self._poll = dist.get_backend(self.group) == "nccl"
+        self.comm_s = 0.0
+        self.calls = 0
+
+    # ---- operations (ranks are group-local) ---------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None, what: str = "all-to-all") -> None:
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=self.group,
+                                      async_op=True)
+        self._wait(work, what, self._peers(), t0)
+
+    def send(self, tensor: torch.Tensor, dst: int, what: str = "send") -> None:
+        t0 = time.perf_counter()
+        work = dist.isend(tensor, dst=self.ranks[dst], group=self.group)
+        self._wait(work, what, [self.ranks[dst]], t0)
+
+    def recv(self, tensor: torch.Tensor, src: int, what: str = "recv") -> None:
+        t0 = time.perf_counter()
+        work = dist.irecv(tensor, src=self.ranks[src], group=self.group)
+        self._wait(work, what, [self.ranks[src]], t0)
+
+    def all_reduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
+        t0 = time.perf_counter()
+        self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), what, self._peers(), t0)
+
+    def barrier(self, what: str = "barrier") -> None:
+        t0 = time.perf_counter()
+        self._wait(dist.barrier(group=self.group, async_op=True), what, self._peers(), t0)
+
+    # ---- waiting ---------------------------------------------------------------------------------------
+    def _peers(self) -> list[int]:
+        me = self.ranks[self.rank]
+        return [r for r in self.ranks if r != me]
+
+    def _wait(self, work, what: str, peers: list[int], t0: float) -> None:
+        try:
+            if self._poll:
+                self._poll_until_done(work, what, peers)
+                return
+            while True:
+                try:
+                    work.wait(timeout=self._slice)
+                    return
+                except RuntimeError as e:
+                    if _SLICE_TIMEOUT not in str(e):
+                        raise self._lost_from_error(e, what, peers) from e
+                    if self.heartbeat is not None:
+                        lost = self.heartbeat.lost(peers)
+                        if lost:
+                            raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}") from None
+        finally:
+            self.comm_s += time.perf_counter() - t0
+            self.calls += 1
+
+    def _poll_until_done(self, work, what: str, peers: list[int]) -> None:
+        """NCCL: a timed-out `Work.wait(timeout)` may abort the communicator, so poll `is_completed` (a CUDA
+        event query) instead, asking the heartbeat every slice; then wait, which surfaces errors. Not run yet:
+        no GPU was available when this was written."""
+        next_check = time.monotonic() + self._slice.total_seconds()
+        while not work.is_completed():
+            if self.heartbeat is not None and time.monotonic() >= next_check:
+                lost = self.heartbeat.lost(peers)
+                if lost:
+                    raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}")
+                next_check = time.monotonic() + self._slice.total_seconds()
+            time.sleep(20e-6)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._lost_from_error(e, what, peers) from e
+
+    def _lost_from_error(self, e: RuntimeError, what: str, peers: list[int]) -> WorkerLost:
+        """gloo failed the operation: name the peer whose heartbeat stops (after a closed socket, wait for it
+        to go silent; after gloo's own timeout the heartbeat has had the whole timeout already), else the one
+        peer of a two-process operation (the only one it could have waited for), else none."""
+        first = str(e).strip().splitlines()[0][:300]
+        rank = None
+        if self.heartbeat is not None:
+            lost = self.heartbeat.lost(peers)
+            rank = lost[0] if lost else None if _GLOO_TIMEOUT in first else self.heartbeat.wait_for_loss(peers)
+        if rank is None and len(peers) == 1:
+            rank = peers[0]
+        return WorkerLost(rank, f"{what} failed: {first}")

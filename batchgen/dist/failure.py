@@ -1,0 +1,146 @@
+"""Finding a dead peer within seconds, and naming it.
+
+Two signals, because neither is enough alone:
+
+- gloo raises at once when a socket it reads from closes (the kernel closes a SIGKILLed process's sockets),
+  but only on the ranks connected to the dead one in that collective, and its message names an address, not a
+  rank. A rank waiting on a survivor that itself just failed (a ring all-reduce) would wait for the group's
+  collective timeout, which must be long (it also bounds legitimate waits on a slow peer).
+- `Heartbeat`: a daemon thread per process bumps a counter in the rendezvous store every `interval_s` and
+  reads everyone else's; a peer whose counter has not moved for `dead_after_s` (by this process's clock, so
+  clocks need not agree) is lost. The thread needs the GIL only briefly and torch kernels release it, so a
+  busy but healthy process keeps beating. When the store itself stops answering, the rank that hosts it (rank
+  0 with the one-machine launcher) is the lost one.
+
+`Comm` (comm.py) waits for every collective in slices of `interval_s` and checks `lost()` between slices, so
+a collective blocked on a dead peer raises `WorkerLost(rank)` within about dead_after_s + interval_s whichever
+peer it was waiting for; a gloo error (closed socket, gloo's own timeout) also becomes WorkerLost, naming the
+rank whose heartbeat stops within the next dead_after_s. A peer that finishes cleanly calls `stop()`, which
+marks it done instead of lost; shut a job down with a barrier first, then stop the heartbeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Iterable
+
+import torch.distributed as dist
+
+from batchgen.dist.errors import DistConfigError
+
+_DONE = b"done"
+
+
+class Heartbeat:
+    def __init__(self, addr: str, port: int, rank: int, world_size: int, *, interval_s: float = 0.5,
+                 dead_after_s: float = 3.0, store_host_rank: int | None = 0, prefix: str = "batchgen/hb"):
+        if not 0 < interval_s < dead_after_s:
+            raise DistConfigError(f"heartbeat interval ({interval_s} s) must be positive and shorter than the "
+                                  f"time after which a silent peer counts as lost ({dead_after_s} s)")
+        self.addr, self.port, self.rank, self.world_size = addr, port, rank, world_size
+        self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self.store_host_rank, self.prefix = store_host_rank, prefix
+        self._lost: frozenset[int] = frozenset()
+        self._cause: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @classmethod
+    def for_context(cls, ctx, **kw) -> "Heartbeat":
+        """The heartbeat of a `launch.DistContext`'s process, on its rendezvous store."""
+        return cls(ctx.env.master_addr, ctx.env.master_port, ctx.rank, ctx.world_size,
+                   store_host_rank=ctx.store_host_rank, **kw)
+
+    # ---- control --------------------------------------------------------------------------------------
+    def start(self) -> "Heartbeat":
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+        self._ready.wait(self.dead_after_s + 5)
+        if self._error is not None:
+            raise DistConfigError(f"heartbeat cannot reach the store at {self.addr}:{self.port}: {self._error}")
+        return self
+
+    def stop(self) -> None:
+        """Stop beating and tell the others this process finished (it is not lost)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.dead_after_s + 1)
+
+    def __enter__(self) -> "Heartbeat":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- queries ---------------------------------------------------------------------------------------
+    def lost(self, ranks: Iterable[int] | None = None) -> list[int]:
+        """The given ranks (default: all peers) that stopped beating, ascending."""
+        lost = self._lost
+        return sorted(lost if ranks is None else lost.intersection(ranks))
+
+    def cause(self, rank: int) -> str:
+        return self._cause.get(rank, "no heartbeat")
+
+    def wait_for_loss(self, ranks: Iterable[int], within_s: float | None = None) -> int | None:
+        """After an error that says some peer failed: the first of `ranks` to be found lost within
+        `within_s` (default dead_after_s + 2 intervals), or None if all of them keep beating."""
+        ranks = list(ranks)
+        deadline = time.monotonic() + (self.dead_after_s + 2 * self.interval_s if within_s is None else within_s)
+        while True:
+            lost = self.lost(ranks)
+            if lost:
+                return lost[0]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(self.interval_s / 4)
+
+    # ---- the thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            client = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.dead_after_s))
+            store = dist.PrefixStore(self.prefix, client)
+            store.set(str(self.rank), "0")
+        except Exception as e:  # noqa: BLE001 (reported by start)
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        start = time.monotonic()
+        seen: dict[int, tuple[bytes | None, float]] = {r: (None, start) for r in peers}
+        known: list[int] = []  # peers whose key exists (multi_get blocks on a missing key)
+        beat = 0
+        while not self._stop.wait(self.interval_s):
+            beat += 1
+            now = time.monotonic()
+            try:
+                store.set(str(self.rank), str(beat))
+                for r in peers:
+                    if r not in known and store.check([str(r)]):
+                        known.append(r)
+                values = store.multi_get([str(r) for r in known]) if known else []
+            except Exception as e:  # noqa: BLE001: the store stopped answering; it will not come back
+                if self.store_host_rank is not None and self.store_host_rank != self.rank:
+                    self._mark({self.store_host_rank: f"the store it hosts stopped answering ({e})"})
+                return
+            now = time.monotonic()
+            for r, v in zip(known, values):
+                if v != seen[r][0]:
+                    seen[r] = (v, now)
+            self._mark({r: f"no heartbeat for {now - t:.1f} s" for r, (v, t) in seen.items()
+                        if v != _DONE and now - t > self.dead_after_s})
+        try:
+            store.set(str(self.rank), _DONE.decode())
+        except Exception:  # noqa: BLE001: the store may be gone at shutdown; nobody is waiting then
+            pass
+
+    def _mark(self, causes: dict[int, str]) -> None:
+        new = {r: c for r, c in causes.items() if r not in self._lost}
+        if new:
+            self._cause.update(new)
+            self._lost = self._lost | frozenset(new)

@@ -1,0 +1,56 @@
+"""Instances as process groups: the world's ranks split into consecutive blocks, one group per instance, so
+that instances of a cluster run concurrently, each with its own collectives (its all-to-alls never wait for
+another instance's ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import datetime
+
+import torch.distributed as dist
+
+from batchgen.dist.errors import DistConfigError
+
+
+def instance_ranks(world_size: int, sizes: list[int]) -> list[tuple[int, ...]]:
+    """Consecutive blocks of ranks, one per instance: sizes [2, 2] over 4 ranks -> [(0, 1), (2, 3)]."""
+    if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise DistConfigError(f"every instance needs at least one process, got instance sizes {sizes}")
+    if sum(sizes) != world_size:
+        raise DistConfigError(f"instances of {sizes} processes need {sum(sizes)} processes in all, but the world "
+                              f"has {world_size}: start {sum(sizes)} processes or change the cluster")
+    out, start = [], 0
+    for n in sizes:
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    """This process's instance: its index, its ranks (global) and the process group they share."""
+
+    index: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def local_rank(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+
+def instance_groups(sizes: list[int], timeout_s: float | None = None) -> InstanceGroup:
+    """Create one process group per instance and return this process's. Every process of the world must call
+    it with the same sizes (torch creates groups collectively, in the same order everywhere)."""
+    blocks = instance_ranks(dist.get_world_size(), sizes)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    me, mine = dist.get_rank(), None
+    for i, ranks in enumerate(blocks):
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if me in ranks:
+            mine = InstanceGroup(i, ranks, group)
+    assert mine is not None  # the blocks cover the world
+    return mine

@@ -1,0 +1,232 @@
+"""Starting the processes of a multi-process run and joining them into one process group.
+
+Two ways in, one result (a `DistContext` per process):
+
+- torchrun (`torchrun --nproc-per-node=N -m ...`) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+  MASTER_PORT: `DistEnv.from_env()` reads them and `init_distributed` joins the group.
+- One machine without torchrun: `launch(fn, procs)` picks a free port, starts `procs` processes itself
+  (torch.multiprocessing), and each runs `fn(ctx, *args)` once joined; return values and errors come back to the
+  caller per rank, and a process that dies (SIGKILL, out of memory) is reported by its exit code instead of
+  taking the survivors down with it (torch.multiprocessing.spawn's join kills the others on the first death,
+  which would hide how the survivors handled the loss).
+
+The rendezvous store is created here rather than through `init_method="env://"` so that the failure detector
+(`failure.Heartbeat`) can open its own connection to it. gloo on CPU, NCCL on CUDA; every collective of the
+group has `timeout_s`, so a peer that stops answering never blocks a collective forever (the heartbeat finds a
+dead one much sooner, see `failure.py`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from batchgen.dist.errors import DistConfigError
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_procs(procs: int, *, num_experts: int | None = None, world_size: int | None = None) -> None:
+    """Refuse a process count that cannot work, before anything starts."""
+    if not isinstance(procs, int) or isinstance(procs, bool) or procs < 1:
+        raise DistConfigError(f"backend.procs must be a positive integer, got {procs!r}")
+    if num_experts is not None and procs > num_experts:
+        raise DistConfigError(f"{procs} processes but the model has {num_experts} experts per layer: every process "
+                              f"must own at least one expert; use at most {num_experts} processes")
+    if world_size is not None and world_size != procs:
+        raise DistConfigError(f"torchrun started {world_size} processes (WORLD_SIZE) but backend.procs={procs}; "
+                              f"set backend.procs={world_size} or start {procs} processes")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job: what torchrun puts in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        env = os.environ if environ is None else environ
+        missing = [v for v in ENV_VARS if v not in env]
+        if missing:
+            raise DistConfigError(f"not started by torchrun: {', '.join(missing)} unset; run under `torchrun "
+                                  "--nproc-per-node=N` or let the one-machine launcher start the processes")
+        try:
+            e = cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), env["MASTER_ADDR"],
+                    int(env["MASTER_PORT"]))
+        except ValueError as err:
+            raise DistConfigError(f"torchrun variables must be integers: {err}") from None
+        e.check()
+        return e
+
+    def check(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise DistConfigError(f"RANK={self.rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={self.world_size})")
+        if self.local_rank < 0 or not 0 < self.master_port < 65536:
+            raise DistConfigError(f"LOCAL_RANK={self.local_rank} must be >= 0 and MASTER_PORT={self.master_port} "
+                                  "a port number")
+
+
+@dataclass
+class DistContext:
+    """One process's membership: its rank, its device, the world group's backend and collective timeout,
+    and the rendezvous store's address (for the heartbeat's own connection)."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str
+    timeout_s: float
+    store_host_rank: int | None  # the rank hosting the store (0), None when torchrun's agent hosts it
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo for CPU tensors, NCCL for CUDA ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s: float = 60.0) -> DistContext:
+    """Join the world group. CUDA: one device per process, cuda:LOCAL_RANK. timeout_s bounds every collective."""
+    env.check()
+    if timeout_s <= 0:
+        raise DistConfigError(f"collective timeout must be positive, got {timeout_s} s")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available() or env.local_rank >= torch.cuda.device_count():
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise DistConfigError(f"local rank {env.local_rank} needs CUDA device {env.local_rank}, this machine "
+                                  f"has {have}; start at most {have} processes per node or use device=cpu")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise DistConfigError(f"device {device} is not supported for multi-process runs: use cpu or cuda")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=env.rank == 0 and not agent_store, timeout=timeout)
+    backend = backend_for(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("batchgen/pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return DistContext(env, device, backend, timeout_s, None if agent_store else 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (the OS picks it); the launcher's rank 0 binds it for the store moments later."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---- the one-machine launcher ---------------------------------------------------------------------------
+@dataclass
+class WorkerResult:
+    """How one process ended: its return value, or the error it raised (formatted), or only its exit code
+    (killed by a signal: exitcode is minus the signal number)."""
+
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.error is None
+
+
+def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device: str, timeout_s: float,
+            threads: int | None, results) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    ctx = None
+    try:
+        ctx = init_distributed(DistEnv.from_env(), device, timeout_s)
+        # plain pickle, by value: torch's queue would pass tensors as shared-memory handles, which die with
+        # the process that made them
+        results.put((rank, pickle.dumps(fn(ctx, *args)), None))
+    except BaseException as e:  # reported to the launcher, which decides; the process then exits nonzero
+        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    finally:
+        if ctx is not None:
+            try:
+                ctx.close()
+            except Exception:  # a group whose peer died may refuse a clean shutdown; the process ends anyway
+                pass
+
+
+def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", timeout_s: float = 60.0,
+           threads: int | None = 1, start_method: str = "spawn", join_timeout_s: float = 600.0,
+           num_experts: int | None = None) -> list[WorkerResult]:
+    """Run `fn(ctx, *args)` in `procs` new processes joined into one group; one WorkerResult per rank.
+
+    threads: torch intra-op threads per process (1: one core each; None leaves torch's default).
+    start_method: "spawn" (safe anywhere; fn must be importable) or "fork" (no re-import of torch, much faster
+    to start; fine when the parent holds no process group and no CUDA context). Processes still running after
+    join_timeout_s are killed and reported with exitcode None and an error saying so."""
+    check_procs(procs, num_experts=num_experts)
+    mp = torch.multiprocessing.get_context(start_method)
+    results = mp.Queue()
+    port = free_port()
+    workers = [mp.Process(target=_worker, args=(r, procs, port, fn, args, device, timeout_s, threads, results),
+                          daemon=False) for r in range(procs)]
+    for w in workers:
+        w.start()
+    got: dict[int, tuple[Any, str | None]] = {}
+    deadline = time.monotonic() + join_timeout_s
+    while time.monotonic() < deadline:
+        try:  # drain while waiting: a child blocks at exit until its queued result has been read
+            rank, value, error = results.get(timeout=0.05)
+            got[rank] = (value, error)
+            continue
+        except queue.Empty:
+            pass
+        if not any(w.is_alive() for w in workers):
+            break
+    overdue = [r for r, w in enumerate(workers) if w.is_alive()]
+    for r in overdue:
+        workers[r].kill()
+    for w in workers:
+        w.join(5)
+    while True:
+        try:
+            rank, value, error = results.get_nowait()
+            got[rank] = (value, error)
+        except queue.Empty:
+            break
+    out = []
+    for r, w in enumerate(workers):
+        value, error = got.get(r, (None, None))
+        value = None if value is None else pickle.loads(value)
+        if r in overdue:
+            out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed"))
+        else:
+            out.append(WorkerResult(r, w.exitcode, value, error))
+    return out

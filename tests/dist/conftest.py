@@ -1,0 +1,28 @@
+"""Multi-process tests: workers are forked (no re-import of torch: starting one takes milliseconds instead of
+seconds), one torch thread each, gloo on CPU. Build models and references in the test process with one thread
+too (the thread count can change a GEMM's last bits); forked workers inherit them without pickling."""
+
+import pytest
+import torch
+
+from batchgen.dist import launch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_procs(fn, procs: int, *args, expect_ok: bool = True, **kw):
+    """fn(ctx, *args) on `procs` forked processes; their return values by rank (all must succeed unless
+    expect_ok is False, then the WorkerResults)."""
+    kw.setdefault("join_timeout_s", 60)
+    results = launch(fn, procs, args, start_method="fork", **kw)
+    if not expect_ok:
+        return results
+    bad = [r for r in results if not r.ok]
+    assert not bad, "\n".join(f"rank {r.rank}: exit {r.exitcode}\n{r.error}" for r in bad)
+    return [r.value for r in results]

@@ -1,0 +1,136 @@
+"""Expert parallelism over 1, 2 and 4 processes gives the single-process MoE layer's output.
+
+Each rank routes its own tokens, ships them to the experts' owners and combines the returned rows; the
+reference is `SparseMoE.forward` (DeepseekMoE's, with shared experts) over all ranks' tokens concatenated in
+rank order, in the test process with one thread, like the workers (the thread count can change a GEMM's bits).
+
+Every expert sees the same rows in the same order and every token adds its k contributions in the same order
+(ep_moe.py), so with the per-expert GEMM loop the result is bit for bit the reference's. With the grouped
+GEMM (`torch._grouped_mm`, what runs by default where available) it is equal to rounding only: the kernel's
+result for a row depends on where its expert's group sits in the intermediate buffer (its byte offset; a shard
+starts its groups at other offsets than the whole layer), measured here as 1 row of 53 off by 3e-8 (qwen3_moe,
+4 processes); hence rtol=atol=1e-6 there, and a summation order that differed would still fail the exact test.
+The router and the shared experts run on a rank's rows only; on this CPU that changes no bit (the exact test
+would say so).
+"""
+
+import pytest
+import torch
+
+from batchgen.dist import Comm, ExpertParallelMoE, ExpertPlacement
+from batchgen.exec.models.config import ExecModelConfig
+from batchgen.exec.models import moe as moe_module
+from batchgen.exec.models.loading import init_random
+
+from .conftest import run_procs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T = 53
+SPLITS = {1: [53], 2: [40, 13], 4: [20, 0, 19, 14]}  # uneven, and a rank with no tokens at all
+
+CONFIGS = {
+    "mixtral": dict(architecture="mixtral", vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=48),
+    "qwen3_moe": dict(architecture="qwen3_moe", vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, num_experts=6, top_k=3, moe_intermediate_size=40,
+                      norm_topk_prob=False),
+    "deepseek_v3": dict(architecture="deepseek_v3", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                        num_kv_heads=4, head_dim=8, num_experts=8, top_k=3, moe_intermediate_size=16,
+                        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        rope_interleave=True, max_position_embeddings=64),
+}
+
+
+@pytest.fixture(params=["loop", "grouped"])
+def kernel(request, monkeypatch):
+    """The expert kernel of references and (forked) workers alike."""
+    if request.param == "loop":
+        monkeypatch.setitem(moe_module._GROUPED, ("cpu", torch.float32), False)
+    elif not moe_module.grouped_mm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("no usable torch._grouped_mm here")
+    return request.param
+
+
+def check_equal(out, ref, kernel):
+    if kernel == "loop":
+        assert torch.equal(out, ref), f"max abs diff {(out - ref).abs().max().item()}"
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def layer(request, one_thread):
+    cfg = ExecModelConfig(**CONFIGS[request.param])
+    moe = init_random(cfg, seed=3, std=0.3).moe(0)
+    if cfg.architecture == "deepseek_v3":
+        assert moe.shared_experts is not None
+        with torch.no_grad():  # a nonzero correction bias, so the biased choice differs from the weights
+            moe.gate.e_score_correction_bias.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    return moe, x
+
+
+def reference(moe, x):
+    with torch.no_grad():
+        ref = moe(x)
+    return ref, moe.last_tokens_per_expert
+
+
+def _ep_forward(ctx, moe, x, splits, owner):
+    torch.set_grad_enabled(False)
+    comm = Comm()
+    placement = None if owner is None else ExpertPlacement(owner, comm.size)
+    ep = ExpertParallelMoE(moe, comm, placement)
+    mine = torch.split(x, splits)[comm.rank]
+    out = ep(mine)
+    held = sum(getattr(ep.shard, n).numel() for n in ("w_gate", "w_up", "w_down"))
+    return out, ep.local_experts, ep.last_tokens_per_expert, held
+
+
+@pytest.mark.parametrize("procs", [1, 2, 4])
+def test_ep_forward_equals_single_process_moe(layer, procs, kernel):
+    moe, x = layer
+    ref, ref_counts = reference(moe, x)
+    got = run_procs(_ep_forward, procs, moe, x, SPLITS[procs], None)
+    out = torch.cat([g[0] for g in got])
+    assert out.shape == ref.shape
+    check_equal(out, ref, kernel)
+    # every expert ran on its owner, once, with the batch the single-process layer gave it
+    assert [e for g in got for e in g[1]] == list(range(moe.num_experts))
+    assert [n for g in got for n in g[2]] == ref_counts
+    full = sum(getattr(moe, n).numel() for n in ("w_gate", "w_up", "w_down"))
+    assert sum(g[3] for g in got) == full and max(g[3] for g in got) < full or procs == 1
+
+
+def test_ep_forward_with_interleaved_placement(layer, kernel):
+    """Any placement map gives the same result: experts dealt round-robin over 2 ranks."""
+    moe, x = layer
+    ref, ref_counts = reference(moe, x)
+    owner = tuple(e % 2 for e in range(moe.num_experts))
+    got = run_procs(_ep_forward, 2, moe, x, SPLITS[2], owner)
+    check_equal(torch.cat([g[0] for g in got]), ref, kernel)
+    assert got[1][1] == tuple(range(1, moe.num_experts, 2))
+    assert got[1][2] == ref_counts[1::2]
+
+
+def _two_instances(ctx, moe, x):
+    """4 processes as 2 instances of 2: each instance's ranks form a group and run their own EP layer on
+    their own tokens, at the same time."""
+    from batchgen.dist import instance_groups
+    torch.set_grad_enabled(False)
+    inst = instance_groups([2, 2])
+    ep = ExpertParallelMoE(moe, Comm(inst.group))
+    tokens = torch.split(x, [30, 23])[inst.index]  # instance 0 runs the first 30 tokens, instance 1 the rest
+    mine = torch.tensor_split(tokens, 2)[inst.local_rank(ctx.rank)]
+    return inst.index, inst.ranks, ep(mine)
+
+
+def test_two_instances_run_ep_side_by_side_in_their_own_groups(layer, kernel):
+    moe, x = layer
+    got = run_procs(_two_instances, 4, moe, x)
+    assert [g[:2] for g in got] == [(0, (0, 1)), (0, (0, 1)), (1, (2, 3)), (1, (2, 3))]
+    for index, (lo, hi) in enumerate([(0, 30), (30, 53)]):
+        ref, _ = reference(moe, x[lo:hi])
+        check_equal(torch.cat([g[2] for g in got if g[0] == index]), ref, kernel)

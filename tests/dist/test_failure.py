@@ -1,0 +1,118 @@
+"""A dead or hung peer becomes WorkerLost within seconds, never a hang.
+
+The victim SIGKILLs itself in the middle of a loop of all-to-alls and all-reduces (the collectives of an MoE
+step); the survivors must raise WorkerLost naming it within 10 s of the kill, with the default heartbeat
+(0.5 s beats, lost after 3 s of silence). Killing rank 0 also kills the rendezvous store it hosts: the
+survivors must still name rank 0. A peer that is alive but never joins a collective is bounded by the group's
+collective timeout.
+"""
+
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from batchgen.dist import Comm, Heartbeat, WorkerLost
+
+from .conftest import run_procs
+
+DETECT_WITHIN_S = 10.0
+
+
+def _loop_until_lost(ctx, victim, killed_at, survivors_done):
+    hb = Heartbeat.for_context(ctx).start()
+    comm = Comm(heartbeat=hb)
+    n = comm.size
+    try:
+        for i in itertools.count():
+            if ctx.rank == victim and i == 30:
+                killed_at.value = time.time()
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                if i % 2:
+                    comm.all_reduce(torch.ones(8))
+                else:
+                    comm.all_to_all_single(torch.empty(2 * n, 4), torch.full((2 * n, 4), float(ctx.rank)))
+            except WorkerLost as e:
+                return e.rank, time.time() - killed_at.value, str(e), i
+            if time.time() - killed_at.value > 60 and killed_at.value > 0:
+                return None, None, "no WorkerLost a minute after the kill", i
+    finally:
+        # survivors leave together: one that exits early (rank 0 hosts the store) would look lost to the other
+        survivors_done.wait(timeout=30)
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_sigkilled_peer_is_reported_as_worker_lost(victim):
+    mp = multiprocessing.get_context("fork")
+    killed_at, survivors_done = mp.Value("d", 0.0), mp.Barrier(2)
+    results = run_procs(_loop_until_lost, 3, victim, killed_at, survivors_done, expect_ok=False)
+    assert results[victim].exitcode == -signal.SIGKILL
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.ok, r.error
+        lost_rank, after_s, message, steps = r.value
+        assert lost_rank == victim, message
+        assert after_s < DETECT_WITHIN_S, f"rank {r.rank} took {after_s:.1f} s: {message}"
+        assert steps >= 30
+        print(f"victim {victim}: rank {r.rank} raised after {after_s:.2f} s: {message}")
+
+
+def _hang_in_collective(ctx, hang_s):
+    hb = Heartbeat.for_context(ctx).start()
+    comm = Comm(heartbeat=hb)
+    comm.barrier()
+    if ctx.rank == 1:  # alive and beating, but never joins the all-reduce
+        time.sleep(hang_s)
+        return None
+    t0 = time.time()
+    try:
+        comm.all_reduce(torch.ones(4))
+    except WorkerLost as e:
+        return e.rank, time.time() - t0, str(e)
+    return None, time.time() - t0, "all-reduce completed without its peer"
+
+
+def test_hung_collective_is_bounded_by_the_group_timeout():
+    timeout_s = 2.0
+    rank0, _ = run_procs(_hang_in_collective, 2, timeout_s + 1.5, timeout_s=timeout_s)
+    lost_rank, after_s, message = rank0
+    assert lost_rank == 1 and "all-reduce failed" in message, message
+    assert timeout_s - 0.5 < after_s < timeout_s + 2.0, f"{after_s:.1f} s: {message}"
+    print(f"hung peer: rank 0 raised after {after_s:.2f} s: {message}")
+
+
+def _stop_cleanly_then_watch(ctx, gate):
+    hb = Heartbeat.for_context(ctx, interval_s=0.2, dead_after_s=1.0).start()
+    Comm(heartbeat=hb).barrier()
+    if ctx.rank == 1:
+        hb.stop()  # finished: marks itself done
+        gate.wait(timeout=30)  # stay alive (rank 0 hosts the store) until rank 0 has looked
+        return None
+    time.sleep(2.5)  # 2.5 x dead_after_s without a beat from rank 1
+    lost = hb.lost()
+    gate.wait(timeout=30)
+    return lost
+
+
+def test_a_peer_that_stops_its_heartbeat_cleanly_is_not_lost():
+    gate = multiprocessing.get_context("fork").Barrier(2)
+    lost, _ = run_procs(_stop_cleanly_then_watch, 2, gate)
+    assert lost == []
+
+
+def _fail_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad plan on rank 1")
+    return "fine"
+
+
+def test_launcher_reports_each_ranks_outcome():
+    ok, failed = run_procs(_fail_on_rank_1, 2, expect_ok=False)
+    assert ok.ok and ok.value == "fine"
+    assert not failed.ok and failed.exitcode == 1 and "ValueError: bad plan on rank 1" in failed.error
