@@ -122,6 +122,7 @@ class MemoryBudget:
     streamed_layers: int = 0         # MoE layers whose experts stream through the ring buffer
     attention_tp: int = 1            # >1: a scheduler rank is a TP-attention group of this many GPUs, and
     #                                  kv_pages_per_gpu counts the group's pages (`group_budget`)
+    whole_layers: bool = False       # the streamed_layers stream whole decoder layers (every one), not experts
 
     def describe(self, model: ModelSpec) -> str:
         gb = 1e9
@@ -160,7 +161,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
     page_bytes = page_tokens * model.kv_bytes_per_token
     host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
     host_weights = host_weight_bytes(model, lat, cluster.node_size)
-    streamed = 0.0
+    streamed, whole_layers = 0.0, False
     n_moe = model.num_moe_layers
     if streamed_layers is not None and not 0 <= streamed_layers <= n_moe:
         raise ConfigError(f"streamed_layers must be within 0..{n_moe} (MoE layers of {model.name}), "
@@ -184,7 +185,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             # even the non-expert weights do not fit (DeepSeek-V2 on a 24 GB GPU): every decoder layer streams
             # whole (attention, shared experts, router and experts) through a ring of two layers
             resident, per_layer = whole[0], whole[1] / max(n_moe, 1)
-            fits_streaming = True
+            fits_streaming = whole_layers = True
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
                 how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
@@ -208,7 +209,8 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
         if host_kv < page_tokens:
             raise ConfigError(f"no host memory left for KV on a node: {host_weights / gb:.0f} GB of weights vs "
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
-    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers)
+    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers,
+                        whole_layers=whole_layers)
 
 
 def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, float]:
