@@ -30,7 +30,8 @@ import torch
 
 from batchgen.exec.models.decoder import MoEDecoder
 
-ALIGN = 256  # bytes: every parameter view starts on this boundary (vectorised kernels need 16; CUDA's allocator 512)
+ALIGN = 512  # bytes: every parameter view starts on this boundary, as CUDA's allocator aligns its blocks (so
+#              kernels see the alignment they see for a resident parameter; vectorised loads need 16)
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # a SparseMoE's routed experts, [E, ...] each
 
 
@@ -38,7 +39,7 @@ EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # a SparseMoE's routed experts, [E
 class StreamSpec:
     """What streams: every decoder layer whole (`whole`), or the routed experts of `moe_layers` MoE layers out
     of `of_moe_layers` in the memory plan's model (the executor's model may have another count: the same share
-    of its MoE layers, the last ones, streams)."""
+    of its MoE layers, at least one, the last ones, streams)."""
 
     whole: bool
     moe_layers: int
@@ -53,8 +54,7 @@ def stream_spec_of(budget, model_spec) -> StreamSpec | None:
     """The memory plan's choice (`MemoryBudget.streamed_layers`, `.whole_layers`), None when nothing streams."""
     if not budget.streamed_layers:
         return None
-    return StreamSpec(bool(getattr(budget, "whole_layers", False)), int(budget.streamed_layers),
-                      int(model_spec.num_moe_layers))
+    return StreamSpec(bool(budget.whole_layers), int(budget.streamed_layers), int(model_spec.num_moe_layers))
 
 
 def streamed_parameters(model: MoEDecoder, spec: StreamSpec) -> list[tuple[int, list[torch.nn.Parameter]]]:
@@ -65,8 +65,8 @@ def streamed_parameters(model: MoEDecoder, spec: StreamSpec) -> list[tuple[int, 
         for i, block in enumerate(model.layers):
             out.append((i, list(block.parameters())))
         return out
-    k = len(moe_layers) if spec.moe_layers == spec.of_moe_layers else round(
-        spec.moe_layers * len(moe_layers) / max(spec.of_moe_layers, 1))
+    k = len(moe_layers) if spec.moe_layers == spec.of_moe_layers else max(1, round(
+        spec.moe_layers * len(moe_layers) / max(spec.of_moe_layers, 1)))
     for i in moe_layers[len(moe_layers) - k:]:
         mlp = model.moe(i)
         out.append((i, [getattr(mlp, name) for name in EXPERT_PARAMS]))

@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.job import prepare
@@ -32,6 +33,18 @@ def knobs(policy: str, mla: bool) -> dict:
 @pytest.mark.slow  # about a minute each on the 2-core machine
 @pytest.mark.parametrize("policy", ["flexgen", "moe_lightning", "zero_inference"])
 def test_offload_policies_match_hf_generate_and_move_weights(saved, policy):  # noqa: F811
+    check_offload_policy(saved, policy, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_policy_streaming_whole_layers_on_cuda_matches_hf_generate(saved):  # noqa: F811
+    """On CUDA the streamed weights are pinned host copies, copied on a side stream with the next layer
+    prefetched (batchgen.exec.weight_stream): outputs still equal transformers' (fp32)."""
+    check_offload_policy(saved, "flexgen", "cuda")
+
+
+def check_offload_policy(saved, policy: str, device: str) -> None:  # noqa: F811
     model, path = saved
     mla = "deepseek" in type(model).__name__.lower()
     rng = np.random.default_rng(3)
@@ -44,7 +57,8 @@ def test_offload_policies_match_hf_generate_and_move_weights(saved, policy):  # 
                               memory=MemorySettings(activation_reserve_gb=0))
     budget = prepare(job).budget
     assert budget.streamed_layers == job.model.num_moe_layers and budget.whole_layers == whole
-    out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 2000, 4, 64)))
+    out = execute(job, ExecSettings(device=device, dtype="float32", model_path=str(path),
+                                    kv_budget_mb=kv_mb_for(path, 2000, 4, 64)))
     for sid in range(N):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
     traffic = out.kv_traffic
