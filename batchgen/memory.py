@@ -215,14 +215,17 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
 
 def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, float]:
     """(resident bytes, streamed bytes per iteration) of one rank when every decoder layer's weights stream
-    from host through a ring of two layers: embeddings and LM head stay resident, with the two largest
-    layers' slots (a decision: the paper's memory-limited rig runs DeepSeek-V2, whose attention and shared
-    experts alone exceed an A5000)."""
+    from host through a ring of two layers: embeddings and LM head stay resident, with two slots each as large
+    as the largest layer, as the executor allocates them (batchgen.exec.weight_stream; a decision: the
+    paper's memory-limited rig runs DeepSeek-V2, whose attention and shared experts alone exceed an A5000)."""
     weights = lat.weight_bytes_per_rank()
     resident = model.embedding_params * model.weight_bytes
     layers = weights - resident
-    per_layer = layers / max(model.num_layers, 1)
-    return resident + 2 * per_layer, layers
+    n_dense, n_moe = model.num_layers - model.num_moe_layers, model.num_moe_layers
+    dense = (model.attention_params_per_layer + model.dense_ffn_params) * model.weight_bytes if n_dense else 0.0
+    moe = (layers - n_dense * dense) / n_moe if n_moe else 0.0
+    largest = max(dense, moe, layers / max(model.num_layers, 1))
+    return resident + min(2, model.num_layers) * largest, layers
 
 
 def group_budget(budget: MemoryBudget, lat: LatencyModel) -> MemoryBudget:
