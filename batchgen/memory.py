@@ -122,6 +122,7 @@ class MemoryBudget:
     streamed_layers: int = 0         # MoE layers whose experts stream through the ring buffer
     attention_tp: int = 1            # >1: a scheduler rank is a TP-attention group of this many GPUs, and
     #                                  kv_pages_per_gpu counts the group's pages (`group_budget`)
+    whole_layers: bool = False       # the streamed_layers stream whole decoder layers (every one), not experts
 
     def describe(self, model: ModelSpec) -> str:
         gb = 1e9
@@ -160,7 +161,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
     page_bytes = page_tokens * model.kv_bytes_per_token
     host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
     host_weights = host_weight_bytes(model, lat, cluster.node_size)
-    streamed = 0.0
+    streamed, whole_layers = 0.0, False
     n_moe = model.num_moe_layers
     if streamed_layers is not None and not 0 <= streamed_layers <= n_moe:
         raise ConfigError(f"streamed_layers must be within 0..{n_moe} (MoE layers of {model.name}), "
@@ -184,7 +185,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             # even the non-expert weights do not fit (DeepSeek-V2 on a 24 GB GPU): every decoder layer streams
             # whole (attention, shared experts, router and experts) through a ring of two layers
             resident, per_layer = whole[0], whole[1] / max(n_moe, 1)
-            fits_streaming = True
+            fits_streaming = whole_layers = True
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
                 how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
@@ -208,19 +209,23 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
         if host_kv < page_tokens:
             raise ConfigError(f"no host memory left for KV on a node: {host_weights / gb:.0f} GB of weights vs "
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
-    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers)
+    return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers,
+                        whole_layers=whole_layers)
 
 
 def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, float]:
     """(resident bytes, streamed bytes per iteration) of one rank when every decoder layer's weights stream
-    from host through a ring of two layers: embeddings and LM head stay resident, with the two largest
-    layers' slots (a decision: the paper's memory-limited rig runs DeepSeek-V2, whose attention and shared
-    experts alone exceed an A5000)."""
+    from host through a ring of two layers: embeddings and LM head stay resident, with two slots each as large
+    as the largest layer, as the executor allocates them (batchgen.exec.weight_stream; a decision: the
+    paper's memory-limited rig runs DeepSeek-V2, whose attention and shared experts alone exceed an A5000)."""
     weights = lat.weight_bytes_per_rank()
     resident = model.embedding_params * model.weight_bytes
     layers = weights - resident
-    per_layer = layers / max(model.num_layers, 1)
-    return resident + 2 * per_layer, layers
+    n_dense, n_moe = model.num_layers - model.num_moe_layers, model.num_moe_layers
+    dense = (model.attention_params_per_layer + model.dense_ffn_params) * model.weight_bytes if n_dense else 0.0
+    moe = (layers - n_dense * dense) / n_moe if n_moe else 0.0
+    largest = max(dense, moe, layers / max(model.num_layers, 1))
+    return resident + min(2, model.num_layers) * largest, layers
 
 
 def group_budget(budget: MemoryBudget, lat: LatencyModel) -> MemoryBudget:

@@ -251,7 +251,7 @@ class ExecBackend:
     def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
         logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention,
                                                             plan.ffn_schedule)
-        self.traffic["weight_bytes"] = stats.weight_bytes or self.traffic["weight_bytes"]
+        self.traffic["weight_bytes"] += stats.weight_bytes
         self.traffic["ffn_calls"] += stats.ffn_calls
         self.traffic["restored_bytes"] += stats.restored_bytes
         self.traffic["appended_bytes"] += stats.appended_bytes

@@ -4,6 +4,8 @@ Random weights are built in full before anything runs: `backend=exec` with the d
 in fp32) or DeepSeek-R1 grew to 23.8 GB of resident memory on a 24 GB machine until the kernel killed it, and
 other jobs with it. So the weights (one copy per device that runs an instance) and the KV budget of the ranks
 on each device are compared with what the device has free, and a job that cannot fit stops with one line.
+Weights the memory plan streams (`batchgen.exec.weight_stream`) count as their host copy in host memory and
+their staging slots on the device, as the executor allocates them.
 """
 from __future__ import annotations
 
@@ -43,21 +45,43 @@ def parameter_count(job, model_path: str | None) -> tuple[int, str] | None:
 
 
 def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
-               ranks_per_instance: int, free=free_bytes) -> None:
-    """Raise ConfigError when some device cannot hold its weights and KV budget."""
+               ranks_per_instance: int, free=free_bytes, streamed=None) -> None:
+    """Raise ConfigError when some device cannot hold its weights and KV budget.
+
+    `streamed` (a `weight_stream.Footprint`, from the memory plan): weights that live on the host and pass
+    through staging slots on the device. Each device then holds the resident weights and the slots, and the
+    host holds the streamed weights' packed copy, once per device (pinned for a CUDA device). A CPU device is
+    the host: both count there."""
     counted = parameter_count(job, model_path)
     if counted is None:
         return
     params, source = counted
     weights = params * torch.tensor([], dtype=dtype).element_size()
+    host_copy = staging = off_device = 0
+    if streamed is not None and streamed.layers:
+        host_copy, staging = streamed.host_bytes, streamed.staging_bytes
+        off_device = min(streamed.streamed_bytes, weights)
+    on_device = weights - off_device + staging
+    host = torch.device("cpu")
     need: dict[torch.device, float] = {}
-    for device in devices:  # each instance's ranks keep their KV on its device; weights once per device
-        need[device] = need.get(device, weights) + ranks_per_instance * kv_budget_mb * 2**20
+    for device in dict.fromkeys(devices):  # weights (and the host copies of streamed ones) once per device
+        need[device] = need.get(device, 0.0) + on_device
+        need[host] = need.get(host, 0.0) + host_copy
+    for device in devices:  # each instance's ranks keep their KV on its device
+        need[device] += ranks_per_instance * kv_budget_mb * 2**20
+    dtype_name = str(dtype).removeprefix("torch.")
     for device, bytes_ in need.items():
         have = free(device)
-        if have is None or bytes_ <= SAFETY * have:
+        if not bytes_ or have is None or bytes_ <= SAFETY * have:
             continue
-        dtype_name = str(dtype).removeprefix("torch.")
+        if host_copy:
+            raise ConfigError(
+                f"{source} has {params / 1e9:.1f}B parameters in {dtype_name}; the memory plan streams "
+                f"{off_device / 1e9:.2f} GB of them from host copies ({host_copy / 1e9:.2f} GB per device in host "
+                f"memory) through {staging / 1e9:.2f} GB of staging buffers, so {device} needs "
+                f"{bytes_ / 1e9:.2f} GB (resident weights, staging, KV budget and host copies where they live "
+                f"there) but has {have / 1e9:.1f} GB free: choose a smaller model, a smaller "
+                "backend.kv_budget_mb, backend.dtype=bfloat16, or a machine with more memory")
         raise ConfigError(
             f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights plus "
             f"{(bytes_ - weights) / 1e9:.1f} GB of KV budget on {device}, which has {have / 1e9:.1f} GB free: "

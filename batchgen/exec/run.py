@@ -27,6 +27,7 @@ from batchgen.exec.staging import BUFFERS, staging_pages
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
 from batchgen.exec.threads import pinned_threads, resolve_threads
+from batchgen.exec.weight_stream import footprint, meta_model, stream_onto, stream_spec_of
 from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
@@ -141,6 +142,7 @@ class KVPools:
     staging_pages: int | None
     num_pages: int
     max_context: int
+    budget: object = None  # the memory plan against this pool (`MemoryBudget`: which weights stream)
 
 
 def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: torch.dtype) -> KVPools:
@@ -161,8 +163,8 @@ def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: t
            f"{max(need_mb, 1):,.0f} MB) or shorten the longest requests")
     if num_pages < 1:
         raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: {fix}")
-    prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix)
-    return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context)
+    budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix).budget
+    return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context, budget)
 
 
 def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtype: torch.dtype,
@@ -219,19 +221,22 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         cluster = effective_cluster(job)
         devices = settings.instance_devices(cluster.num_instances)
         dtype = settings.torch_dtype(devices)
-        check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, cluster.instance_size)
         config = model_config(job, settings)
         _check_lengths(job, config)
         pools = kv_pools(job, settings, config, dtype)
+        stream = stream_spec_of(pools.budget, job.model)  # the weights the memory plan keeps on the host
+        check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, cluster.instance_size,
+                   streamed=footprint(meta_model(config, dtype), stream))
         done_before = [len(r) for r in resumed] if resumed is not None else [0] * len(job.workload)
         params = _checked_params(job, settings, params, done_before)
-        model = build_model(job, settings, devices[0], dtype).eval()
-        models = {devices[0]: model}
-        for dev in devices[1:]:  # one copy of the weights per device that runs an instance
-            models.setdefault(dev, copy.deepcopy(model).to(dev))
+        # streamed weights are built on the CPU and never occupy the device (`weight_stream.stream_onto`)
+        model = build_model(job, settings, torch.device("cpu") if stream else devices[0], dtype).eval()
+        models = {dev: model if i == 0 else copy.deepcopy(model)  # one copy of the weights per device
+                  for i, dev in enumerate(dict.fromkeys(devices))}
+        streamers = {dev: stream_onto(m, stream, dev) for dev, m in models.items()}
         prompts = _checked_prompts(job, settings, model.config, prompts, done_before)
         runs = [_run_once(job, settings, models, devices, dtype, pools, prompts, params, on_finish, resumed,
-                          after_run)
+                          after_run, streamers)
                 for _ in range(settings.repeats)]
     names = sorted({str(d) for d in devices})
     for r in runs:
@@ -299,8 +304,9 @@ def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParam
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
               pools: KVPools, prompts: list[np.ndarray], params: list[SamplingParams],
               on_finish: FinishObserver | None, resumed: list[list[int]] | None = None,
-              after_run: Callable[[SequenceTokens], None] | None = None) -> ExecOutput:
-    """One run of the whole job on already built models: fresh KV caches, state and sampled tokens."""
+              after_run: Callable[[SequenceTokens], None] | None = None, streamers: dict | None = None) -> ExecOutput:
+    """One run of the whole job on already built models: fresh KV caches, state and sampled tokens.
+    `streamers`: per device, the model's weight streamer (None where every weight is resident)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
     c = models[devices[0]].config
@@ -317,7 +323,13 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
         raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
                           "tokenizer.json")
     tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode, resumed=resumed)
-    runners = [InstanceRunner(models[dev], attention_tp=getattr(prepared.policy, "attention_tp", 1)) for dev in devices]
+    streamers = streamers or {}
+    planned = stream_spec_of(prepared.budget, job.model)
+    built = {s.spec if s else None for s in streamers.values()} or {None}
+    if built != {planned}:
+        raise InvariantError(f"the memory plan streams {planned} but the models were built streaming {built}")
+    runners = [InstanceRunner(models[dev], attention_tp=getattr(prepared.policy, "attention_tp", 1),
+                              streamer=streamers.get(dev)) for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed,
                           two_batch_overlap=getattr(prepared.policy, "two_batch_overlap", False))
     records: list[StepRecord] = []

@@ -62,7 +62,7 @@ class ForwardStats:
     restored_bytes: int = 0       # KV restored from host into staging buffers, all layers
     appended_bytes: int = 0       # new tokens' KV sent back to host copies, all layers
     ffn_calls: int = 0            # FFN calls over all layers when each micro-batch runs its own
-    weight_bytes: int = 0         # weights copied host -> device so far by this runner (streamed schedules)
+    weight_bytes: int = 0         # weights copied host -> device in this forward (streamed weights)
 
 
 @dataclass
@@ -83,14 +83,16 @@ class _Piece:
 
 
 class InstanceRunner:
-    def __init__(self, model: MoEDecoder, micro_batch: int = 0, attention_tp: int = 1):
+    def __init__(self, model: MoEDecoder, micro_batch: int = 0, attention_tp: int = 1, streamer=None):
         """`attention_tp` > 1: each rank is a TP-attention group; its device attention runs head-sharded over
-        that many shards whose partial outputs are summed (`group_attention`), as the group's GPUs do."""
+        that many shards whose partial outputs are summed (`group_attention`), as the group's GPUs do.
+        `streamer`: the model's `weight_stream.WeightStreamer` when the memory plan streams weights from host
+        (every forward then acquires each layer's weights before it runs)."""
         self.model = model
         self.micro_batch = micro_batch
         self.attention_tp = attention_tp
         self.device = next(model.parameters()).device
-        self.streamer = None  # a WeightStreamer once a forward streams weights (offloading systems' schedules)
+        self.streamer = streamer
 
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
@@ -98,9 +100,9 @@ class InstanceRunner:
         """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each; only the sequences whose
         `sample` flag is set where a rank gives flags), and timings.
 
-        `ffn_schedule` other than "combined" (the offloading systems): every layer's weights are copied from their
-        host copy before the layer runs (`weight_stream.WeightStreamer`, once per layer, reused by every
-        micro-batch), and each attention micro-batch runs its own FFN instead of one combined expert batch."""
+        `ffn_schedule` other than "combined" (the offloading systems): each attention micro-batch runs its own FFN
+        instead of one combined expert batch. With a streamer, every streamed layer's weights are copied from
+        their host copy into a staging slot before the layer runs (once per layer, reused by every micro-batch)."""
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
         if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):
@@ -114,12 +116,13 @@ class InstanceRunner:
         timer = _Timer(self.device)
         hidden = self.model.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
         offload = ffn_schedule != "combined"
-        if offload and self.streamer is None:
-            from batchgen.exec.weight_stream import WeightStreamer
-            self.streamer = WeightStreamer(self.model)
+        streamer = self.streamer
+        if streamer is not None:
+            streamer.begin()
+            copied = streamer.copied_bytes
         for layer in range(self.model.num_layers):
-            if offload:
-                self.streamer.acquire(layer)
+            if streamer is not None:
+                streamer.acquire(layer)
             for p in pieces:
                 if p.kind == "shard":
                     if p.shard == 0:  # the whole group at once: the sum needs every shard
@@ -151,9 +154,9 @@ class InstanceRunner:
                 hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
             timer.stop(start, "ffn")
             stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
-        if offload:
-            self.streamer.finish()
-            stats.weight_bytes = self.streamer.copied_bytes
+        if streamer is not None:
+            streamer.finish()
+            stats.weight_bytes = streamer.copied_bytes - copied
         start = timer.start()
         out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
         timer.stop(start, "head")
