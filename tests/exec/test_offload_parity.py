@@ -52,7 +52,7 @@ def check_offload_policy(saved, policy: str, device: str) -> None:  # noqa: F811
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs(policy, mla))
     gb, whole = RIG_GB[policy]
-    gpu = dataclasses.replace(job.cluster.gpu, hbm_gb=gb)
+    gpu = dataclasses.replace(job.cluster.gpu, hbm_gb=gb, memory_mib=gb * 1e9 / 2**20)
     job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpu=gpu),
                               memory=MemorySettings(activation_reserve_gb=0))
     budget = prepare(job).budget

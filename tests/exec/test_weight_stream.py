@@ -115,7 +115,8 @@ def rig(policy: str, gpu_gb: float, **knobs):
     job = make_job(policy, model="tiny_moe", inputs=np.array([9, 14, 5, 12, 7, 3]), outputs=np.array([5, 3, 6, 4, 2, 5]),
                    page_tokens=8, cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
     c = job.cluster
-    return dataclasses.replace(job, cluster=dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, hbm_gb=gpu_gb)),
+    gpu = dataclasses.replace(c.gpu, hbm_gb=gpu_gb, memory_mib=gpu_gb * 1e9 / 2**20)
+    return dataclasses.replace(job, cluster=dataclasses.replace(c, gpu=gpu),
                                memory=MemorySettings(activation_reserve_gb=0))
 
 
