@@ -20,6 +20,7 @@ from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
+from batchgen.sim.scalar import price_row, rows_of, scalar_pricer
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -104,14 +105,14 @@ class SimBackend:
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
+            cost = self._price(load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                               plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
+            cost = self._price(load, self.weight_stream_s)
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
@@ -148,7 +149,7 @@ class SimBackend:
                 load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
                                    self._similar_calls and not plan.padded)
-                cost = price(self.lat, load, self.weight_stream_s, join, tbo=self.tbo)
+                cost = self._price(load, self.weight_stream_s, join)
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)
@@ -178,6 +179,18 @@ class SimBackend:
                           if self.lat.model.is_moe else 0,
                           int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def _price(self, load, weight_stream_s: float, join=0.0):
+        """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the
+        same values bit for bit) where that path applies."""
+        sp = scalar_pricer(self.lat)
+        if sp is not None and type(join) is float and join == 0.0:
+            rows = rows_of(load)
+            if rows is not None:
+                cost = price_row(sp, rows, load.head_rows is not None, weight_stream_s, self.tbo)
+                if cost is not None:
+                    return cost
+        return price(self.lat, load, weight_stream_s, join, tbo=self.tbo)
 
     @property
     def host_bytes_per_iteration(self) -> float:
