@@ -105,3 +105,65 @@ def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
     except ConfigError:
         assume(False)
     assert_same(fast, ref)
+
+
+# ---- the one-rank scalar path (batchgen.sim.scalar) against the numpy code it mirrors, bit for bit ----------
+
+def _scalar_setup(model="llama2_7b"):
+    from batchgen.job import prepare
+    from batchgen.sim.scalar import scalar_pricer
+
+    rng = np.random.default_rng(0)
+    job = make_job("continuous", model, "a100_8", rng.integers(8, 3000, 4), rng.integers(1, 600, 4),
+                   cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
+    lat = prepare(job).latency
+    return lat, scalar_pricer(lat)
+
+
+def _same_cost(a, b):
+    for f in ("iteration_s", "rank_busy", "rank_comm", "expert_tokens"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.shape == y.shape and np.array_equal(x, y), (f, x, y)
+    assert a.modules == b.modules
+
+
+@pytest.mark.parametrize("tbo", [False, True])
+def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
+    from batchgen.sim.costs import decode_load, mixed_load, price
+    from batchgen.sim.scalar import decode_rows, mixed_rows, price_row, rows_of
+
+    lat, sp = _scalar_setup()
+    assert sp is not None
+    rng = np.random.default_rng(7)
+    for trial in range(150):
+        n = int(rng.integers(0, 300))
+        context = rng.integers(1, 5000, n)
+        K = int(rng.integers(1, 13))
+        # a run to the first finish (everyone alive throughout) or sequences ending part-way
+        alive = np.full(n, K) if trial % 2 else rng.integers(1, K + 1, n)
+        mb = int(rng.choice([0, 0, 7, 64]))
+        rank, tp, zero = np.zeros(n, np.int64), np.ones(n, np.int64), np.zeros(1, np.int64)
+        if n:
+            load = decode_load(rank, context, alive, tp, 1, K, mb, zero, zero)
+            rows = decode_rows(context, alive, K, mb)
+            assert rows == rows_of(load)
+            _same_cost(price_row(sp, rows, False, tbo=tbo), price(lat, load, tbo=tbo))
+        c = int(rng.integers(1, 6))
+        start = rng.integers(0, 3000, c) * (rng.random(c) < 0.5)
+        length = np.maximum(rng.integers(-3, 3000, c), 1)
+        completes = rng.random(c) < 0.5
+        load = mixed_load(np.zeros(c, np.int64), start, length, completes, rank, context, 1, mb)
+        rows = mixed_rows(start, length, completes, context, mb)
+        assert rows == rows_of(load)
+        _same_cost(price_row(sp, rows, True, tbo=tbo), price(lat, load, tbo=tbo))
+
+
+def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
+    from batchgen.sim.scalar import scalar_pricer
+
+    lat, _ = _scalar_setup("tiny_moe")
+    assert scalar_pricer(lat) is None  # an MoE model: the expert all-to-all is numpy's
+    lat, sp = _scalar_setup()
+    with fastpath.reference():
+        assert scalar_pricer(lat) is None
+    assert scalar_pricer(lat) is sp

@@ -20,7 +20,7 @@ from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
-from batchgen.sim.scalar import price_row, rows_of, scalar_pricer
+from batchgen.sim.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row, rows_of, scalar_pricer
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -106,13 +106,23 @@ class SimBackend:
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = self._price(load, self.weight_stream_s)
+            gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
-            load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                              plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = self._price(load, self.weight_stream_s)
+            sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
+            cost = None
+            if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
+                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, t.context(ids),
+                                  plan.micro_batch)
+                cost = price_row(sp, rows, True, self.weight_stream_s, self.tbo)
+                gate_total = rows[2][0]
+            if cost is None:
+                load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
+                                  plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
+                cost = self._price(load, self.weight_stream_s)
+                gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
@@ -132,6 +142,7 @@ class SimBackend:
                                                       cpu_attention=bool(plan.cpu_attention and hosted.any()),
                                                       pipelined=plan.ffn_schedule == "pipelined",
                                                       prefetch_bytes=self._prefetch_per_layer)
+                gate_total = load.gate_tokens.sum()
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
@@ -142,14 +153,26 @@ class SimBackend:
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
+                gate_total = load.gate_tokens.sum()
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
             else:
-                load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
-                                   self._similar_calls and not plan.padded)
-                cost = self._price(load, self.weight_stream_s, join)
+                cost = None
+                if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
+                        and type(join) is float and join == 0.0 and not self._similar_calls
+                        and not plan.pad_rows.any() and int(plan.decode_tp.max()) == 1):
+                    sp = scalar_pricer(self.lat)
+                    if sp is not None:  # one rank, a short run: load and price on Python floats
+                        rows = decode_rows(context, alive, iterations, plan.micro_batch)
+                        cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
+                        gate_total = sum(rows[2])
+                if cost is None:
+                    load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
+                                       plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
+                                       self._similar_calls and not plan.padded)
+                    cost = self._price(load, self.weight_stream_s, join)
+                    gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
         transfer = self._transfer_seconds(plan, produced)
@@ -177,7 +200,7 @@ class SimBackend:
                           rank_comm, float(cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
-                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
+                          int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
 
     def _price(self, load, weight_stream_s: float, join=0.0):

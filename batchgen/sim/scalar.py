@@ -234,3 +234,64 @@ def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, hea
                "head": float(np.array(head_s).sum())}
     expert = np.array([g if on else 0.0 for g, on in zip(gate, active)])
     return RunCost(np.array(iteration), np.array([busy]).sum(axis=1), rank_comm, expert, modules)
+
+
+def decode_rows(context: np.ndarray, alive_for: np.ndarray, iterations: int, micro_batch: int) -> list[list[float]]:
+    """`rows_of(costs.decode_load(...))` for one rank, nothing partitioned, no padding rows and no similar-context
+    calls: per iteration k, the sequences still running (alive_for > k), their contexts summed (+ k each) and
+    the longest (+ k). Every amount is a whole number below 2^53, so the sums are exact in any order."""
+    K = iterations
+    n = alive_for.size
+    if n and int(alive_for.min()) >= K:  # every sequence runs the whole run (a run to the first finish)
+        tokens = [float(n)] * K
+        base, top = float(context.sum()), float(context.max())
+        ctx = [base + tokens[0] * k for k in range(K)]
+        longest = [top + k for k in range(K)]
+    else:
+        alive = np.minimum(alive_for, K)
+        count = np.bincount(alive, minlength=K + 1).tolist()
+        total = np.bincount(alive, weights=context, minlength=K + 1).tolist()
+        most = np.full(K + 1, -1, np.int64)
+        np.maximum.at(most, alive, context)
+        most = most.tolist()
+        tokens, ctx, longest = [0.0] * K, [0.0] * K, [0.0] * K
+        c = s = 0.0
+        m = -1
+        for k in range(K - 1, -1, -1):  # alive at k: alive_for in k + 1 .. K
+            c += count[k + 1]
+            s += total[k + 1]
+            m = max(m, most[k + 1])
+            tokens[k], ctx[k], longest[k] = c, s + c * k, (m + k if m >= 0 else 0.0)
+    if micro_batch > 0:
+        mb = [max(float(math.ceil(g / micro_batch)), 1.0) for g in tokens]
+    else:
+        mb = [1.0] * K
+    zeros = [0.0] * K
+    return [tokens, ctx, tokens, zeros, zeros, mb, [float(x) for x in longest], zeros, zeros, tokens, tokens]
+
+
+def mixed_rows(chunk_start: np.ndarray, chunk_len: np.ndarray, chunk_completes: np.ndarray,
+               decode_context: np.ndarray, micro_batch: int) -> list[list[float]]:
+    """`rows_of(costs.mixed_load(...))` for one rank without similar-context calls (head rows given). Sums of
+    whole numbers below 2^53 are exact in any order; the longest chunk's sqrt is numpy's (both IEEE)."""
+    p_tok = p_sq = p_seq = d_single = single_ctx = 0
+    p_max = 0.0
+    d_max = float(decode_context.max()) if decode_context.size else 0.0
+    for s, n in zip(chunk_start.tolist(), chunk_len.tolist()):
+        if n > 1:
+            p_tok += n
+            p_sq += n * n + 2 * s * n
+            p_seq += 1
+            p_max = max(p_max, math.sqrt(float(n * (s + n))))
+        else:  # a one-token chunk attends like a decode query over start + 1
+            d_single += 1
+            single_ctx += s + 1
+            d_max = max(d_max, float(s + 1))
+    d_tok = float(decode_context.size + d_single)
+    d_ctx = float(int(decode_context.sum()) + single_ctx)
+    seqs = p_seq + d_tok
+    mb = math.ceil(seqs / micro_batch) if micro_batch > 0 else (1.0 if seqs > 0 else 0.0)
+    head = float(decode_context.size + int(np.count_nonzero(chunk_completes)))
+    p_tok = float(p_tok)
+    return [[d_tok], [d_ctx], [p_tok + d_tok], [float(p_sq)], [p_tok], [max(float(mb), 1.0)], [d_max], [p_max],
+            [float(p_seq)], [seqs], [head]]
