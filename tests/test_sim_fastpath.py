@@ -16,9 +16,9 @@ from conftest import make_job
 from test_sim_properties import POLICIES, build, jobs
 
 
-def outcome(job):
+def outcome(job, kv_pages=None):
     """Everything a run produces that the fast paths could change."""
-    out = simulate(job, progress=False)
+    out = simulate(job, progress=False, kv_pages_per_gpu=kv_pages)
     t = out.prepared.state.table
     steps = [(r.instance, r.start, r.duration, r.phase, r.iterations, r.tokens, r.running, r.expert_tokens,
               r.expert_calls, np.asarray(r.rank_busy).tolist(), np.asarray(r.rank_comm).tolist(),
@@ -39,12 +39,12 @@ def assert_same(fast, ref):
         assert fast[key] == ref[key], key
 
 
-def both_ways(job):
+def both_ways(job, kv_pages=None):
     assert fastpath.ENABLED
-    fast = outcome(job)
+    fast = outcome(job, kv_pages)
     with fastpath.reference():
         assert not fastpath.ENABLED
-        ref = outcome(job)
+        ref = outcome(job, kv_pages)
     assert fastpath.ENABLED
     return fast, ref
 
@@ -71,13 +71,19 @@ CASES = {
     "static-tiny-8": lambda: make_job("static", "tiny_moe", "h100_8", n=80),
     "continuous-tiny-8": lambda: make_job("continuous", "tiny_moe", "h100_8", n=80,
                                           policy_overrides={"token_budget": 300}),
+    # one rank short of KV pages: preemption (greedy) and a tight reserve (conservative) on the one-rank paths
+    "continuous-a100-preempting": lambda: vidur_like("continuous", n=120),
+    "sglang_opt-a100-small-pool": lambda: vidur_like("sglang_opt", n=120),
 }
+KV_PAGES = {"continuous-a100-preempting": 400, "sglang_opt-a100-small-pool": 400}  # pages per GPU
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fast_paths_reproduce_the_general_code(case):
-    fast, ref = both_ways(CASES[case]())
+    fast, ref = both_ways(CASES[case](), KV_PAGES.get(case))
     assert len(fast["steps"]) > 1
+    if case == "continuous-a100-preempting":
+        assert any(d.evicted for d in fast["trace"])  # the case preempts
     assert_same(fast, ref)
 
 
