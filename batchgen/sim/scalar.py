@@ -222,7 +222,7 @@ def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
         head_s.append(hs if on else 0.0)
         comm.append(c if on else 0.0)
         active.append(on)
-    rank_comm = np.full(1, float(np.array(comm).sum()))
+    rank_comm = np.array([0.0 + comm[0]]) if len(comm) == 1 else np.full(1, float(np.array(comm).sum()))
     return _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s)
 
 
@@ -230,6 +230,10 @@ def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, hea
     """The RunCost of per-iteration values, summed by numpy as the array paths sum them (pairwise)."""
     if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
         rank_comm = np.zeros(1)
+    if len(iteration) == 1:  # numpy's sum of one element is 0.0 + it (its identity first): the same, cheaper
+        modules = {"attention": 0.0 + attention[0], "ffn": 0.0 + ffn[0], "head": 0.0 + head_s[0]}
+        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]), rank_comm,
+                       np.array([gate[0] if active[0] else 0.0]), modules)
     modules = {"attention": float(np.array(attention).sum()), "ffn": float(np.array(ffn).sum()),
                "head": float(np.array(head_s).sum())}
     expert = np.array([g if on else 0.0 for g, on in zip(gate, active)])
