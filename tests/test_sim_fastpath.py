@@ -173,3 +173,25 @@ def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
     with fastpath.reference():
         assert scalar_pricer(lat) is None
     assert scalar_pricer(lat) is sp
+
+
+def test_vector_price_of_long_one_rank_runs_is_numpys():
+    """Runs of many iterations in which only the context changes (a run to the first finish, a static batch with
+    padding rows): `price_vector` equals `costs.price` bit for bit, and declines a run whose batch changes."""
+    from batchgen.sim.costs import decode_load, price
+    from batchgen.sim.scalar import price_vector
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(3)
+    for trial in range(100):
+        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 80))
+        context = rng.integers(1, 6000, n)
+        pad = np.array([int(rng.integers(0, 20)) if trial % 2 else 0])
+        pad_ctx = pad * int(rng.integers(1, 4000))
+        mb = int(rng.choice([0, 16]))
+        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb, pad, pad_ctx)
+        _same_cost(price_vector(sp, load, 0.0), price(lat, load))
+        _same_cost(price_vector(sp, load, 0.01), price(lat, load, 0.01))
+    ragged = decode_load(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([20, 30, 40]), np.ones(3, np.int64),
+                         1, 40, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert price_vector(sp, ragged) is None  # sequences end part-way: not this path's

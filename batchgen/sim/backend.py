@@ -20,7 +20,8 @@ from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
-from batchgen.sim.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row, rows_of, scalar_pricer
+from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_row, price_vector, rows_of,
+                                 scalar_pricer)
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -207,12 +208,15 @@ class SimBackend:
         """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the
         same values bit for bit) where that path applies."""
         sp = scalar_pricer(self.lat)
-        if sp is not None and type(join) is float and join == 0.0:
+        if sp is not None and type(join) is float and join == 0.0 and load.gate_tokens.shape[0] == 1:
             rows = rows_of(load)
+            cost = None
             if rows is not None:
                 cost = price_row(sp, rows, load.head_rows is not None, weight_stream_s, self.tbo)
-                if cost is not None:
-                    return cost
+            elif not (self.tbo and weight_stream_s <= 0):  # a long run: constant parts once, context as vectors
+                cost = price_vector(sp, load, weight_stream_s)
+            if cost is not None:
+                return cost
         return price(self.lat, load, weight_stream_s, join, tbo=self.tbo)
 
     @property

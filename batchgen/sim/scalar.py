@@ -299,3 +299,63 @@ def mixed_rows(chunk_start: np.ndarray, chunk_len: np.ndarray, chunk_completes: 
     p_tok = float(p_tok)
     return [[d_tok], [d_ctx], [p_tok + d_tok], [float(p_sq)], [p_tok], [max(float(mb), 1.0)], [d_max], [p_max],
             [float(p_seq)], [seqs], [head]]
+
+
+def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
+    """`costs.price` (no two-batch overlap) of a one-rank run of many iterations in which every amount but the
+    context is the same each iteration (a run to the first finish, a static batch with its padding rows): the
+    constant modules priced once on Python floats, decode attention's context-dependent part as numpy vectors
+    over the iterations (element for element the grid's operations). None where that does not hold."""
+    from batchgen.sim.costs import RunCost
+
+    fields = {}
+    for name in ("attn_tokens", "gate_tokens", "micro_batches", "sequences", "prefill_tokens", "prefill_sq",
+                 "prefill_max", "prefill_seqs"):
+        row = getattr(load, name)[0]
+        first = row[0]
+        if not (row == first).all():
+            return None
+        fields[name] = float(first)
+    head_rows = load.head_rows
+    if head_rows is not None:
+        row = head_rows[0]
+        if not (row == row[0]).all():
+            return None
+        h_rows = float(row[0])
+    else:
+        h_rows = fields["sequences"]
+    t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
+    K = load.gate_tokens.shape[1]
+    n_dense = sp.lat.layer_counts()[0]
+    try:
+        pre = sp.attention_prefill(fields["prefill_tokens"], fields["prefill_sq"], fields["prefill_max"],
+                                   fields["prefill_seqs"])
+        head = sp.lm_head(h_rows)
+        overhead = sp.step_overhead(fields["sequences"])
+        dense_ffn = sp.dense_ffn(g)
+        proj = sp.gemm("attention_decode", t, sp.attn_shapes, mb) if t > 0 else 0.0
+    except _NotHere:
+        return None
+    ctx = load.attn_context[0]
+    if sp.pad != 0:
+        ctx = (1.0 - sp.pad) * ctx + sp.pad * np.maximum(t * load.attn_max[0], ctx)
+    if t > 0:
+        rate, bw, kernel_s = sp.stream["attention_decode"]
+        kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
+        attn = proj + (np.maximum(sp.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
+    else:
+        attn = np.zeros(K)
+    attn = attn + pre
+    dense = attn + dense_ffn
+    iteration = (head + overhead) + n_dense * (dense + 0.0)
+    busy = head + n_dense * dense
+    if weight_stream_s > 0:
+        iteration = np.maximum(iteration, weight_stream_s)
+    if not g > 0:  # no iteration ran
+        iteration = np.zeros(K)
+        zero = np.zeros(K)
+        modules = {"attention": float(zero.sum()), "ffn": float(zero.sum()), "head": float(zero.sum())}
+        return RunCost(iteration, busy[None, :].sum(axis=1), np.zeros(1), zero, modules)
+    modules = {"attention": float((n_dense * attn).sum()), "ffn": float(np.full(K, 0.0 + n_dense * dense_ffn).sum()),
+               "head": float(np.full(K, head).sum())}
+    return RunCost(iteration, busy[None, :].sum(axis=1), np.zeros(1), np.full(K, 0.0 + g), modules)
