@@ -53,10 +53,17 @@ class Moves:
 
     @classmethod
     def zeros(cls, num_gpus: int) -> "Moves":
-        return cls(*np.zeros((4, num_gpus)))  # one allocation, four rows (one per kind)
+        block = np.zeros((4, num_gpus))
+        moves = cls(*block)  # one allocation, four rows (one per kind)
+        moves._block = block
+        return moves
 
     def any(self) -> bool:
         """Whether any byte moved (a backend skips pricing copies when none did)."""
+        b = self.__dict__.get("_block")
+        if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
+                and self.network.base is b and self.peer.base is b):
+            return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
 
 
