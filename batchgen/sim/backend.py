@@ -176,8 +176,9 @@ class SimBackend:
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
-        transfer = self._transfer_seconds(plan, produced)
-        exposed = float(transfer.max(initial=0.0))
+        still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
+        transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
+        exposed = 0.0 if still else float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
         in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
         boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
@@ -196,7 +197,8 @@ class SimBackend:
                           else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
-        rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
+        # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
+        rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))

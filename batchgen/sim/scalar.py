@@ -161,13 +161,18 @@ def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
     n_dense = sp.lat.layer_counts()[0]
     (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
     iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
+    batch = None
     for k in range(len(gate)):
-        attn = (sp.attention_decode(a_tok[k], a_ctx[k], mb[k], a_max[k])
-                + sp.attention_prefill(p_tok[k], p_sq[k], p_max[k], p_seq[k]))
         g = gate[k]
-        head = sp.lm_head(head_rows[k])
-        it = head + sp.step_overhead(seqs[k])
-        dense_ffn = sp.dense_ffn(g)
+        if batch != (p_tok[k], p_sq[k], p_max[k], p_seq[k], head_rows[k], seqs[k], g):
+            # the parts that do not depend on the context: priced again only when the batch changes
+            batch = (p_tok[k], p_sq[k], p_max[k], p_seq[k], head_rows[k], seqs[k], g)
+            prefill = sp.attention_prefill(p_tok[k], p_sq[k], p_max[k], p_seq[k])
+            head = sp.lm_head(head_rows[k])
+            base = head + sp.step_overhead(seqs[k])
+            dense_ffn = sp.dense_ffn(g)
+        attn = sp.attention_decode(a_tok[k], a_ctx[k], mb[k], a_max[k]) + prefill
+        it = base
         dense = attn + dense_ffn
         it += n_dense * (dense + 0.0)
         b = head + n_dense * dense
