@@ -233,15 +233,18 @@ class ContinuousPolicy:
             head = min(look, _HEAD)
             while True:
                 queued = queue.peek(head)
+                final = head == look  # the candidates are the reference's (else a prefix of them)
                 if room is not None and queued.size:
                     fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
                                                                                 self.clip_max_new_tokens)) < room[0]
                     fits[0] |= not count
-                    queued = queued[: int(np.argmin(fits)) if not fits.all() else queued.size]
+                    if not fits.all():  # cut inside the prefix: the whole queue is cut at the same place
+                        queued = queued[: int(np.argmin(fits))]
+                        final = True
                 cand = np.concatenate([going, queued])
                 start = np.concatenate([prefilled[going_mask], np.zeros(queued.size, np.int64)])
                 ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), budget, free, P)
-                if ids.size < cand.size or head == look:
+                if ids.size < cand.size or final:
                     break
                 head = look  # every candidate looked at moved: the rest of the queue may too
             if ids.size:
@@ -273,13 +276,18 @@ class ContinuousPolicy:
             st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY}
         ratio = st["ratio"].copy()
         if st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
-            ran = np.zeros(R, np.int64)
-            np.maximum.at(ran, st["rank"], snap.lengths.decoded[st["ids"]] - st["dec"])
+            since = snap.lengths.decoded[st["ids"]] - st["dec"]
+            if fastpath.ENABLED and R == 1:  # one rank: the scatter's maximum is the plain one (over 0)
+                ran = np.array([max(int(since.max()), 0)], np.int64)
+            else:
+                ran = np.zeros(R, np.int64)
+                np.maximum.at(ran, st["rank"], since)
             ratio = np.maximum(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
         busy = np.bincount(snap.active_rank, minlength=R) + waiting
         ratio[busy == 0] = self.init_new_token_ratio
         decoding = keep & (snap.active_prefilled == 0) if snap.active_prefilled.size else keep
-        for r in np.unique(snap.active_rank[drop]):  # SGLang's retract: (generated + 20 each) / max_tokens
+        retracting = np.unique(snap.active_rank[drop]) if drop.size or not fastpath.ENABLED else ()
+        for r in retracting:  # SGLang's retract: (generated + 20 each) / max_tokens
             mine = decoding & (snap.active_rank == r)
             cap = self._max_tokens(snap, snap.active_ids[mine])
             if not mine.any() or (cap >= _UNKNOWN).any():
