@@ -71,7 +71,8 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
 
 
 def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
-               K: int, kv_split: bool = True, longest: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               K: int, kv_split: bool = True, longest: bool = True
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(queries, summed context, longest context) in attention per rank and iteration. A partitioned sequence spreads its
     attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
     its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole

@@ -12,8 +12,11 @@ like Python's, is half to even); GEMM times are read from the very curves the ro
 iterations are left to numpy on arrays built from the same values (its pairwise order). It applies only where
 every one of those arguments holds: a plain `Roofline` (not a table or a tensor-parallel-attention wrapper), a
 dense model (no expert all-to-all to price), nothing partitioned (no join), whole token counts within the
-GEMM curves. Everywhere else `scalar_pricer` returns None and the numpy path prices. tests/test_sim_scalar.py
-checks each mirrored method against the roofline's and whole runs against `costs.price` / `tbo.price_tbo`.
+GEMM curves. Everywhere else `scalar_pricer` returns None and the numpy path prices. A longer run whose batch
+stays the same (a static batch, a run to the first finish) goes to `price_vector`: its constant modules on
+floats once, decode attention's context-dependent part as numpy vectors. tests/test_sim_fastpath.py checks the
+rows and prices against `costs.decode_load` / `mixed_load` / `price` / `tbo.price_tbo` on random loads, and
+whole jobs with and without the fast paths.
 """
 
 from __future__ import annotations
