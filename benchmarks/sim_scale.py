@@ -11,9 +11,12 @@ runs Vidur's comparison workload instead (Llama-2-7B, one A100 80GB, the first 1
 conversation trace, prompts clipped to 3,096 tokens) under every registered policy, one row each (wall s,
 sequences per wall-second, events per sequence, simulated BCT, Vidur's wall time over the policy's), and ends
 with `slowest_policy=<name> vs_vidur=<ratio>`. The target (issue 7) is at least 10x for every policy.
-Measured November 30, 2026 on the shared 2-core machine, nearly idle (load average 0.5): continuous 15.0 s
-(2.4x Vidur), coroutine 2.04 s (17.3x), static 4.91 s (7.2x); the release before took 29.8, 3.41 and 9.16 s right
-after. Under load (1.9 and 2.3) two more runs gave 27.9 / 17.8, 3.09 / 1.76 and 7.42 / 5.34 s (README, sim_scale).
+Measured December 1, 2026 on the shared 2-core machine under heavy load (load average 6-8), the commit before
+(38eb7d6) and the one-rank scalar pricing back to back, two runs each, wall seconds before -> after: continuous
+37.9 / 30.1 -> 18.3 / 9.62, sglang_opt 95.4 / 59.7 -> 18.1 / 15.5, static 13.2 / 9.68 -> 7.37 / 6.00, flexgen
+27.4 / 19.1 -> 18.5 / 11.4, zero_inference 22.6 / 13.2 -> 13.4 / 10.4, coroutine 4.26 / 4.30 -> 3.31 / 2.42,
+moe_lightning 5.20 / 3.22 -> 2.83 / 2.16; events unchanged (README, sim_scale, with CPU seconds). Coroutine and
+moe_lightning meet the target; static about meets it on an idle machine; the others do not.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """
 

@@ -16,9 +16,9 @@ from conftest import make_job
 from test_sim_properties import POLICIES, build, jobs
 
 
-def outcome(job):
+def outcome(job, kv_pages=None):
     """Everything a run produces that the fast paths could change."""
-    out = simulate(job, progress=False)
+    out = simulate(job, progress=False, kv_pages_per_gpu=kv_pages)
     t = out.prepared.state.table
     steps = [(r.instance, r.start, r.duration, r.phase, r.iterations, r.tokens, r.running, r.expert_tokens,
               r.expert_calls, np.asarray(r.rank_busy).tolist(), np.asarray(r.rank_comm).tolist(),
@@ -39,12 +39,12 @@ def assert_same(fast, ref):
         assert fast[key] == ref[key], key
 
 
-def both_ways(job):
+def both_ways(job, kv_pages=None):
     assert fastpath.ENABLED
-    fast = outcome(job)
+    fast = outcome(job, kv_pages)
     with fastpath.reference():
         assert not fastpath.ENABLED
-        ref = outcome(job)
+        ref = outcome(job, kv_pages)
     assert fastpath.ENABLED
     return fast, ref
 
@@ -71,13 +71,19 @@ CASES = {
     "static-tiny-8": lambda: make_job("static", "tiny_moe", "h100_8", n=80),
     "continuous-tiny-8": lambda: make_job("continuous", "tiny_moe", "h100_8", n=80,
                                           policy_overrides={"token_budget": 300}),
+    # one rank short of KV pages: preemption (greedy) and a tight reserve (conservative) on the one-rank paths
+    "continuous-a100-preempting": lambda: vidur_like("continuous", n=120),
+    "sglang_opt-a100-small-pool": lambda: vidur_like("sglang_opt", n=120),
 }
+KV_PAGES = {"continuous-a100-preempting": 400, "sglang_opt-a100-small-pool": 400}  # pages per GPU
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fast_paths_reproduce_the_general_code(case):
-    fast, ref = both_ways(CASES[case]())
+    fast, ref = both_ways(CASES[case](), KV_PAGES.get(case))
     assert len(fast["steps"]) > 1
+    if case == "continuous-a100-preempting":
+        assert any(d.evicted for d in fast["trace"])  # the case preempts
     assert_same(fast, ref)
 
 
@@ -105,3 +111,87 @@ def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
     except ConfigError:
         assume(False)
     assert_same(fast, ref)
+
+
+# ---- the one-rank scalar path (batchgen.sim.scalar) against the numpy code it mirrors, bit for bit ----------
+
+def _scalar_setup(model="llama2_7b"):
+    from batchgen.job import prepare
+    from batchgen.sim.scalar import scalar_pricer
+
+    rng = np.random.default_rng(0)
+    job = make_job("continuous", model, "a100_8", rng.integers(8, 3000, 4), rng.integers(1, 600, 4),
+                   cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
+    lat = prepare(job).latency
+    return lat, scalar_pricer(lat)
+
+
+def _same_cost(a, b):
+    for f in ("iteration_s", "rank_busy", "rank_comm", "expert_tokens"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.shape == y.shape and np.array_equal(x, y), (f, x, y)
+    assert a.modules == b.modules
+
+
+@pytest.mark.parametrize("tbo", [False, True])
+def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
+    from batchgen.sim.costs import decode_load, mixed_load, price
+    from batchgen.sim.scalar import decode_rows, mixed_rows, price_row, rows_of
+
+    lat, sp = _scalar_setup()
+    assert sp is not None
+    rng = np.random.default_rng(7)
+    for trial in range(150):
+        n = int(rng.integers(0, 300))
+        context = rng.integers(1, 5000, n)
+        K = int(rng.integers(1, 13))
+        # a run to the first finish (everyone alive throughout) or sequences ending part-way
+        alive = np.full(n, K) if trial % 2 else rng.integers(1, K + 1, n)
+        mb = int(rng.choice([0, 0, 7, 64]))
+        rank, tp, zero = np.zeros(n, np.int64), np.ones(n, np.int64), np.zeros(1, np.int64)
+        if n:
+            load = decode_load(rank, context, alive, tp, 1, K, mb, zero, zero)
+            rows = decode_rows(context, alive, K, mb)
+            assert rows == rows_of(load)
+            _same_cost(price_row(sp, rows, False, tbo=tbo), price(lat, load, tbo=tbo))
+        c = int(rng.integers(1, 6))
+        start = rng.integers(0, 3000, c) * (rng.random(c) < 0.5)
+        length = np.maximum(rng.integers(-3, 3000, c), 1)
+        completes = rng.random(c) < 0.5
+        load = mixed_load(np.zeros(c, np.int64), start, length, completes, rank, context, 1, mb)
+        rows = mixed_rows(start, length, completes, context, mb)
+        assert rows == rows_of(load)
+        _same_cost(price_row(sp, rows, True, tbo=tbo), price(lat, load, tbo=tbo))
+
+
+def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
+    from batchgen.sim.scalar import scalar_pricer
+
+    lat, _ = _scalar_setup("tiny_moe")
+    assert scalar_pricer(lat) is None  # an MoE model: the expert all-to-all is numpy's
+    lat, sp = _scalar_setup()
+    with fastpath.reference():
+        assert scalar_pricer(lat) is None
+    assert scalar_pricer(lat) is sp
+
+
+def test_vector_price_of_long_one_rank_runs_is_numpys():
+    """Runs of many iterations in which only the context changes (a run to the first finish, a static batch with
+    padding rows): `price_vector` equals `costs.price` bit for bit, and declines a run whose batch changes."""
+    from batchgen.sim.costs import decode_load, price
+    from batchgen.sim.scalar import price_vector
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(3)
+    for trial in range(100):
+        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 80))
+        context = rng.integers(1, 6000, n)
+        pad = np.array([int(rng.integers(0, 20)) if trial % 2 else 0])
+        pad_ctx = pad * int(rng.integers(1, 4000))
+        mb = int(rng.choice([0, 16]))
+        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb, pad, pad_ctx)
+        _same_cost(price_vector(sp, load, 0.0), price(lat, load))
+        _same_cost(price_vector(sp, load, 0.01), price(lat, load, 0.01))
+    ragged = decode_load(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([20, 30, 40]), np.ones(3, np.int64),
+                         1, 40, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert price_vector(sp, ragged) is None  # sequences end part-way: not this path's

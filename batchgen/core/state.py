@@ -53,10 +53,17 @@ class Moves:
 
     @classmethod
     def zeros(cls, num_gpus: int) -> "Moves":
-        return cls(*np.zeros((4, num_gpus)))  # one allocation, four rows (one per kind)
+        block = np.zeros((4, num_gpus))
+        moves = cls(*block)  # one allocation, four rows (one per kind)
+        moves._block = block
+        return moves
 
     def any(self) -> bool:
         """Whether any byte moved (a backend skips pricing copies when none did)."""
+        b = self.__dict__.get("_block")
+        if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
+                and self.network.base is b and self.peer.base is b):
+            return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
 
 
@@ -158,6 +165,8 @@ class ClusterState:
 
     def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
         t = self.table
+        if fastpath.ENABLED and ids.size and self._one_gpu_pages(ids, pages):
+            return
         delta = pages - t.pages[ids]
         t.pages[ids] = pages
         rep, gpus = self.group_gpus(ids)
@@ -168,6 +177,27 @@ class ClusterState:
             raise InvariantError(f"GPU {g} would hold {self.pages_used[g]} KV pages, capacity {self.gpu_pages[g]}: "
                                  "the policy must yield or evict before it grows")
         np.maximum(self.peak_pages, self.pages_used, out=self.peak_pages)
+
+    def _one_gpu_pages(self, ids: np.ndarray, pages: np.ndarray) -> bool:
+        """`_set_pages` where every sequence runs unpartitioned on one GPU (one rank's sequences: the usual), as
+        sums instead of a scatter: the same counts (integers), the same check (only that GPU's count changed,
+        and every other one was within capacity already). False, having changed nothing, elsewhere."""
+        t = self.table
+        if t.tp[ids].max() != 1:
+            return False
+        where = t.where[ids]
+        g = int(where[0])
+        if g < 0 or not (where == g).all():
+            return False
+        used = int(self.pages_used[g]) + (int(pages.sum()) - int(t.pages[ids].sum()))
+        t.pages[ids] = pages
+        self.pages_used[g] = used
+        if used > self.gpu_pages[g]:
+            raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
+                                 "the policy must yield or evict before it grows")
+        if used > self.peak_pages[g]:
+            self.peak_pages[g] = used
+        return True
 
     def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
@@ -189,6 +219,8 @@ class ClusterState:
 
     def _host_drop(self, ids: np.ndarray) -> None:
         t = self.table
+        if fastpath.ENABLED and not self.has_host_copies():
+            return  # no host copy anywhere: none to drop
         keep = t.host_node[ids] >= 0
         if keep.any():
             np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))

@@ -162,9 +162,10 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     tokens, context, launches = _host_micro_batches(np.asarray(tokens_in, float), np.asarray(ctx_in, float),
                                                     micro_batch)
     active = gate.sum(axis=0) > 0
-    head = lat.lm_head(gate) + lat.step_overhead(gate)
+    lm_head = lat.lm_head(gate)  # a pure function: priced once for both uses
+    head = lm_head + lat.step_overhead(gate)
     iteration = np.asarray(head, float).max(axis=0)
-    busy = np.broadcast_to(np.asarray(lat.lm_head(gate), float), (R, K)).copy()
+    busy = np.broadcast_to(np.asarray(lm_head, float), (R, K)).copy()
     exposed, comm = np.zeros(K), np.zeros(K)
     calls = np.zeros(K)
     prefetch_s = lat.h2d(prefetch_bytes) if np.any(prefetch_bytes) else 0.0

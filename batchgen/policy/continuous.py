@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, Snapshot
 from batchgen.policy.common import pages_for, per_rank, shed_to_fit
@@ -145,6 +146,8 @@ class ContinuousPolicy:
         return drop, keep, count, free
 
     def _decide_chunked(self, snap: Snapshot) -> Decision:
+        if fastpath.ENABLED and snap.num_ranks == 1 and not len(snap.pending):
+            return self._decide_chunked_one_rank(snap)
         R, P = snap.num_ranks, snap.page_tokens
         d, waiting = self._pin(snap)
         prefilled = snap.active_prefilled
@@ -185,6 +188,72 @@ class ContinuousPolicy:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
 
+    def _decide_chunked_one_rank(self, snap: Snapshot) -> Decision:
+        """`_decide_chunked` for one rank with nothing left to pin (a fast path of batchgen.fastpath: the same
+        decision, field for field): per-rank counts are plain numbers, and only the head of the queue that can
+        move is looked at (a FIFO cut never depends on what follows it; the whole queue when the head all moves)."""
+        P = snap.page_tokens
+        d = Decision(micro_batch=0, stop="first_finish", steps=self.page_lookahead)
+        queue = snap.pinned[0]
+        n_wait = len(queue)
+        prefilled = snap.active_prefilled
+        partial = prefilled > 0
+        any_partial = bool(partial.any())
+        context = snap.active_context
+        need = pages_for(context + self.page_lookahead, P)
+        if any_partial:
+            need = np.where(partial, pages_for(prefilled, P), need)
+        used = int(need.sum())
+        capacity = snap.pages_capacity
+        if used > int(capacity[0]):  # preemption: the general rule (rare)
+            drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), capacity)
+            keep = np.ones(snap.active_ids.size, bool)
+            keep[drop] = False
+            d.evict_ids = snap.active_ids[drop]
+            count = int(keep.sum())
+            used = int(need[keep].sum())
+            decoding = int((keep & ~partial).sum())
+        else:
+            drop, keep = _NO_DROP, None
+            count = snap.active_ids.size
+            decoding = count - int(partial.sum()) if any_partial else count
+        free = float(capacity[0] * (1 - self.admit_watermark) - used)
+        budget = self.token_budget - decoding
+        room = None
+        waiting = None
+        if self.admission == "conservative":
+            waiting = np.array([n_wait])
+            keep_mask = keep if keep is not None else np.ones(snap.active_ids.size, bool)
+            room, d.carry = self._admit_room(snap, waiting, drop, keep_mask, np.array([free]))
+        going_mask = partial if keep is None else keep & partial
+        if budget > 0 and (n_wait > 0 or bool(going_mask.any())) and not drop.size:
+            going = snap.active_ids[going_mask]
+            slots = max(self.max_running - count, 0)
+            look = min(slots, n_wait)
+            head = min(look, _HEAD)
+            while True:
+                queued = queue.peek(head)
+                final = head == look  # the candidates are the reference's (else a prefix of them)
+                if room is not None and queued.size:
+                    fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
+                                                                                self.clip_max_new_tokens)) < room[0]
+                    fits[0] |= not count
+                    if not fits.all():  # cut inside the prefix: the whole queue is cut at the same place
+                        queued = queued[: int(np.argmin(fits))]
+                        final = True
+                cand = np.concatenate([going, queued])
+                start = np.concatenate([prefilled[going_mask], np.zeros(queued.size, np.int64)])
+                ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), budget, free, P)
+                if ids.size < cand.size or final:
+                    break
+                head = look  # every candidate looked at moved: the rest of the queue may too
+            if ids.size:
+                d.chunk_ids, d.chunk_ranks, d.chunk_lens = ids, np.zeros(ids.size, np.int64), lens
+                d.prefill_pinned = True
+        if not n_wait and not any_partial and not drop.size:
+            d.stop = "none"
+        return d
+
     def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
         """max_tokens of each request as the engine knows it (never the true output length): the configured
         cap, else the model's context minus the prompt; unknown (a huge number) when neither is set."""
@@ -207,13 +276,18 @@ class ContinuousPolicy:
             st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY}
         ratio = st["ratio"].copy()
         if st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
-            ran = np.zeros(R, np.int64)
-            np.maximum.at(ran, st["rank"], snap.lengths.decoded[st["ids"]] - st["dec"])
+            since = snap.lengths.decoded[st["ids"]] - st["dec"]
+            if fastpath.ENABLED and R == 1:  # one rank: the scatter's maximum is the plain one (over 0)
+                ran = np.array([max(int(since.max()), 0)], np.int64)
+            else:
+                ran = np.zeros(R, np.int64)
+                np.maximum.at(ran, st["rank"], since)
             ratio = np.maximum(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
         busy = np.bincount(snap.active_rank, minlength=R) + waiting
         ratio[busy == 0] = self.init_new_token_ratio
         decoding = keep & (snap.active_prefilled == 0) if snap.active_prefilled.size else keep
-        for r in np.unique(snap.active_rank[drop]):  # SGLang's retract: (generated + 20 each) / max_tokens
+        retracting = np.unique(snap.active_rank[drop]) if drop.size or not fastpath.ENABLED else ()
+        for r in retracting:  # SGLang's retract: (generated + 20 each) / max_tokens
             mine = decoding & (snap.active_rank == r)
             cap = self._max_tokens(snap, snap.active_ids[mine])
             if not mine.any() or (cap >= _UNKNOWN).any():
@@ -242,6 +316,8 @@ class ContinuousPolicy:
         return free * P - np.bincount(rank, weights=reserve, minlength=R), carry
 
 
+_NO_DROP = np.empty(0, np.int64)
+_HEAD = 16                     # queue entries the one-rank fast path looks at first
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
 _RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS
 

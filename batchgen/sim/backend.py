@@ -20,6 +20,8 @@ from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
+from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_row, price_vector, rows_of,
+                                 scalar_pricer)
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -104,14 +106,24 @@ class SimBackend:
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
+            cost = self._price(load, self.weight_stream_s)
+            gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
-            load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                              plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = price(self.lat, load, self.weight_stream_s, tbo=self.tbo)
+            sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
+            cost = None
+            if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
+                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, t.context(ids),
+                                  plan.micro_batch)
+                cost = price_row(sp, rows, True, self.weight_stream_s, self.tbo)
+                gate_total = rows[2][0]
+            if cost is None:
+                load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
+                                  plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
+                cost = self._price(load, self.weight_stream_s)
+                gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
@@ -131,6 +143,7 @@ class SimBackend:
                                                       cpu_attention=bool(plan.cpu_attention and hosted.any()),
                                                       pipelined=plan.ffn_schedule == "pipelined",
                                                       prefetch_bytes=self._prefetch_per_layer)
+                gate_total = load.gate_tokens.sum()
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
@@ -141,18 +154,31 @@ class SimBackend:
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
+                gate_total = load.gate_tokens.sum()
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
             else:
-                load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
-                                   self._similar_calls and not plan.padded)
-                cost = price(self.lat, load, self.weight_stream_s, join, tbo=self.tbo)
+                cost = None
+                if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
+                        and type(join) is float and join == 0.0 and not self._similar_calls
+                        and not plan.pad_rows.any() and int(plan.decode_tp.max()) == 1):
+                    sp = scalar_pricer(self.lat)
+                    if sp is not None:  # one rank, a short run: load and price on Python floats
+                        rows = decode_rows(context, alive, iterations, plan.micro_batch)
+                        cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
+                        gate_total = sum(rows[2])
+                if cost is None:
+                    load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
+                                       plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
+                                       self._similar_calls and not plan.padded)
+                    cost = self._price(load, self.weight_stream_s, join)
+                    gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         compute = cost.compute_s
-        transfer = self._transfer_seconds(plan, produced)
-        exposed = float(transfer.max(initial=0.0))
+        still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
+        transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
+        exposed = 0.0 if still else float(transfer.max(initial=0.0))
         run = compute + exposed if self._serial else max(compute, exposed)
         in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
         boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
@@ -171,13 +197,29 @@ class SimBackend:
                           else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
-        rank_comm = cost.rank_comm + np.maximum(transfer - compute, 0.0)
+        # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
+        rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
-                          int(load.gate_tokens.sum() - plan.pad_rows.sum() * iterations), modules=cost.modules,
+                          int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def _price(self, load, weight_stream_s: float, join=0.0):
+        """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the
+        same values bit for bit) where that path applies."""
+        sp = scalar_pricer(self.lat)
+        if sp is not None and type(join) is float and join == 0.0 and load.gate_tokens.shape[0] == 1:
+            rows = rows_of(load)
+            cost = None
+            if rows is not None:
+                cost = price_row(sp, rows, load.head_rows is not None, weight_stream_s, self.tbo)
+            elif not (self.tbo and weight_stream_s <= 0):  # a long run: constant parts once, context as vectors
+                cost = price_vector(sp, load, weight_stream_s)
+            if cost is not None:
+                return cost
+        return price(self.lat, load, weight_stream_s, join, tbo=self.tbo)
 
     @property
     def host_bytes_per_iteration(self) -> float:

@@ -71,7 +71,8 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
 
 
 def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
-               K: int, kv_split: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               K: int, kv_split: bool = True, longest: bool = True
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(queries, summed context, longest context) in attention per rank and iteration. A partitioned sequence spreads its
     attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
     its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
@@ -80,8 +81,8 @@ def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp:
         ones, ctx = np.ones(rank.size), context.astype(float)
         attn_tokens = _alive(rank, alive_for, ones, R, K)
         attn_ctx0 = _alive(rank, alive_for, ctx, R, K)
-        longest = _longest_alive(rank, alive_for, ctx, R, K)
-        return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), longest
+        top = _longest_alive(rank, alive_for, ctx, R, K) if longest else None  # None: the caller does not use it
+        return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), top
     rep = np.repeat(np.arange(rank.size), tp)
     offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
     a_rank = (rank[rep] + offset) % R
@@ -167,6 +168,13 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
+    if fastpath.ENABLED and not host_resident.any() and (tp.size == 0 or tp.max() == 1) and not pad_rows.any():
+        # all on the device, unpartitioned (an offloading system's block with its KV on the GPU): the host
+        # part is zeros and each query is one gate token, as the general code below sums them
+        dev_tokens, dev_ctx, _ = _attention(rank, context, alive_for, tp, R, K, kv_split, longest=False)
+        zeros = np.zeros((R, K))
+        mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
+        return DecodeGrid(dev_tokens, dev_ctx + 0.0, mb, zeros, zeros, dev_tokens + 0.0)
     dev = ~host_resident
     dev_tokens, dev_ctx, _ = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K, kv_split)
     host_tokens, host_ctx, _ = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],

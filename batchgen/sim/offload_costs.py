@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
 from batchgen.plan.microbatch import price_microbatched
@@ -20,9 +21,10 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     gate = grid.gate_tokens
     active = gate.sum(axis=0) > 0
     rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
-    attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
-            + lat.attention_decode(grid.host_tokens, grid.host_context,
-                                   np.ceil(grid.host_tokens / max(micro_batch, 1))))
+    attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+    if grid.host_tokens.any() or not fastpath.ENABLED:  # else the host part is 0 everywhere: adding it changes nothing
+        attn = attn + lat.attention_decode(grid.host_tokens, grid.host_context,
+                                           np.ceil(grid.host_tokens / max(micro_batch, 1)))
     modules = _module_split(lat, attn, gate, gate, active)
     cost = RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
     return cost, p.h2d_bytes, p.d2h_bytes, calls

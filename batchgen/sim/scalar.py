@@ -1,0 +1,369 @@
+"""Pricing of one-rank runs with Python floats: a serving engine's forward on one GPU, or a short decode run.
+
+Why. A chunked-prefill forward on one rank is a (1 x 1) grid, a decode run until the next finish a (1 x K) one
+with K mostly below 8; the roofline's numpy methods then spend their time in per-call overhead (argument
+checks, ufunc dispatch, reductions over one element), about 0.3 ms a run, a quarter of the simulator's time on
+Vidur's workload and half of it under two-batch overlap. Here the same formulas run on Python floats, one
+iteration at a time.
+
+Same results, bit for bit (a fast path of batchgen.fastpath): every operation is the one numpy does, on the
+same operands, in the same order (IEEE arithmetic is the same in both; numpy's x ** 2 is x * x; its rounding,
+like Python's, is half to even); GEMM times are read from the very curves the roofline reads; sums over
+iterations are left to numpy on arrays built from the same values (its pairwise order). It applies only where
+every one of those arguments holds: a plain `Roofline` (not a table or a tensor-parallel-attention wrapper), a
+dense model (no expert all-to-all to price), nothing partitioned (no join), whole token counts within the
+GEMM curves. Everywhere else `scalar_pricer` returns None and the numpy path prices. A longer run whose batch
+stays the same (a static batch, a run to the first finish) goes to `price_vector`: its constant modules on
+floats once, decode attention's context-dependent part as numpy vectors. tests/test_sim_fastpath.py checks the
+rows and prices against `costs.decode_load` / `mixed_load` / `price` / `tbo.price_tbo` on random loads, and
+whole jobs with and without the fast paths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchgen import fastpath
+from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
+
+# decode runs longer than this stay on numpy (a Python loop per iteration would cost more than the arrays)
+MAX_ITERATIONS = 12
+
+
+class _NotHere(Exception):
+    """A value outside what the scalar path mirrors (a token count beyond the curves, a fractional launch)."""
+
+
+class ScalarRoofline:
+    """`Roofline`'s attention, dense FFN, LM head and per-forward overhead for one cell, on Python floats.
+    Each method follows the roofline's method of the same name operation for operation (see there for why)."""
+
+    def __init__(self, lat: Roofline):
+        m, gpu = lat.model, lat.gpu
+        self.lat = lat
+        self.kvb = m.kv_bytes_per_token_per_layer
+        self.act_row = lat._act_row
+        self.pad = lat.eff.attention_padding
+        self.flops_decode = m.attention_score_flops_decode
+        self.flops_prefill = m.attention_score_flops_prefill
+        self.attn_shapes = tuple(lat._attention_shapes)
+        h = m.hidden_size
+        self.head_shapes = ((h, m.vocab_size),)
+        self.vocab = m.vocab_size
+        inter = m.intermediate_size
+        self.ffn_shapes = ((h, 2 * inter), (inter, h)) if inter > 0 else None
+        e_head = lat._eff["lm_head"]
+        self.head_bw = gpu.hbm_bw * e_head.memory
+        self.head_kernel = e_head.kernel_s
+        self.step_s, self.step_seq_s = lat.eff.step_s, lat.eff.step_per_sequence_s
+        self.stream = {}  # module -> (flop rate, byte rate, launch seconds), as _streaming computes them
+        for module in ("attention_decode", "attention_prefill"):
+            e = lat._eff[module]
+            self.stream[module] = (gpu.flops_bf16 * e.compute, gpu.hbm_bw * e.memory, e.kernel_s)
+        self.shapes_ok = all(type(k) is int and type(n) is int
+                             for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
+                             for k, n in shapes)
+        self._gemm: dict = {}  # (module, launches, tokens) -> seconds read from the roofline's curve
+
+    def gemm(self, module: str, tokens: float, shapes: tuple, launches: float) -> float:
+        """`Roofline._gemm_lookup` for one cell: the curve's value at `tokens` rows in `launches` launches."""
+        key = (module, launches, tokens)
+        out = self._gemm.get(key)
+        if out is None:
+            if tokens > _GEMM_LOOKUP_MAX or tokens != math.floor(tokens) or launches != math.floor(launches):
+                raise _NotHere
+            index = int(tokens)
+            out = self._gemm[key] = float(self.lat._gemm_curve(module, shapes, launches, index)[index])
+        return out
+
+    def _streaming(self, module: str, flops: float, bytes_: float, launches: float) -> float:
+        rate, bw, kernel_s = self.stream[module]
+        return max(flops / rate, bytes_ / bw) + max(launches, 1) * kernel_s
+
+    def attention_decode(self, t: float, ctx: float, mb: float, longest: float) -> float:
+        if self.pad != 0:
+            ctx = (1.0 - self.pad) * ctx + self.pad * max(t * longest, ctx)
+        if not t > 0:
+            return 0.0
+        proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
+        kv = (ctx + t) * self.kvb + 2 * t * self.act_row
+        return proj + self._streaming("attention_decode", self.flops_decode * ctx, kv, mb)
+
+    def attention_prefill(self, t: float, sq: float, longest: float, seqs: float) -> float:
+        """With one launch (as `costs.price` calls it)."""
+        if not t > 0:
+            return 0.0
+        pairs = 0.5 * sq
+        if self.pad != 0:
+            pairs = (1.0 - self.pad) * pairs + self.pad * max(seqs * (longest * longest), pairs)
+        proj = self.gemm("attention_prefill", t, self.attn_shapes, 1.0)
+        kv = t * self.kvb + 2 * t * self.act_row
+        return proj + self._streaming("attention_prefill", self.flops_prefill * pairs, kv, 1.0)
+
+    def lm_head(self, t: float) -> float:
+        if not t > 0:
+            return 0.0
+        proj = self.gemm("lm_head", t, self.head_shapes, 1.0)
+        return proj + (2 * t * self.vocab * 4 / self.head_bw + self.head_kernel)
+
+    def step_overhead(self, n: float) -> float:
+        return self.step_s + self.step_seq_s * n if n > 0 else 0.0
+
+    def dense_ffn(self, t: float) -> float:
+        if self.ffn_shapes is None or not t > 0:
+            return 0.0
+        return self.gemm("dense_ffn", t, self.ffn_shapes, 1.0)
+
+
+def scalar_pricer(lat) -> ScalarRoofline | None:
+    """The scalar mirror of `lat` where one applies (see the module docstring), built once per model."""
+    if not fastpath.ENABLED or type(lat) is not Roofline:
+        return None
+    cached = lat.__dict__.get("_scalar_pricer", False)
+    if cached is False:
+        n_dense, n_moe = lat.layer_counts()
+        sp = ScalarRoofline(lat)
+        cached = sp if (n_moe == 0 and not lat.model.is_moe and sp.shapes_ok) else None
+        lat.__dict__["_scalar_pricer"] = cached
+    return cached
+
+
+# the RankLoad fields a run's price reads, in the order `price_row` takes them
+FIELDS = ("attn_tokens", "attn_context", "gate_tokens", "prefill_sq", "prefill_tokens", "micro_batches",
+          "attn_max", "prefill_max", "prefill_seqs", "sequences", "head_rows")
+
+
+def rows_of(load) -> list[list[float]] | None:
+    """A one-rank RankLoad's fields as per-iteration lists (head_rows: the sequences' when None); None when
+    the load has more than one rank or too many iterations for the scalar path."""
+    if load.gate_tokens.shape[0] != 1 or load.gate_tokens.shape[1] > MAX_ITERATIONS:
+        return None
+    out = [getattr(load, f)[0].tolist() for f in FIELDS[:-1]]
+    out.append(out[9] if load.head_rows is None else load.head_rows[0].tolist())
+    return out
+
+
+def price_row(sp: ScalarRoofline, rows: list[list[float]], head_rows_given: bool, weight_stream_s: float = 0.0,
+              tbo: bool = False):
+    """`costs.price` (or, with `tbo`, `tbo.price_tbo`) of a one-rank run of a dense model without a join, from
+    `rows_of`; None where a value is outside what the scalar path mirrors. `head_rows_given`: the load's
+    head_rows was set (TBO splits them; otherwise they are the sequences, split alike)."""
+    from batchgen.sim.costs import RunCost
+
+    try:
+        if tbo and weight_stream_s <= 0:
+            return _tbo(sp, rows, head_rows_given, RunCost)
+        return _plain(sp, rows, weight_stream_s, RunCost)
+    except _NotHere:
+        return None
+
+
+def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
+    n_dense = sp.lat.layer_counts()[0]
+    (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
+    iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
+    batch = None
+    for k in range(len(gate)):
+        g = gate[k]
+        if batch != (p_tok[k], p_sq[k], p_max[k], p_seq[k], head_rows[k], seqs[k], g):
+            # the parts that do not depend on the context: priced again only when the batch changes
+            batch = (p_tok[k], p_sq[k], p_max[k], p_seq[k], head_rows[k], seqs[k], g)
+            prefill = sp.attention_prefill(p_tok[k], p_sq[k], p_max[k], p_seq[k])
+            head = sp.lm_head(head_rows[k])
+            base = head + sp.step_overhead(seqs[k])
+            dense_ffn = sp.dense_ffn(g)
+        attn = sp.attention_decode(a_tok[k], a_ctx[k], mb[k], a_max[k]) + prefill
+        it = base
+        dense = attn + dense_ffn
+        it += n_dense * (dense + 0.0)
+        b = head + n_dense * dense
+        if weight_stream_s > 0:
+            it = max(it, weight_stream_s)
+        on = g > 0
+        iteration.append(it if on else 0.0)
+        busy.append(b)
+        attention.append(n_dense * attn if on else 0.0)
+        ffn.append(n_dense * dense_ffn if on else 0.0)
+        head_s.append(head if on else 0.0)
+        active.append(on)
+    return _cost(RunCost, iteration, busy, gate, active, 0.0, attention, ffn, head_s)
+
+
+def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
+    """`tbo.price_tbo` on one rank of a dense model (no all-to-all): each half's chain, one after the other."""
+    n_dense = sp.lat.layer_counts()[0]
+    (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
+    iteration, busy, attention, ffn, head_s, comm, active = [], [], [], [], [], [], []
+    for k in range(len(gate)):
+        s = seqs[k]
+        share = math.ceil(s / 2.0) / s if s > 0 else 0.0
+        it = b = hs = at = f = c = 0.0
+        halves = []
+        for name_total in (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k]):
+            first = float(round(name_total * share))
+            halves.append((first, name_total - first))
+        ctx_halves = (a_ctx[k] * share, a_ctx[k] * (1.0 - share))
+        sq_halves = (p_sq[k] * share, p_sq[k] * (1.0 - share))
+        for i in (0, 1):
+            h_tok, h_gate, h_ptok, h_pseq, h_seqs, h_head = (pair[i] for pair in halves)
+            attn = (sp.attention_decode(h_tok, ctx_halves[i], mb[k], a_max[k])
+                    + sp.attention_prefill(h_ptok, sq_halves[i], p_max[k], h_pseq))
+            head = sp.lm_head(h_head if head_rows_given else h_seqs)
+            overhead = sp.step_overhead(h_seqs)
+            b += head
+            it += head + overhead
+            hs += head
+            at += n_dense * attn
+            if n_dense:
+                dense_ffn = sp.dense_ffn(h_gate)
+                it += n_dense * (attn + dense_ffn + 0.0)
+                b += n_dense * (attn + dense_ffn)
+                f += n_dense * dense_ffn
+                c += n_dense * 0.0
+        on = gate[k] > 0
+        iteration.append(it if on else 0.0)
+        busy.append(b)
+        attention.append(at if on else 0.0)
+        ffn.append(f if on else 0.0)
+        head_s.append(hs if on else 0.0)
+        comm.append(c if on else 0.0)
+        active.append(on)
+    rank_comm = np.array([0.0 + comm[0]]) if len(comm) == 1 else np.full(1, float(np.array(comm).sum()))
+    return _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s)
+
+
+def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s):
+    """The RunCost of per-iteration values, summed by numpy as the array paths sum them (pairwise)."""
+    if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
+        rank_comm = np.zeros(1)
+    if len(iteration) == 1:  # numpy's sum of one element is 0.0 + it (its identity first): the same, cheaper
+        modules = {"attention": 0.0 + attention[0], "ffn": 0.0 + ffn[0], "head": 0.0 + head_s[0]}
+        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]), rank_comm,
+                       np.array([gate[0] if active[0] else 0.0]), modules)
+    modules = {"attention": float(np.array(attention).sum()), "ffn": float(np.array(ffn).sum()),
+               "head": float(np.array(head_s).sum())}
+    expert = np.array([g if on else 0.0 for g, on in zip(gate, active)])
+    return RunCost(np.array(iteration), np.array([busy]).sum(axis=1), rank_comm, expert, modules)
+
+
+def decode_rows(context: np.ndarray, alive_for: np.ndarray, iterations: int, micro_batch: int) -> list[list[float]]:
+    """`rows_of(costs.decode_load(...))` for one rank, nothing partitioned, no padding rows and no similar-context
+    calls: per iteration k, the sequences still running (alive_for > k), their contexts summed (+ k each) and
+    the longest (+ k). Every amount is a whole number below 2^53, so the sums are exact in any order."""
+    K = iterations
+    n = alive_for.size
+    if n and int(alive_for.min()) >= K:  # every sequence runs the whole run (a run to the first finish)
+        tokens = [float(n)] * K
+        base, top = float(context.sum()), float(context.max())
+        ctx = [base + tokens[0] * k for k in range(K)]
+        longest = [top + k for k in range(K)]
+    else:
+        alive = np.minimum(alive_for, K)
+        count = np.bincount(alive, minlength=K + 1).tolist()
+        total = np.bincount(alive, weights=context, minlength=K + 1).tolist()
+        most = np.full(K + 1, -1, np.int64)
+        np.maximum.at(most, alive, context)
+        most = most.tolist()
+        tokens, ctx, longest = [0.0] * K, [0.0] * K, [0.0] * K
+        c = s = 0.0
+        m = -1
+        for k in range(K - 1, -1, -1):  # alive at k: alive_for in k + 1 .. K
+            c += count[k + 1]
+            s += total[k + 1]
+            m = max(m, most[k + 1])
+            tokens[k], ctx[k], longest[k] = c, s + c * k, (m + k if m >= 0 else 0.0)
+    if micro_batch > 0:
+        mb = [max(float(math.ceil(g / micro_batch)), 1.0) for g in tokens]
+    else:
+        mb = [1.0] * K
+    zeros = [0.0] * K
+    return [tokens, ctx, tokens, zeros, zeros, mb, [float(x) for x in longest], zeros, zeros, tokens, tokens]
+
+
+def mixed_rows(chunk_start: np.ndarray, chunk_len: np.ndarray, chunk_completes: np.ndarray,
+               decode_context: np.ndarray, micro_batch: int) -> list[list[float]]:
+    """`rows_of(costs.mixed_load(...))` for one rank without similar-context calls (head rows given). Sums of
+    whole numbers below 2^53 are exact in any order; the longest chunk's sqrt is numpy's (both IEEE)."""
+    p_tok = p_sq = p_seq = d_single = single_ctx = 0
+    p_max = 0.0
+    d_max = float(decode_context.max()) if decode_context.size else 0.0
+    for s, n in zip(chunk_start.tolist(), chunk_len.tolist()):
+        if n > 1:
+            p_tok += n
+            p_sq += n * n + 2 * s * n
+            p_seq += 1
+            p_max = max(p_max, math.sqrt(float(n * (s + n))))
+        else:  # a one-token chunk attends like a decode query over start + 1
+            d_single += 1
+            single_ctx += s + 1
+            d_max = max(d_max, float(s + 1))
+    d_tok = float(decode_context.size + d_single)
+    d_ctx = float(int(decode_context.sum()) + single_ctx)
+    seqs = p_seq + d_tok
+    mb = math.ceil(seqs / micro_batch) if micro_batch > 0 else (1.0 if seqs > 0 else 0.0)
+    head = float(decode_context.size + int(np.count_nonzero(chunk_completes)))
+    p_tok = float(p_tok)
+    return [[d_tok], [d_ctx], [p_tok + d_tok], [float(p_sq)], [p_tok], [max(float(mb), 1.0)], [d_max], [p_max],
+            [float(p_seq)], [seqs], [head]]
+
+
+def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
+    """`costs.price` (no two-batch overlap) of a one-rank run of many iterations in which every amount but the
+    context is the same each iteration (a run to the first finish, a static batch with its padding rows): the
+    constant modules priced once on Python floats, decode attention's context-dependent part as numpy vectors
+    over the iterations (element for element the grid's operations). None where that does not hold."""
+    from batchgen.sim.costs import RunCost
+
+    fields = {}
+    for name in ("attn_tokens", "gate_tokens", "micro_batches", "sequences", "prefill_tokens", "prefill_sq",
+                 "prefill_max", "prefill_seqs"):
+        row = getattr(load, name)[0]
+        first = row[0]
+        if not (row == first).all():
+            return None
+        fields[name] = float(first)
+    head_rows = load.head_rows
+    if head_rows is not None:
+        row = head_rows[0]
+        if not (row == row[0]).all():
+            return None
+        h_rows = float(row[0])
+    else:
+        h_rows = fields["sequences"]
+    t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
+    K = load.gate_tokens.shape[1]
+    n_dense = sp.lat.layer_counts()[0]
+    try:
+        pre = sp.attention_prefill(fields["prefill_tokens"], fields["prefill_sq"], fields["prefill_max"],
+                                   fields["prefill_seqs"])
+        head = sp.lm_head(h_rows)
+        overhead = sp.step_overhead(fields["sequences"])
+        dense_ffn = sp.dense_ffn(g)
+        proj = sp.gemm("attention_decode", t, sp.attn_shapes, mb) if t > 0 else 0.0
+    except _NotHere:
+        return None
+    ctx = load.attn_context[0]
+    if sp.pad != 0:
+        ctx = (1.0 - sp.pad) * ctx + sp.pad * np.maximum(t * load.attn_max[0], ctx)
+    if t > 0:
+        rate, bw, kernel_s = sp.stream["attention_decode"]
+        kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
+        attn = proj + (np.maximum(sp.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
+    else:
+        attn = np.zeros(K)
+    attn = attn + pre
+    dense = attn + dense_ffn
+    iteration = (head + overhead) + n_dense * (dense + 0.0)
+    busy = head + n_dense * dense
+    if weight_stream_s > 0:
+        iteration = np.maximum(iteration, weight_stream_s)
+    if not g > 0:  # no iteration ran
+        iteration = np.zeros(K)
+        zero = np.zeros(K)
+        modules = {"attention": float(zero.sum()), "ffn": float(zero.sum()), "head": float(zero.sum())}
+        return RunCost(iteration, busy[None, :].sum(axis=1), np.zeros(1), zero, modules)
+    modules = {"attention": float((n_dense * attn).sum()), "ffn": float(np.full(K, 0.0 + n_dense * dense_ffn).sum()),
+               "head": float(np.full(K, head).sum())}
+    return RunCost(iteration, busy[None, :].sum(axis=1), np.zeros(1), np.full(K, 0.0 + g), modules)
