@@ -447,6 +447,19 @@ class RunOutput:
     h2d_bytes: float = 0.0                 # host -> device bytes over the whole run (part of host_bytes)
 
 
+def check_supported(policy: Policy, capabilities: Capabilities) -> None:
+    """A policy that asks for a way of running forwards (two-batch overlap, tensor-parallel attention) the
+    backend has not declared is refused before the run, with the knob to change."""
+    from batchgen.memory import ConfigError
+
+    if policy.two_batch_overlap and not capabilities.two_batch_overlap:
+        raise ConfigError(f"policy {policy.name} runs two-batch overlap, which this backend does not: set "
+                          "policy.two_batch_overlap=false")
+    if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
+        raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
+                          f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")
+
+
 class Engine:
     """One run of a policy on a backend: an engine loop per expert-parallel instance (`loop`), sharing the
     cluster state, the KV ledger (where the backend's KV is, for the explicit KV ops of a backend that moves
@@ -457,6 +470,7 @@ class Engine:
 
     def __init__(self, policy: Policy, backend: Backend, *, gpus_per_node: int, check_invariants: bool = False,
                  max_idle_decisions: int = 3, on_step: StepObserver | None = None):
+        check_supported(policy, backend.capabilities)
         self.policy, self.backend, self.state = policy, backend, backend.state
         self.gpus_per_node, self.check_invariants = gpus_per_node, check_invariants
         self.max_idle_decisions, self.on_step = max_idle_decisions, on_step

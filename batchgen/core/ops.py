@@ -35,6 +35,14 @@ _B = np.empty(0, bool)
 for _a in (_I, _B):
     _a.flags.writeable = False
 
+def _ints():
+    return field(default_factory=lambda: _I)
+
+
+def _flags():
+    return field(default_factory=lambda: _B)
+
+
 MOVE_KINDS = ("free", "evict", "yield", "offload", "migrate", "restore")  # at most one per sequence per boundary
 
 
@@ -43,28 +51,28 @@ class KVOps:
     """One boundary's KV moves, as arrays (one row per op, a GPU column each), in execution order."""
 
     gpus: np.ndarray                 # the instance's GPUs (a partition group is a run of them, wrapping)
-    join_ids: np.ndarray = field(default_factory=lambda: _I)        # gather head shards back into the lead's host copy ...
-    join_lead: np.ndarray = field(default_factory=lambda: _I)
-    join_degree: np.ndarray = field(default_factory=lambda: _I)
-    join_keep: np.ndarray = field(default_factory=lambda: _B)       # ... or (False) drop them: the sequence finished or is evicted
-    free_ids: np.ndarray = field(default_factory=lambda: _I)        # finished: drop device pages and host copy
-    free_gpu: np.ndarray = field(default_factory=lambda: _I)
-    evict_ids: np.ndarray = field(default_factory=lambda: _I)       # evicted (recompute): drop device pages and host copy
-    evict_gpu: np.ndarray = field(default_factory=lambda: _I)
-    yield_ids: np.ndarray = field(default_factory=lambda: _I)       # YIELD: device -> host copy, pages freed; the sequence is suspended
-    yield_gpu: np.ndarray = field(default_factory=lambda: _I)
-    offload_ids: np.ndarray = field(default_factory=lambda: _I)     # device -> host copy, pages freed; the sequence runs on host-resident
-    offload_gpu: np.ndarray = field(default_factory=lambda: _I)
-    migrate_ids: np.ndarray = field(default_factory=lambda: _I)     # MIGRATE: the KV leaves src's cache for dst's ...
-    migrate_src: np.ndarray = field(default_factory=lambda: _I)
-    migrate_dst: np.ndarray = field(default_factory=lambda: _I)
-    migrate_cross: np.ndarray = field(default_factory=lambda: _B)   # ... over the network (another node) or within the node
-    migrate_to_device: np.ndarray = field(default_factory=lambda: _B)  # loaded into dst's device pages, or kept as a host copy there
-    restore_ids: np.ndarray = field(default_factory=lambda: _I)     # COMBINE: host copy -> device pages in the same cache
-    restore_gpu: np.ndarray = field(default_factory=lambda: _I)
-    split_ids: np.ndarray = field(default_factory=lambda: _I)       # PARTITION: the lead's host copy scattered as head shards over the group
-    split_lead: np.ndarray = field(default_factory=lambda: _I)
-    split_degree: np.ndarray = field(default_factory=lambda: _I)
+    join_ids: np.ndarray = _ints()        # gather head shards back into the lead's host copy ...
+    join_lead: np.ndarray = _ints()
+    join_degree: np.ndarray = _ints()
+    join_keep: np.ndarray = _flags()       # ... or (False) drop them: the sequence finished or is evicted
+    free_ids: np.ndarray = _ints()        # finished: drop device pages and host copy
+    free_gpu: np.ndarray = _ints()
+    evict_ids: np.ndarray = _ints()       # evicted (recompute): drop device pages and host copy
+    evict_gpu: np.ndarray = _ints()
+    yield_ids: np.ndarray = _ints()       # YIELD: device -> host copy, pages freed; the sequence is suspended
+    yield_gpu: np.ndarray = _ints()
+    offload_ids: np.ndarray = _ints()     # device -> host copy, pages freed; the sequence runs on host-resident
+    offload_gpu: np.ndarray = _ints()
+    migrate_ids: np.ndarray = _ints()     # MIGRATE: the KV leaves src's cache for dst's ...
+    migrate_src: np.ndarray = _ints()
+    migrate_dst: np.ndarray = _ints()
+    migrate_cross: np.ndarray = _flags()   # ... over the network (another node) or within the node
+    migrate_to_device: np.ndarray = _flags()  # loaded into dst's device pages, or kept as a host copy there
+    restore_ids: np.ndarray = _ints()     # COMBINE: host copy -> device pages in the same cache
+    restore_gpu: np.ndarray = _ints()
+    split_ids: np.ndarray = _ints()       # PARTITION: the lead's host copy scattered as head shards over the group
+    split_lead: np.ndarray = _ints()
+    split_degree: np.ndarray = _ints()
 
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size

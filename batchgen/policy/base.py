@@ -54,6 +54,10 @@ class Capabilities:
     # longest, finished rows kept computing until the batch drains. False (the executor): prompts unpadded and
     # finished rows dropped, the batch's slots still held until it drains. Decisions are the same either way.
     padded_batches: bool = True
+    # every forward may run as two micro-batches (a policy's two_batch_overlap, SGLang's TBO)
+    two_batch_overlap: bool = True
+    # a rank may be a group of GPUs running attention tensor-parallel (a policy's attention_tp > 1)
+    attention_tp: bool = True
 
 
 @dataclass(frozen=True)
