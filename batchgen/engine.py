@@ -485,6 +485,7 @@ class Engine:
     def loop(self, instance: int) -> Generator[Any, Any, None]:
         """Drive one instance until its policy has nothing left to run."""
         policy, backend, state, ledger = self.policy, self.backend, self.state, self.ledger
+        liveness, records, on_step, check = self.liveness, self.records, self.on_step, self.check_invariants
         progress = InstanceProgress(state.instance_gpus(instance).size)
         idle, last = 0, 0.0
         # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays
@@ -506,13 +507,13 @@ class Engine:
                 change = BoundaryDecision.of(decision, plan, folded)
                 folded = change if change.changes_something() else folded
                 if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
-                    self.liveness.done(backend, instance)
+                    liveness.done(backend, instance)
                     return  # nothing here any more; other instances may still run
                 idle += 1
                 if idle <= self.max_idle_decisions:
                     continue  # the decision may have freed something (yields, evictions): decide again
                 # Blocked on what another instance holds (a shared node's host memory): wait until it moves.
-                yield from self.liveness.wait(backend, instance, policy.name)
+                yield from liveness.wait(backend, instance, policy.name)
                 idle = 0
                 continue
             idle = 0
@@ -521,16 +522,15 @@ class Engine:
             record_outcome(state, plan, result, now, progress, decision.padded)
             if ledger is not None:
                 ledger.finished(instance, finished_ids(plan, result))
-            if self.on_step is not None:
-                self.on_step(plan, result)
-            self.liveness.changed(backend)
+            if on_step is not None:
+                on_step(plan, result)
+            liveness.changed(backend)
             progress.last_phase = plan.phase
-            self.records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations,
-                                           result.tokens,
-                                           int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
-                                           result.expert_tokens, result.expert_calls, result.rank_busy,
-                                           result.rank_comm, summary, result.modules))
-            if self.check_invariants:
+            records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
+                                      int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
+                                      result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm,
+                                      summary, result.modules))
+            if check:
                 state.check()
 
     def finish(self) -> None:
