@@ -177,7 +177,8 @@ class KVLedger:
     def apply(self, ops: KVOps, fresh_ids: np.ndarray = _I, fresh_gpu: np.ndarray = _I,
               fresh_to_host: np.ndarray | bool = False) -> None:
         """Check every op against where the KV is, in execution order, and record its effect. `fresh_*`: the
-        run's prefills and first chunks (KV written from scratch on that GPU; to_host: yielded after it)."""
+        run's prefills and first chunks (KV written from scratch on that GPU; to_host: yielded after it). A failed
+        check raises InvariantError (the run stops there; the ledger may hold the ops before the bad one)."""
         moved = np.concatenate([ops.free_ids, ops.evict_ids, ops.yield_ids, ops.offload_ids, ops.migrate_ids,
                                 ops.restore_ids])
         if moved.size > 1:
@@ -186,9 +187,9 @@ class KVLedger:
             if twice.size:
                 sid = int(twice[0])
                 kinds = [k for k in MOVE_KINDS if (getattr(ops, f"{k}_ids") == sid).any()]
-                raise InvariantError(f"sequence {sid} is in {' and '.join(kinds) or 'one op'} "
-                                     f"{'twice' if len(kinds) < 2 else ''} in one boundary: at most one KV move "
-                                     "per sequence per boundary".replace("  ", " "))
+                how = " and ".join(kinds) if len(kinds) > 1 else f"{kinds[0]} twice"
+                raise InvariantError(f"sequence {sid} is in {how} in one boundary: at most one KV move per sequence "
+                                     "per boundary")
         for name, ids in (("join", ops.join_ids), ("split", ops.split_ids)):
             if ids.size != np.unique(ids).size:
                 raise InvariantError(f"a sequence is in two {name} ops in one boundary: {ids.tolist()}")
