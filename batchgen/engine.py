@@ -2,7 +2,9 @@
 
 A backend only has to execute a `StepPlan` (advance the clock by the latency model, or run real tensors) and
 report what each sequence produced. Everything else, the bookkeeping of where sequences live, applying a
-policy's decision through the coroutine primitives and recording results, lives here and in core/.
+policy's decision through the coroutine primitives, turning it into explicit per-GPU KV operations
+(batchgen.core.ops) for a backend that moves real KV, noticing a deadlock and recording results, lives here
+and in core/.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Callable, Generator, Protocol
 import numpy as np
 
 from batchgen import fastpath
+from batchgen.core.ops import GpuOps, KVLedger, KVOps, plan_ops
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.decisions import BoundaryDecision
@@ -50,6 +53,9 @@ class StepPlan:
     chunk_start: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_len: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_completes: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # the chunk ends its context
+    # the KV moves that come before the run (batchgen.core.ops), per GPU; None for a backend that prices the
+    # bytes in `moves` instead of moving KV (the simulator) and does not ask for them
+    ops: KVOps | None = None
 
     @property
     def phase(self) -> Phase:
@@ -58,6 +64,19 @@ class StepPlan:
         if self.chunk_ids.size:
             return "mixed" if self.decode_ids.size else "prefill"
         return "decode" if self.decode_ids.size else "idle"
+
+    def for_rank(self, rank: int) -> GpuOps:
+        """Everything rank `rank` of the instance does at this boundary: its KV ops (`KVOps.for_gpu`, which needs
+        `ops`), then its prefills, chunks (id, start, length) and decodes."""
+        if self.ops is None:
+            raise InvariantError("this plan carries no KV ops: its backend did not ask for them (Backend.kv_ops)")
+        mine = self.ops.for_gpu(int(self.gpus[rank]))
+        mine.prefill = self.prefill_ids[self.prefill_rank == rank].tolist()
+        on = self.chunk_rank == rank
+        mine.chunks = list(zip(self.chunk_ids[on].tolist(), self.chunk_start[on].tolist(),
+                               self.chunk_len[on].tolist()))
+        mine.decode = self.decode_ids[self.decode_rank == rank].tolist()
+        return mine
 
 
 @dataclass
@@ -84,17 +103,26 @@ FFN_SCHEDULES = ("combined", "micro_batch", "pipelined")  # Decision.ffn_schedul
 
 
 class Backend(Protocol):
-    state: ClusterState
+    """What the engine needs from a backend: it executes plans and makes time pass; it decides nothing and
+    keeps no bookkeeping of its own (the engine notices deadlocks and assembles the run's output).
 
+    `capabilities`: what it can run, declared (the policy plans within it). `kv_ops`: whether it moves real KV
+    and so needs each plan's explicit ops (`StepPlan.ops`, and `move_kv` for the ops of a decision that runs
+    nothing); False for a backend that prices the bytes of `StepPlan.moves` instead."""
+
+    state: ClusterState
     capabilities: Capabilities
+    kv_ops: bool
 
     def now(self) -> float: ...
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]: ...
-    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
-        """Block until another instance finishes a step; raise if none can (a deadlock)."""
+    def move_kv(self, ops: KVOps) -> None:
+        """Carry out KV ops of a boundary that runs nothing (an idle decision's yields, evictions)."""
         ...
-    def notify_change(self) -> None: ...
-    def instance_done(self, instance: int) -> None: ...
+    def idle(self) -> Generator[Any, Any, None]:
+        """Block this instance until `wake` (another instance finished a step or ended)."""
+        ...
+    def wake(self) -> None: ...
 
 
 @dataclass
@@ -175,8 +203,10 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
 
 
 def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress,
-                   now: float = 0.0) -> StepPlan:
-    """Carry out a decision through the coroutine primitives and describe the run that follows."""
+                   now: float = 0.0, ledger: KVLedger | None = None) -> StepPlan:
+    """Carry out a decision through the coroutine primitives and describe the run that follows. With a
+    `ledger` (a backend that moves real KV, or invariant checks) the plan carries the explicit KV ops too,
+    checked against the ledger and recorded there."""
     topo, t = state.topo, state.table
     gpus = state.instance_gpus(instance)
     moves = Moves.zeros(topo.num_gpus)
@@ -218,14 +248,37 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     if not d.padded:
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
+    ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
         decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
         cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
-        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, **chunk,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
+        **chunk,
     )
+
+
+def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, gpus: np.ndarray, chunk: dict,
+            decode_ids: np.ndarray) -> KVOps:
+    """The decision's KV ops: for every sequence it touched (and those that finished in the instance's last
+    run), from where the ledger has its KV to where the state now keeps it; checked and recorded."""
+    fresh_ids, fresh_gpu = d.prefill_ids, gpus[d.prefill_ranks]
+    to_host = np.full(fresh_ids.size, bool(d.prefill_to_host))
+    if chunk:
+        first = chunk["chunk_start"] == 0
+        fresh_ids = np.concatenate([fresh_ids, chunk["chunk_ids"][first]])
+        fresh_gpu = np.concatenate([fresh_gpu, gpus[chunk["chunk_rank"][first]]])
+        to_host = np.concatenate([to_host, np.zeros(int(first.sum()), bool)])
+    touched = [ledger.take_finished(instance), d.evict_ids, d.yield_ids, d.offload_ids, d.move_ids,
+               d.partition_ids, fresh_ids, *(a.ids for a in d.admits)]
+    ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids)
+    ledger.apply(ops, fresh_ids, fresh_gpu, to_host)
+    t = state.table
+    ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids] & (t.tp[decode_ids] == 1),
+                         t.tp[decode_ids])
+    return ops
 
 
 def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
@@ -348,54 +401,142 @@ def finished_ids(plan: StepPlan, result: StepResult) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def instance_loop(policy: Policy, backend: Backend, instance: int, records: list[StepRecord], *,
-                  gpus_per_node: int, check_invariants: bool = False, max_idle_decisions: int = 3,
-                  on_step: StepObserver | None = None) -> Generator[Any, Any, None]:
-    """Drive one expert-parallel instance until its policy has nothing left to run.
+class Liveness:
+    """Which instances are still live and which wait on another: the deadlock check, once for every backend.
+
+    An instance whose policy decides nothing runnable several times in a row waits until another instance
+    finishes a step (what it waits for, such as a shared node's host memory, may then be free). When every live
+    instance waits, none will ever wake: the run fails with the policy's name instead of hanging."""
+
+    def __init__(self, num_instances: int):
+        self.live = set(range(num_instances))
+        self.waiting: set[int] = set()
+
+    def wait(self, backend: Backend, instance: int, policy_name: str) -> Generator[Any, Any, None]:
+        self.waiting.add(instance)
+        if self.live <= self.waiting:
+            raise InvariantError(f"policy {policy_name!r} made no progress on instances {sorted(self.waiting)} "
+                                 "although they still have queued sequences, and no instance is running")
+        yield from backend.idle()
+        self.waiting.discard(instance)
+
+    def changed(self, backend: Backend) -> None:
+        """An instance finished a step: the waiting ones look again (a waiter not yet resumed is not blocked:
+        no false deadlock)."""
+        if self.waiting:
+            self.waiting.clear()
+            backend.wake()
+
+    def done(self, backend: Backend, instance: int) -> None:
+        self.live.discard(instance)
+        self.changed(backend)  # waiting instances look again (and report a deadlock if all are stuck)
+
+
+@dataclass
+class RunOutput:
+    """What a run produced, whichever backend ran it (the executor's `ExecOutput` adds its own)."""
+
+    job: Any
+    prepared: Any
+    records: list[StepRecord]
+    wall_s: float
+    events: int
+    backend: str = "sim"
+    host_bytes: float = 0.0                # bytes moved host <-> device over the whole run, both directions
+    host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
+    h2d_bytes: float = 0.0                 # host -> device bytes over the whole run (part of host_bytes)
+
+
+def check_supported(policy: Policy, capabilities: Capabilities) -> None:
+    """A policy that asks for a way of running forwards (two-batch overlap, tensor-parallel attention) the
+    backend has not declared is refused before the run, with the knob to change."""
+    from batchgen.memory import ConfigError
+
+    if policy.two_batch_overlap and not capabilities.two_batch_overlap:
+        raise ConfigError(f"policy {policy.name} runs two-batch overlap, which this backend does not: set "
+                          "policy.two_batch_overlap=false")
+    if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
+        raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
+                          f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")
+
+
+class Engine:
+    """One run of a policy on a backend: an engine loop per expert-parallel instance (`loop`), sharing the
+    cluster state, the KV ledger (where the backend's KV is, for the explicit KV ops of a backend that moves
+    real KV, or for invariant checks) and the deadlock check; `finish` checks that every sequence ended.
 
     `on_step(plan, result)` is called after each run's outcome is folded into the state: progress bars, and
     batch jobs that write each result the moment its sequence finishes (`finished_ids`)."""
-    state = backend.state
-    progress = InstanceProgress(state.instance_gpus(instance).size)
-    idle, last = 0, 0.0
-    # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays until
-    # the job is done, though nothing is queued for it yet
-    receives = getattr(policy, "receives_work", None) or (lambda _instance: False)
-    folded = None  # what idle decisions changed since the last run: recorded with the next one
-    while True:
-        now = backend.now()
-        if now < last:
-            raise InvariantError(f"instance {instance}: the clock went back from {last} to {now}")
-        last = now
-        snap = make_snapshot(state, instance, now, progress, gpus_per_node, backend.capabilities)
-        decision = policy.decide(snap)
-        progress.carry = decision.carry
-        plan = apply_decision(state, instance, decision, progress, now)
-        if plan.phase == "idle":
-            change = BoundaryDecision.of(decision, plan, folded)
-            folded = change if change.changes_something() else folded
-            if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
-                backend.instance_done(instance)
-                return  # nothing here any more; other instances may still run
-            idle += 1
-            if idle <= max_idle_decisions:
-                continue  # the decision may have freed something (yields, evictions): decide again
-            # Blocked on what another instance holds (a shared node's host memory): wait until it moves.
-            yield from backend.wait_for_change(instance, policy.name)
+
+    def __init__(self, policy: Policy, backend: Backend, *, gpus_per_node: int, check_invariants: bool = False,
+                 max_idle_decisions: int = 3, on_step: StepObserver | None = None):
+        check_supported(policy, backend.capabilities)
+        self.policy, self.backend, self.state = policy, backend, backend.state
+        self.gpus_per_node, self.check_invariants = gpus_per_node, check_invariants
+        self.max_idle_decisions, self.on_step = max_idle_decisions, on_step
+        self.records: list[StepRecord] = []
+        self.liveness = Liveness(self.state.topo.num_instances)
+        # built only where someone reads it: the simulator prices bytes, and its hot loop stays as it was
+        self.ledger = KVLedger.of(self.state) if backend.kv_ops or check_invariants else None
+
+    def loops(self) -> list[Generator[Any, Any, None]]:
+        return [self.loop(inst) for inst in range(self.state.topo.num_instances)]
+
+    def loop(self, instance: int) -> Generator[Any, Any, None]:
+        """Drive one instance until its policy has nothing left to run."""
+        policy, backend, state, ledger = self.policy, self.backend, self.state, self.ledger
+        liveness, records, on_step, check = self.liveness, self.records, self.on_step, self.check_invariants
+        progress = InstanceProgress(state.instance_gpus(instance).size)
+        idle, last = 0, 0.0
+        # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays
+        # until the job is done, though nothing is queued for it yet
+        receives = policy.receives_work
+        folded = None  # what idle decisions changed since the last run: recorded with the next one
+        while True:
+            now = backend.now()
+            if now < last:
+                raise InvariantError(f"instance {instance}: the clock went back from {last} to {now}")
+            last = now
+            snap = make_snapshot(state, instance, now, progress, self.gpus_per_node, backend.capabilities)
+            decision = policy.decide(snap)
+            progress.carry = decision.carry
+            plan = apply_decision(state, instance, decision, progress, now, ledger)
+            if plan.phase == "idle":
+                if plan.ops is not None and backend.kv_ops and not plan.ops.empty():
+                    backend.move_kv(plan.ops)  # yields, evictions of a decision that runs nothing
+                change = BoundaryDecision.of(decision, plan, folded)
+                folded = change if change.changes_something() else folded
+                if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
+                    liveness.done(backend, instance)
+                    return  # nothing here any more; other instances may still run
+                idle += 1
+                if idle <= self.max_idle_decisions:
+                    continue  # the decision may have freed something (yields, evictions): decide again
+                # Blocked on what another instance holds (a shared node's host memory): wait until it moves.
+                yield from liveness.wait(backend, instance, policy.name)
+                idle = 0
+                continue
             idle = 0
-            continue
-        idle = 0
-        summary, folded = BoundaryDecision.of(decision, plan, folded), None
-        result = yield from backend.execute(plan)
-        record_outcome(state, plan, result, now, progress, decision.padded)
-        if on_step is not None:
-            on_step(plan, result)
-        backend.notify_change()
-        progress.last_phase = plan.phase
-        records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
-                                  int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
-                                  result.expert_tokens,
-                                  result.expert_calls, result.rank_busy, result.rank_comm, summary,
-                                  result.modules))
-        if check_invariants:
-            state.check()
+            summary, folded = BoundaryDecision.of(decision, plan, folded), None
+            result = yield from backend.execute(plan)
+            record_outcome(state, plan, result, now, progress, decision.padded)
+            if ledger is not None:
+                ledger.finished(instance, finished_ids(plan, result))
+            if on_step is not None:
+                on_step(plan, result)
+            liveness.changed(backend)
+            progress.last_phase = plan.phase
+            records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
+                                      int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
+                                      result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm,
+                                      summary, result.modules))
+            if check:
+                state.check()
+
+    def finish(self) -> None:
+        """After every loop ended: every sequence finished, and the bookkeeping recounts."""
+        state = self.state
+        if not state.all_finished():
+            raise InvariantError(f"policy {self.policy.name!r} stopped with {len(state.table) - state.num_finished} "
+                                 "sequences unfinished")
+        state.check()

@@ -66,7 +66,7 @@ def effective_cluster(job: Job) -> ClusterSpec:
 
 
 def _gpu_cluster(job: Job) -> ClusterSpec:
-    layout = getattr(job.policy, "instance_gpus", None)  # a policy that sizes its instances (PD's units)
+    layout = job.policy.instance_gpus  # a policy that sizes its instances (PD's units); None: it does not
     if not job.model.is_moe:
         if callable(layout):
             raise ConfigError(f"policy {job.policy.name} lays out expert-parallel units; {job.model.name} is dense "
@@ -106,7 +106,7 @@ def resolve_attention_tp(job: Job) -> int:
     without --enable-dp-attention when DP attention does not fit). The smallest degree that fits can leave a
     pool of two sequences: with MLA each group replicates the latent, so fewer, larger groups can hold more.
     Raises ConfigError for a degree the instance or the model's heads cannot take, or when none fits."""
-    want = getattr(job.policy, "attention_tp", 1)
+    want = job.policy.attention_tp
     m, c = job.model, _gpu_cluster(job)
     if want == 1:
         return 1
@@ -192,12 +192,12 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
     c = group_cluster(gpus, degree)
     w = job.workload
     policy, plan = job.policy, None
-    if degree > 1 or getattr(policy, "attention_tp", 1) == "auto":
+    if degree > 1 or policy.attention_tp == "auto":
         policy = dataclasses.replace(policy, attention_tp=degree)
     if getattr(policy, "attention", None) == "cpu" and m.attention == "mla":
         raise ConfigError(f"policy.attention=cpu is not offered for {m.name}: its MLA latent KV must be "
                           "up-projected on the GPU before attention; use policy.attention=gpu or auto")
-    resolve = getattr(policy, "resolve_for_job", None)
+    resolve = policy.resolve_for_job
     if len(w) and callable(resolve):  # a system that sizes its own schedule (the offloading systems' searches)
         from batchgen.policy.offload.search import Rig
         policy = resolve(Rig.of(m, c, lat, memory_of(job, policy), w, job.page_tokens))
@@ -219,6 +219,6 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                          kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
-    route = getattr(policy, "route", None)
+    route = policy.route
     state.assign_instances(route(len(w), c.num_instances) if callable(route) else np.arange(len(w)) % c.num_instances)
     return Prepared(lat, budget, state, c, policy, plan)

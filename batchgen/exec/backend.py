@@ -1,16 +1,15 @@
 """The exec backend: the engine's runs executed on real tensors, timed by the wall clock.
 
-Placement decisions are already applied to the `ClusterState` when a run starts; `reconcile` makes the
-tensors follow (the bookkeeping is the source of truth): a sequence the state says is suspended is yielded to
-its host copy, one that moved is exported and imported (MIGRATE), an evicted one loses its KV and will be
-prefilled again from prompt + generated tokens (recompute), a finished one is released. A sequence the state
-says runs host-resident on GPU g is host-only in g's cache: yielded there if it held pages (OFFLOAD, the host
-copy completed first), or imported without loading if another cache holds it. Then the run itself: one
-forward with prefills, or up to `steps` decode iterations, each a module-batched forward over every rank, in
-which host-resident sequences restore their KV layer by layer into staging buffers (or attend on the host
-CPU with `plan.cpu_attention`); or, with chunked prefill, one forward of prompt chunks (each written into the
-paged cache after the KV its earlier chunks wrote) beside every decode, sampling only for the decodes and for
-the chunks that end their context.
+Placement decisions are already applied to the `ClusterState` when a run starts, and the plan carries them as
+explicit KV ops per GPU (batchgen.core.ops): `move_kv` carries them out, cache by cache (YIELD to the host copy,
+OFFLOAD to run host-resident, MIGRATE by export and import between caches, COMBINE by restoring the host copy,
+evict and free, PARTITION by splitting a lead's host copy into head shards and joining them back). It reads no
+global view of the state to find what to do, so a backend with one process per rank can do the same from the
+ops alone. Then the run itself: one forward with prefills, or up to `steps` decode iterations, each a
+module-batched forward over every rank, in which host-resident sequences restore their KV layer by layer into
+staging buffers (or attend on the host CPU with `plan.cpu_attention`); or, with chunked prefill, one forward of
+prompt chunks (each written into the paged cache after the KV its earlier chunks wrote) beside every decode,
+sampling only for the decodes and for the chunks that end their context.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from typing import Any, Generator
 import numpy as np
 import torch
 
-from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
+from batchgen.core.ops import KVOps
+from batchgen.core.sequences import SUSPENDED, InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.policy.base import Capabilities
@@ -32,16 +32,26 @@ from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
 from batchgen.exec.sequences import SequenceTokens
-from batchgen.exec.shards import join, split
+from batchgen.exec.shards import join, shards_of, split
+
+
+def _by_gpu(ids: np.ndarray, gpus: np.ndarray) -> list[tuple[int, list[int]]]:
+    """(GPU, its ids) for each GPU that has any, in GPU order."""
+    if not ids.size:
+        return []
+    return [(int(g), ids[gpus == g].tolist()) for g in np.unique(gpus)]
 
 
 class ExecBackend:
+    kv_ops = True  # executes each plan's explicit KV ops (batchgen.core.ops)
+
     def __init__(self, state: ClusterState, runners: list[InstanceRunner], caches: list[PagedKVCache],
-                 tokens: SequenceTokens, job_seed: int = 0, two_batch_overlap: bool = False):
+                 tokens: SequenceTokens, job_seed: int = 0, two_batch_overlap: bool = False, check: bool = False):
         """One runner per instance (its device's copy of the model), one KV cache per GPU rank.
         `two_batch_overlap` (sglang_opt): every forward runs as two micro-batches, one after the other (each rank's
         sequences split in halves); the overlap of one's all-to-all with the other's compute needs two streams
-        and several processes, so it is priced by the simulator only (batchgen.sim.tbo), never performed here."""
+        and several processes, so it is priced by the simulator only (batchgen.sim.tbo), never performed here.
+        `check`: after each plan's KV ops, check the caches against the state (`check_placement`)."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
         if len(runners) != state.topo.num_instances:
@@ -50,11 +60,9 @@ class ExecBackend:
         self.job_seed = job_seed
         self.two_batch_overlap = two_batch_overlap
         self.events = 0
-        self._holder: dict[int, int] = {}  # sequence -> GPU whose cache holds its KV (device or host copy)
-        self._split: dict[int, tuple[int, int]] = {}  # PARTITIONed sequence -> (lead GPU, degree) of its shards
-        self.moves = Counter()  # KV operations carried out: yield, restore, migrate, evict
+        self.check = check
+        self.moves = Counter()  # KV operations carried out: yield, offload, restore, migrate, evict, partition
         self._t0 = time.perf_counter()
-        self._live = set(range(state.topo.num_instances))
         model = runners[0].model
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
         # prefill KV needs device pages (policies budget for it); running sequences may be host-resident, and
@@ -67,14 +75,18 @@ class ExecBackend:
                                                                  if all(h % d == 0 for h in heads)))
         # what host-resident decode moved and ran: staged restores and appends (bytes), sequence-steps
         self.traffic = Counter()
-        self._waiting: set[int] = set()
 
     # ---- Backend protocol ---------------------------------------------------------------------------
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
-        self.reconcile(plan)
+        if plan.ops is None:
+            raise InvariantError("the executor runs plans with their KV ops (the engine builds them when "
+                                 "Backend.kv_ops is True)")
+        self.move_kv(plan.ops)
+        if self.check:
+            self.check_placement(plan)
         if plan.prefill_ids.size:
             result = self._prefill(plan)
         elif plan.chunk_ids.size:
@@ -85,121 +97,73 @@ class ExecBackend:
         yield None  # one step done: the driver may run another instance now
         return result
 
-    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
-        self._waiting.add(instance)
-        if self._live <= self._waiting:
-            raise InvariantError(f"policy {policy_name!r} made no progress on instances {sorted(self._waiting)} "
-                                 "although they still have queued sequences, and no instance is running")
-        yield None
-        self._waiting.discard(instance)
+    def idle(self) -> Generator[Any, Any, None]:
+        yield None  # one round: the driver runs the other instances, then this one looks again
 
-    def notify_change(self) -> None:
-        self._waiting.clear()
+    def wake(self) -> None:
+        pass  # every instance's loop is resumed round-robin anyway
 
-    def instance_done(self, instance: int) -> None:
-        self._live.discard(instance)
-        self._waiting.clear()
-
-    # ---- tensors follow the bookkeeping --------------------------------------------------------------
-    def _group(self, lead: int, degree: int) -> list[int]:
-        """The GPUs of a partition group: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
-        gpus = self.state.topo.instance_gpus(int(self.state.topo.gpu_instance[lead]))
-        rank = int(np.flatnonzero(gpus == lead)[0])
-        return [int(gpus[(rank + j) % gpus.size]) for j in range(degree)]
-
-    def _join_partitions(self) -> None:
-        """Sequences whose partition the state changed (un-partitioned, moved, yielded, finished, evicted): the
-        shards come back to the lead's host copy first (or are dropped with a finished or evicted sequence)."""
-        t = self.state.table
-        for sid, (lead, degree) in list(self._split.items()):
-            if t.where[sid] == lead and t.tp[sid] == degree:
-                continue
-            group = [self.caches[g] for g in self._group(lead, degree)]
-            if t.where[sid] in (FINISHED, PENDING):
-                for cache in group:
-                    cache.shards.release([sid])
-            else:
+    # ---- KV ops: the tensors follow the plan ------------------------------------------------------------
+    def move_kv(self, ops: KVOps) -> None:
+        """A boundary's KV ops, in their order (batchgen.core.ops); each names the GPU whose cache it touches.
+        Partition groups first: a sequence whose partition ends gets its shards back in the lead's host copy
+        (or dropped with a finished or evicted sequence)."""
+        caches = self.caches
+        for sid, lead, degree, keep in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
+                                           ops.join_degree.tolist(), ops.join_keep.tolist()):
+            group = [caches[g] for g in ops.group(lead, degree)]
+            if keep:
                 self.traffic["reshard_bytes"] += join(group, sid)
-            del self._split[sid]
+            else:
+                for cache in group:
+                    shards_of(cache).release([sid])
+        for g, ids in _by_gpu(ops.free_ids, ops.free_gpu):
+            caches[g].release(ids)
+        for g, ids in _by_gpu(ops.evict_ids, ops.evict_gpu):  # recomputed later from prompt + generated tokens
+            caches[g].release(ids)
+            self.moves["evict"] += len(ids)
+        for kind, ids_, gpus in (("yield", ops.yield_ids, ops.yield_gpu), ("offload", ops.offload_ids,
+                                                                          ops.offload_gpu)):
+            for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
+                caches[g].yield_to_host(ids)
+                self.moves[kind] += len(ids)
+        for sid, src, dst, to_device in zip(ops.migrate_ids.tolist(), ops.migrate_src.tolist(),
+                                            ops.migrate_dst.tolist(), ops.migrate_to_device.tolist()):
+            caches[dst].import_(sid, caches[src].export(sid), to_device=to_device)
+            caches[src].release([sid])
+            self.moves["migrate"] += 1
+        for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
+            caches[g].restore(ids)
+            self.moves["restore"] += len(ids)
+        for sid, lead, degree in zip(ops.split_ids.tolist(), ops.split_lead.tolist(), ops.split_degree.tolist()):
+            self.traffic["reshard_bytes"] += split([caches[g] for g in ops.group(lead, degree)], sid, degree)
+            self.moves["partition"] += 1
 
-    def _split_partitions(self, plan: StepPlan) -> None:
-        """PARTITION: sequences the state runs over several ranks get their head shards on every rank of the
-        group, from the lead's (complete) host copy."""
+    def check_placement(self, plan: StepPlan) -> None:
+        """What `reconcile` used to rebuild, kept as a check (with `check_invariants`): after the plan's ops,
+        every cache of the instance holds exactly what the state says it runs or keeps there, and each
+        sequence about to decode is on device exactly when it runs device-resident."""
         t = self.state.table
-        for sid in plan.decode_ids[plan.decode_tp > 1].tolist():
-            lead, degree = int(t.where[sid]), int(t.tp[sid])
-            if sid not in self._split:
-                self.traffic["reshard_bytes"] += split([self.caches[g] for g in self._group(lead, degree)], sid,
-                                                       degree)
-                self._split[sid] = (lead, degree)
-                self.moves["partition"] += 1
-
-    def reconcile(self, plan: StepPlan) -> None:
-        t = self.state.table
-        self._join_partitions()
-        # A sequence prefilled again was evicted (possibly in this very decision): its old KV goes first.
-        restarted = plan.chunk_ids[plan.chunk_start == 0] if plan.chunk_ids.size else plan.chunk_ids
-        for sid in plan.prefill_ids.tolist() + restarted.tolist():
-            src = self._holder.pop(sid, None)
-            if src is not None:
-                self.caches[src].release([sid])
-                self.moves["evict"] += 1
-        for g in plan.gpus:
+        for g in plan.gpus.tolist():
             cache = self.caches[g]
-            held = np.array(cache.seq_ids(), dtype=np.int64)
+            held = np.array(cache.seq_ids(), np.int64)
             if not held.size:
                 continue
-            where = t.where[held]
-            gone = held[(where == FINISHED) | (where == PENDING)]  # finished, or evicted for recompute
-            cache.release(gone.tolist())
-            self.moves["evict"] += int((where == PENDING).sum())
-            for sid in gone.tolist():
-                self._holder.pop(sid, None)
-            parked = [s for s in held[where == SUSPENDED].tolist() if cache.on_device(s)]
-            cache.yield_to_host(parked)
-            self.moves["yield"] += len(parked)
-        # a partitioned sequence is held host-only by its lead (the shards hold what it computes on)
-        host = plan.decode_host_resident | (plan.decode_tp > 1)
-        for g in plan.gpus:
-            here = t.where[plan.decode_ids] == g
-            running = plan.decode_ids[here & ~host]
-            missing = [s for s in running.tolist() if not (self._holder.get(s) == g and self.caches[g].on_device(s))]
-            self._bring(missing, int(g))
-            self._bring_host([s for s in plan.decode_ids[here & host].tolist() if s not in self._split], int(g))
-        self._split_partitions(plan)
-
-    def _bring(self, seq_ids: list[int], g: int) -> None:
-        """COMBINE: restore from this GPU's host copies; MIGRATE: adopt KV held by another GPU's cache."""
-        local = [s for s in seq_ids if self._holder.get(s) == g]
-        self.caches[g].restore(local)
-        self.moves["restore"] += len(local)
-        for sid in seq_ids:
-            src = self._holder.get(sid)
-            if src is None:
-                raise InvariantError(f"sequence {sid} is running on GPU {g} but its KV is nowhere")
-            if src != g:
-                kv = self.caches[src].export(sid)
-                self.caches[g].import_(sid, kv, to_device=True)
-                self.caches[src].release([sid])
-                self._holder[sid] = g
-                self.moves["migrate"] += 1
-
-    def _bring_host(self, seq_ids: list[int], g: int) -> None:
-        """Host-resident on GPU g: host-only in g's cache with a complete host copy. OFFLOAD (yield: sync, then
-        free the pages) one that holds pages there; MIGRATE one another cache holds, without loading it."""
-        cache = self.caches[g]
-        offload = [s for s in seq_ids if self._holder.get(s) == g and cache.on_device(s)]
-        cache.yield_to_host(offload)
-        self.moves["offload"] += len(offload)
-        for sid in seq_ids:
-            src = self._holder.get(sid)
-            if src is None:
-                raise InvariantError(f"sequence {sid} is running host-resident on GPU {g} but its KV is nowhere")
-            if src != g:
-                cache.import_(sid, self.caches[src].export(sid), to_device=False)
-                self.caches[src].release([sid])
-                self._holder[sid] = g
-                self.moves["migrate"] += 1
+            host_only = np.array([not cache.on_device(s) for s in held.tolist()], bool)
+            ok = (t.where[held] == g) | ((t.where[held] == SUSPENDED) & host_only)
+            if not ok.all():
+                sid = int(held[~ok][0])
+                raise InvariantError(f"GPU {g}'s cache holds sequence {sid}, which the state has at "
+                                     f"{int(t.where[sid])} (a KV op is missing from the plan)")
+        gpus = plan.gpus[plan.decode_rank]
+        for sid, g, host, tp in zip(plan.decode_ids.tolist(), gpus.tolist(), plan.decode_host_resident.tolist(),
+                                    plan.decode_tp.tolist()):
+            cache = self.caches[g]
+            if sid not in cache or cache.on_device(sid) != (not host and tp == 1):
+                raise InvariantError(f"sequence {sid} decodes on GPU {g} " + ("host-resident" if host or tp > 1
+                                     else "device-resident") + " but its cache does not hold it so")
+            if tp > 1 and sid not in shards_of(cache):
+                raise InvariantError(f"sequence {sid} decodes partitioned from GPU {g} without its shards")
 
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
@@ -219,7 +183,6 @@ class ExecBackend:
                     batch.token_ids.extend(ctx)
                     batch.new_counts.append(len(ctx))
                     batch.start_positions.append(0)
-                    self._holder[sid] = int(g)
                 else:
                     batch.token_ids.append(self.tokens.last_token(sid))
                     batch.new_counts.append(1)
@@ -353,7 +316,6 @@ class ExecBackend:
             tokens: list[int] = []
             for sid, start, n in zip(ids, starts, lens):
                 tokens.extend(self.tokens.context(sid)[start:start + n])
-                self._holder[sid] = int(g)
             batch.sample = plan.chunk_completes[on_rank].tolist() + [True] * len(batch.seq_ids)
             batch.host_resident = [False] * len(ids) + (batch.host_resident or [False] * len(batch.seq_ids))
             batch.tp = [1] * len(ids) + (batch.tp or [1] * len(batch.seq_ids))

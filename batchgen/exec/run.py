@@ -13,9 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
-from batchgen.engine import StepRecord, finished_ids, instance_loop
+from batchgen.engine import Engine, RunOutput, finished_ids
 from batchgen.exec.backend import ExecBackend
 from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
@@ -32,7 +31,6 @@ from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
 from batchgen.results.metrics import bct
-from batchgen.sim.run import RunOutput
 
 FinishObserver = Callable[[np.ndarray, SequenceTokens], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -328,11 +326,11 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     built = {s.spec if s else None for s in streamers.values()} or {None}
     if built != {planned}:
         raise InvariantError(f"the memory plan streams {planned} but the models were built streaming {built}")
-    runners = [InstanceRunner(models[dev], attention_tp=getattr(prepared.policy, "attention_tp", 1),
-                              streamer=streamers.get(dev)) for dev in devices]
+    policy = prepared.policy
+    runners = [InstanceRunner(models[dev], attention_tp=policy.attention_tp, streamer=streamers.get(dev))
+               for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed,
-                          two_batch_overlap=getattr(prepared.policy, "two_batch_overlap", False))
-    records: list[StepRecord] = []
+                          two_batch_overlap=policy.two_batch_overlap, check=job.check_invariants)
 
     def on_step(plan, result) -> None:
         ended = finished_ids(plan, result)
@@ -341,22 +339,17 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
         if after_run:
             after_run(tokens)
 
-    loops = [instance_loop(prepared.policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
-                           check_invariants=job.check_invariants,
-                           on_step=on_step if on_finish or after_run else None)
-             for inst in range(prepared.state.topo.num_instances)]
+    engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
+                    check_invariants=job.check_invariants, on_step=on_step if on_finish or after_run else None)
+    loops = engine.loops()
     while loops:  # round-robin: each instance runs one step (or one wait) at a time
         for loop in list(loops):
             try:
                 next(loop)
             except StopIteration:
                 loops.remove(loop)
-    state = prepared.state
-    if not state.all_finished():
-        raise InvariantError(f"policy {job.policy.name!r} stopped with {len(state.table) - state.num_finished} "
-                             "sequences unfinished")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    state.check()
-    return ExecOutput(job, prepared, records, wall, backend.events, backend="exec",
+    engine.finish()
+    return ExecOutput(job, prepared, engine.records, wall, backend.events, backend="exec",
                       tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic),
                       capabilities=backend.capabilities, cpu_share=cpu / (wall * torch.get_num_threads()))

@@ -9,7 +9,7 @@ Output lengths are not in the snapshot: like a real engine, a policy learns a se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -54,6 +54,10 @@ class Capabilities:
     # longest, finished rows kept computing until the batch drains. False (the executor): prompts unpadded and
     # finished rows dropped, the batch's slots still held until it drains. Decisions are the same either way.
     padded_batches: bool = True
+    # every forward may run as two micro-batches (a policy's two_batch_overlap, SGLang's TBO)
+    two_batch_overlap: bool = True
+    # a rank may be a group of GPUs running attention tensor-parallel (a policy's attention_tp > 1)
+    attention_tp: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,12 +177,42 @@ class Decision:
 
 
 class Policy(Protocol):
-    """Optional hooks, for a policy that gives instances roles (PD-disaggregation, batchgen/policy/pd_disagg.py):
-    `instance_gpus(num_gpus, node_size) -> int` sizes the instances (batchgen.job.effective_cluster),
-    `route(num_sequences, num_instances) -> instance per sequence` replaces the round-robin split of the input,
-    and `receives_work(instance) -> bool` keeps an instance with nothing queued alive until the job is done (it
-    runs what other instances hand over)."""
+    """A scheduling policy: `decide` is all it must have. The optional members below (with the defaults of
+    `PolicyDefaults`, which every registered policy inherits) are read by the engine and the job's layout:
+
+    - `instance_gpus(num_gpus, node_size) -> int` sizes the instances (PD-disaggregation's units,
+      batchgen.job.effective_cluster); None: the cluster's own instance size.
+    - `route(num_sequences, num_instances) -> instance per sequence` replaces the round-robin split of the
+      input; None: round-robin.
+    - `receives_work(instance) -> bool` keeps an instance with nothing queued alive until the job is done (it
+      runs what other instances hand over); default False.
+    - `resolve_for_job(rig) -> Policy` returns the policy with its own search's choices (the offloading
+      systems); None: nothing to resolve.
+    - `two_batch_overlap`: every forward as two micro-batches (SGLang's TBO; sglang_opt); default False.
+    - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
+    """
 
     name: str
+    instance_gpus: Callable[[int, int], int] | None
+    route: Callable[[int, int], np.ndarray] | None
+    resolve_for_job: Callable[[Any], "Policy"] | None
+    two_batch_overlap: bool
+    attention_tp: int | str
 
     def decide(self, snap: Snapshot) -> Decision: ...
+    def receives_work(self, instance: int) -> bool: ...
+
+
+class PolicyDefaults:
+    """The defaults of `Policy`'s optional members (see there). Plain class attributes, not dataclass fields: a
+    policy's knobs are its own fields, and one that has the member as a knob (sglang_opt's two_batch_overlap,
+    continuous's attention_tp) or a method (pd_disagg's instance_gpus) overrides the default."""
+
+    instance_gpus = None
+    route = None
+    resolve_for_job = None
+    two_batch_overlap = False
+    attention_tp = 1
+
+    def receives_work(self, instance: int) -> bool:
+        return False

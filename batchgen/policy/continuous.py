@@ -42,12 +42,12 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.memory import BatchShape
-from batchgen.policy.base import EMPTY, Decision, Snapshot
+from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import pages_for, per_rank, shed_to_fit
 
 
 @dataclass(frozen=True)
-class ContinuousPolicy:
+class ContinuousPolicy(PolicyDefaults):
     max_running: int = 256           # per rank (CUDA-graph / scheduler cap)
     max_prefill_tokens: int = 16384  # per rank per forward
     admit_watermark: float = 0.01    # keep this share of KV pages free when admitting

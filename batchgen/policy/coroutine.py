@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.memory import BatchShape
-from batchgen.policy.base import Admit, Decision, Snapshot
+from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
 
 
@@ -46,7 +46,7 @@ FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention":
 
 
 @dataclass(frozen=True)
-class CoroutinePolicy:
+class CoroutinePolicy(PolicyDefaults):
     b_attn: int | str = "auto"
     b_moe: int | str = "auto"
     kv_residency: str = "auto"

@@ -29,13 +29,13 @@ from functools import cached_property
 import numpy as np
 
 from batchgen.memory import BatchShape, ConfigError
-from batchgen.policy.base import Admit, Decision, Snapshot
+from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank
 from batchgen.policy.continuous import ContinuousPolicy
 
 
 @dataclass(frozen=True)
-class PDDisaggPolicy:
+class PDDisaggPolicy(PolicyDefaults):
     prefill_units: int = 1
     decode_units: int = 1
     unit_gpus: int = 0

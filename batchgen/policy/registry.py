@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Mapping
 
-from batchgen.policy.base import Policy
+from batchgen.policy.base import Policy, PolicyDefaults
 from batchgen.policy.continuous import ContinuousPolicy
 from batchgen.policy.coroutine import CoroutinePolicy
 from batchgen.policy.offload import FlexGenPolicy, MoELightningPolicy, ZeroInferencePolicy
@@ -16,6 +16,9 @@ from batchgen.policy.static import StaticPolicy
 POLICIES: dict[str, type] = {"coroutine": CoroutinePolicy, "continuous": ContinuousPolicy, "static": StaticPolicy,
                              "sglang_opt": SGLangOptPolicy, "pd_disagg": PDDisaggPolicy, "flexgen": FlexGenPolicy,
                              "moe_lightning": MoELightningPolicy, "zero_inference": ZeroInferencePolicy}
+for _cls in POLICIES.values():  # the optional members of the Policy protocol, with their defaults
+    if not issubclass(_cls, PolicyDefaults):
+        raise TypeError(f"policy class {_cls.__name__} must inherit batchgen.policy.base.PolicyDefaults")
 _FIXED = {"can_stream_weights", "uses_host_kv"}  # properties of the policy, not knobs
 _AUTO_KNOBS = {"attention_tp"}  # whole-number knobs that also take "auto" (resolved before the job runs)
 

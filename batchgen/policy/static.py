@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.memory import BatchShape
-from batchgen.policy.base import Decision, Snapshot
+from batchgen.policy.base import Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import pages_for, shed_to_fit
 
 
 @dataclass(frozen=True)
-class StaticPolicy:
+class StaticPolicy(PolicyDefaults):
     batch_size: int = 64
     name: str = "static"
     can_stream_weights: bool = False

@@ -14,7 +14,6 @@ import numpy as np
 import simpy
 
 from batchgen import fastpath
-from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
@@ -64,27 +63,19 @@ class SimBackend:
         self.decode_iterations = 0
         self.events = 0
         self._boundary_s: dict[int, float] = {}  # boundary_overhead by sequences in play
-        self._live = set(range(state.topo.num_instances))
-        self._waiting: set[int] = set()
         self._changed = env.event()
 
-    def wait_for_change(self, instance: int, policy_name: str) -> Generator[Any, Any, None]:
-        self._waiting.add(instance)
-        if self._live <= self._waiting:
-            raise InvariantError(f"policy {policy_name!r} made no progress on instances {sorted(self._waiting)} "
-                                 "although they still have queued sequences, and no instance is running")
+    kv_ops = False  # prices the bytes of each plan's `moves`; moves no KV (batchgen.engine.Backend)
+
+    def idle(self) -> Generator[Any, Any, None]:
         yield self._changed
-        self._waiting.discard(instance)
 
-    def notify_change(self) -> None:
-        if self._waiting:
-            changed, self._changed = self._changed, self.env.event()
-            self._waiting.clear()  # they wake (a waiter not yet resumed is not blocked: no false deadlock)
-            changed.succeed()
+    def wake(self) -> None:
+        changed, self._changed = self._changed, self.env.event()
+        changed.succeed()
 
-    def instance_done(self, instance: int) -> None:
-        self._live.discard(instance)
-        self.notify_change()  # waiting instances look again (and report a deadlock if all are stuck)
+    def move_kv(self, ops) -> None:  # pragma: no cover - never asked (kv_ops is False)
+        pass
 
     def now(self) -> float:
         return float(self.env.now)

@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import simpy
 
-from batchgen.core.sequences import InvariantError
-from batchgen.engine import StepObserver, StepRecord, finished_ids, instance_loop
-from batchgen.job import Job, Prepared, prepare
+from batchgen.engine import Engine, RunOutput, StepObserver, finished_ids  # noqa: F401 (RunOutput: re-exported)
+from batchgen.job import Job, prepare
 from batchgen.policy.base import Capabilities
 from batchgen.progress import Throttle, bar
 from batchgen.sim.backend import SimBackend
-
-
-@dataclass
-class RunOutput:
-    job: Job
-    prepared: Prepared
-    records: list[StepRecord]
-    wall_s: float
-    events: int
-    backend: str = "sim"
-    host_bytes: float = 0.0                # bytes moved host <-> device over the whole run, both directions
-    host_bytes_per_iteration: float = 0.0  # decode runs' host <-> device bytes per decode iteration
-    h2d_bytes: float = 0.0                 # host -> device bytes over the whole run (part of host_bytes)
 
 
 class SimProgress:
@@ -67,23 +52,19 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
-    policy = getattr(prepared, "policy", None) or job.policy  # "auto" knobs resolved by the planner
+    policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner
     backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
-                         capabilities=capabilities, two_batch_overlap=getattr(policy, "two_batch_overlap", False))
-    records: list[StepRecord] = []
+                         capabilities=capabilities, two_batch_overlap=policy.two_batch_overlap)
     shown = SimProgress(env, len(job.workload), f"simulate {policy.name}", progress)
-    observer = _both(on_step, None if shown.bar.disable else shown)
-    for inst in range(state.topo.num_instances):
-        env.process(instance_loop(policy, backend, inst, records, gpus_per_node=prepared.cluster.node_size,
-                                  check_invariants=job.check_invariants, on_step=observer))
+    engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
+                    check_invariants=job.check_invariants, on_step=_both(on_step, None if shown.bar.disable else shown))
+    for loop in engine.loops():
+        env.process(loop)
     try:
         env.run()
     finally:
         shown.close()
-    if not state.all_finished():
-        left = len(state.table) - state.num_finished
-        raise InvariantError(f"policy {policy.name!r} stopped with {left} sequences unfinished")
-    state.check()
-    return RunOutput(job, prepared, records, time.perf_counter() - start, backend.events,
+    engine.finish()
+    return RunOutput(job, prepared, engine.records, time.perf_counter() - start, backend.events,
                      host_bytes=backend.host_bytes, host_bytes_per_iteration=backend.host_bytes_per_iteration,
                      h2d_bytes=backend.h2d_bytes)

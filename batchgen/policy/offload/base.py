@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchgen.memory import BatchShape
-from batchgen.policy.base import Decision, Snapshot
+from batchgen.policy.base import Decision, PolicyDefaults, Snapshot
 from batchgen.policy.offload.block import BlockPlan, decide_block
 
 AUTO = "auto"
@@ -21,7 +21,7 @@ def whole(value, key: str, allow_auto: bool = True) -> None:
 
 
 @dataclass(frozen=True)
-class OffloadPolicy:
+class OffloadPolicy(PolicyDefaults):
     """Subclasses define `block_plan` (their knobs as a schedule, with documented fallbacks for an unresolved
     auto), `candidates` (their search space) and `with_knobs`."""
 

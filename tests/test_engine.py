@@ -1,0 +1,65 @@
+"""The engine's own duties, whatever the backend: the deadlock check, and refusing what a backend has not
+declared it can run."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import simpy
+
+from batchgen.core.sequences import InvariantError
+from batchgen.engine import Engine
+from batchgen.job import prepare
+from batchgen.memory import ConfigError
+from batchgen.policy.base import Capabilities, Decision, PolicyDefaults
+from batchgen.sim.backend import SimBackend
+from conftest import make_job
+
+
+class Stuck(PolicyDefaults):
+    """Never runs anything, though prompts wait."""
+
+    name = "stuck"
+
+    def decide(self, snap):
+        return Decision()
+
+
+def sim_engine(policy, instances=2, capabilities=None):
+    job = make_job("continuous", n=6, inputs=np.full(6, 30), outputs=np.full(6, 5),
+                   cluster_overrides={"num_gpus": 2 * instances, "gpus_per_node": 2, "gpus_per_instance": 2})
+    prepared = prepare(job)
+    env = simpy.Environment()
+    backend = SimBackend(env, prepared.state, prepared.latency, capabilities=capabilities)
+    return env, Engine(policy, backend, gpus_per_node=2, check_invariants=True)
+
+
+def test_every_instance_waiting_on_another_is_a_deadlock_named_after_the_policy():
+    env, engine = sim_engine(Stuck())
+    for loop in engine.loops():
+        env.process(loop)
+    with pytest.raises(InvariantError, match=r"policy 'stuck' made no progress on instances \[0, 1\]"):
+        env.run()
+
+
+def test_a_policy_that_finishes_ends_every_loop_and_the_engine_checks_the_outcome():
+    from batchgen.policy.continuous import ContinuousPolicy
+
+    env, engine = sim_engine(ContinuousPolicy())
+    for loop in engine.loops():
+        env.process(loop)
+    env.run()
+    engine.finish()  # every sequence finished, the bookkeeping recounts
+    assert engine.records and engine.liveness.live == set()
+
+
+def test_a_way_of_running_the_backend_has_not_declared_is_refused():
+    from batchgen.policy.sglang_opt import SGLangOptPolicy
+
+    no_tbo = dataclasses.replace(Capabilities(), two_batch_overlap=False)
+    with pytest.raises(ConfigError, match="two_batch_overlap=false"):
+        sim_engine(SGLangOptPolicy(), capabilities=no_tbo)
+    no_tp = dataclasses.replace(Capabilities(), attention_tp=False)
+    with pytest.raises(ConfigError, match="attention_tp=1"):
+        sim_engine(dataclasses.replace(SGLangOptPolicy(), two_batch_overlap=False, attention_tp=2),
+                   capabilities=no_tp)

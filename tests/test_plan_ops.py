@@ -1,0 +1,116 @@
+"""The explicit KV ops of a plan (batchgen.core.ops): a scripted sequence of decisions gives exactly the expected
+per-GPU lists, and an op the KV is not placed for fails with the sequence and the GPU."""
+
+import numpy as np
+import pytest
+
+from batchgen.core.ops import KVLedger, KVOps
+from batchgen.core.sequences import InvariantError
+from batchgen.engine import InstanceProgress, apply_decision
+from batchgen.job import prepare
+from batchgen.policy.base import Admit, Decision
+from conftest import make_job
+
+I = np.int64
+
+
+def four_gpus_two_nodes():
+    """One expert-parallel instance of 4 GPUs over 2 nodes (GPUs 0, 1 on node 0; 2, 3 on node 1), 8 prompts."""
+    job = make_job("coroutine", n=8, inputs=np.full(8, 40), outputs=np.full(8, 100),
+                   cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
+    state = prepare(job).state
+    assert state.topo.gpu_node.tolist() == [0, 0, 1, 1] and state.topo.num_instances == 1
+    return state, KVLedger(len(state.table), 1, state.topo.gpu_node), InstanceProgress(4)
+
+
+def step(state, ledger, progress, **fields):
+    plan = apply_decision(state, 0, Decision(**{k: np.asarray(v, I) if k != "admits" else v
+                                                for k, v in fields.items()}), progress, ledger=ledger)
+    if plan.decode_ids.size:  # the run made a token for every decode
+        state.advance(plan.decode_ids, np.ones(plan.decode_ids.size, I), host_sync=False)
+    if plan.prefill_ids.size:
+        state.advance(plan.prefill_ids, np.ones(plan.prefill_ids.size, I), host_sync=False)
+    return plan
+
+
+def kv(plan, rank):
+    """Rank `rank`'s share of the plan without its empty lists."""
+    mine = vars(plan.for_rank(rank)).copy()
+    mine.pop("gpu")
+    return {k: v for k, v in mine.items() if v}
+
+
+def test_scripted_decisions_give_exactly_the_expected_per_rank_ops():
+    state, ledger, progress = four_gpus_two_nodes()
+    # prefill four prompts: no KV moves, the prefills on their ranks
+    plan = step(state, ledger, progress, prefill_ids=[0, 1, 2, 3], prefill_ranks=[0, 0, 1, 2], steps=1)
+    assert plan.ops.empty()
+    assert [kv(plan, r) for r in range(4)] == [{"prefill": [0, 1]}, {"prefill": [2]}, {"prefill": [3]}, {}]
+
+    # YIELD 0; MIGRATE 1 from GPU 0 to GPU 3 (another node); PARTITION 2 over GPUs 1 and 2; the rest decode
+    plan = step(state, ledger, progress, yield_ids=[0], move_ids=[1], move_ranks=[3], partition_ids=[2],
+                partition_degree=[2], steps=4)
+    assert kv(plan, 0) == {"yield_": [0], "send": [(1, 3, True)]}
+    assert kv(plan, 1) == {"offload": [2], "split": [(2, (1, 2))], "decode": [2]}
+    assert kv(plan, 2) == {"split": [(2, (1, 2))], "decode": [3]}
+    assert kv(plan, 3) == {"receive": [(1, 0, True, True)], "decode": [1]}
+
+    # COMBINE 0 where it was yielded (a restore); un-PARTITION 2 (shards back, then its KV back on device);
+    # evict 3 (recompute)
+    plan = step(state, ledger, progress, admits=[Admit(0, np.array([0], I), np.array([0], I))],
+                partition_ids=[2], partition_degree=[1], evict_ids=[3], steps=4)
+    assert kv(plan, 0) == {"restore": [0], "decode": [0]}
+    assert kv(plan, 1) == {"join": [(2, (1, 2), True)], "restore": [2], "decode": [2]}
+    assert kv(plan, 2) == {"join": [(2, (1, 2), True)], "evict": [3]}
+    assert kv(plan, 3) == {"decode": [1]}
+
+    # YIELD 1 on node 1, then COMBINE it on GPU 0: its host copy migrates across nodes, loaded to device;
+    # 3 is prefilled again from scratch
+    step(state, ledger, progress, yield_ids=[1], steps=1)
+    plan = step(state, ledger, progress, admits=[Admit(1, np.array([1], I), np.array([0], I))],
+                prefill_ids=[3], prefill_ranks=[1], steps=1)
+    assert kv(plan, 3) == {"send": [(1, 0, True)]}
+    assert kv(plan, 0) == {"receive": [(1, 3, True, True)], "decode": [0, 1]}  # a prefill forward decodes too
+    assert kv(plan, 1) == {"prefill": [3], "decode": [2]}
+
+    # a sequence that finished is freed at the instance's next boundary, where its KV is
+    t = state.table
+    t.output_len[0] = t.decoded[0]
+    state.finish(0, np.array([0], I), np.array([1.0]))
+    ledger.finished(0, np.array([0], I))
+    plan = step(state, ledger, progress, steps=1)
+    assert kv(plan, 0) == {"free": [0], "decode": [1]}
+    assert ledger.holder[[0, 1, 2, 3]].tolist() == [-1, 0, 1, 1]
+
+
+def test_an_op_the_kv_is_not_placed_for_names_the_sequence_and_the_gpu():
+    state, ledger, progress = four_gpus_two_nodes()
+    step(state, ledger, progress, prefill_ids=[0, 1], prefill_ranks=[0, 1], steps=1)
+    gpus = state.instance_gpus(0)
+    one = lambda sid: np.array([sid], I)  # noqa: E731
+    with pytest.raises(InvariantError, match=r"restore .*sequence 0 on GPU 0: its KV is on GPU 0's device"):
+        ledger.apply(KVOps(gpus, restore_ids=one(0), restore_gpu=one(0)))  # on device, not on host
+    with pytest.raises(InvariantError, match=r"restore .*sequence 5 on GPU 2: its KV is held nowhere"):
+        ledger.apply(KVOps(gpus, restore_ids=one(5), restore_gpu=one(2)))  # never prefilled
+    with pytest.raises(InvariantError, match=r"migrate from of sequence 1 on GPU 0: its KV is on GPU 1's"):
+        ledger.apply(KVOps(gpus, migrate_ids=one(1), migrate_src=one(0), migrate_dst=one(2),
+                           migrate_cross=np.array([True]), migrate_to_device=np.array([True])))
+    with pytest.raises(InvariantError, match=r"sequence 1 is in yield and migrate"):
+        ledger.apply(KVOps(gpus, yield_ids=one(1), yield_gpu=one(1), migrate_ids=one(1), migrate_src=one(1),
+                           migrate_dst=one(2), migrate_cross=np.array([True]), migrate_to_device=np.array([True])))
+    assert ledger.holder[[0, 1]].tolist() == [0, 1] and ledger.on_device[[0, 1]].all()  # nothing recorded
+
+
+def test_simulated_policies_keep_the_ledger_in_step_with_the_state():
+    """With check_invariants the engine builds and checks every boundary's ops in the simulator too: yields
+    happened on the way, and the ledger ends with every sequence's KV freed (each instance's last, idle
+    boundary frees what its last run finished)."""
+    from batchgen.sim.run import simulate
+
+    job = make_job("coroutine", n=40, inputs=np.full(40, 200), outputs=np.full(40, 300),
+                   cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4},
+                   policy_overrides={"kv_residency": "device"})
+    out = simulate(job, kv_pages_per_gpu=40, progress=False)
+    ledger = KVLedger.of(out.prepared.state)
+    assert (out.prepared.state.table.yields > 0).any()
+    assert (ledger.holder == -1).all() and not ledger.on_device.any() and not ledger.split.any()
