@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,7 @@ from batchgen.engine import Engine
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
                                build_model, kv_pools, model_config)
+from batchgen.exec.models import load_tokenizer
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
@@ -119,7 +121,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         finally:
             ctx.close()
     threads = None if settings.threads in (None, "auto") else int(settings.threads)
-    results = launch(rank_main, settings.procs, (job, settings, prompts, params), device=device,
+    results = launch(rank_main, settings.procs, (job, settings, prompts, params, True), device=device,
                      timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
                      join_timeout_s=max(600.0, 10 * settings.timeout_s))
     bad = [r for r in results if not r.ok]
@@ -132,8 +134,10 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     return results[0].value
 
 
-def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params) -> DistOutput | None:
-    """One process of the run: build its part, then rank 0 drives the engine and the others serve."""
+def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
+              to_parent: bool = False) -> DistOutput | None:
+    """One process of the run: build its part, then rank 0 drives the engine and the others serve.
+    `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     config = model_config(job, settings)
     dtype = settings.torch_dtype([ctx.device])
@@ -160,7 +164,14 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
         return None
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=cache.num_pages)
-    tokens = SequenceTokens(prompts, params, config.eos_token_ids, None)
+    decode = None
+    if settings.model_path and (Path(settings.model_path) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(settings.model_path)
+        decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    elif any(p.stop for p in params):
+        raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
+                          "tokenizer.json")
+    tokens = SequenceTokens(prompts, params, config.eos_token_ids, decode)
     backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed)
     try:
         engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
@@ -179,6 +190,8 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
         raise
     totals = backend.shutdown()
     moves = dict(backend.moves)
+    if to_parent:
+        tokens.decode = None
     return DistOutput(job, prepared, engine.records, wall, backend.events, backend="dist", tokens=tokens,
                       kv_moves=moves, kv_traffic=dict(backend.traffic), capabilities=backend.capabilities,
                       device=str(ctx.device), dtype=str(dtype).removeprefix("torch."),
