@@ -147,14 +147,14 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     model = build_model(job, settings, ctx.device, dtype).eval()
     comm = Comm()  # the world group: one instance over every process
     control = dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s))
-    is_moe = False
-    for layer in range(model.num_layers):
-        moe = model.moe(layer)
-        if moe is not None:
-            model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
-            is_moe = True
+    is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
-    runner.collective = True
+    if comm.size > 1:  # one process keeps the plain layer (the same math, no collectives to wait in)
+        for layer in range(model.num_layers):
+            moe = model.moe(layer)
+            if moe is not None:
+                model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
+        runner.collective = True
     cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
                                      dtype=dtype, device=ctx.device, max_context=pools.max_context,
                                      staging_pages=pools.staging_pages)
