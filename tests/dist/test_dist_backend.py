@@ -94,3 +94,43 @@ def test_refused_before_any_process_starts(saved):
                     cluster_overrides={"num_gpus": 2, "gpus_per_instance": 1})
     with pytest.raises(DistConfigError, match="concurrent instances are not supported under backend=dist"):
         execute_dist(inst, dist_settings(path, 2))
+
+
+@pytest.mark.slow  # about 10 s idle, 27 s on the loaded 2-core machine
+def test_chunked_prefill_and_recompute_over_two_processes(saved, loop_kernel):
+    """continuous with chunked prefill and a small KV pool: prompt chunks beside decodes in one forward (each
+    chunk over the KV its earlier chunks left in its process's cache), part-prefilled prompts preempted and
+    recomputed; greedy outputs equal transformers'."""
+    model, path = saved
+    rng = np.random.default_rng(3)
+    inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
+    job = make_job("continuous", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"chunked_prefill": True, "token_budget": 12})
+    out = execute_dist(job, dist_settings(path, 2))
+    for sid in range(N):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    assert "mixed" in {r.phase for r in out.records}
+    assert out.prepared.state.table.recomputes.sum() > 0 and sum(m.get("evict", 0) for m in out.rank_moves) > 0
+
+
+@pytest.mark.parametrize("attention", ["gpu", "cpu"])
+def test_host_resident_decode_over_two_processes(saved, loop_kernel, attention):
+    """More running sequences than a process's device KV holds: the rest run host-resident on their own
+    process (KV staged per layer into its staging buffers, or attended on its CPU); outputs equal transformers'."""
+    model, path = saved
+    n, page = 12, 8
+    rng = np.random.default_rng(7)
+    inputs, outputs = rng.integers(24, 40, n), rng.integers(8, 32, n)
+    job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=page,
+                   cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": "mixed", "attention": attention})
+    longest = -(-int((inputs + outputs).max()) // page) * page
+    budget = kv_mb_for(path, 80, staging_seqs=0 if attention == "cpu" else 2, max_context=longest)
+    out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), kv_budget_mb=budget, procs=2,
+                                         timeout_s=30.0))
+    for sid in range(n):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    traffic = out.kv_traffic
+    assert 0 < traffic["host_resident_seq_steps"] < traffic["seq_steps"]
+    assert (traffic.get("cpu_attention_seq_steps", 0) > 0) == (attention == "cpu")
+    assert (traffic["restored_bytes"] > 0) == (attention == "gpu")
