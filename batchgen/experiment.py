@@ -50,13 +50,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         finally:
             shown.close()
     elif cfg.backend.name == "dist":
-        from batchgen.dist.run import DistSettings, execute_dist
+        from batchgen.dist.run import DistRunFailed, DistSettings, execute_dist
         settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
         settings["model_path"] = model_path(cfg)
         try:
             out = execute_dist(job, DistSettings(**settings))
         except TypeError as e:
             raise ConfigError(f"bad backend setting: {e}") from e
+        except DistRunFailed as e:  # a process died or failed: one line here, every rank's error in the file
+            (run_dir / ERROR_FILE).write_text(f"{e}\n")
+            print(f"error: {e.headline} (details: {run_dir / ERROR_FILE})", file=sys.stderr)
+            sys.exit(1)
         if out is None:  # a worker rank under torchrun: rank 0 writes the results
             return {}
     else:

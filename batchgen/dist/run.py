@@ -30,7 +30,8 @@ import torch.distributed as dist
 from batchgen.dist.backend import DistBackend
 from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE
-from batchgen.dist.errors import DistConfigError
+from batchgen.dist.errors import DistConfigError, WorkerLost
+from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine
@@ -49,6 +50,7 @@ from batchgen.memory import ConfigError
 class DistSettings(ExecSettings):
     procs: int = 1                 # processes = GPUs of the one instance (cluster.num_gpus must equal it)
     timeout_s: float = 120.0       # bound on every collective (a peer that stops answering never hangs a run)
+    heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
     threads: int | str | None = 1  # torch intra-op threads per process
 
@@ -61,6 +63,24 @@ class DistOutput(ExecOutput):
     rank_comm_s: list = field(default_factory=list)   # in all-to-alls and KV transfers (waits for peers included)
     rank_idle_s: list = field(default_factory=list)   # the rest: waiting for rank 0's next command
     rank_moves: list = field(default_factory=list)    # KV ops each rank carried out
+
+
+class DistRunFailed(RuntimeError):
+    """A process of the run failed or died: the first line says which and why (a lost worker first), the rest
+    holds each failed rank's error."""
+
+    def __init__(self, bad: list):
+        self.results = bad
+        lost = [r for r in bad if r.error and "WorkerLost" in r.error]
+        first = (lost or bad)[0]
+        lines = [l for l in (first.error or "").splitlines() if l.strip()]
+        headline = lines[0] if lines else f"exit code {first.exitcode}"
+        killed = [r.rank for r in bad if r.exitcode is not None and r.exitcode < 0]
+        super().__init__(f"backend=dist stopped: rank {first.rank}: {headline}"
+                         + (f" (killed by a signal: rank{'s' if len(killed) > 1 else ''} "
+                            f"{', '.join(map(str, killed))})" if killed else "")
+                         + "".join(f"\n--- rank {r.rank} (exit {r.exitcode}) ---\n{r.error or ''}" for r in bad))
+        self.headline = str(self).splitlines()[0]
 
 
 def under_torchrun() -> bool:
@@ -94,6 +114,8 @@ def check_dist(job: Job, settings: DistSettings) -> None:
         raise DistConfigError(f"backend.repeats={settings.repeats}: backend=dist runs the job once (repeats=1)")
     if settings.start_method not in ("fork", "spawn"):
         raise DistConfigError(f"backend.start_method={settings.start_method!r}: choose fork or spawn")
+    if not settings.heartbeat_s > 0:
+        raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
     if settings.timeout_s <= 0:
         raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
     if isinstance(settings.device, (list, tuple)):
@@ -126,18 +148,25 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
                      join_timeout_s=max(600.0, 10 * settings.timeout_s))
     bad = [r for r in results if not r.ok]
     if bad:
-        first = bad[0]
-        why = (first.error or "").strip().splitlines()
-        raise RuntimeError(f"backend=dist: rank {first.rank} failed (exit {first.exitcode}): "
-                           + (why[-1] if why else "no error reported") +
-                           "".join(f"\n--- rank {r.rank} ---\n{r.error or f'exit {r.exitcode}'}" for r in bad))
+        raise DistRunFailed(bad)
     return results[0].value
 
 
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
               to_parent: bool = False) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
-    `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here)."""
+    `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
+    The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s."""
+    heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=6 * settings.heartbeat_s)
+    heartbeat.start()
+    try:
+        return _rank_run(ctx, job, settings, prompts, params, to_parent, heartbeat)
+    finally:
+        heartbeat.stop()
+
+
+def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
+              heartbeat: Heartbeat) -> DistOutput | None:
     start, cpu_start = time.perf_counter(), time.process_time()
     config = model_config(job, settings)
     dtype = settings.torch_dtype([ctx.device])
@@ -145,8 +174,8 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     done_before = [0] * len(job.workload)
     params = _checked_params(job, settings, params, done_before)
     model = build_model(job, settings, ctx.device, dtype).eval()
-    comm = Comm()  # the world group: one instance over every process
-    control = dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s))
+    comm = Comm(heartbeat=heartbeat)  # the world group: one instance over every process
+    control = Comm(dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s)), heartbeat)
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
     if comm.size > 1:  # one process keeps the plain layer (the same math, no collectives to wait in)
@@ -185,8 +214,10 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
                     loops.remove(loop)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         engine.finish()
+    except WorkerLost:
+        raise  # the survivors find rank 0 gone from its heartbeat
     except BaseException:
-        backend.abort()  # the workers leave their loops instead of waiting out the timeout
+        backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
         raise
     totals = backend.shutdown()
     moves = dict(backend.moves)

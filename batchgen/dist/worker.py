@@ -13,6 +13,9 @@ group (`Command`), in the order they come, so that every collective they contain
 - `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync;
 - `stop` (reply: the run's totals) and `abort` (rank 0 failed: leave without a reply).
 
+The control channel is a `Comm` over a gloo group of its own (its waits are not counted as communication: they
+are the worker's idle time); with a heartbeat, a process that dies is found within seconds by the others.
+
 Timings are measured here, on each process's own clock: busy = seconds inside commands minus the seconds
 inside communication (`Comm.comm_s`: all-to-alls and KV transfers, waits for slower peers included); idle =
 everything else (waiting for rank 0's next command, the control messages themselves).
@@ -20,6 +23,7 @@ everything else (waiting for rank 0's next command, the control messages themsel
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +93,7 @@ class Totals:
 
 class RankWorker:
     def __init__(self, rank: int, cache: PagedKVCache, runner: InstanceRunner, comm: Comm,
-                 control: dist.ProcessGroup, params: list[SamplingParams], job_seed: int,
+                 control: Comm, params: list[SamplingParams], job_seed: int,
                  device: torch.device):
         self.rank, self.cache, self.runner, self.comm = rank, cache, runner, comm
         self.control, self.params, self.job_seed, self.device = control, params, job_seed, device
@@ -102,15 +106,34 @@ class RankWorker:
 
     # ---- the control channel ---------------------------------------------------------------------------
     def receive(self, cmd: Command | None = None) -> Command:
-        """Rank 0 passes the command it broadcasts; the others receive it."""
-        box = [cmd]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0 passes the command it broadcasts; the others receive it. Pickled bytes after their length,
+        through `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes WorkerLost in seconds)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(cmd)), dtype=torch.uint8)
+            self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, what="command length")
+            self.control.broadcast(data, 0, what=f"{cmd.kind} command")
+            return cmd
+        size = torch.empty(1, dtype=torch.int64)
+        self.control.broadcast(size, 0, what="command length")
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0, what="command")
+        return pickle.loads(data.numpy().tobytes())
 
     def reply(self, value: Any) -> list | None:
-        """Every rank's reply, on rank 0 (None elsewhere)."""
-        out = [None] * dist.get_world_size(self.control) if self.rank == 0 else None
-        dist.gather_object(value, out, dst=0, group=self.control)
+        """Every rank's reply, on rank 0 (None elsewhere): each worker sends its own, rank 0 receives them in
+        rank order (a dead worker becomes WorkerLost naming it)."""
+        if self.rank != 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+            self.control.send(torch.tensor([data.numel()], dtype=torch.int64), 0, what="reply length")
+            self.control.send(data, 0, what="reply")
+            return None
+        out = [value]
+        for r in range(1, self.control.size):
+            size = torch.empty(1, dtype=torch.int64)
+            self.control.recv(size, r, what=f"reply length from rank {r}")
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self.control.recv(data, r, what=f"reply from rank {r}")
+            out.append(pickle.loads(data.numpy().tobytes()))
         return out
 
     def serve(self) -> Totals | None:

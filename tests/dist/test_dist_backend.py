@@ -49,8 +49,9 @@ def job_for(procs: int, policy: str = "coroutine", n: int = N):
 
 
 def dist_settings(path, procs, kv_tokens=80, **kw):
+    kw.setdefault("timeout_s", 30.0)
     return DistSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens), procs=procs,
-                        timeout_s=30.0, **kw)
+                        **kw)
 
 
 @pytest.mark.parametrize("procs", [1, 2])
@@ -134,3 +135,33 @@ def test_host_resident_decode_over_two_processes(saved, loop_kernel, attention):
     assert 0 < traffic["host_resident_seq_steps"] < traffic["seq_steps"]
     assert (traffic.get("cpu_attention_seq_steps", 0) > 0) == (attention == "cpu")
     assert (traffic["restored_bytes"] > 0) == (attention == "gpu")
+
+
+def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, monkeypatch):
+    """Rank 1 is SIGKILLed at its 4th forward: rank 0 finds it lost (heartbeat, or the closed socket) and the
+    run stops with an error naming it, well within 30 s, instead of hanging (no recovery yet)."""
+    import os
+    import signal
+    import time
+
+    from batchgen.dist import worker as worker_module
+    from batchgen.dist.run import DistRunFailed
+
+    forward = worker_module.RankWorker._forward
+    calls = {"n": 0}
+
+    def dying(self, part, cmd):
+        calls["n"] += 1
+        if self.rank == 1 and calls["n"] == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, part, cmd)
+
+    monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)  # the forked workers inherit it
+    _, path = saved
+    job, _ = job_for(2)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job, dist_settings(path, 2, timeout_s=120.0))
+    assert time.monotonic() - t0 < 30
+    assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
+    assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)
