@@ -89,7 +89,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
               f"{summary['torch']}; BCT median of {summary['repeats']} run(s) {summary['bct_s']:.2f} s, range "
               f"{summary['bct_min_s']:.2f}-{summary['bct_max_s']:.2f} s; CPU share {100 * summary['cpu_share']:.0f}%"
               + (" (other processes took the cores: timings are inflated)"
-                 if summary['device'] == "cpu" and summary['cpu_share'] < 0.8 else ""))
+                 if summary['device'] == "cpu" and summary['cpu_share'] < 0.8 and out.backend == "exec" else "")
+              + (" (rank 0's process; its waits in collectives take no CPU)" if out.backend == "dist" else ""))
     print(f"results: {run_dir / 'results.json'}")
     return summary
 
