@@ -165,3 +165,18 @@ def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, monkey
     assert time.monotonic() - t0 < 30
     assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
     assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)
+
+
+def test_sampled_outputs_equal_the_single_process_executor(saved, loop_kernel):
+    """temperature 0.8, top-p 0.9: each process samples its own sequences with the per-(sequence, step) draws the
+    single-process executor uses, so the sampled tokens are the same (and really sampled: not the greedy ones)."""
+    _, path = saved
+    job, _ = job_for(2)
+    knobs = dict(temperature=0.8, top_p=0.9)
+    out = execute_dist(job, dist_settings(path, 2, **knobs))
+    ref = execute(job_for(2)[0], ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 80),
+                                              threads=1, **knobs))
+    greedy = execute(job_for(2)[0], ExecSettings(device="cpu", model_path=str(path),
+                                                 kv_budget_mb=kv_mb_for(path, 80), threads=1))
+    assert out.tokens.generated == ref.tokens.generated
+    assert out.tokens.generated != greedy.tokens.generated
