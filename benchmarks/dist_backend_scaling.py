@@ -58,8 +58,8 @@ def main() -> None:
                                                                   threads=1))
             tokens = int(out.prepared.state.table.output_len.sum())
             tps = tokens / bct(out)
-            ranks = "; ".join(f"rank {i}: busy {b:.2f} comm {c:.2f} idle {d:.2f} s" for i, (b, c, d) in
-                              enumerate(zip(out.rank_busy_s, out.rank_comm_s, out.rank_idle_s)))
+            ranks = "; ".join(f"rank {i}: busy {b:.2f} comm {c:.2f} idle {d:.2f} s, cpu {u:.2f} s" for i, (b, c, d, u)
+                              in enumerate(zip(out.rank_busy_s, out.rank_comm_s, out.rank_idle_s, out.rank_cpu_s)))
             print(f"round {r} procs={procs}: {tokens} tokens in {bct(out):.2f} s = {tps:.1f} tok/s "
                   f"({tps / procs:.1f} per process); {ranks}; load {os.getloadavg()[0]:.2f}", flush=True)
             if procs not in best or tps > best[procs][0]:

@@ -63,6 +63,7 @@ class DistOutput(ExecOutput):
     rank_comm_s: list = field(default_factory=list)   # in all-to-alls and KV transfers (waits for peers included)
     rank_idle_s: list = field(default_factory=list)   # the rest: waiting for rank 0's next command
     rank_moves: list = field(default_factory=list)    # KV ops each rank carried out
+    rank_cpu_s: list = field(default_factory=list)    # process CPU seconds (wall minus waiting for a core)
 
 
 class DistRunFailed(RuntimeError):
@@ -230,7 +231,7 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
                       cpu_share=cpu / (wall * torch.get_num_threads()), procs=settings.procs,
                       rank_wall_s=[t.wall_s for t in totals], rank_busy_s=[t.busy_s for t in totals],
                       rank_comm_s=[t.comm_s for t in totals], rank_idle_s=[t.idle_s for t in totals],
-                      rank_moves=[t.moves for t in totals])
+                      rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals])
 
 
 def _timedelta(seconds: float):

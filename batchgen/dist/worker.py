@@ -89,6 +89,8 @@ class Totals:
     comm_s: float
     idle_s: float
     moves: dict
+    cpu_s: float = 0.0   # process CPU seconds over the same span (under load, busy wall seconds include waits
+                         # for a core; CPU seconds do not)
 
 
 class RankWorker:
@@ -103,6 +105,7 @@ class RankWorker:
         self._comm_pending = 0.0
         self.moves: dict[str, int] = {}
         self._start = time.perf_counter()
+        self._cpu_start = time.process_time()
 
     # ---- the control channel ---------------------------------------------------------------------------
     def receive(self, cmd: Command | None = None) -> Command:
@@ -228,4 +231,4 @@ class RankWorker:
     def totals(self) -> Totals:
         wall = time.perf_counter() - self._start
         return Totals(self.rank, wall, self.busy_s, self.comm_s, max(wall - self.busy_s - self.comm_s, 0.0),
-                      dict(self.moves))
+                      dict(self.moves), time.process_time() - self._cpu_start)
