@@ -104,7 +104,8 @@ def check_dist(job: Job, settings: DistSettings) -> None:
         raise DistConfigError(f"the cluster has {cluster.num_instances} instances; backend=dist runs one "
                               "expert-parallel instance over all its processes (concurrent instances are not "
                               "supported under backend=dist yet): set cluster.gpus_per_instance=null")
-    policy = prepare(job).policy
+    policy = prepare(job).policy  # (an FFN per micro-batch, the offload systems' schedule, is chosen per
+    # decision: DistBackend.execute refuses it at the first step, and the run stops with that one line)
     if policy.two_batch_overlap:
         raise DistConfigError(f"policy {policy.name} runs two-batch overlap, not supported under backend=dist yet:"
                               " set policy.two_batch_overlap=false")
