@@ -1,4 +1,4 @@
-"""backend=dist: greedy outputs over 1 and 2 processes (gloo, one thread each) equal the single-process executor's
+"""backend=dist: greedy outputs over 1, 2 and 4 processes (gloo, one thread each) equal the single-process executor's
 and transformers' on a tiny Mixtral, with a KV budget small enough to force yields, restores and migrations
 between ranks (here between processes: real send/recv of KV).
 
@@ -54,7 +54,7 @@ def dist_settings(path, procs, kv_tokens=80, **kw):
                         **kw)
 
 
-@pytest.mark.parametrize("procs", [1, 2])
+@pytest.mark.parametrize("procs", [1, 2, 4])
 def test_greedy_matches_exec_and_hf_with_yields_and_migrations(saved, loop_kernel, procs):
     model, path = saved
     job, outputs = job_for(procs)
@@ -70,13 +70,13 @@ def test_greedy_matches_exec_and_hf_with_yields_and_migrations(saved, loop_kerne
     # the ranks carried out the moves themselves: their own counts add up to rank 0's plan
     for kind in ("yield", "restore", "migrate", "evict"):
         assert sum(m.get(kind, 0) for m in out.rank_moves) == moved.get(kind, 0), kind
-    if procs == 2:
+    if procs > 1:
         assert moved.get("migrate", 0) > 0, moved  # KV crossed processes
     # honest metrics: one entry per process that exists, each measured by that process
     assert out.backend == "dist" and out.procs == procs
     assert len(out.rank_busy_s) == len(out.rank_comm_s) == len(out.rank_idle_s) == procs
     assert all(b > 0 for b in out.rank_busy_s)
-    if procs == 2:
+    if procs > 1:
         assert all(c > 0 for c in out.rank_comm_s)  # every rank joined the all-to-alls
     for w, b, c, i in zip(out.rank_wall_s, out.rank_busy_s, out.rank_comm_s, out.rank_idle_s):
         assert b + c + i == pytest.approx(w, rel=1e-6, abs=1e-6)
