@@ -29,17 +29,18 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    broadcasts it (pickled, through a `Comm` on a gloo group kept for control messages, even when the data
    moves over NCCL, so that a dead peer is noticed there too). Every worker then runs its own list in a
    fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
-   destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global view); its sequences' attention; then every MoE layer
-   through `ExpertParallelMoE` (a rank with no tokens this step still takes part: the all-to-alls are
-   collective); sampling for its sequences.
+   destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global
+   view); its sequences' attention; then every MoE layer through `ExpertParallelMoE` (a rank with no tokens
+   this step still takes part: the all-to-alls are collective); sampling for its sequences.
 3. Reports: each worker returns its sampled tokens and its timings (busy time, `Comm.comm_s` spent in
    collectives, idle) to rank 0 (sent point to point on the control group); rank 0 updates the state and
    the metrics (tokens/s per GPU over processes that exist).
 4. Failure: a process's `Comm` (the all-to-alls, KV transfers and the control channel alike) raises
-   `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices. Recovery will need a new group of the survivors (a torch process
-   group cannot drop a member), experts re-placed over them (their weights loaded again), and the lost
-   sequences restored or recomputed as the latency model prices it. Restoring needs host copies that outlive
-   their process (shared memory per node): today a host copy lives in its process and dies with it.
+   `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices.
+   Recovery will need a new group of the survivors (a torch process group cannot drop a member), experts
+   re-placed over them (their weights loaded again), and the lost sequences restored or recomputed as the
+   latency model prices it. Restoring needs host copies that outlive their process (shared memory per
+   node): today a host copy lives in its process and dies with it.
 
 As built: rank 0 keeps every sequence's tokens and sends each forward's new tokens with the command, and every
 decode iteration is one command (the stopping rules are decided on rank 0); a migrating sequence is released
