@@ -13,7 +13,7 @@ from batchgen.overrides import check_known_keys
 from batchgen.setup import build_setup, checked_calibration, model_path, model_spec, typed
 from batchgen.workload import build_workload
 
-BACKENDS = ("sim", "exec")
+BACKENDS = ("sim", "exec", "dist")
 
 
 def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | None = "batchgen.experiment") -> Job:
@@ -28,7 +28,7 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | N
     backend = cfg.get("backend", {}).get("name")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    model = model_spec(cfg, executor_element_bytes(cfg) if backend == "exec" else None)
+    model = model_spec(cfg, executor_element_bytes(cfg) if backend in ("exec", "dist") else None)
     checked_calibration(setup, model)
     try:
         workload = build_workload(cfg.workload, seed=typed(cfg, "seed", int, 0), base_dir=base_dir,

@@ -49,6 +49,20 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             raise ConfigError(f"bad backend setting: {e}") from e
         finally:
             shown.close()
+    elif cfg.backend.name == "dist":
+        from batchgen.dist.run import DistRunFailed, DistSettings, execute_dist
+        settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
+        settings["model_path"] = model_path(cfg)
+        try:
+            out = execute_dist(job, DistSettings(**settings))
+        except TypeError as e:
+            raise ConfigError(f"bad backend setting: {e}") from e
+        except DistRunFailed as e:  # a process died or failed: one line here, every rank's error in the file
+            (run_dir / ERROR_FILE).write_text(f"{e}\n")
+            print(f"error: {e.headline} (details: {run_dir / ERROR_FILE})", file=sys.stderr)
+            sys.exit(1)
+        if out is None:  # a worker rank under torchrun: rank 0 writes the results
+            return {}
     else:
         out = simulate(job, progress=progress)
     plan = getattr(out.prepared, "plan", None)
@@ -66,12 +80,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.output.get("plot", True):
         plot_timeline(out, run_dir / "timeline.png")
     print(format_table([summary]))
-    if out.backend == "exec":
+    if out.backend == "dist":
+        print("processes (own clocks): " + "; ".join(
+            f"rank {r}: busy {b:.2f} s, comm {c:.2f} s, idle {i:.2f} s"
+            for r, (b, c, i) in enumerate(zip(out.rank_busy_s, out.rank_comm_s, out.rank_idle_s))))
+    if out.backend in ("exec", "dist"):
         print(f"executor: {summary['device']} {summary['dtype']}, threads={summary['threads']}, torch "
               f"{summary['torch']}; BCT median of {summary['repeats']} run(s) {summary['bct_s']:.2f} s, range "
               f"{summary['bct_min_s']:.2f}-{summary['bct_max_s']:.2f} s; CPU share {100 * summary['cpu_share']:.0f}%"
               + (" (other processes took the cores: timings are inflated)"
-                 if summary['device'] == "cpu" and summary['cpu_share'] < 0.8 else ""))
+                 if summary['device'] == "cpu" and summary['cpu_share'] < 0.8 and out.backend == "exec" else "")
+              + (" (rank 0's process; its waits in collectives take no CPU)" if out.backend == "dist" else ""))
     print(f"results: {run_dir / 'results.json'}")
     return summary
 

@@ -55,13 +55,19 @@ def _section_keys(section: str, cfg: Mapping[str, Any]) -> list[str] | None:
         from batchgen.specs import ClusterSpec
         return _dataclass_keys(ClusterSpec)
     if section == "backend":
-        return ["name", *(_exec_keys() if _backend_name(cfg) == "exec" else [])]
+        name = _backend_name(cfg)
+        return ["name", *(_exec_keys() if name == "exec" else _dist_keys() if name == "dist" else [])]
     return None
 
 
 def _exec_keys() -> list[str]:
     from batchgen.exec.run import ExecSettings  # imports torch: only for backend=exec, which needs it anyway
     return _dataclass_keys(ExecSettings)
+
+
+def _dist_keys() -> list[str]:
+    from batchgen.dist.run import DistSettings  # imports torch: only for backend=dist
+    return _dataclass_keys(DistSettings)
 
 
 def _backend_name(cfg: Mapping[str, Any]) -> Any:
@@ -160,7 +166,7 @@ def _top_level_problem(key: str, value: Any, cfg: Mapping[str, Any], top: list[s
 
 
 def _section_problem(section: str, key: str, valid: list[str], cfg: Mapping[str, Any]) -> str:
-    if section == "backend" and _backend_name(cfg) != "exec" and key in _exec_keys():
+    if section == "backend" and _backend_name(cfg) not in ("exec", "dist") and key in _exec_keys():
         return (f"unknown key backend.{key}: backend.{key} is a setting of the executor (add backend=exec); the "
                 f"simulator (backend={_backend_name(cfg)}) has: {', '.join(valid)}")
     return f"unknown key {section}.{key};{_suggest(key, valid, section + '.')} valid {section} keys: {', '.join(valid)}"

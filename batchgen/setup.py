@@ -35,7 +35,7 @@ def plain(node: Any) -> dict:
 def model_path(cfg: DictConfig) -> str | None:
     """A model directory given as model.path (or, for the executor, backend.model_path)."""
     backend = cfg.get("backend") or {}
-    return cfg.model.get("path") or (backend.get("model_path") if backend.get("name") == "exec" else None)
+    return cfg.model.get("path") or (backend.get("model_path") if backend.get("name") in ("exec", "dist") else None)
 
 
 def model_spec(cfg: DictConfig, element_bytes: float | None = None) -> ModelSpec:

@@ -37,3 +37,10 @@ timeout 60 "$PY" benchmarks/exec_throughput.py --device cuda --dtype bfloat16 --
 # (in_run=false: the in-run stage would build the whole model; run it with a model that fits, e.g. small_moe)
 timeout 300 "$PY" -m batchgen.profile model=qwen3_30b_a3b backend.device=cuda backend.dtype=bfloat16 \
     hardware=h200 in_run=false out="$OUT/calibration-h200-qwen3_30b_a3b.json" 2>&1 | tee "$OUT/profile.txt"
+# backend=dist on NCCL (issue 9): one process per GPU, so it needs at least 2 GPUs (init_distributed refuses
+# two processes on one device); with one GPU, a 1-process CUDA run still checks the CUDA path of the backend.
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+DIST_PROCS=$(( GPUS >= 2 ? 2 : 1 ))
+timeout 180 torchrun --nproc-per-node="$DIST_PROCS" -m batchgen.experiment +policy=coroutine backend=dist \
+    backend.procs="$DIST_PROCS" backend.device=cuda model=tiny_moe workload.num_sequences=32 output.plot=false \
+    hydra.run.dir="$OUT/dist_run" 2>&1 | tee "$OUT/dist_nccl.txt"

@@ -85,9 +85,20 @@ def test_the_source_names_the_keys_this_test_is_about():
         assert key in keys, f"{key} not found among {sorted(keys)}"
 
 
+def _dist_only_keys() -> set[str]:
+    """Settings of backend=dist that backend=exec does not have (backend.procs, ...)."""
+    from dataclasses import fields
+
+    from batchgen.dist.run import DistSettings
+    from batchgen.exec.run import ExecSettings
+    return {f.name for f in fields(DistSettings)} - {f.name for f in fields(ExecSettings)}
+
+
 def context_for(key: str) -> tuple[str, ...]:
     """What `key` needs selected to exist; a policy knob: the policy whose file defines it (coroutine if none)."""
     section, _, name = key.partition(".")
+    if section == "backend" and name in _dist_only_keys():
+        return ("backend=dist",)
     if section == "policy":
         for file in sorted((conf_dir() / "policy").glob("*.yaml")):
             if name.split(".")[0] in (OmegaConf.load(file) or {}):
@@ -111,7 +122,7 @@ def test_every_key_a_message_names_works_as_typed(config, key):
 
 
 def test_shipped_configs_hold_only_known_keys():
-    for overrides in [(), ("backend=exec",), ("+policy=coroutine", "latency=table"),
+    for overrides in [(), ("backend=exec",), ("backend=dist",), ("+policy=coroutine", "latency=table"),
                       ("+experiment=paper_scale_12k_4k", "workload=azure_conv", "efficiency=datasheet")]:
         check_known_keys(compose_cfg(*overrides))
     check_known_keys(compose_cfg("+policy=coroutine", config="run"), "batchgen.run")

@@ -17,7 +17,8 @@ Pieces, one module each:
   SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/dist: about 3.4 s for a killed worker,
   0.5 s for a killed rank 0, whose store dies with it), never a hang.
 
-How the next step drives them (not built here; the engine integration waits for explicit per-rank plans):
+The executor built on them (`backend=dist`: `run` starts or joins the processes, `backend.DistBackend` is the
+engine's backend on rank 0, `worker.RankWorker` each process's share) drives them as follows:
 
 1. Start: torchrun or `launch` starts world = sum of instance sizes processes. Every process builds (or
    loads) the model, keeps its experts' shard per MoE layer (`ExpertParallelMoE` over its instance's group),
@@ -25,25 +26,32 @@ How the next step drives them (not built here; the engine integration waits for 
    the policy: it is a worker of instance 0 as well, so no process idles.
 2. Each step: rank 0 turns the policy's decision into a plan of per-rank operation lists (yield, restore,
    evict ids; migrations (id, source rank, destination rank); partition groups; prefill and decode ids) and
-   broadcasts it (`broadcast_object_list` on a gloo group kept for control messages, even when the data
-   moves over NCCL). Every worker then runs its own list in a fixed order: cache operations on its cache;
-   migrations in plan order (the source `send_sequence`, the destination `recv_sequence`; both walk the same
-   list, so sends and receives pair up without a global view); its sequences' attention; then every MoE layer
-   through `ExpertParallelMoE` (a rank with no tokens this step still takes part: the all-to-alls are
-   collective); sampling for its sequences. The source releases a migrated sequence in a later step, once
-   the plan confirms the receiver has it.
+   broadcasts it (pickled, through a `Comm` on a gloo group kept for control messages, even when the data
+   moves over NCCL, so that a dead peer is noticed there too). Every worker then runs its own list in a
+   fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
+   destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global
+   view); its sequences' attention; then every MoE layer through `ExpertParallelMoE` (a rank with no tokens
+   this step still takes part: the all-to-alls are collective); sampling for its sequences.
 3. Reports: each worker returns its sampled tokens and its timings (busy time, `Comm.comm_s` spent in
-   collectives, idle) to rank 0 with a gather; rank 0 updates the state and the metrics (tokens/s per GPU over
-   processes that exist).
-4. Failure: a worker's `Comm` raises `WorkerLost` in the collective that needed the dead peer; rank 0 also
-   polls `Heartbeat.lost()` between steps. Recovery will need a new group of the survivors (a torch process
-   group cannot drop a member), experts re-placed over them (their weights loaded again), and the lost
-   sequences restored or recomputed as the latency model prices it. Restoring needs host copies that outlive
-   their process (shared memory per node): today a host copy lives in its process and dies with it.
+   collectives, idle) to rank 0 (sent point to point on the control group); rank 0 updates the state and
+   the metrics (tokens/s per GPU over processes that exist).
+4. Failure: a process's `Comm` (the all-to-alls, KV transfers and the control channel alike) raises
+   `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices.
+   Recovery will need a new group of the survivors (a torch process group cannot drop a member), experts
+   re-placed over them (their weights loaded again), and the lost sequences restored or recomputed as the
+   latency model prices it. Restoring needs host copies that outlive their process (shared memory per
+   node): today a host copy lives in its process and dies with it.
 
-Not covered yet: NCCL (the code selects it on CUDA; no GPU was available to run it), loading only a rank's
-experts from a checkpoint (each rank builds the whole layer, then keeps its shard), head-sharded PARTITION
-across processes.
+As built: rank 0 keeps every sequence's tokens and sends each forward's new tokens with the command, and every
+decode iteration is one command (the stopping rules are decided on rank 0); a migrating sequence is released
+on its source as soon as its send completed; one process keeps the plain MoE layer (no collectives); a lost
+worker stops the run with `WorkerLost` naming it (run.DistRunFailed), with no recovery yet.
+
+Not covered yet (refused before any process starts, or not built): concurrent instances (one instance over all
+processes only), head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
+weights streamed from host, recovery from a lost worker, NCCL (the code selects it on CUDA; no GPU was
+available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
+keeps its shard).
 """
 
 from batchgen.dist.comm import Comm

@@ -64,6 +64,12 @@ class Comm:
         t0 = time.perf_counter()
         self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), what, self._peers(), t0)
 
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> None:
+        """src: a group-local rank."""
+        t0 = time.perf_counter()
+        work = dist.broadcast(tensor, src=self.ranks[src], group=self.group, async_op=True)
+        self._wait(work, what, self._peers() if self.rank == src else [self.ranks[src]], t0)
+
     def barrier(self, what: str = "barrier") -> None:
         t0 = time.perf_counter()
         self._wait(dist.barrier(group=self.group, async_op=True), what, self._peers(), t0)

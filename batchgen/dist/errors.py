@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from batchgen.memory import ConfigError
 
-class DistConfigError(ValueError):
+
+class DistConfigError(ConfigError):
     """A multi-process setup that cannot run as asked (process counts, placement, environment); the message
     says what is wrong and how to fix it."""
 

@@ -293,8 +293,7 @@ class ExecBackend:
         finished = np.array([done[int(s)] for s in dec_ids], bool)
         produced = np.ones(dec_ids.size, np.int64)
         if plan.prefill_to_host:
-            for r, g in enumerate(plan.gpus):
-                self.caches[g].yield_to_host(pre_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
+            self._prefills_to_host(plan, pre_finished)
         self._true_lengths(pre_ids, np.ones(pre_ids.size, np.int64), pre_finished)
         self._true_lengths(dec_ids, produced, finished)
         if plan.host_sync:
@@ -302,6 +301,11 @@ class ExecBackend:
         busy = np.array(stats.rank_attention_s) + stats.ffn_s
         offsets = np.where(finished, now, np.nan)
         return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1, modules)
+
+    def _prefills_to_host(self, plan: StepPlan, pre_finished: np.ndarray) -> None:
+        """Prefills bound for host (and not finished at once): yielded to their host copies after the forward."""
+        for r, g in enumerate(plan.gpus):
+            self.caches[g].yield_to_host(plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
 
     def _chunked(self, plan: StepPlan) -> StepResult:
         """One forward of chunked prefill: per rank, each chunk's tokens at their positions (attending over the

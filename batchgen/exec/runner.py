@@ -93,6 +93,9 @@ class InstanceRunner:
         self.attention_tp = attention_tp
         self.device = next(model.parameters()).device
         self.streamer = streamer
+        # True when the MoE layers are collectives (batchgen.dist's ExpertParallelMoE): a forward with no tokens
+        # on this rank still runs every layer, with zero rows, so that it joins the other ranks' all-to-alls
+        self.collective = False
 
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
@@ -110,7 +113,7 @@ class InstanceRunner:
                              "head with kv_b_proj, which stays on the accelerator; run it host-resident with "
                              "attention on the GPU (policy.attention=gpu)")
         pieces, tokens, last_rows = self._plan(ranks, mb, cpu_attention)
-        if not pieces:
+        if not pieces and not self.collective:
             return [torch.empty(0) for _ in ranks], stats
         pipelines = self._pipelines(pieces, mb)
         timer = _Timer(self.device)

@@ -133,6 +133,9 @@ class _Frozen(dict):
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _readonly  # type: ignore[assignment]
 
+    def __reduce__(self):  # pickled by value (a multi-process run returns its output): rebuilt, never written into
+        return (_Frozen, (dict(self),))
+
 
 def load_efficiency(cfg: Mapping[str, Any], gpu: str) -> Efficiency:
     """The `efficiency` config as run: with `auto: true`, the fitted file of GPU `gpu` when one ships

@@ -157,8 +157,10 @@ def where_it_ran(out) -> tuple[str, str]:
     """(cluster, gpu) labels: the simulated cluster's, or for the executor the device it measured on (its
     job's cluster is only the topology of its ranks, never hardware that ran anything)."""
     job = out.job
-    if out.backend == "exec":
+    if out.backend in ("exec", "dist"):
         ranks = int(job.cluster.num_gpus)
+        if out.backend == "dist":
+            return f"executor: {ranks} process{'es' if ranks > 1 else ''} on {out.device}", out.device
         return f"executor: {ranks} rank{'s' if ranks > 1 else ''} on {out.device}", out.device
     return job.cluster.name, job.cluster.gpu.name
 
@@ -176,7 +178,7 @@ def _measurement(out) -> dict[str, Any]:
     """An executor run: what it ran on (resolved, never "auto") and how much its BCT moved between repeats.
     bct_s is the median run's; bct_spread = (max - min) / median; a sweep compares the medians. cpu_share (CPU
     seconds / (wall x threads)) well under 1 says other processes took the cores during the run."""
-    if out.backend != "exec":
+    if out.backend not in ("exec", "dist"):
         return {}
     import torch
     runs = [float(b) for b in (getattr(out, "repeat_bcts", None) or [bct(out)])]
@@ -185,7 +187,10 @@ def _measurement(out) -> dict[str, Any]:
             "interop_threads": int(out.interop_threads), "torch": torch.__version__, "repeats": len(runs),
             "bct_runs_s": [_round(b) for b in runs], "bct_min_s": min(runs), "bct_max_s": max(runs),
             "bct_spread": _ratio(max(runs) - min(runs), median), "cpu_share": float(getattr(out, "cpu_share", 0.0)),
-            "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True))}
+            "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True)),
+            **({"procs": int(out.procs), "rank_busy_s": [_round(x) for x in out.rank_busy_s],
+                "rank_comm_s": [_round(x) for x in out.rank_comm_s],
+                "rank_idle_s": [_round(x) for x in out.rank_idle_s]} if out.backend == "dist" else {})}
 
 
 def summarize(out) -> dict[str, Any]:

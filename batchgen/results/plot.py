@@ -94,7 +94,7 @@ def plot_timeline(out, path: Path) -> Path:
     series = _instance_series(s, edges, out.prepared.state.topo.num_instances)
     finish = out.prepared.state.table.finish_time
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), constrained_layout=True)
-    measured = out.backend == "exec"
+    measured = out.backend in ("exec", "dist")
     _draw_utilisation(top, edges, series, "rank" if measured else "GPU")
     _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)], "measured" if measured else "simulated")
     bottom.set_xlim(0, horizon)

@@ -1,0 +1,234 @@
+"""One process's share of a `backend=dist` run: its rank's KV cache, its shard of the experts, its sequences.
+
+Every process (rank 0 too) holds a `RankWorker` and executes the commands rank 0 broadcasts on the control
+group (`Command`), in the order they come, so that every collective they contain lines up across ranks:
+
+- `kv`: this rank's KV ops of a boundary (`GpuOps`: free, evict, yield, offload, restore on its own cache) and
+  the boundary's migrations in plan order, each a send on its source and a receive on its destination
+  (`kv_transfer`): every rank walks the same list, so sends and receives pair up without a global view;
+- `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
+  `RankBatch`: paged attention, staged host-resident attention, sampling); its MoE layers are
+  `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; then it
+  samples its sequences and replies with the tokens and its timings (gathered on rank 0);
+- `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync;
+- `stop` (reply: the run's totals) and `abort` (rank 0 failed: leave without a reply).
+
+The control channel is a `Comm` over a gloo group of its own (its waits are not counted as communication: they
+are the worker's idle time); with a heartbeat, a process that dies is found within seconds by the others.
+
+Timings are measured here, on each process's own clock: busy = seconds inside commands minus the seconds
+inside communication (`Comm.comm_s`: all-to-alls and KV transfers, waits for slower peers included); idle =
+everything else (waiting for rank 0's next command, the control messages themselves).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batchgen.core.ops import GpuOps
+from batchgen.dist.comm import Comm
+from batchgen.dist.kv_transfer import recv_sequence, send_sequence
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.runner import InstanceRunner, RankBatch
+from batchgen.exec.sampling import SamplingParams, sample
+
+
+@dataclass
+class Command:
+    """One broadcast message: `kind` and, per rank, its part (`parts[r]`), plus what every rank needs."""
+
+    kind: str                       # kv, forward, to_host, sync, stop, abort
+    parts: list = field(default_factory=list)
+    migrations: list = field(default_factory=list)  # kv: (id, source rank, destination rank, to device), plan order
+    micro_batch: int = 0            # forward
+    cpu_attention: bool = False
+    ffn_schedule: str = "combined"
+
+
+@dataclass
+class ForwardPart:
+    """A rank's sequences in one forward (RankBatch's fields without the cache) and, per sampled sequence, how
+    many tokens it had generated before (sampling replays the same draws after a recompute)."""
+
+    seq_ids: list
+    token_ids: list
+    new_counts: list
+    start_positions: list
+    host_resident: list
+    tp: list
+    sample: list
+    steps: list
+
+
+@dataclass
+class ForwardReply:
+    ids: list            # sampled sequences, in batch order
+    tokens: list
+    attention_s: float
+    ffn_s: float
+    head_s: float
+    gate_tokens: int
+    restored_bytes: int
+    appended_bytes: int
+    host_resident: int
+    busy_s: float        # since the last reply: commands' seconds minus communication
+    comm_s: float        # since the last reply: Comm.comm_s (all-to-alls, KV transfers)
+
+
+@dataclass
+class Totals:
+    rank: int
+    wall_s: float
+    busy_s: float
+    comm_s: float
+    idle_s: float
+    moves: dict
+    cpu_s: float = 0.0   # process CPU seconds over the same span (under load, busy wall seconds include waits
+                         # for a core; CPU seconds do not)
+
+
+class RankWorker:
+    def __init__(self, rank: int, cache: PagedKVCache, runner: InstanceRunner, comm: Comm,
+                 control: Comm, params: list[SamplingParams], job_seed: int,
+                 device: torch.device):
+        self.rank, self.cache, self.runner, self.comm = rank, cache, runner, comm
+        self.control, self.params, self.job_seed, self.device = control, params, job_seed, device
+        self.busy_s = 0.0     # totals over the run
+        self.comm_s = 0.0
+        self._busy_pending = 0.0  # since the last reply
+        self._comm_pending = 0.0
+        self.moves: dict[str, int] = {}
+        self._start = time.perf_counter()
+        self._cpu_start = time.process_time()
+
+    # ---- the control channel ---------------------------------------------------------------------------
+    def receive(self, cmd: Command | None = None) -> Command:
+        """Rank 0 passes the command it broadcasts; the others receive it. Pickled bytes after their length,
+        through `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes WorkerLost in seconds)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(cmd)), dtype=torch.uint8)
+            self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, what="command length")
+            self.control.broadcast(data, 0, what=f"{cmd.kind} command")
+            return cmd
+        size = torch.empty(1, dtype=torch.int64)
+        self.control.broadcast(size, 0, what="command length")
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0, what="command")
+        return pickle.loads(data.numpy().tobytes())
+
+    def reply(self, value: Any) -> list | None:
+        """Every rank's reply, on rank 0 (None elsewhere): each worker sends its own, rank 0 receives them in
+        rank order (a dead worker becomes WorkerLost naming it)."""
+        if self.rank != 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+            self.control.send(torch.tensor([data.numel()], dtype=torch.int64), 0, what="reply length")
+            self.control.send(data, 0, what="reply")
+            return None
+        out = [value]
+        for r in range(1, self.control.size):
+            size = torch.empty(1, dtype=torch.int64)
+            self.control.recv(size, r, what=f"reply length from rank {r}")
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self.control.recv(data, r, what=f"reply from rank {r}")
+            out.append(pickle.loads(data.numpy().tobytes()))
+        return out
+
+    def serve(self) -> Totals | None:
+        """A worker (rank > 0): execute commands until stop (its totals) or abort (None)."""
+        while True:
+            cmd = self.receive()
+            if cmd.kind == "abort":
+                return None
+            result = self.handle(cmd)
+            if cmd.kind in ("forward", "stop"):
+                self.reply(result)
+            if cmd.kind == "stop":
+                return result
+
+    # ---- executing a command -----------------------------------------------------------------------------
+    def handle(self, cmd: Command) -> Any:
+        t0, c0 = time.perf_counter(), self.comm.comm_s
+        if cmd.kind == "stop":
+            return self.totals()
+        if cmd.kind == "kv":
+            self._kv(cmd.parts[self.rank], cmd.migrations)
+            out = None
+        elif cmd.kind == "forward":
+            out = self._forward(cmd.parts[self.rank], cmd)
+        elif cmd.kind == "to_host":
+            self.cache.yield_to_host(cmd.parts[self.rank])
+            out = None
+        elif cmd.kind == "sync":
+            self.cache.sync_to_host([s for s in cmd.parts[self.rank] if self.cache.on_device(s)])
+            out = None
+        else:
+            raise ValueError(f"unknown command {cmd.kind!r}")
+        comm = self.comm.comm_s - c0
+        busy = time.perf_counter() - t0 - comm
+        self.busy_s += busy
+        self.comm_s += comm
+        if out is None:
+            self._busy_pending += busy
+            self._comm_pending += comm
+        else:
+            out.busy_s += busy + self._busy_pending
+            out.comm_s += comm + self._comm_pending
+            self._busy_pending = self._comm_pending = 0.0
+        return out
+
+    def _count(self, kind: str, n: int) -> None:
+        if n:
+            self.moves[kind] = self.moves.get(kind, 0) + n
+
+    def _kv(self, ops: GpuOps, migrations: list) -> None:
+        """This rank's KV ops in the order of `KVOps`' fields (free, evict, yield, offload, migrate, restore)."""
+        if ops.join or ops.split:
+            raise RuntimeError("PARTITION across processes is not supported under backend=dist (the plan has "
+                               f"join/split ops for rank {self.rank})")
+        cache = self.cache
+        cache.release(ops.free)
+        cache.release(ops.evict)
+        self._count("evict", len(ops.evict))
+        cache.yield_to_host(ops.yield_)
+        self._count("yield", len(ops.yield_))
+        cache.yield_to_host(ops.offload)
+        self._count("offload", len(ops.offload))
+        for sid, src, dst, to_device in migrations:  # every rank walks the same list: the pairs line up
+            if src == self.rank:
+                send_sequence(self.comm, cache, sid, dst, self.comm_device)
+                cache.release([sid])  # the destination has adopted it once the send completed
+                self._count("migrate", 1)
+            elif dst == self.rank:
+                recv_sequence(self.comm, cache, sid, src, to_device, self.comm_device)
+        cache.restore(ops.restore)
+        self._count("restore", len(ops.restore))
+
+    @property
+    def comm_device(self) -> torch.device:
+        return self.device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
+
+    @torch.inference_mode()
+    def _forward(self, part: ForwardPart, cmd: Command) -> ForwardReply:
+        batch = RankBatch(self.cache, part.seq_ids, part.token_ids, part.new_counts, part.start_positions,
+                          part.host_resident, part.tp, part.sample)
+        logits, stats = self.runner.forward([batch], cmd.micro_batch, cmd.cpu_attention, cmd.ffn_schedule)
+        ids = [s for s, keep in zip(part.seq_ids, part.sample or [True] * len(part.seq_ids)) if keep]
+        start = time.perf_counter()
+        tokens: list[int] = []
+        if ids:
+            tokens = sample(logits[0], [self.params[s] for s in ids], ids, part.steps,
+                            job_seed=self.job_seed).tolist()
+        head = stats.head_s + time.perf_counter() - start
+        return ForwardReply(ids, tokens, stats.rank_attention_s[0], stats.ffn_s, head, stats.gate_tokens,
+                            stats.restored_bytes, stats.appended_bytes, stats.host_resident, 0.0, 0.0)
+
+    def totals(self) -> Totals:
+        wall = time.perf_counter() - self._start
+        return Totals(self.rank, wall, self.busy_s, self.comm_s, max(wall - self.busy_s - self.comm_s, 0.0),
+                      dict(self.moves), time.process_time() - self._cpu_start)
