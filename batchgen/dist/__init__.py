@@ -14,7 +14,7 @@ Pieces, one module each:
 - `kv_transfer`: MIGRATE across processes: a sequence's KV packed from a `PagedKVCache`, sent with its
   header (sequence id, dtype, shape), adopted into the receiver's cache.
 - `failure` + `comm`: a heartbeat per process and a `Comm` that waits for every operation in slices, so a
-  SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/dist: about 3.4 s for a killed worker,
+  SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/distributed: about 3.4 s for a killed worker,
   0.5 s for a killed rank 0, whose store dies with it), never a hang.
 
 The executor built on them (`backend=dist`: `run` starts or joins the processes, `backend.DistBackend` is the

@@ -18,7 +18,7 @@ Why the result equals the single-process layer over all ranks' tokens concatenat
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
 matrix; each token's k contributions are added in the same (expert) order. Only the router and the shared
 experts run on a rank's tokens instead of all of them: the same rows, but a GEMM of fewer rows may block its
-work differently (tests/dist measures whether that changes any bit here).
+work differently (tests/distributed measures whether that changes any bit here).
 """
 
 from __future__ import annotations
