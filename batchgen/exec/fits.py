@@ -80,8 +80,9 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
                 f"{off_device / 1e9:.2f} GB of them from host copies ({host_copy / 1e9:.2f} GB per device in host "
                 f"memory) through {staging / 1e9:.2f} GB of staging buffers, so {device} needs "
                 f"{bytes_ / 1e9:.2f} GB (resident weights, staging, KV budget and host copies where they live "
-                f"there) but has {have / 1e9:.1f} GB free: choose a smaller model, a smaller "
-                "backend.kv_budget_mb, backend.dtype=bfloat16, or a machine with more memory")
+                f"there) but has {have / 1e9:.1f} GB free: choose a smaller model (model=tiny_moe or "
+                "model=small_moe), a smaller backend.kv_budget_mb, backend.dtype=bfloat16, or a machine with more "
+                "memory")
         raise ConfigError(
             f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights plus "
             f"{(bytes_ - weights) / 1e9:.1f} GB of KV budget on {device}, which has {have / 1e9:.1f} GB free: "
