@@ -17,10 +17,8 @@ streamed from host, repeats > 1, dense models (nothing to spread over processes)
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,13 +35,11 @@ from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
-                               build_model, kv_pools, model_config)
-from batchgen.exec.models import load_tokenizer
+                               build_model, kv_pools, model_config, text_decoder)
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
 from batchgen.job import Job, effective_cluster, prepare
-from batchgen.memory import ConfigError
 
 
 @dataclass(frozen=True)
@@ -195,14 +191,7 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
         return None
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=cache.num_pages)
-    decode = None
-    if settings.model_path and (Path(settings.model_path) / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(settings.model_path)
-        decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
-    elif any(p.stop for p in params):
-        raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
-                          "tokenizer.json")
-    tokens = SequenceTokens(prompts, params, config.eos_token_ids, decode)
+    tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
     backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed)
     try:
         engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,

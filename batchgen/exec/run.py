@@ -299,6 +299,17 @@ def _checked_params(job: Job, settings: ExecSettings, params: list[SamplingParam
     return params
 
 
+def text_decoder(model_path: str | None, params: list[SamplingParams]) -> Callable[[list[int]], str] | None:
+    """Token ids -> text with the model directory's tokenizer, which stop strings need (None without one)."""
+    if model_path and (Path(model_path) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(model_path)
+        return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+    if any(p.stop for p in params):
+        raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
+                          "tokenizer.json")
+    return None
+
+
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
               pools: KVPools, prompts: list[np.ndarray], params: list[SamplingParams],
               on_finish: FinishObserver | None, resumed: list[list[int]] | None = None,
@@ -313,14 +324,8 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
                                        max_context=pools.max_context, staging_pages=pools.staging_pages)
               for gpu in range(cluster.num_gpus)]
     prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
-    decode = None
-    if settings.model_path and (Path(settings.model_path) / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(settings.model_path)
-        decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)  # noqa: E731
-    elif any(p.stop for p in params):
-        raise ConfigError("stop strings need a tokenizer: set backend.model_path to a directory with "
-                          "tokenizer.json")
-    tokens = SequenceTokens(prompts, params, c.eos_token_ids, decode, resumed=resumed)
+    tokens = SequenceTokens(prompts, params, c.eos_token_ids, text_decoder(settings.model_path, params),
+                            resumed=resumed)
     streamers = streamers or {}
     planned = stream_spec_of(prepared.budget, job.model)
     built = {s.spec if s else None for s in streamers.values()} or {None}
