@@ -482,6 +482,17 @@ class Engine:
     def loops(self) -> list[Generator[Any, Any, None]]:
         return [self.loop(inst) for inst in range(self.state.topo.num_instances)]
 
+    def run_in_turn(self) -> None:
+        """Drive every instance's loop in one thread, round-robin, one step (or one wait) each at a time: how the
+        real-tensor backends run (the simulator instead gives each loop to SimPy)."""
+        loops = self.loops()
+        while loops:
+            for loop in list(loops):
+                try:
+                    next(loop)
+                except StopIteration:
+                    loops.remove(loop)
+
     def loop(self, instance: int) -> Generator[Any, Any, None]:
         """Drive one instance until its policy has nothing left to run."""
         policy, backend, state, ledger = self.policy, self.backend, self.state, self.ledger

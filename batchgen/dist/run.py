@@ -196,13 +196,7 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     try:
         engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
                         check_invariants=job.check_invariants)
-        loops = engine.loops()
-        while loops:  # one instance: its loop runs to the end
-            for loop in list(loops):
-                try:
-                    next(loop)
-                except StopIteration:
-                    loops.remove(loop)
+        engine.run_in_turn()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         engine.finish()
     except WorkerLost:

@@ -346,13 +346,7 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
 
     engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
                     check_invariants=job.check_invariants, on_step=on_step if on_finish or after_run else None)
-    loops = engine.loops()
-    while loops:  # round-robin: each instance runs one step (or one wait) at a time
-        for loop in list(loops):
-            try:
-                next(loop)
-            except StopIteration:
-                loops.remove(loop)
+    engine.run_in_turn()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     engine.finish()
     return ExecOutput(job, prepared, engine.records, wall, backend.events, backend="exec",
