@@ -212,10 +212,9 @@ class _Planner:
         return tuple(auto_values) if knob == AUTO else (knob,)
 
     def b_moe_values(self) -> list[int]:
-        per_rank = max(1, math.ceil(self.stats.num_sequences / self.c.num_gpus))
         if self.b_moe != AUTO:
             return [int(self.b_moe)]
-        values = {min(1 << k, per_rank) for k in range(5, B_MOE_MAX_LOG2 + 1)}
+        values = {min(1 << k, self.per_rank) for k in range(5, B_MOE_MAX_LOG2 + 1)}
         return sorted(values)
 
     def residencies(self) -> tuple[str, ...]:
