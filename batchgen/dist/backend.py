@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from batchgen.core.ops import KVOps
+from batchgen.core.sequences import InvariantError
 from batchgen.core.state import ClusterState
+from batchgen.dist.control import CommandChannel
 from batchgen.dist.worker import Command, ForwardPart, ForwardReply, RankWorker, Totals
 from batchgen.engine import StepPlan
 from batchgen.exec.backend import ExecBackend
@@ -33,38 +35,53 @@ from batchgen.exec.sequences import SequenceTokens
 
 class DistBackend(ExecBackend):
     def __init__(self, state: ClusterState, worker: RankWorker, tokens: SequenceTokens, procs: int,
-                 is_moe: bool, job_seed: int = 0):
-        if state.topo.num_instances != 1 or state.topo.num_gpus != procs:
-            raise ValueError(f"backend=dist runs one instance over its {procs} processes; the state has "
-                             f"{state.topo.num_instances} instances of {state.topo.num_gpus} GPUs in all")
-        # the caches live in the workers: rank 0 holds none of the others' (a placeholder per rank)
-        super().__init__(state, [worker.runner], [None] * procs, tokens, job_seed=job_seed)
+                 is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None):
+        """channel: rank 0's command channel to every instance (control.py); by default one instance over every
+        process, on the worker's own control groups."""
+        topo = state.topo
+        if topo.num_gpus != procs:
+            raise ValueError(f"backend=dist runs one process per GPU: {procs} processes, but the state has "
+                             f"{topo.num_gpus} GPUs")
+        # one process per GPU: GPU g is rank g, and instance i's GPUs are its process group's ranks
+        self.instance_ranks = [tuple(state.instance_gpus(i).tolist()) for i in range(topo.num_instances)]
+        start = 0
+        for i, ranks in enumerate(self.instance_ranks):
+            if ranks != tuple(range(start, start + len(ranks))):
+                raise InvariantError(f"instance {i} has GPUs {ranks}: backend=dist needs each instance's GPUs "
+                                     "consecutive, in instance order (its process group, groups.instance_ranks)")
+            start += len(ranks)
+        # the caches live in the workers: rank 0 holds none of the others' (a placeholder per rank); one model
+        # per process, so every instance's "runner" here is rank 0's (only its config is read)
+        super().__init__(state, [worker.runner] * topo.num_instances, [None] * procs, tokens, job_seed=job_seed)
         self.worker, self.procs = worker, procs
+        if channel is None:
+            if topo.num_instances != 1:
+                raise ValueError("several instances need a command channel to each (control.CommandChannel)")
+            channel = CommandChannel(worker, [worker.control], [worker.replies], self.instance_ranks)
+        self.channel = channel
+        self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
         # not built across processes: head-sharded PARTITION, two-batch overlap, TP attention (declared so that
         # the engine refuses a policy that needs them before the run)
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=(1,), two_batch_overlap=False,
                                                 attention_tp=False)
-        self._busy = np.zeros(procs)
-        self._comm = np.zeros(procs)
+        # per instance (its loop's current run), per rank of the instance: the workers' own measurements
+        self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
+        self._comm = [np.zeros(len(r)) for r in self.instance_ranks]
         self.totals: list[Totals] | None = None
 
     # ---- the control channel -------------------------------------------------------------------------
-    def _run(self, cmd: Command):
-        """Broadcast `cmd`, execute rank 0's part here; for a forward, every rank's reply."""
-        self.worker.receive(cmd)
-        mine = self.worker.handle(cmd)
-        if cmd.kind in ("forward", "stop"):
-            return self.worker.reply(mine)
-        return None
-
     def shutdown(self) -> list[Totals]:
         """The workers leave their loops; every rank's totals (wall, busy, comm, idle seconds)."""
-        self.totals = self._run(Command("stop"))
+        every = range(len(self.instance_ranks))
+        self.channel.quiesce(every)
+        self.totals = self.channel.collect(self.channel.post(Command("stop"), every))
+        self.channel.finish_sends()
         return self.totals
 
     def abort(self) -> None:
-        self.worker.receive(Command("abort"))
+        """Rank 0 failed: the workers leave their loops instead of waiting for a command that never comes."""
+        self.channel.abort(Command("abort"))
 
     # ---- Backend protocol ------------------------------------------------------------------------------
     def execute(self, plan: StepPlan):
@@ -72,48 +89,65 @@ class DistBackend(ExecBackend):
             raise ValueError(f"backend=dist runs one expert batch per layer (ffn_schedule=combined); the policy "
                              f"asked for {plan.ffn_schedule!r}, which would give the ranks different numbers of "
                              "all-to-alls: use a policy without per-micro-batch FFNs")
-        self._busy[:] = 0.0
-        self._comm[:] = 0.0
+        self._busy[plan.instance][:] = 0.0
+        self._comm[plan.instance][:] = 0.0
         return (yield from super().execute(plan))
 
     def move_kv(self, ops: KVOps) -> None:
+        """Posted to the instance and to every instance whose GPUs the ops name (the source of a migration of a
+        sequence another instance yielded): one ordered step on all of them, once those have no forward open
+        (control.py)."""
         if ops.empty():
             return
         if ops.join_ids.size or ops.split_ids.size:
             raise ValueError("PARTITION (head-sharded attention) across processes is not supported under "
                              "backend=dist yet")
-        parts = [ops.for_gpu(g) for g in range(self.procs)]
+        named = np.concatenate([ops.gpus, ops.free_gpu, ops.evict_gpu, ops.yield_gpu, ops.offload_gpu,
+                                ops.migrate_src, ops.migrate_dst, ops.restore_gpu])
+        ranks = sorted(set(named.tolist()))
+        parts = {g: ops.for_gpu(g) for g in ranks}
         migrations = list(zip(ops.migrate_ids.tolist(), ops.migrate_src.tolist(), ops.migrate_dst.tolist(),
                               ops.migrate_to_device.tolist()))
-        self._run(Command("kv", parts, migrations))
+        instances = sorted(set(self._instance_of[ranks].tolist()))
+        if len(instances) > 1:
+            self.channel.quiesce(instances)
+        self.channel.post(Command("kv", parts, migrations), instances)
         self.moves["evict"] += int(ops.evict_ids.size)
         self.moves["yield"] += int(ops.yield_ids.size)
         self.moves["offload"] += int(ops.offload_ids.size)
         self.moves["migrate"] += int(ops.migrate_ids.size)
         self.moves["restore"] += int(ops.restore_ids.size)
+        inst = set(ops.gpus.tolist())
+        self.traffic["cross_instance_migrations"] += sum(
+            1 for s, d in zip(ops.migrate_src.tolist(), ops.migrate_dst.tolist()) if s not in inst or d not in inst)
 
     def check_placement(self, plan: StepPlan) -> None:
         """The caches are in other processes; the engine's ledger checks every op against where the KV is."""
 
     # ---- runs: the forward in every process ---------------------------------------------------------------
     def _forward_once(self, plan: StepPlan, batches: list[RankBatch]):
+        """Post the forward to the instance's processes, yield (the other instances' loops post theirs: the
+        instances compute at the same time), then collect the replies (rank 0 runs its own part first when it
+        belongs to this instance)."""
         generated = self.tokens.generated
-        parts = []
-        for b in batches:
+        parts = {}
+        for g, b in zip(plan.gpus.tolist(), batches):
             sampled = [s for s, keep in zip(b.seq_ids, b.sample or [True] * len(b.seq_ids)) if keep]
-            parts.append(ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
-                                     b.tp, b.sample, [len(generated[s]) for s in sampled]))
-        replies: list[ForwardReply] = self._run(Command("forward", parts, micro_batch=plan.micro_batch,
-                                                        cpu_attention=plan.cpu_attention,
-                                                        ffn_schedule=plan.ffn_schedule))
+            parts[g] = ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
+                                   b.tp, b.sample, [len(generated[s]) for s in sampled])
+        ticket = self.channel.post(Command("forward", parts, micro_batch=plan.micro_batch,
+                                           cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule),
+                                   [plan.instance])
+        yield None
+        replies: list[ForwardReply] = self.channel.collect(ticket)  # in rank order: the instance's ranks
         stats = ForwardStats(rank_attention_s=[r.attention_s for r in replies],
                              ffn_s=max(r.ffn_s for r in replies), head_s=max(r.head_s for r in replies),
                              gate_tokens=sum(r.gate_tokens for r in replies),
                              host_resident=sum(r.host_resident for r in replies),
                              restored_bytes=sum(r.restored_bytes for r in replies),
                              appended_bytes=sum(r.appended_bytes for r in replies))
-        self._busy += [r.busy_s for r in replies]
-        self._comm += [r.comm_s for r in replies]
+        self._busy[plan.instance] += [r.busy_s for r in replies]
+        self._comm[plan.instance] += [r.comm_s for r in replies]
         t = self.traffic
         t["restored_bytes"] += stats.restored_bytes
         t["appended_bytes"] += stats.appended_bytes
@@ -131,19 +165,22 @@ class DistBackend(ExecBackend):
         return logits.tolist()
 
     def _prefills_to_host(self, plan: StepPlan, pre_finished: np.ndarray) -> None:
-        parts = [plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist() for r in range(self.procs)]
-        if any(parts):
-            self._run(Command("to_host", parts))
+        parts = {g: plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist()
+                 for r, g in enumerate(plan.gpus.tolist())}
+        self._post_nonempty("to_host", parts)
 
     def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
         where = self.state.table.where[ids]
-        parts = [ids[where == g].tolist() for g in range(self.procs)]
-        if any(parts):
-            self._run(Command("sync", parts))
+        self._post_nonempty("sync", {g: ids[where == g].tolist() for g in plan.gpus.tolist()})
 
-    def _result(self, *args, **kw):
+    def _post_nonempty(self, kind: str, parts: dict) -> None:
+        parts = {g: p for g, p in parts.items() if p}
+        if parts:
+            self.channel.post(Command(kind, parts), sorted(set(self._instance_of[list(parts)].tolist())))
+
+    def _result(self, plan: StepPlan, *args, **kw):
         """The single-process result, with each rank's busy and communication seconds as it measured them."""
-        res = super()._result(*args, **kw)
-        res.rank_busy = self._busy.copy()
-        res.rank_comm = self._comm.copy()
+        res = super()._result(plan, *args, **kw)
+        res.rank_busy = self._busy[plan.instance].copy()
+        res.rank_comm = self._comm[plan.instance].copy()
         return res

@@ -54,3 +54,23 @@ def instance_groups(sizes: list[int], timeout_s: float | None = None) -> Instanc
             mine = InstanceGroup(i, ranks, group)
     assert mine is not None  # the blocks cover the world
     return mine
+
+
+def control_groups(sizes: list[int], timeout_s: float | None = None) -> list[tuple[dist.ProcessGroup, dist.ProcessGroup]
+                                                                          | None]:
+    """Per instance, two gloo groups of rank 0 and the instance's ranks: one for rank 0's commands (broadcast
+    from rank 0), one for the replies (gathered on rank 0); None where this process is not a member (rank 0 is in
+    every one). Collectives, not point to point: a gloo send or receive waited in slices (so that the heartbeat
+    is asked in between) closes its connection when a slice expires, while a collective goes on; and a worker
+    waits for its next command, or for rank 0 to collect its reply, as long as the other instances' forwards take.
+    Two groups, so that a command rank 0 posts to an instance before collecting its last reply (a migration from
+    another instance) cannot be matched with that reply. Every process must call it with the same sizes."""
+    blocks = instance_ranks(dist.get_world_size(), sizes)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    me, out = dist.get_rank(), []
+    for ranks in blocks:
+        members = sorted({0, *ranks})
+        commands = dist.new_group(members, timeout=timeout, backend="gloo")
+        replies = dist.new_group(members, timeout=timeout, backend="gloo")
+        out.append((commands, replies) if me in members else None)
+    return out

@@ -1,4 +1,6 @@
-"""Run a job with `backend=dist`: one process per rank of one expert-parallel instance.
+"""Run a job with `backend=dist`: one process per GPU rank; the cluster's expert-parallel instances run
+concurrently, each over its own process group (groups.py; rank 0 posts each instance's commands to its ranks
+and collects them later: control.py).
 
 `execute_dist(job, settings)` checks the setup first (a refused configuration starts no process), then either
 joins the group torchrun set up (`torchrun --nproc-per-node=N -m batchgen.experiment backend=dist
@@ -6,12 +8,11 @@ backend.procs=N ...`: every process runs this; rank 0 returns the output, the ot
 processes itself (`launch`) and returns rank 0's output.
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
-`ExpertParallelMoE` over the world group (this rank keeps its contiguous block of experts), the process holds
+`ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process holds
 its own `PagedKVCache`, and a second gloo group carries rank 0's commands (worker.py). Rank 0 also runs the
 engine and the policy over a `DistBackend` (backend.py).
 
-Not supported yet (refused with a ConfigError naming it): more than one instance (concurrent instances over
-separate process groups), PARTITION / tensor-parallel attention / two-batch overlap across processes, weights
+Not supported yet (refused with a ConfigError naming it): PARTITION / tensor-parallel attention / two-batch overlap across processes, weights
 streamed from host, repeats > 1, dense models (nothing to spread over processes).
 """
 
@@ -30,6 +31,8 @@ from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
+from batchgen.dist.control import CommandChannel
+from batchgen.dist.groups import control_groups, instance_groups
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine
@@ -44,7 +47,7 @@ from batchgen.job import Job, effective_cluster, prepare
 
 @dataclass(frozen=True)
 class DistSettings(ExecSettings):
-    procs: int = 1                 # processes = GPUs of the one instance (cluster.num_gpus must equal it)
+    procs: int = 1                 # processes = GPUs of the cluster, all instances (cluster.num_gpus must equal it)
     timeout_s: float = 120.0       # bound on every collective (a peer that stops answering never hangs a run)
     heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
@@ -87,8 +90,7 @@ def under_torchrun() -> bool:
 def check_dist(job: Job, settings: DistSettings) -> None:
     """Everything backend=dist refuses, before a process starts."""
     config = model_config(job, settings)
-    check_procs(settings.procs, num_experts=config.num_experts if config.num_experts else None,
-                world_size=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     if not config.num_experts:
         raise DistConfigError("backend=dist spreads the experts of an MoE model over processes; this model is "
                               "dense (no experts): use backend=exec")
@@ -96,10 +98,8 @@ def check_dist(job: Job, settings: DistSettings) -> None:
     if cluster.num_gpus != settings.procs:
         raise DistConfigError(f"backend.procs={settings.procs} but the cluster has {cluster.num_gpus} GPUs: one "
                               f"process per GPU (set cluster.num_gpus={settings.procs})")
-    if cluster.num_instances != 1:
-        raise DistConfigError(f"the cluster has {cluster.num_instances} instances; backend=dist runs one "
-                              "expert-parallel instance over all its processes (concurrent instances are not "
-                              "supported under backend=dist yet): set cluster.gpus_per_instance=null")
+    # each instance spreads the experts over its own processes (cluster.gpus_per_instance of them)
+    check_procs(cluster.instance_size, num_experts=config.num_experts)
     policy = prepare(job).policy  # (an FFN per micro-batch, the offload systems' schedule, is chosen per
     # decision: DistBackend.execute refuses it at the first step, and the run stops with that one line)
     if policy.two_batch_overlap:
@@ -172,8 +172,15 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     done_before = [0] * len(job.workload)
     params = _checked_params(job, settings, params, done_before)
     model = build_model(job, settings, ctx.device, dtype).eval()
-    comm = Comm(heartbeat=heartbeat)  # the world group: one instance over every process
-    control = Comm(dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s)), heartbeat)
+    cluster = effective_cluster(job)  # instances: consecutive blocks of ranks, one process group each
+    sizes = [cluster.instance_size] * cluster.num_instances
+    instance = instance_groups(sizes, settings.timeout_s)
+    comm = Comm(instance.group, heartbeat)  # this instance's all-to-alls and migrations
+    world = Comm(heartbeat=heartbeat) if cluster.num_instances > 1 else comm  # migrations between instances
+    # rank 0's commands to each instance and their replies (gloo, even when the data moves over NCCL)
+    channels = [None if g is None else (Comm(g[0], heartbeat), Comm(g[1], heartbeat))
+                for g in control_groups(sizes, settings.timeout_s)]
+    control, replies = channels[instance.index]
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
     if comm.size > 1:  # one process keeps the plain layer (the same math, no collectives to wait in)
@@ -185,14 +192,18 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
                                      dtype=dtype, device=ctx.device, max_context=pools.max_context,
                                      staging_pages=pools.staging_pages)
-    worker = RankWorker(ctx.rank, cache, runner, comm, control, params, settings.weights_seed, ctx.device)
+    worker = RankWorker(ctx.rank, cache, runner, comm, control, params, settings.weights_seed, ctx.device,
+                        world=world, replies=replies)
     if ctx.rank != 0:
         worker.serve()
         return None
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
-    backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed)
+    channel = CommandChannel(worker, [c for c, _ in channels], [r for _, r in channels],
+                             [tuple(prepared.state.instance_gpus(i).tolist()) for i in range(len(sizes))])
+    backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed,
+                          channel=channel)
     try:
         engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
                         check_invariants=job.check_invariants)

@@ -1,11 +1,14 @@
 """One process's share of a `backend=dist` run: its rank's KV cache, its shard of the experts, its sequences.
 
-Every process (rank 0 too) holds a `RankWorker` and executes the commands rank 0 broadcasts on the control
-group (`Command`), in the order they come, so that every collective they contain lines up across ranks:
+Every process (rank 0 too) holds a `RankWorker` and executes the commands rank 0 addresses to it on the control
+group (`Command`, broadcast to the instances it concerns: its own, plus the instance at the other end of a migration;
+control.CommandChannel), in the order they come, so that every collective they contain
+lines up across ranks:
 
 - `kv`: this rank's KV ops of a boundary (`GpuOps`: free, evict, yield, offload, restore on its own cache) and
   the boundary's migrations in plan order, each a send on its source and a receive on its destination
-  (`kv_transfer`): every rank walks the same list, so sends and receives pair up without a global view;
+  (`kv_transfer`; over the instance's group, or the world group when the two ends are in different instances):
+  every rank walks the same list, so sends and receives pair up without a global view;
 - `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
   `RankBatch`: paged attention, staged host-resident attention, sampling); its MoE layers are
   `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; then it
@@ -23,7 +26,6 @@ everything else (waiting for rank 0's next command, the control messages themsel
 
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from batchgen.core.ops import GpuOps
 from batchgen.dist.comm import Comm
+from batchgen.dist.control import REPLY_KINDS, receive_command, send_reply
 from batchgen.dist.kv_transfer import recv_sequence, send_sequence
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
@@ -41,10 +44,11 @@ from batchgen.exec.sampling import SamplingParams, sample
 
 @dataclass
 class Command:
-    """One broadcast message: `kind` and, per rank, its part (`parts[r]`), plus what every rank needs."""
+    """One message from rank 0: `kind` and, per addressed rank (global), its part (`parts[r]`), plus what every
+    addressed rank needs."""
 
     kind: str                       # kv, forward, to_host, sync, stop, abort
-    parts: list = field(default_factory=list)
+    parts: dict = field(default_factory=dict)
     migrations: list = field(default_factory=list)  # kv: (id, source rank, destination rank, to device), plan order
     micro_batch: int = 0            # forward
     cpu_attention: bool = False
@@ -96,9 +100,14 @@ class Totals:
 class RankWorker:
     def __init__(self, rank: int, cache: PagedKVCache, runner: InstanceRunner, comm: Comm,
                  control: Comm, params: list[SamplingParams], job_seed: int,
-                 device: torch.device):
+                 device: torch.device, world: Comm | None = None, replies: Comm | None = None):
+        """comm: this rank's instance (its all-to-alls, migrations within it); world: every process (migrations
+        between instances), the instance's comm when there is one instance; control / replies: rank 0's commands
+        to this instance and the replies to them (groups.control_groups; one group for both by default)."""
         self.rank, self.cache, self.runner, self.comm = rank, cache, runner, comm
+        self.world = comm if world is None else world
         self.control, self.params, self.job_seed, self.device = control, params, job_seed, device
+        self.replies = control if replies is None else replies
         self.busy_s = 0.0     # totals over the run
         self.comm_s = 0.0
         self._busy_pending = 0.0  # since the last reply
@@ -108,36 +117,19 @@ class RankWorker:
         self._cpu_start = time.process_time()
 
     # ---- the control channel ---------------------------------------------------------------------------
-    def receive(self, cmd: Command | None = None) -> Command:
-        """Rank 0 passes the command it broadcasts; the others receive it. Pickled bytes after their length,
-        through `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes WorkerLost in seconds)."""
+    def receive(self) -> Command:
+        """The next command rank 0 posted to this rank's instance (control.CommandChannel): pickled bytes after
+        their length, broadcast through `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes
+        WorkerLost in seconds)."""
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(cmd)), dtype=torch.uint8)
-            self.control.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, what="command length")
-            self.control.broadcast(data, 0, what=f"{cmd.kind} command")
-            return cmd
-        size = torch.empty(1, dtype=torch.int64)
-        self.control.broadcast(size, 0, what="command length")
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.control.broadcast(data, 0, what="command")
-        return pickle.loads(data.numpy().tobytes())
+            raise ValueError("rank 0 posts commands (control.CommandChannel); it does not receive them")
+        return receive_command(self.control)
 
-    def reply(self, value: Any) -> list | None:
-        """Every rank's reply, on rank 0 (None elsewhere): each worker sends its own, rank 0 receives them in
-        rank order (a dead worker becomes WorkerLost naming it)."""
-        if self.rank != 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-            self.control.send(torch.tensor([data.numel()], dtype=torch.int64), 0, what="reply length")
-            self.control.send(data, 0, what="reply")
-            return None
-        out = [value]
-        for r in range(1, self.control.size):
-            size = torch.empty(1, dtype=torch.int64)
-            self.control.recv(size, r, what=f"reply length from rank {r}")
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-            self.control.recv(data, r, what=f"reply from rank {r}")
-            out.append(pickle.loads(data.numpy().tobytes()))
-        return out
+    def reply(self, value: Any) -> None:
+        """This worker's reply to rank 0 (which collects them: control.CommandChannel.collect)."""
+        if self.rank == 0:
+            raise ValueError("rank 0 keeps its own reply (control.CommandChannel)")
+        send_reply(self.replies, value)
 
     def serve(self) -> Totals | None:
         """A worker (rank > 0): execute commands until stop (its totals) or abort (None)."""
@@ -146,30 +138,30 @@ class RankWorker:
             if cmd.kind == "abort":
                 return None
             result = self.handle(cmd)
-            if cmd.kind in ("forward", "stop"):
+            if cmd.kind in REPLY_KINDS:
                 self.reply(result)
             if cmd.kind == "stop":
                 return result
 
     # ---- executing a command -----------------------------------------------------------------------------
     def handle(self, cmd: Command) -> Any:
-        t0, c0 = time.perf_counter(), self.comm.comm_s
+        t0, c0 = time.perf_counter(), self._comm_s()
         if cmd.kind == "stop":
             return self.totals()
         if cmd.kind == "kv":
-            self._kv(cmd.parts[self.rank], cmd.migrations)
+            self._kv(cmd.parts.get(self.rank) or GpuOps(self.rank), cmd.migrations)
             out = None
         elif cmd.kind == "forward":
             out = self._forward(cmd.parts[self.rank], cmd)
         elif cmd.kind == "to_host":
-            self.cache.yield_to_host(cmd.parts[self.rank])
+            self.cache.yield_to_host(cmd.parts.get(self.rank, []))
             out = None
         elif cmd.kind == "sync":
-            self.cache.sync_to_host([s for s in cmd.parts[self.rank] if self.cache.on_device(s)])
+            self.cache.sync_to_host([s for s in cmd.parts.get(self.rank, []) if self.cache.on_device(s)])
             out = None
         else:
             raise ValueError(f"unknown command {cmd.kind!r}")
-        comm = self.comm.comm_s - c0
+        comm = self._comm_s() - c0
         busy = time.perf_counter() - t0 - comm
         self.busy_s += busy
         self.comm_s += comm
@@ -181,6 +173,9 @@ class RankWorker:
             out.comm_s += comm + self._comm_pending
             self._busy_pending = self._comm_pending = 0.0
         return out
+
+    def _comm_s(self) -> float:
+        return self.comm.comm_s + (self.world.comm_s if self.world is not self.comm else 0.0)
 
     def _count(self, kind: str, n: int) -> None:
         if n:
@@ -200,18 +195,32 @@ class RankWorker:
         cache.yield_to_host(ops.offload)
         self._count("offload", len(ops.offload))
         for sid, src, dst, to_device in migrations:  # every rank walks the same list: the pairs line up
+            if self.rank not in (src, dst):
+                continue
+            comm, (s, d) = self._between(src, dst)
             if src == self.rank:
-                send_sequence(self.comm, cache, sid, dst, self.comm_device)
+                send_sequence(comm, cache, sid, d, self._device_for(comm))
                 cache.release([sid])  # the destination has adopted it once the send completed
                 self._count("migrate", 1)
-            elif dst == self.rank:
-                recv_sequence(self.comm, cache, sid, src, to_device, self.comm_device)
+            else:
+                recv_sequence(comm, cache, sid, s, to_device, self._device_for(comm))
         cache.restore(ops.restore)
         self._count("restore", len(ops.restore))
 
+    def _between(self, src: int, dst: int) -> tuple[Comm, tuple[int, int]]:
+        """The group a migration between global ranks src and dst goes over, and their ranks in it: the
+        instance's when both are in it, else the world's (a sequence one instance yielded, resumed by another)."""
+        ranks = self.comm.ranks
+        if src in ranks and dst in ranks:
+            return self.comm, (ranks.index(src), ranks.index(dst))
+        return self.world, (self.world.ranks.index(src), self.world.ranks.index(dst))
+
+    def _device_for(self, comm: Comm) -> torch.device:
+        return self.device if dist.get_backend(comm.group) == "nccl" else torch.device("cpu")
+
     @property
     def comm_device(self) -> torch.device:
-        return self.device if dist.get_backend(self.comm.group) == "nccl" else torch.device("cpu")
+        return self._device_for(self.comm)
 
     @torch.inference_mode()
     def _forward(self, part: ForwardPart, cmd: Command) -> ForwardReply:

@@ -88,11 +88,11 @@ class ExecBackend:
         if self.check:
             self.check_placement(plan)
         if plan.prefill_ids.size:
-            result = self._prefill(plan)
+            result = yield from self._prefill(plan)
         elif plan.chunk_ids.size:
-            result = self._chunked(plan)
+            result = yield from self._chunked(plan)
         else:
-            result = self._decode(plan)
+            result = yield from self._decode(plan)
         self.events += 1
         yield None  # one step done: the driver may run another instance now
         return result
@@ -197,11 +197,14 @@ class ExecBackend:
         params = [self.tokens.params[s] for s in ids]
         return sample(logits, params, ids, steps, job_seed=self.job_seed).tolist()
 
-    def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
+    def _forward(self, plan: StepPlan, batches: list[RankBatch]) -> Generator[Any, Any, tuple]:
+        """One forward over every rank of the instance, as a generator the run methods `yield from`: here it runs
+        at once and yields nothing; backend=dist posts it to the instance's processes, yields (the next
+        instance's loop posts its own, so instances run concurrently), then collects the replies."""
         if self.two_batch_overlap and any(len(b.seq_ids) > 1 for b in batches):
             halves = [_halves(b) for b in batches]
-            first = self._forward_once(plan, [a for a, _ in halves])
-            second = self._forward_once(plan, [b for _, b in halves])
+            first = yield from self._forward_once(plan, [a for a, _ in halves])
+            second = yield from self._forward_once(plan, [b for _, b in halves])
             self.traffic["tbo_forwards"] += 1
             stats = first[2]
             stats.rank_attention_s = [x + y for x, y in zip(stats.rank_attention_s, second[2].rank_attention_s)]
@@ -209,9 +212,11 @@ class ExecBackend:
             stats.head_s += second[2].head_s
             stats.gate_tokens += second[2].gate_tokens
             return first[0] + second[0], torch.cat([first[1], second[1]]), stats
-        return self._forward_once(plan, batches)
+        return (yield from self._forward_once(plan, batches))
 
-    def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> tuple[list[int], torch.Tensor, Any]:
+    def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> Generator[Any, Any, tuple]:
+        """(sampled ids, their logits, ForwardStats)."""
+        yield from ()  # runs here and now (a generator only for backend=dist's post, yield, collect)
         logits, stats = self.runners[plan.instance].forward(batches, plan.micro_batch, plan.cpu_attention,
                                                             plan.ffn_schedule)
         self.traffic["weight_bytes"] += stats.weight_bytes
@@ -228,7 +233,7 @@ class ExecBackend:
         rows = [l for l in logits if l.numel()]
         return ids, (torch.cat(rows) if rows else torch.empty(0)), stats
 
-    def _decode(self, plan: StepPlan) -> StepResult:
+    def _decode(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         ids, ranks = plan.decode_ids, plan.decode_rank
         n, R = ids.size, plan.gpus.size
         produced = np.zeros(n, np.int64)
@@ -241,7 +246,7 @@ class ExecBackend:
             live = ~finished
             batches = self._rank_batches(plan, ids[live], ranks[live], whole=False,
                                          host=plan.decode_host_resident[live])
-            order, logits, stats = self._forward(plan, batches)
+            order, logits, stats = yield from self._forward(plan, batches)
             busy += np.array(stats.rank_attention_s) + stats.ffn_s
             expert_tokens += stats.gate_tokens
             calls += 1
@@ -270,7 +275,7 @@ class ExecBackend:
             return bool(np.any((had > 0) & (left == 0)))
         return False
 
-    def _prefill(self, plan: StepPlan) -> StepResult:
+    def _prefill(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         """One forward: prompts (or prompt + generated tokens, for a recompute) and one token for each running
         sequence. Prefills bound for host are yielded right after it; their KV needs device pages during the
         forward, which the policy budgets for (this backend has no layer-by-layer offload)."""
@@ -284,7 +289,7 @@ class ExecBackend:
             b.token_ids += d.token_ids
             b.new_counts += d.new_counts
             b.start_positions += d.start_positions
-        order, logits, stats = self._forward(plan, batches)
+        order, logits, stats = yield from self._forward(plan, batches)
         modules: Counter = Counter()
         sampled = self._timed_sample(order, logits, stats, modules)
         now = self.now() - plan.start
@@ -307,7 +312,7 @@ class ExecBackend:
         for r, g in enumerate(plan.gpus):
             self.caches[g].yield_to_host(plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
 
-    def _chunked(self, plan: StepPlan) -> StepResult:
+    def _chunked(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         """One forward of chunked prefill: per rank, each chunk's tokens at their positions (attending over the
         KV its earlier chunks left in the paged cache, and writing its own there), then one token for every
         running sequence. Only decodes and chunks that end their context reach the LM head and sample."""
@@ -327,7 +332,7 @@ class ExecBackend:
             batch.token_ids = tokens + batch.token_ids
             batch.new_counts = lens + batch.new_counts
             batch.start_positions = starts + batch.start_positions
-        order, logits, stats = self._forward(plan, decodes)
+        order, logits, stats = yield from self._forward(plan, decodes)
         modules: Counter = Counter()
         sampled = self._timed_sample(order, logits, stats, modules)
         now = self.now() - plan.start
