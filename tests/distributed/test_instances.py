@@ -24,7 +24,7 @@ import torch
 
 from batchgen.dist import worker as worker_module
 from batchgen.dist.errors import DistConfigError
-from batchgen.dist.run import execute_dist
+from batchgen.dist.run import check_dist, execute_dist
 from batchgen.exec.models import moe as moe_module
 from batchgen.exec.run import ExecSettings, execute
 from conftest import make_job
@@ -127,6 +127,7 @@ def test_two_instances_match_exec_and_hf_and_overlap(saved, loop_kernel, forward
 
 def test_refused_before_any_process_starts(saved):
     _, path = saved
+    check_dist(job_for(4, 2)[0], dist_settings(path, 4))  # several instances are a configuration that runs
     # 3 GPUs cannot be split into instances of 2 (ClusterSpec), 2 processes for a 4-GPU cluster
     with pytest.raises(DistConfigError, match="cluster.num_gpus=2"):
         execute_dist(job_for(4, 2)[0], dist_settings(path, 2))
