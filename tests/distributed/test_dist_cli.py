@@ -35,9 +35,20 @@ def test_dist_backend_writes_results_over_its_processes(tmp_path):
     assert "rank 1: busy" in proc.stdout
 
 
+@pytest.mark.slow  # a CLI run of two processes: about 50 s on the loaded 2-core machine
+def test_dist_runs_two_concurrent_instances(tmp_path):
+    """cluster.gpus_per_instance=1 over 2 processes: two instances, each its own process (tests/distributed/
+    test_instances.py shows they overlap and match the single-process executor)."""
+    proc, run = run_cli(tmp_path, "backend.procs=2", "cluster.gpus_per_instance=1")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads((run / "results.json").read_text())
+    assert r["backend"] == "dist" and r["procs"] == 2 and r["num_instances"] == 2
+    assert len(r["rank_busy_s"]) == 2 and min(r["rank_busy_s"]) > 0
+    lines = [json.loads(x) for x in (run / "outputs.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == list(range(12))
+
+
 @pytest.mark.parametrize("policy,overrides,message", [
-    ("coroutine", ("backend.procs=2", "cluster.gpus_per_instance=1"),
-     "concurrent instances are not supported under backend=dist"),
     ("coroutine", ("backend.procs=16",), "use at most 8 processes"),
     ("sglang_opt", ("backend.procs=2",), "not supported under backend=dist"),
 ])
