@@ -134,3 +134,30 @@ def test_refused_before_any_process_starts(saved):
     # every instance needs at most as many processes as the model has experts (tiny_moe: 8)
     with pytest.raises(DistConfigError, match="at most 8 processes"):
         execute_dist(job_for(32, 16)[0], dist_settings(path, 32))
+
+
+def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved, loop_kernel, monkeypatch):
+    """Rank 1 (instance 1 of two single-process instances) is SIGKILLed at its 4th forward: rank 0, collecting
+    that instance's replies (a gather waited in slices under the heartbeat), finds it lost and the run stops with
+    an error naming it well within 30 s, instead of hanging while instance 0 goes on."""
+    import signal
+
+    from batchgen.dist.run import DistRunFailed
+
+    forward = worker_module.RankWorker._forward
+    calls = {"n": 0}
+
+    def dying(self, part, cmd):
+        calls["n"] += 1
+        if self.rank == 1 and calls["n"] == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, part, cmd)
+
+    monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)  # the forked workers inherit it
+    _, path = saved
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0))
+    assert time.monotonic() - t0 < 30
+    assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
+    assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)
