@@ -6,7 +6,10 @@ Pieces, one module each:
   N processes on one machine (`launch`); gloo on CPU, NCCL on CUDA; every collective has a timeout; bad process
   counts are refused first (`check_procs`: procs < 1, more processes than experts, WORLD_SIZE != procs).
 - `groups`: the world split into instances, one process group each (`instance_groups`), so instances run
-  concurrently and their all-to-alls never wait on each other.
+  concurrently and their all-to-alls never wait on each other; per instance, a command and a reply group of
+  rank 0 and its ranks (`control_groups`).
+- `control`: rank 0's `CommandChannel`: commands posted to the instances they concern and collected later, so
+  that one instance's forward runs while the next instance's is posted (and the wire both sides speak).
 - `placement`: which rank of an instance owns which expert (contiguous blocks by default).
 - `ep_moe`: `ExpertParallelMoE`, an MoE layer over an instance's ranks: route here, all-to-all the rows to
   the experts' owners, run the local shard (`SparseMoE.expert_shard` / `sorted_expert_rows`: the same kernels
@@ -23,18 +26,23 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
 1. Start: torchrun or `launch` starts world = sum of instance sizes processes. Every process builds (or
    loads) the model, keeps its experts' shard per MoE layer (`ExpertParallelMoE` over its instance's group),
    starts a `Heartbeat`, and holds its own `PagedKVCache` and host copies. Rank 0 also runs the engine and
-   the policy: it is a worker of instance 0 as well, so no process idles.
+   the policy: it is a worker of instance 0 as well, so no process idles. The cluster's instances are
+   consecutive blocks of ranks (GPU g is rank g), each with its own process group.
 2. Each step: rank 0 turns the policy's decision into a plan of per-rank operation lists (yield, restore,
    evict ids; migrations (id, source rank, destination rank); partition groups; prefill and decode ids) and
-   broadcasts it (pickled, through a `Comm` on a gloo group kept for control messages, even when the data
-   moves over NCCL, so that a dead peer is noticed there too). Every worker then runs its own list in a
+   broadcasts it to the instance's processes (pickled, through a `Comm` on the instance's gloo command group,
+   even when the data moves over NCCL, so that a dead peer is noticed there too). A forward is posted, then
+   the instance's engine loop yields and the next instance's loop posts its own: the instances compute at the
+   same time (control.py). A migration of a sequence one instance yielded and another resumes (a shared
+   node's pool) goes to both instances as one ordered step, over the world group. Every worker then runs its own list in a
    fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
    destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global
    view); its sequences' attention; then every MoE layer through `ExpertParallelMoE` (a rank with no tokens
    this step still takes part: the all-to-alls are collective); sampling for its sequences.
 3. Reports: each worker returns its sampled tokens and its timings (busy time, `Comm.comm_s` spent in
-   collectives, idle) to rank 0 (sent point to point on the control group); rank 0 updates the state and
-   the metrics (tokens/s per GPU over processes that exist).
+   collectives, idle: waiting for a command is idle) to rank 0 (gathered on the instance's reply group when
+   rank 0 collects that forward); rank 0 updates the state and the metrics (tokens/s per GPU over processes
+   that exist).
 4. Failure: a process's `Comm` (the all-to-alls, KV transfers and the control channel alike) raises
    `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices.
    Recovery will need a new group of the survivors (a torch process group cannot drop a member), experts
@@ -47,8 +55,7 @@ decode iteration is one command (the stopping rules are decided on rank 0); a mi
 on its source as soon as its send completed; one process keeps the plain MoE layer (no collectives); a lost
 worker stops the run with `WorkerLost` naming it (run.DistRunFailed), with no recovery yet.
 
-Not covered yet (refused before any process starts, or not built): concurrent instances (one instance over all
-processes only), head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
+Not covered yet (refused before any process starts, or not built): head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
 weights streamed from host, recovery from a lost worker, NCCL (the code selects it on CUDA; no GPU was
 available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
 keeps its shard).

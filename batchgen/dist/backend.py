@@ -4,8 +4,15 @@ It is the single-process executor (`ExecBackend`: building each rank's batch fro
 stopping rules, recording produced tokens and finishes) with the three places that touch tensors sent to the
 ranks instead: KV ops (`move_kv`: each rank's `GpuOps` from `StepPlan`'s `KVOps.for_gpu`, and the migrations
 in plan order), forwards (`_forward_once`: each rank's `ForwardPart`; every rank runs its own and samples its
-own sequences; the tokens come back with a gather) and the host copies (`_prefills_to_host`, `_sync`).
-Rank 0 is a worker too: it executes each command it broadcasts on its own rank (`RankWorker.handle`).
+own sequences; the tokens come back with a gather on the instance's reply group) and the host copies
+(`_prefills_to_host`, `_sync`).
+Rank 0 is a worker too (of instance 0): it executes its share of each command on its own rank
+(`RankWorker.handle`, run by the `CommandChannel` in posting order).
+
+Instances run concurrently: every command goes to the instances it concerns (control.py), and a forward is
+posted, then `_forward_once` yields (back to `Engine.run_in_turn`, whose next instance's loop posts its own
+forward), then collects the replies. A KV command that names another instance's GPU (a migration of a sequence
+that instance yielded on a shared node) first collects that instance's open forward, then goes to both.
 
 Rank 0 keeps every sequence's tokens (`SequenceTokens`), so the workers hold no token state: a forward part
 carries each sequence's new tokens and positions. Every decode iteration is one round (broadcast, forward,
