@@ -175,7 +175,15 @@ class CommandChannel:
         return ticket.replies
 
     def abort(self, cmd: "Command") -> None:
-        """Every worker leaves its loop (rank 0 failed): sent to every instance, rank 0's share not run."""
+        """Every worker leaves its loop (rank 0 failed): sent to every instance, rank 0's share not run. The
+        replies other instances still owe are taken first (their forwards need no rank 0), so that their
+        workers reach the abort instead of waiting for rank 0 until its heartbeat stops (and the run's error
+        would name the lost rank 0 instead of what failed)."""
+        for i, ticket in sorted(self._open.items()):
+            if 0 not in self.instance_ranks[i] and self.replies[i].size > 1:
+                gather_replies(self.replies[i])
+        self._open.clear()
+        self._queue.clear()
         self._send(cmd, range(len(self.commands)))
         self.finish_sends()
 

@@ -161,3 +161,30 @@ def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved,
     assert time.monotonic() - t0 < 30
     assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
     assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)
+
+
+def test_rank_0_failing_while_another_instance_computes_stops_with_its_own_error(saved, loop_kernel, monkeypatch):
+    """Rank 0 raises (here: in the engine, after collecting instance 0's third run) while instance 1's forward
+    is open: it collects that forward's replies, sends the abort, and the run stops with rank 0's own error
+    (not a worker's 'rank 0 lost'); the other process leaves cleanly."""
+    from batchgen import engine as engine_module
+    from batchgen.dist.run import DistRunFailed
+
+    record = engine_module.record_outcome
+    calls = {"n": 0}
+
+    def failing(state, plan, res, *args, **kw):
+        if plan.instance == 0:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("policy bug on instance 0")
+        return record(state, plan, res, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "record_outcome", failing)
+    _, path = saved
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0))
+    assert time.monotonic() - t0 < 30
+    assert "rank 0" in err.value.headline and "policy bug on instance 0" in err.value.headline, str(err.value)
+    assert [r.rank for r in err.value.results] == [0], str(err.value)
