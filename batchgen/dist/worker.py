@@ -6,10 +6,14 @@ group (`Command`), in the order they come, so that every collective they contain
 - `kv`: this rank's KV ops of a boundary (`GpuOps`: free, evict, yield, offload, restore on its own cache) and
   the boundary's migrations in plan order, each a send on its source and a receive on its destination
   (`kv_transfer`): every rank walks the same list, so sends and receives pair up without a global view;
+  PARTITION's joins (first) and splits (last) likewise, between the lead and the other ranks of each group
+  (`partition.join_kv` / `split_kv`: head shards sent and received);
 - `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
   `RankBatch`: paged attention, staged host-resident attention, sampling); its MoE layers are
-  `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; then it
-  samples its sequences and replies with the tokens and its timings (gathered on rank 0);
+  `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; partitioned
+  sequences run on their lead, their attention spread over their group by `partition.HeadShardExchange` (two
+  all-to-alls per layer, every rank joining); then it samples its sequences and replies with the tokens and its
+  timings (gathered on rank 0);
 - `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync;
 - `stop` (reply: the run's totals) and `abort` (rank 0 failed: leave without a reply).
 
@@ -17,8 +21,8 @@ The control channel is a `Comm` over a gloo group of its own (its waits are not 
 are the worker's idle time); with a heartbeat, a process that dies is found within seconds by the others.
 
 Timings are measured here, on each process's own clock: busy = seconds inside commands minus the seconds
-inside communication (`Comm.comm_s`: all-to-alls and KV transfers, waits for slower peers included); idle =
-everything else (waiting for rank 0's next command, the control messages themselves).
+inside communication (`Comm.comm_s`: all-to-alls, PARTITION's exchanges and KV transfers, waits for slower peers
+included); idle = everything else (waiting for rank 0's next command, the control messages themselves).
 """
 
 from __future__ import annotations
