@@ -68,10 +68,12 @@ class DistBackend(ExecBackend):
         self.channel = channel
         self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
-        # not built across processes: head-sharded PARTITION, two-batch overlap, TP attention (declared so that
-        # the engine refuses a policy that needs them before the run)
-        self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=(1,), two_batch_overlap=False,
-                                                attention_tp=False)
+        # not built across processes: two-batch overlap, TP attention (declared so that the engine refuses a
+        # policy that needs them before the run). PARTITION: over at most the instance's processes (dist/partition)
+        size = min(len(r) for r in self.instance_ranks)
+        degrees = tuple(d for d in self.capabilities.partition_degrees if d <= size)
+        self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
+                                                two_batch_overlap=False, attention_tp=False)
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]
@@ -84,6 +86,8 @@ class DistBackend(ExecBackend):
         self.channel.quiesce(every)
         self.totals = self.channel.collect(self.channel.post(Command("stop"), every))
         self.channel.finish_sends()
+        for t in self.totals:  # the ranks' own counts of PARTITION's bytes (split, join, per-layer exchange)
+            self.traffic.update(t.traffic)
         return self.totals
 
     def abort(self) -> None:
@@ -106,9 +110,11 @@ class DistBackend(ExecBackend):
         (control.py)."""
         if ops.empty():
             return
-        if ops.join_ids.size or ops.split_ids.size:
-            raise ValueError("PARTITION (head-sharded attention) across processes is not supported under "
-                             "backend=dist yet")
+        bad = sorted(set(ops.split_degree.tolist()) - set(self.capabilities.partition_degrees))
+        if bad:
+            raise ValueError(f"a plan partitions sequences over {bad[0]} ranks; backend=dist declares degrees "
+                             f"{self.capabilities.partition_degrees} for this model over instances of "
+                             f"{min(len(r) for r in self.instance_ranks)} processes")
         named = np.concatenate([ops.gpus, ops.free_gpu, ops.evict_gpu, ops.yield_gpu, ops.offload_gpu,
                                 ops.migrate_src, ops.migrate_dst, ops.restore_gpu])
         ranks = sorted(set(named.tolist()))
@@ -124,6 +130,7 @@ class DistBackend(ExecBackend):
         self.moves["offload"] += int(ops.offload_ids.size)
         self.moves["migrate"] += int(ops.migrate_ids.size)
         self.moves["restore"] += int(ops.restore_ids.size)
+        self.moves["partition"] += int(ops.split_ids.size)
         inst = set(ops.gpus.tolist())
         self.traffic["cross_instance_migrations"] += sum(
             1 for s, d in zip(ops.migrate_src.tolist(), ops.migrate_dst.tolist()) if s not in inst or d not in inst)
