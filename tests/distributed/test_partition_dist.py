@@ -192,12 +192,13 @@ def test_degrees_declared_and_a_plan_beyond_them_refused_before_any_command(tmp_
     class Silent:  # a worker whose control channel must stay unused
         runner = InstanceRunner(load_model(path))
 
-        def receive(self, cmd=None):
-            raise AssertionError(f"a {cmd.kind} command was broadcast")
+    class Refusing:  # rank 0's command channel (dist/control.py), which must stay unused
+        def post(self, cmd, instances):
+            raise AssertionError(f"a {cmd.kind} command was posted")
 
     def backend(procs):
         state = prepare(straggler_job(procs, 1, procs)[0]).state
-        return DistBackend(state, Silent(), SimpleNamespace(), procs, is_moe=True)
+        return DistBackend(state, Silent(), SimpleNamespace(), procs, is_moe=True, channel=Refusing())
 
     assert backend(2).capabilities.partition_degrees == (1, 2)
     assert backend(4).capabilities.partition_degrees == (1, 2, 4)
