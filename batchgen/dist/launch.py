@@ -91,6 +91,7 @@ class DistContext:
     backend: str
     timeout_s: float
     store_host_rank: int | None  # the rank hosting the store (0), None when torchrun's agent hosts it
+    store: Any = None            # this process's handle on the rendezvous store (recovery builds new groups on it)
 
     @property
     def rank(self) -> int:
@@ -133,7 +134,7 @@ def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s
     dist.init_process_group(backend, store=dist.PrefixStore("batchgen/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    return DistContext(env, device, backend, timeout_s, None if agent_store else 0)
+    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -172,7 +173,10 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
         # the process that made them
         results.put((rank, pickle.dumps(fn(ctx, *args)), None))
     except BaseException as e:  # reported to the launcher, which decides; the process then exits nonzero
-        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # (with what the error kept, `e.partial`: a stopped run's finished outputs)
+        partial = getattr(e, "partial", None)
+        results.put((rank, None if partial is None else pickle.dumps(partial),
+                     f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
     finally:
         if ctx is not None:

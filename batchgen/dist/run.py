@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,8 @@ from batchgen.dist.ep_moe import ExpertParallelMoE
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
+from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
+                                    carry_totals, decide_survivors, publish, regroup, requeue)
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine
 from batchgen.exec.kv_cache import PagedKVCache
@@ -40,6 +43,7 @@ from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
 from batchgen.job import Job, effective_cluster, prepare
+from batchgen.memory import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class DistSettings(ExecSettings):
     heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
     threads: int | str | None = 1  # torch intra-op threads per process
+    recover: bool = True           # a lost worker (not rank 0): go on over the survivors (recovery.py); false: stop
 
 
 @dataclass
@@ -60,14 +65,20 @@ class DistOutput(ExecOutput):
     rank_idle_s: list = field(default_factory=list)   # the rest: waiting for rank 0's next command
     rank_moves: list = field(default_factory=list)    # KV ops each rank carried out
     rank_cpu_s: list = field(default_factory=list)    # process CPU seconds (wall minus waiting for a core)
+    # recovery.Recovery per lost worker the run went on without (which rank, when, what was requeued, who went
+    # on). After one, the rank_* lists above hold the survivors' (launch ranks: recoveries[-1].survivors), each
+    # over its whole run, and records' rank_busy / rank_comm are indexed by launch rank (a lost rank's 0)
+    recoveries: list = field(default_factory=list)
 
 
 class DistRunFailed(RuntimeError):
     """A process of the run failed or died: the first line says which and why (a lost worker first), the rest
-    holds each failed rank's error."""
+    holds each failed rank's error. `partial`: what rank 0 kept when it stopped the run itself
+    (recovery.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
 
     def __init__(self, bad: list):
         self.results = bad
+        self.partial = next((r.value for r in bad if r.rank == 0), None)
         lost = [r for r in bad if r.error and "WorkerLost" in r.error]
         first = (lost or bad)[0]
         lines = [l for l in (first.error or "").splitlines() if l.strip()]
@@ -84,11 +95,12 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in ENV_VARS)
 
 
-def check_dist(job: Job, settings: DistSettings) -> None:
-    """Everything backend=dist refuses, before a process starts."""
+def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
+    """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
+    whose size is not torchrun's WORLD_SIZE)."""
     config = model_config(job, settings)
     check_procs(settings.procs, num_experts=config.num_experts if config.num_experts else None,
-                world_size=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+                world_size=int(os.environ["WORLD_SIZE"]) if launched and under_torchrun() else None)
     if not config.num_experts:
         raise DistConfigError("backend=dist spreads the experts of an MoE model over processes; this model is "
                               "dense (no experts): use backend=exec")
@@ -145,35 +157,55 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
                      timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
                      join_timeout_s=max(600.0, 10 * settings.timeout_s))
     bad = [r for r in results if not r.ok]
+    out = results[0].value if results[0].ok else None
+    if bad and out is not None:  # a worker the run recovered from is expected to have died
+        lost = {r for rec in out.recoveries for r in rec.lost}
+        bad = [r for r in bad if r.rank not in lost]
     if bad:
         raise DistRunFailed(bad)
-    return results[0].value
+    return out
 
 
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
               to_parent: bool = False) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
     `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
-    The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s."""
-    heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=6 * settings.heartbeat_s)
+    The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s;
+    with settings.recover the survivors then go on in a new group (recovery.py), each with its own heartbeat."""
+    heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
     heartbeat.start()
+    current = [Generation(0, ctx, heartbeat, tuple(range(ctx.world_size)))]  # the latest, for the finally
     try:
-        return _rank_run(ctx, job, settings, prompts, params, to_parent, heartbeat)
+        if ctx.rank != 0:
+            return _serve(current, job, settings, params)
+        return _drive(current, job, settings, prompts, params, to_parent)
     finally:
-        heartbeat.stop()
+        current[-1].heartbeat.stop()
 
 
-def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
-              heartbeat: Heartbeat) -> DistOutput | None:
-    start, cpu_start = time.perf_counter(), time.process_time()
+def _dead_after(settings: DistSettings) -> float:
+    return 6 * settings.heartbeat_s
+
+
+def reduced_job(job: Job, procs: int) -> Job:
+    """The job over `procs` survivors: the same workload and policy on a cluster of that many GPUs (whole nodes
+    kept where the survivors fill them, else one node)."""
+    c = job.cluster
+    node = c.gpus_per_node if procs <= c.gpus_per_node or procs % c.gpus_per_node == 0 else procs
+    return dataclasses.replace(job, cluster=dataclasses.replace(c, num_gpus=procs, gpus_per_node=node))
+
+
+def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
+                before: RankWorker | None = None) -> tuple[RankWorker, bool]:
+    """This process's part over generation `gen`'s group: the model from the same weights, its expert shard of
+    the contiguous placement over the group, its own KV cache, the control group. `before`: this process's
+    worker of the previous generation, whose totals carry over."""
     config = model_config(job, settings)
-    dtype = settings.torch_dtype([ctx.device])
+    dtype = settings.torch_dtype([gen.ctx.device])
     pools = kv_pools(job, settings, config, dtype)
-    done_before = [0] * len(job.workload)
-    params = _checked_params(job, settings, params, done_before)
-    model = build_model(job, settings, ctx.device, dtype).eval()
-    comm = Comm(heartbeat=heartbeat)  # the world group: one instance over every process
-    control = Comm(dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s)), heartbeat)
+    model = build_model(job, settings, gen.ctx.device, dtype).eval()
+    comm = Comm(heartbeat=gen.heartbeat)  # the world group: one instance over every process
+    control = Comm(dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s)), gen.heartbeat)
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
     if comm.size > 1:  # one process keeps the plain layer (the same math, no collectives to wait in)
@@ -183,39 +215,119 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
                 model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
         runner.collective = True
     cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
-                                     dtype=dtype, device=ctx.device, max_context=pools.max_context,
+                                     dtype=dtype, device=gen.ctx.device, max_context=pools.max_context,
                                      staging_pages=pools.staging_pages)
-    worker = RankWorker(ctx.rank, cache, runner, comm, control, params, settings.weights_seed, ctx.device)
-    if ctx.rank != 0:
-        worker.serve()
-        return None
+    worker = RankWorker(gen.rank, cache, runner, comm, control, params, settings.weights_seed, gen.ctx.device)
+    if before is not None:
+        carry_totals(before, worker)
+    return worker, is_moe
+
+
+def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Generation:
+    gen = regroup(current[-1], survivors, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
+    current.append(gen)
+    return gen
+
+
+def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
+    """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
+    survivors, join their new group, rebuild and serve again."""
+    params = _checked_params(job, settings, params, [0] * len(job.workload))
+    gen = current[-1]
+    worker, _ = _build_rank(gen, job, settings, params)
+    while True:
+        try:
+            worker.serve()
+            return None
+        except WorkerLost as err:
+            if not settings.recover:
+                raise
+            survivors = await_decision(gen, err, settings.timeout_s)
+        gen = _regroup(current, survivors, settings)
+        worker, _ = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker)
+
+
+def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool) -> DistOutput:
+    """Rank 0: the engine and the policy over a DistBackend; after a lost worker (recover=true), decide the
+    survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    gen = current[-1]
+    world = gen.size
+    config = model_config(job, settings)
+    done_before = [0] * len(job.workload)
+    params = _checked_params(job, settings, params, done_before)
+    worker, is_moe = _build_rank(gen, job, settings, params)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
-    prepared = prepare(job, kv_pages_per_gpu=cache.num_pages)
+    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
-    backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed)
-    try:
-        engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
-                        check_invariants=job.check_invariants)
-        engine.run_in_turn()
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        engine.finish()
-    except WorkerLost:
-        raise  # the survivors find rank 0 gone from its heartbeat
-    except BaseException:
-        backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
-        raise
-    totals = backend.shutdown()
-    moves = dict(backend.moves)
+    pieces, recoveries, clock = RunPieces(), [], None
+    while True:
+        backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed)
+        if clock is None:
+            clock = backend._t0
+        else:  # one clock over the generations: records and finish times line up
+            backend._t0 = clock
+            recoveries[-1].regroup_s = backend.now() - recoveries[-1].at_s
+        engine = None
+        try:
+            engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
+                            check_invariants=job.check_invariants)
+            engine.run_in_turn()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            engine.finish()
+            totals = backend.shutdown()
+            pieces.add(engine, backend, gen.members, world)
+            break
+        except WorkerLost as err:
+            caught = backend.now()
+            if engine is not None:
+                pieces.add(engine, backend, gen.members, world)
+            done = np.array([st.finished for st in tokens.stops], bool)
+            partial = PartialOutput.of(tokens, done, pieces.records)
+            if not settings.recover:
+                raise _with_partial(WorkerLost(err.rank, f"{err.cause}; {partial.summary}"), partial) from err
+            survivors, refusal = None, ""
+            try:
+                survivors = decide_survivors(gen, err)
+                job_next = reduced_job(job, len(survivors))
+                check_dist(job_next, dataclasses.replace(settings, procs=len(survivors)), launched=False)
+            except (RecoveryRefused, ConfigError) as e:
+                refusal = str(e).splitlines()[0]
+            publish(gen, None if refusal else survivors, refusal)
+            if refusal:
+                raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
+                                    partial) from err
+            lost_ranks = [r for r in range(gen.size) if r not in survivors]
+            before = gen
+            gen = _regroup(current, survivors, settings)
+            worker, _ = _build_rank(gen, job_next, settings, params, worker)
+            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
+            finished, requeued, on_lost = requeue(prepared.state, tokens.generated, done, next_prepared.state,
+                                                  caught, lost_ranks)  # one instance: GPU index = rank
+            recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
+                                       caught, str(err), finished, requeued, on_lost))
+            prepared = next_prepared
+        except BaseException:
+            backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
+            raise
     if to_parent:
         tokens.decode = None
-    return DistOutput(job, prepared, engine.records, wall, backend.events, backend="dist", tokens=tokens,
-                      kv_moves=moves, kv_traffic=dict(backend.traffic), capabilities=backend.capabilities,
-                      device=str(ctx.device), dtype=str(dtype).removeprefix("torch."),
+    return DistOutput(job, prepared, pieces.records, wall, pieces.events, backend="dist", tokens=tokens,
+                      kv_moves=dict(pieces.moves), kv_traffic=dict(pieces.traffic),
+                      capabilities=backend.capabilities, device=str(gen.ctx.device),
+                      dtype=str(settings.torch_dtype([gen.ctx.device])).removeprefix("torch."),
                       threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                       cpu_share=cpu / (wall * torch.get_num_threads()), procs=settings.procs,
                       rank_wall_s=[t.wall_s for t in totals], rank_busy_s=[t.busy_s for t in totals],
                       rank_comm_s=[t.comm_s for t in totals], rank_idle_s=[t.idle_s for t in totals],
-                      rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals])
+                      rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals],
+                      recoveries=recoveries)
+
+
+def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException:
+    """The launcher sends `error.partial` back with the error (launch._worker)."""
+    error.partial = partial
+    return error
 
 
 def _timedelta(seconds: float):

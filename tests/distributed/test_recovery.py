@@ -1,0 +1,120 @@
+"""backend=dist recovers from a lost worker: a rank other than 0 is SIGKILLed mid-run; the survivors build a
+new process group, re-place the experts over themselves and finish every sequence, with greedy outputs equal
+to an undisturbed run's token for token (the unfinished sequences are recomputed from prompt + generated
+tokens: recovery.py). With recover=false, or when rank 0 dies, the run stops within 30 s with a one-line error.
+
+The reference is the single-process executor, which test_dist_backend shows equal to an undisturbed
+backend=dist run over 1, 2 and 4 processes (loop expert kernel, bit-identical logits)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from batchgen.dist import worker as worker_module
+from batchgen.dist.run import DistRunFailed, execute_dist
+from batchgen.exec.run import ExecSettings, execute
+from tests.distributed.test_dist_backend import N, dist_settings, job_for, loop_kernel, saved  # noqa: F401
+from tests.exec.test_exec_parity import kv_mb_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def kill_at(monkeypatch):
+    """kill_at(rank, n): the process of launch rank `rank` SIGKILLs itself at its n-th forward (the forked
+    workers inherit the patch; the launcher's RANK is the launch rank, whatever a recovery renumbers)."""
+    forward = worker_module.RankWorker._forward
+    calls = {"n": 0}
+    victim = {}
+
+    def dying(self, part, cmd):
+        calls["n"] += 1
+        if int(os.environ.get("RANK", -1)) == victim["rank"] and calls["n"] == victim["n"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, part, cmd)
+
+    def arm(rank: int, n: int) -> None:
+        victim.update(rank=rank, n=n)
+        monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)
+
+    return arm
+
+
+def reference(path, procs):
+    return execute(job_for(procs)[0], ExecSettings(device="cpu", model_path=str(path),
+                                                   kv_budget_mb=kv_mb_for(path, 80), threads=1))
+
+
+def check_recovered(out, ref, procs, lost, survivors):
+    assert [out.tokens.generated[s] for s in range(N)] == [ref.tokens.generated[s] for s in range(N)]
+    t = out.prepared.state.table
+    assert out.prepared.state.all_finished() and np.array_equal(t.decoded, t.output_len)
+    assert len(out.recoveries) == 1, out.recoveries
+    rec = out.recoveries[0]
+    assert rec.lost == lost and rec.survivors == survivors and rec.generation == 1
+    assert rec.finished_before > 0 and rec.requeued > 0 and rec.on_lost_rank > 0
+    assert rec.requeued + rec.finished_before <= N
+    assert "rank" in rec.cause and rec.at_s > 0 and rec.regroup_s > 0
+    assert t.recomputes.sum() >= rec.requeued  # the requeued sequences were prefilled again
+    # records line up over the generations, per launch rank; the lost rank did no work after the loss
+    after = [r for r in out.records if r.start >= rec.at_s]
+    assert after and all(r.rank_busy.shape == (procs,) for r in out.records)
+    assert all(r.rank_busy[lost[0]] == 0 for r in after)
+    assert len(out.rank_busy_s) == len(survivors) and all(b > 0 for b in out.rank_busy_s)
+    assert all(np.isfinite(t.finish_time)) and np.all(t.first_token_time <= t.finish_time)
+
+
+def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at):
+    """2 processes, rank 1 killed at its 30th forward (3 sequences done, one running on rank 1 and one whose host
+    copy it holds): rank 0 alone (the plain MoE layer) finishes the job."""
+    _, path = saved
+    kill_at(1, 30)
+    t0 = time.monotonic()
+    out = execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=60.0))
+    took = time.monotonic() - t0
+    check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0])
+    assert took < 60
+
+
+@pytest.mark.slow  # three processes on a loaded 2-core machine
+def test_a_killed_worker_of_three_leaves_a_two_process_group(saved, loop_kernel, kill_at):
+    """3 processes, rank 1 killed: ranks 0 and 2 form a new group (2 renumbered to 1), the experts re-placed
+    over them (all-to-alls in the new group), and finish the job."""
+    _, path = saved
+    kill_at(1, 30)
+    out = execute_dist(job_for(3)[0], dist_settings(path, 3, timeout_s=60.0))
+    check_recovered(out, reference(path, 3), 3, lost=[1], survivors=[0, 2])
+    assert all(c > 0 for c in out.rank_comm_s)  # both survivors joined all-to-alls (the new group's, too)
+
+
+def test_without_recovery_the_run_stops_saying_what_finished(saved, loop_kernel, kill_at):
+    _, path = saved
+    kill_at(1, 30)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=120.0, recover=False))
+    assert time.monotonic() - t0 < 30
+    head = err.value.headline
+    assert "rank 1" in head and "WorkerLost" in head and f"of {N} sequences had finished" in head, head
+    partial = err.value.partial
+    assert partial is not None and partial.total == N and partial.finished
+    ref = reference(path, 2)
+    for sid, toks in partial.finished.items():  # what finished before the loss is kept, and right
+        assert toks == ref.tokens.generated[sid]
+
+
+def test_a_killed_rank_0_stops_the_run_within_seconds(saved, loop_kernel, kill_at):
+    """Rank 0 holds the engine and hosts the store: nothing to recover with. The worker must not wait for a
+    recovery decision that never comes: it stops naming rank 0."""
+    _, path = saved
+    kill_at(0, 4)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=120.0))
+    assert time.monotonic() - t0 < 30
+    assert "rank 0" in err.value.headline and err.value.partial is None, str(err.value)
