@@ -172,7 +172,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
                             rank=new_rank, world_size=len(survivors),
                             timeout=datetime.timedelta(seconds=old.timeout_s),
                             device_id=old.device if old.device.type == "cuda" else None)
-    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store)
+    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report)
     heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
                                       prefix=f"batchgen/hb/gen{number}").start()
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
@@ -263,6 +263,17 @@ class PartialOutput:
     def of(cls, tokens, done: np.ndarray, records: list) -> "PartialOutput":
         return cls({int(s): list(tokens.generated[s]) for s in np.flatnonzero(done)}, len(done), list(records))
 
+    @classmethod
+    def from_reports(cls, reports: list) -> "PartialOutput | None":
+        """What rank 0 reported to the launcher as sequences finished (`finished_report`): all that is left of
+        its outputs when rank 0 itself died (no records)."""
+        if not reports:
+            return None
+        finished = {}
+        for r in reports:
+            finished.update(r["finished"])
+        return cls(finished, reports[-1]["total"], [])
+
     @property
     def summary(self) -> str:
         return (f"{len(self.finished)} of {self.total} sequences had finished (their tokens: "
@@ -279,3 +290,9 @@ def carry_totals(before, after) -> None:
     after._start, after._cpu_start = before._start, before._cpu_start
     for kind, n in before.moves.items():
         after.moves[kind] = after.moves.get(kind, 0) + n
+
+
+def finished_report(tokens, ids) -> dict:
+    """A progress message for the launcher: the tokens of sequences that just finished (each sent once, so a
+    rank 0 that dies later leaves them behind in its parent)."""
+    return {"total": len(tokens.generated), "finished": {int(s): list(tokens.generated[int(s)]) for s in ids}}

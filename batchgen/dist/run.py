@@ -33,9 +33,9 @@ from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
-                                    carry_totals, decide_survivors, publish, regroup, requeue)
+                                    carry_totals, decide_survivors, finished_report, publish, regroup, requeue)
 from batchgen.dist.worker import RankWorker
-from batchgen.engine import Engine
+from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
                                build_model, kv_pools, model_config, text_decoder)
@@ -76,17 +76,19 @@ class DistRunFailed(RuntimeError):
     holds each failed rank's error. `partial`: what rank 0 kept when it stopped the run itself
     (recovery.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
 
-    def __init__(self, bad: list):
+    def __init__(self, bad: list, rank0=None):
         self.results = bad
-        self.partial = next((r.value for r in bad if r.rank == 0), None)
+        rank0 = rank0 or next((r for r in bad if r.rank == 0), None)
+        self.partial = None if rank0 is None else rank0.value or PartialOutput.from_reports(rank0.progress)
         lost = [r for r in bad if r.error and "WorkerLost" in r.error]
         first = (lost or bad)[0]
         lines = [l for l in (first.error or "").splitlines() if l.strip()]
         headline = lines[0] if lines else f"exit code {first.exitcode}"
         killed = [r.rank for r in bad if r.exitcode is not None and r.exitcode < 0]
+        kept = self.partial.summary if self.partial is not None and self.partial.summary not in headline else ""
         super().__init__(f"backend=dist stopped: rank {first.rank}: {headline}"
                          + (f" (killed by a signal: rank{'s' if len(killed) > 1 else ''} "
-                            f"{', '.join(map(str, killed))})" if killed else "")
+                            f"{', '.join(map(str, killed))})" if killed else "") + (f"; {kept}" if kept else "")
                          + "".join(f"\n--- rank {r.rank} (exit {r.exitcode}) ---\n{r.error or ''}" for r in bad))
         self.headline = str(self).splitlines()[0]
 
@@ -162,7 +164,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         lost = {r for rec in out.recoveries for r in rec.lost}
         bad = [r for r in bad if r.rank not in lost]
     if bad:
-        raise DistRunFailed(bad)
+        raise DistRunFailed(bad, None if results[0].ok else results[0])
     return out
 
 
@@ -261,6 +263,12 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
     pieces, recoveries, clock = RunPieces(), [], None
+    report = gen.ctx.report
+
+    def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
+        ended = finished_ids(plan, result)
+        if report is not None and ended.size:
+            report(finished_report(tokens, ended))
     while True:
         backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed)
         if clock is None:
@@ -271,7 +279,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
         engine = None
         try:
             engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
-                            check_invariants=job.check_invariants)
+                            check_invariants=job.check_invariants, on_step=on_step)
             engine.run_in_turn()
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             engine.finish()
@@ -285,7 +293,9 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             done = np.array([st.finished for st in tokens.stops], bool)
             partial = PartialOutput.of(tokens, done, pieces.records)
             if not settings.recover:
-                raise _with_partial(WorkerLost(err.rank, f"{err.cause}; {partial.summary}"), partial) from err
+                stopped = WorkerLost(err.rank, err.cause)
+                stopped.args = (f"{stopped}; {partial.summary}",)
+                raise _with_partial(stopped, partial) from err
             survivors, refusal = None, ""
             try:
                 survivors = decide_survivors(gen, err)
