@@ -13,6 +13,7 @@ Pieces, one module each:
   as the single-process layer), all-to-all back, combine; shared experts (DeepSeek-V3) run where the tokens are.
 - `kv_transfer`: MIGRATE across processes: a sequence's KV packed from a `PagedKVCache`, sent with its
   header (sequence id, dtype, shape), adopted into the receiver's cache.
+- `recovery`: after a lost worker, the survivors' new group (a generation), and the engine's state over them.
 - `failure` + `comm`: a heartbeat per process and a `Comm` that waits for every operation in slices, so a
   SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/distributed: about 3.4 s for a killed worker,
   0.5 s for a killed rank 0, whose store dies with it), never a hang.
@@ -36,20 +37,23 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    collectives, idle) to rank 0 (sent point to point on the control group); rank 0 updates the state and
    the metrics (tokens/s per GPU over processes that exist).
 4. Failure: a process's `Comm` (the all-to-alls, KV transfers and the control channel alike) raises
-   `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices.
-   Recovery will need a new group of the survivors (a torch process group cannot drop a member), experts
-   re-placed over them (their weights loaded again), and the lost sequences restored or recomputed as the
-   latency model prices it. Restoring needs host copies that outlive their process (shared memory per
-   node): today a host copy lives in its process and dies with it.
+   `WorkerLost` in the operation that needed the dead peer (or, waiting, as soon as any member is lost),
+   asking the heartbeat between wait slices. `recovery`: rank 0 decides the survivors and publishes them in
+   the store; they build a new group (a torch process group cannot drop a member), re-place the experts over
+   themselves (weights built again from the same seed or directory) and the engine goes on over the
+   unfinished sequences, recomputed from prompt + generated tokens. Restoring instead of recomputing would
+   need host copies that outlive their process (shared memory per node): a host copy lives in its process
+   and dies with it, so recompute is the only path built.
 
 As built: rank 0 keeps every sequence's tokens and sends each forward's new tokens with the command, and every
 decode iteration is one command (the stopping rules are decided on rank 0); a migrating sequence is released
 on its source as soon as its send completed; one process keeps the plain MoE layer (no collectives); a lost
-worker stops the run with `WorkerLost` naming it (run.DistRunFailed), with no recovery yet.
+worker other than rank 0 is recovered from (backend.recover=false: the run stops with `WorkerLost` naming
+it, run.DistRunFailed); after a recovery every unfinished sequence is recomputed, the survivors' KV included.
 
 Not covered yet (refused before any process starts, or not built): concurrent instances (one instance over all
 processes only), head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
-weights streamed from host, recovery from a lost worker, NCCL (the code selects it on CUDA; no GPU was
+weights streamed from host, keeping the survivors' KV across a recovery, NCCL (the code selects it on CUDA; no GPU was
 available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
 keeps its shard).
 """

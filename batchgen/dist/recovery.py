@@ -296,3 +296,31 @@ def finished_report(tokens, ids) -> dict:
     """A progress message for the launcher: the tokens of sequences that just finished (each sent once, so a
     rank 0 that dies later leaves them behind in its parent)."""
     return {"total": len(tokens.generated), "finished": {int(s): list(tokens.generated[int(s)]) for s in ids}}
+
+
+def fold_peaks(first: ClusterState, retired: ClusterState, members: tuple[int, ...]) -> None:
+    """The launched cluster's peak pages (per launch rank) and host use also count a later generation's."""
+    idx = list(members)
+    first.peak_pages[idx] = np.maximum(first.peak_pages[idx], retired.peak_pages)
+    k = min(first.peak_host.size, retired.peak_host.size)
+    first.peak_host[:k] = np.maximum(first.peak_host[:k], retired.peak_host[:k])
+
+
+def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) -> None:
+    """The output's state after recoveries: the launched cluster's (its topology, so that records' per-rank
+    arrays, indexed by launch rank, line up with its GPUs) holding the last generation's per-sequence results
+    (every sequence finished: nothing left on any GPU, host or queue)."""
+    if not last.all_finished():
+        raise AssertionError("settle: the last generation left sequences unfinished")
+    fold_peaks(first, last, members)
+    first.table = last.table
+    first.num_finished = last.num_finished
+    first.pages_used[:] = 0
+    first.host_used[:] = 0
+    first.host_reserved[:] = 0
+    first.pending = [IdQueue() for _ in first.pending]
+    first.pinned = [IdQueue() for _ in first.pinned]
+    first.suspended = [IdQueue() for _ in first.suspended]
+    first.active = [np.empty(0, np.int64) for _ in first.active]
+    first.prefilling = [np.empty(0, np.int64) for _ in first.prefilling]
+    first.check()

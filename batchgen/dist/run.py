@@ -10,6 +10,14 @@ In every process: the model is built from the same weights (seed or directory), 
 its own `PagedKVCache`, and a second gloo group carries rank 0's commands (worker.py). Rank 0 also runs the
 engine and the policy over a `DistBackend` (backend.py).
 
+A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, the survivors regroup, rebuild
+their parts over the new group and the engine goes on over the unfinished sequences (recomputed from prompt +
+generated tokens); the output records each recovery (`DistOutput.recoveries`) and the launcher accepts the dead
+rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
+who was lost and how many sequences had finished, their tokens in `DistRunFailed.partial` (one-machine launcher:
+rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
+torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.
+
 Not supported yet (refused with a ConfigError naming it): more than one instance (concurrent instances over
 separate process groups), PARTITION / tensor-parallel attention / two-batch overlap across processes, weights
 streamed from host, repeats > 1, dense models (nothing to spread over processes).
@@ -33,7 +41,8 @@ from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
-                                    carry_totals, decide_survivors, finished_report, publish, regroup, requeue)
+                                    carry_totals, decide_survivors, finished_report, fold_peaks, publish, regroup,
+                                    requeue, settle)
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
@@ -262,7 +271,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
-    pieces, recoveries, clock = RunPieces(), [], None
+    pieces, recoveries, clock, launched = RunPieces(), [], None, prepared
     report = gen.ctx.report
 
     def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
@@ -314,6 +323,8 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
             finished, requeued, on_lost = requeue(prepared.state, tokens.generated, done, next_prepared.state,
                                                   caught, lost_ranks)  # one instance: GPU index = rank
+            if prepared is not launched:
+                fold_peaks(launched.state, prepared.state, before.members)
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
                                        caught, str(err), finished, requeued, on_lost))
             prepared = next_prepared
@@ -322,7 +333,9 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             raise
     if to_parent:
         tokens.decode = None
-    return DistOutput(job, prepared, pieces.records, wall, pieces.events, backend="dist", tokens=tokens,
+    if prepared is not launched:  # the output describes the cluster as launched, every sequence's result
+        settle(launched.state, prepared.state, gen.members)
+    return DistOutput(job, launched, pieces.records, wall, pieces.events, backend="dist", tokens=tokens,
                       kv_moves=dict(pieces.moves), kv_traffic=dict(pieces.traffic),
                       capabilities=backend.capabilities, device=str(gen.ctx.device),
                       dtype=str(settings.torch_dtype([gen.ctx.device])).removeprefix("torch."),

@@ -8,6 +8,7 @@ backend=dist run over 1, 2 and 4 processes (loop expert kernel, bit-identical lo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import pytest
 from batchgen.dist import worker as worker_module
 from batchgen.dist.run import DistRunFailed, execute_dist
 from batchgen.exec.run import ExecSettings, execute
+from batchgen.results import summarize
 from tests.distributed.test_dist_backend import N, dist_settings, job_for, loop_kernel, saved  # noqa: F401
 from tests.exec.test_exec_parity import kv_mb_for
 
@@ -79,6 +81,9 @@ def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, k
     took = time.monotonic() - t0
     check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0])
     assert took < 60
+    summary = summarize(out)  # what results.json gets: the recovery, and whose the per-rank numbers are
+    assert summary["recoveries"][0]["lost"] == [1] and summary["rank_ids"] == [0]
+    json.dumps(summary)
 
 
 @pytest.mark.slow  # three processes on a loaded 2-core machine
