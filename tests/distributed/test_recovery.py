@@ -129,3 +129,28 @@ def test_a_killed_rank_0_stops_the_run_within_seconds_keeping_what_finished(save
     assert partial is not None and partial.finished
     ref = reference(path, 2)
     assert all(toks == ref.tokens.generated[sid] for sid, toks in partial.finished.items())
+
+
+def test_survivors_that_cannot_hold_the_model_stop_with_one_line(saved, loop_kernel, kill_at, monkeypatch):
+    """When the smaller group is refused (here forced: the check a real memory plan would fail), rank 0 publishes
+    the refusal, every survivor stops with it, and the finished outputs are kept."""
+    from batchgen.dist import run as run_module
+    from batchgen.dist.errors import DistConfigError
+
+    check = run_module.check_dist
+
+    def refusing(job, settings, *, launched=True):
+        if not launched:
+            raise DistConfigError(f"the experts do not fit on {settings.procs} process(es) (forced by the test)")
+        return check(job, settings, launched=launched)
+
+    monkeypatch.setattr(run_module, "check_dist", refusing)
+    _, path = saved
+    kill_at(1, 30)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=120.0))
+    assert time.monotonic() - t0 < 30
+    head = err.value.headline
+    assert "RecoveryRefused" in head and "do not fit on 1 process" in head and "rank 1" in head, head
+    assert f"of {N} sequences had finished" in head and err.value.partial.finished, head
