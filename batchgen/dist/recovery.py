@@ -53,6 +53,7 @@ from batchgen.core.state import ClusterState
 from batchgen.dist.errors import WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import DistContext, DistEnv
+from batchgen.dist.worker import Command
 
 KEY = "batchgen/recover/gen{}"
 
@@ -71,6 +72,7 @@ class Recovery:
     at_s: float              # rank 0's engine clock when it caught the loss
     cause: str               # what showed it (WorkerLost's message)
     finished_before: int     # sequences that had finished (kept: tokens, times, counters)
+    kept: int                # unfinished sequences whose KV a survivor kept (running or suspended there)
     requeued: int            # unfinished sequences with KV or generated tokens, recomputed from prompt + generated
     on_lost_rank: int        # of them, those whose KV (device or host copy) was in a lost rank's process
     regroup_s: float = 0.0   # from the catch to the new engine's start: decision, new group, model rebuilt
@@ -178,15 +180,72 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
 
 
+# ---- the survivors' caches ----------------------------------------------------------------------------------
+def inventory(cache) -> dict[int, tuple[bool, int, int, int, int]]:
+    """What a survivor's cache holds: sequence id -> (on device, device tokens, host-copy tokens, tokens of a
+    host-resident step under way, device pages held)."""
+    return {sid: (cache.on_device(sid), cache.device_tokens(sid), cache.synced_tokens(sid),
+                  cache._seqs[sid].pending, len(cache.pages(sid))) for sid in cache.seq_ids()}
+
+
+def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict]) -> list[dict]:
+    """Rank 0: which KV each survivor keeps, per rank {sequence id: (on device, tokens kept, pages held, has a
+    host copy)}.
+
+    The caches, not the state, are the truth here: the loss was caught mid-step, so a planned yield, restore or
+    migration may or may not have happened. A sequence is kept where one survivor holds exactly the KV its tokens
+    imply: prompt + generated - 1 tokens (the last generated token is fed by the next forward), on device or as
+    a host copy. One token more on device is the interrupted forward's (its token was never recorded): that slot
+    is dropped and written again, with the same token, by the next forward. Everything else (no tokens yet,
+    part-written prompts, a host-resident step under way, a copy in a lost process) is recomputed."""
+    plan: list[dict] = [{} for _ in inventories]
+    seen: set[int] = set()
+    for rank, inv in enumerate(inventories):
+        for sid, (on_device, device_len, synced, pending, pages) in inv.items():
+            if sid in seen or done[sid] or not generated[sid] or pending or table.prefilled[sid]:
+                continue
+            need = int(table.input_len[sid]) + len(generated[sid]) - 1
+            if on_device and device_len in (need, need + 1) and synced <= need:
+                plan[rank][sid] = (True, need, pages, synced > 0)
+            elif not on_device and synced == need:
+                plan[rank][sid] = (False, need, 0, True)
+            else:
+                continue
+            seen.add(sid)
+    return plan
+
+
+def apply_keep(cache, keep: dict) -> None:
+    """A survivor: drop every sequence not kept; a kept one on device forgets the interrupted forward's slot."""
+    cache.release([sid for sid in cache.seq_ids() if sid not in keep])
+    for sid, (on_device, tokens, _, _) in keep.items():
+        if on_device:
+            cache._seqs[sid].device_len = tokens
+
+
+def settle_caches(worker, decide=None) -> list[dict]:
+    """Every survivor, right after regrouping with its old cache: report it, rank 0 decides (`decide(inventories)
+    -> keep_plan`) and broadcasts, each applies its part. Through the control channel's reply and receive."""
+    got = worker.reply(inventory(worker.cache))
+    plan = worker.receive(Command("keep", decide(got)) if worker.rank == 0 else None).parts
+    apply_keep(worker.cache, plan[worker.rank])
+    return plan
+
+
 # ---- the engine's state over the survivors -------------------------------------------------------------------
 def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new: ClusterState, now: float,
-            lost_gpus: list[int]) -> tuple[int, int, int]:
+            lost_gpus: list[int], keep: list[dict] | None = None) -> tuple[int, int, int, int]:
     """Fill `new` (a fresh state of the smaller cluster, every sequence pending) from `old` (the state when the
-    loss was caught, possibly mid-step) and the tokens actually generated: finished sequences stay finished
-    (`done`: the stopping rules ended them, possibly in the interrupted step, whose finish time is then `now`);
-    unfinished ones are pending with `decoded` = their generated tokens, the ones that had KV or tokens at the
-    head of the queue (as an eviction leaves them: recomputed from prompt + generated), the others behind them in
-    their old queue order. Returns (finished, requeued, requeued that ran on `lost_gpus`)."""
+    loss was caught, possibly mid-step), the tokens actually generated and what the survivors' caches kept
+    (`keep`, per new rank, from `keep_plan`; None: nothing kept).
+
+    Finished sequences stay finished (`done`: the stopping rules ended them, possibly in the interrupted step,
+    whose finish time is then `now`). A kept sequence runs device-resident on its survivor (pages as its cache
+    holds them; a host copy counted where its cache has one) or waits suspended on that survivor's node, and the
+    new ledger says which cache holds it. Every other unfinished one is pending with `decoded` = its generated
+    tokens: those that had KV or tokens at the head of the queue (as an eviction leaves them: recomputed from
+    prompt + generated), the others behind them in their old queue order.
+    Returns (finished, kept, requeued, requeued whose KV was in a lost rank's process)."""
     to, tn = old.table, new.table
     n = len(tn)
     gen = np.array([len(g) for g in generated], np.int64)
@@ -203,8 +262,31 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
     tn.where[:] = np.where(done, FINISHED, PENDING)
     tn.instance[:] = 0
     new.num_finished = int(done.sum())
+    kept = np.zeros(n, bool)
+    ledger = KVLedger.of(new)
+    node = new.topo.gpu_node
+    for rank, mine in enumerate(keep or []):
+        if not mine:
+            continue
+        ids = np.fromiter(mine, np.int64, len(mine))
+        dev = np.array([mine[int(s)][0] for s in ids], bool)
+        pages = np.array([mine[int(s)][2] for s in ids], np.int64)
+        copy = np.array([mine[int(s)][3] for s in ids], bool)
+        kept[ids] = True
+        ledger.holder[ids], ledger.on_device[ids] = rank, dev
+        run, park = ids[dev], ids[~dev]
+        if run.size:
+            new._join_gpu(0, run, np.full(run.size, rank), lookahead_tokens=0, reserve=False)
+            new._set_pages(run, pages[dev])
+        if park.size:
+            tn.where[park] = SUSPENDED
+            new.suspended[int(node[rank])].push(park)
+        with_copy = ids[copy]
+        if with_copy.size:
+            tn.host_node[with_copy] = node[rank]
+            new._host_add(np.full(with_copy.size, node[rank]), tn.input_len[with_copy] + tn.decoded[with_copy])
     had_kv = (to.where >= 0) | (to.where == SUSPENDED) | (gen > 0) | (to.prefilled > 0)
-    requeued = ~done & had_kv
+    requeued = ~done & ~kept & had_kv
     tn.recomputes[requeued] += 1
     # held by a lost rank: running there, or its KV (device pages or host copy) in that process's cache, as the
     # ledger of the ops so far has it
@@ -212,15 +294,15 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
     on_lost = requeued & (np.isin(to.where, lost_gpus) | np.isin(holder, lost_gpus))
     queued = [q.to_array() for q in (*old.pending, *old.pinned)]
     order = np.concatenate(queued) if queued else np.empty(0, np.int64)
-    waiting = order[~done[order] & ~requeued[order]]
-    rest = np.setdiff1d(np.flatnonzero(~done & ~requeued), waiting)  # e.g. a prefill to host caught mid-step
+    waiting = order[~done[order] & ~requeued[order] & ~kept[order]]
+    rest = np.setdiff1d(np.flatnonzero(~done & ~requeued & ~kept), waiting)  # e.g. a prefill to host mid-step
     new.pending = [IdQueue(np.concatenate([np.flatnonzero(requeued), rest, waiting]))]
     new.pending.extend(IdQueue() for _ in range(new.topo.num_instances - 1))
     new.pinned = [IdQueue() for _ in range(new.topo.num_gpus)]
     new.check()
-    if len(new.pending[0]) != n - new.num_finished:
+    if len(new.pending[0]) + int(kept.sum()) != n - new.num_finished:
         raise AssertionError("requeue lost track of a sequence")
-    return new.num_finished, int(requeued.sum()), int(on_lost.sum())
+    return new.num_finished, int(kept.sum()), int(requeued.sum()), int(on_lost.sum())
 
 
 def pad_ranks(values: np.ndarray, members: tuple[int, ...], world: int) -> np.ndarray:

@@ -41,8 +41,8 @@ from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
-                                    carry_totals, decide_survivors, finished_report, fold_peaks, publish, regroup,
-                                    requeue, settle)
+                                    carry_totals, decide_survivors, finished_report, fold_peaks, keep_plan, publish,
+                                    regroup, requeue, settle, settle_caches)
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
@@ -207,13 +207,15 @@ def reduced_job(job: Job, procs: int) -> Job:
 
 
 def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
-                before: RankWorker | None = None) -> tuple[RankWorker, bool]:
+                before: RankWorker | None = None) -> tuple[RankWorker, bool, bool]:
     """This process's part over generation `gen`'s group: the model from the same weights, its expert shard of
-    the contiguous placement over the group, its own KV cache, the control group. `before`: this process's
-    worker of the previous generation, whose totals carry over."""
+    the contiguous placement over the group, its KV cache, the control group; and whether the cache is the one
+    of `before` (this process's worker of the previous generation, whose totals carry over): kept, KV and all,
+    when the smaller group's memory plan gives the same pool (the same on every survivor: the same job)."""
     config = model_config(job, settings)
     dtype = settings.torch_dtype([gen.ctx.device])
     pools = kv_pools(job, settings, config, dtype)
+    pool = (pools.pool_bytes, pools.staging_pages, pools.max_context)
     model = build_model(job, settings, gen.ctx.device, dtype).eval()
     comm = Comm(heartbeat=gen.heartbeat)  # the world group: one instance over every process
     control = Comm(dist.new_group(backend="gloo", timeout=_timedelta(settings.timeout_s)), gen.heartbeat)
@@ -225,13 +227,18 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
             if moe is not None:
                 model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
         runner.collective = True
-    cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
-                                     dtype=dtype, device=gen.ctx.device, max_context=pools.max_context,
-                                     staging_pages=pools.staging_pages)
+    kept = before is not None and getattr(before.cache, "pool", None) == pool
+    if kept:
+        cache = before.cache
+    else:
+        cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens,
+                                         budget_bytes=pools.pool_bytes, dtype=dtype, device=gen.ctx.device,
+                                         max_context=pools.max_context, staging_pages=pools.staging_pages)
+        cache.pool = pool  # what it was sized from (a recovery keeps it when the survivors' plan gives the same)
     worker = RankWorker(gen.rank, cache, runner, comm, control, params, settings.weights_seed, gen.ctx.device)
     if before is not None:
         carry_totals(before, worker)
-    return worker, is_moe
+    return worker, is_moe, kept
 
 
 def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Generation:
@@ -245,7 +252,7 @@ def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
     survivors, join their new group, rebuild and serve again."""
     params = _checked_params(job, settings, params, [0] * len(job.workload))
     gen = current[-1]
-    worker, _ = _build_rank(gen, job, settings, params)
+    worker, _, _ = _build_rank(gen, job, settings, params)
     while True:
         try:
             worker.serve()
@@ -255,7 +262,9 @@ def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
                 raise
             survivors = await_decision(gen, err, settings.timeout_s)
         gen = _regroup(current, survivors, settings)
-        worker, _ = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker)
+        worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker)
+        if kept:
+            settle_caches(worker)
 
 
 def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool) -> DistOutput:
@@ -267,7 +276,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     config = model_config(job, settings)
     done_before = [0] * len(job.workload)
     params = _checked_params(job, settings, params, done_before)
-    worker, is_moe = _build_rank(gen, job, settings, params)
+    worker, is_moe, _ = _build_rank(gen, job, settings, params)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
@@ -319,14 +328,17 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             lost_ranks = [r for r in range(gen.size) if r not in survivors]
             before = gen
             gen = _regroup(current, survivors, settings)
-            worker, _ = _build_rank(gen, job_next, settings, params, worker)
+            worker, _, kept = _build_rank(gen, job_next, settings, params, worker)
+            table = prepared.state.table
+            keep = settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv)) if kept else None
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
-            finished, requeued, on_lost = requeue(prepared.state, tokens.generated, done, next_prepared.state,
-                                                  caught, lost_ranks)  # one instance: GPU index = rank
+            finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
+                                                        next_prepared.state, caught, lost_ranks, keep)
+            # (one instance: a GPU index is a rank of its generation)
             if prepared is not launched:
                 fold_peaks(launched.state, prepared.state, before.members)
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
-                                       caught, str(err), finished, requeued, on_lost))
+                                       caught, str(err), finished, held, requeued, on_lost))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes

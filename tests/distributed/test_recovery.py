@@ -52,17 +52,20 @@ def reference(path, procs):
                                                    kv_budget_mb=kv_mb_for(path, 80), threads=1))
 
 
-def check_recovered(out, ref, procs, lost, survivors):
+def check_recovered(out, ref, procs, lost, survivors, kept=True):
     assert [out.tokens.generated[s] for s in range(N)] == [ref.tokens.generated[s] for s in range(N)]
     t = out.prepared.state.table
     assert out.prepared.state.all_finished() and np.array_equal(t.decoded, t.output_len)
     assert len(out.recoveries) == 1, out.recoveries
     rec = out.recoveries[0]
     assert rec.lost == lost and rec.survivors == survivors and rec.generation == 1
-    assert rec.finished_before > 0 and rec.requeued > 0 and rec.on_lost_rank > 0
-    assert rec.requeued + rec.finished_before <= N
+    # the survivors kept their KV (running or suspended there); what the lost rank held was recomputed
+    assert rec.finished_before > 0 and (rec.kept > 0) == kept and rec.on_lost_rank > 0
+    assert rec.on_lost_rank <= rec.requeued and rec.finished_before + rec.kept + rec.requeued <= N
     assert "rank" in rec.cause and rec.at_s > 0 and rec.regroup_s > 0
     assert t.recomputes.sum() >= rec.requeued  # the requeued sequences were prefilled again
+    assert out.kv_moves.get("evict", 0) == 0  # (this workload evicts nothing undisturbed: every recompute is
+    assert t.recomputes.sum() == rec.requeued  # the recovery's)
     # records line up over the generations, per launch rank; the lost rank did no work after the loss
     after = [r for r in out.records if r.start >= rec.at_s]
     assert after and all(r.rank_busy.shape == (procs,) for r in out.records)
@@ -71,15 +74,23 @@ def check_recovered(out, ref, procs, lost, survivors):
     assert all(np.isfinite(t.finish_time)) and np.all(t.first_token_time <= t.finish_time)
 
 
-def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at):
+@pytest.mark.parametrize("keep", [True, False], ids=["survivor-keeps-its-kv", "everything-recomputed"])
+def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at, monkeypatch, keep):
     """2 processes, rank 1 killed at its 30th forward (3 sequences done, one running on rank 1 and one whose host
-    copy it holds): rank 0 alone (the plain MoE layer) finishes the job."""
+    copy it holds, one of rank 0's mid-forward): rank 0 alone (the plain MoE layer) finishes the job, keeping
+    the KV its cache holds (its interrupted forward's slot dropped); or, with nothing kept (the path of a
+    survivors' memory plan that gives another pool), recomputing every unfinished sequence."""
+    from batchgen.dist import run as run_module
+
+    if not keep:
+        monkeypatch.setattr(run_module, "keep_plan", lambda table, generated, done, inventories:
+                            [{} for _ in inventories])
     _, path = saved
     kill_at(1, 30)
     t0 = time.monotonic()
     out = execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=60.0))
     took = time.monotonic() - t0
-    check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0])
+    check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0], kept=keep)
     assert took < 60
     summary = summarize(out)  # what results.json gets: the recovery, and whose the per-rank numbers are
     assert summary["recoveries"][0]["lost"] == [1] and summary["rank_ids"] == [0]
