@@ -40,20 +40,20 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    `WorkerLost` in the operation that needed the dead peer (or, waiting, as soon as any member is lost),
    asking the heartbeat between wait slices. `recovery`: rank 0 decides the survivors and publishes them in
    the store; they build a new group (a torch process group cannot drop a member), re-place the experts over
-   themselves (weights built again from the same seed or directory) and the engine goes on over the
-   unfinished sequences, recomputed from prompt + generated tokens. Restoring instead of recomputing would
-   need host copies that outlive their process (shared memory per node): a host copy lives in its process
-   and dies with it, so recompute is the only path built.
+   themselves (weights built again from the same seed or directory), keep the KV their caches hold, and the
+   engine goes on; the lost rank's sequences are recomputed from prompt + generated tokens. Restoring them
+   instead would need host copies that outlive their process (shared memory per node): a host copy lives in
+   its process and dies with it, so recompute is the only path built.
 
 As built: rank 0 keeps every sequence's tokens and sends each forward's new tokens with the command, and every
 decode iteration is one command (the stopping rules are decided on rank 0); a migrating sequence is released
 on its source as soon as its send completed; one process keeps the plain MoE layer (no collectives); a lost
 worker other than rank 0 is recovered from (backend.recover=false: the run stops with `WorkerLost` naming
-it, run.DistRunFailed); after a recovery every unfinished sequence is recomputed, the survivors' KV included.
+it, run.DistRunFailed).
 
 Not covered yet (refused before any process starts, or not built): concurrent instances (one instance over all
 processes only), head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
-weights streamed from host, keeping the survivors' KV across a recovery, NCCL (the code selects it on CUDA; no GPU was
+weights streamed from host, NCCL (the code selects it on CUDA; no GPU was
 available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
 keeps its shard).
 """

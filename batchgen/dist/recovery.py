@@ -18,22 +18,29 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    with the new numbering.
 4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
-   the plain layer when one process is left), a fresh KV cache.
-5. Rank 0 (`requeue`): a fresh `ClusterState` for the smaller cluster in which every sequence that had
-   finished stays finished (its tokens, times and counters kept) and every unfinished one waits at the head of
-   the queue with the tokens it had generated (`decoded` kept): the engine's recompute path (the one eviction
-   uses) prefills prompt + generated tokens again, and sampling continues at step len(generated) with the same
-   per-(sequence, step) draws, so outputs equal an undisturbed run's. The engine restarts on it (the policy is
-   planned again for the survivors), on the same clock.
+   the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
+   the same pool (else a fresh one).
+5. The caches are the truth (`settle_caches`): the loss was caught mid-step, so a planned yield, restore or
+   migration may or may not have happened. Each survivor reports what its cache holds; rank 0 keeps a sequence
+   where one survivor holds exactly the KV its tokens imply (`keep_plan`: prompt + generated - 1 tokens, on
+   device or as a host copy; the interrupted forward's one extra slot is dropped and written again, with the
+   same token, by the next forward); every survivor drops the rest.
+6. Rank 0 (`requeue`): a fresh `ClusterState` of the smaller cluster, remapped: finished sequences stay finished
+   (tokens, times, counters kept); kept ones run on, or wait suspended, on their survivor (pages and host copies
+   as its cache holds them; the new `KVLedger` says which cache); every other unfinished one (the lost rank's,
+   and part-written prompts) waits at the head of the queue with the tokens it had generated (`decoded` kept):
+   the engine's recompute path (the one eviction uses) prefills prompt + generated again, and sampling goes on
+   at step len(generated) with the same per-(sequence, step) draws, so outputs equal an undisturbed run's. The
+   engine restarts on it (the policy planned again for the survivors), on the same clock.
 
-What this does NOT do (yet), said plainly:
+What this does NOT do, said plainly:
 
-- Survivors do not keep their KV: every unfinished sequence is recomputed, not only the lost rank's (the
-  brief's fallback: remapping the live state, ledger and caches to the smaller topology was not built).
-- No choice between restoring and recomputing: a host copy lives in its process's memory and dies with it, and
-  the survivors' copies are dropped with their caches, so recompute is the only path here. Restoring would need
-  host copies in memory that outlives the process (shared memory per node) and keeping the survivors' caches.
+- No choice between restoring and recomputing the lost rank's sequences: their host copies lived in the dead
+  process's memory and died with it, so recompute is the only path (restoring would need host copies in memory
+  that outlives the process: shared memory per node).
+- The policy's own carried state (`Decision.carry`) starts afresh in the new engine.
 - NCCL: the code aborts the old communicators before destroying them; it has not run on a GPU.
+- Under torchrun the elastic agent stops every worker when one exits: recovery needs the one-machine launcher.
 """
 
 from __future__ import annotations
