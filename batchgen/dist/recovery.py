@@ -202,14 +202,14 @@ def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: 
     The caches, not the state, are the truth here: the loss was caught mid-step, so a planned yield, restore or
     migration may or may not have happened. A sequence is kept where one survivor holds exactly the KV its tokens
     imply: prompt + generated - 1 tokens (the last generated token is fed by the next forward), on device or as
-    a host copy. One token more on device is the interrupted forward's (its token was never recorded): that slot
-    is dropped and written again, with the same token, by the next forward. Everything else (no tokens yet,
-    part-written prompts, a host-resident step under way, a copy in a lost process) is recomputed."""
+    a host copy. The interrupted forward's token was never recorded: its slot (one token more on device, or a
+    host-resident step's pending token) is dropped and written again, with the same token, by the next forward.
+    Everything else (no tokens yet, part-written prompts, a copy in a lost process) is recomputed."""
     plan: list[dict] = [{} for _ in inventories]
     seen: set[int] = set()
     for rank, inv in enumerate(inventories):
         for sid, (on_device, device_len, synced, pending, pages) in inv.items():
-            if sid in seen or done[sid] or not generated[sid] or pending or table.prefilled[sid]:
+            if sid in seen or done[sid] or not generated[sid] or table.prefilled[sid]:
                 continue
             need = int(table.input_len[sid]) + len(generated[sid]) - 1
             if on_device and device_len in (need, need + 1) and synced <= need:
@@ -223,11 +223,16 @@ def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: 
 
 
 def apply_keep(cache, keep: dict) -> None:
-    """A survivor: drop every sequence not kept; a kept one on device forgets the interrupted forward's slot."""
+    """A survivor: drop every sequence not kept; a kept one forgets the interrupted forward's slot (device
+    tokens past the kept ones, or a host-resident step's pending tokens: an extra page held is harmless, the
+    pools only ever grow a sequence's pages)."""
     cache.release([sid for sid in cache.seq_ids() if sid not in keep])
     for sid, (on_device, tokens, _, _) in keep.items():
+        seq = cache._seqs[sid]
         if on_device:
-            cache._seqs[sid].device_len = tokens
+            seq.device_len = tokens
+        else:
+            seq.pending = 0
 
 
 def settle_caches(worker, decide=None) -> list[dict]:

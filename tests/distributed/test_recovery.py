@@ -165,3 +165,30 @@ def test_survivors_that_cannot_hold_the_model_stop_with_one_line(saved, loop_ker
     head = err.value.headline
     assert "RecoveryRefused" in head and "do not fit on 1 process" in head and "rank 1" in head, head
     assert f"of {N} sequences had finished" in head and err.value.partial.finished, head
+
+
+@pytest.mark.slow  # about 10 s on the loaded 2-core machine
+def test_host_resident_sequences_survive_a_lost_worker(saved, loop_kernel, kill_at):
+    """More running sequences than a process's device KV holds, the rest host-resident; rank 1 killed at its
+    12th forward, inside a host-resident step: rank 0 keeps its sequences (the step's pending token dropped and
+    written again), rank 1's are recomputed; outputs equal transformers'."""
+    from batchgen.dist.run import DistSettings
+    from conftest import make_job
+    from tests.exec.test_exec_parity import hf_greedy
+
+    model, path = saved
+    n, page = 12, 8
+    rng = np.random.default_rng(7)
+    inputs, outputs = rng.integers(24, 40, n), rng.integers(8, 32, n)
+    job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=page,
+                   cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": "mixed", "attention": "gpu"})
+    longest = -(-int((inputs + outputs).max()) // page) * page
+    kill_at(1, 12)
+    out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), procs=2, timeout_s=60.0,
+                                         kv_budget_mb=kv_mb_for(path, 80, staging_seqs=2, max_context=longest)))
+    for sid in range(n):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    rec, = out.recoveries
+    assert rec.kept > 0 and rec.requeued > 0 and rec.on_lost_rank > 0
+    assert out.kv_traffic["host_resident_seq_steps"] > 0
