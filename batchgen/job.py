@@ -119,6 +119,8 @@ def resolve_attention_tp(job: Job) -> int:
                               f"choose one of {', '.join(map(str, degrees))} (it must divide the instance's GPUs "
                               "and the model's heads and intermediates), or auto")
         return int(want)
+    if len(job.workload) and needs_plan(job.policy):
+        return _planned_degree(job, c, degrees)
     tried, pool = [], {}
     for t in degrees:
         try:
@@ -135,6 +137,29 @@ def resolve_attention_tp(job: Job) -> int:
                       f"instances of {c.gpu.name}; " + "; ".join(tried[-1:])
                       + f". With attention_tp={degrees[-1]} it fits from memory.gpu_memory_fraction="
                       f"{_fraction_needed(job, _latency(job, c, degrees[-1]), c, degrees[-1]):.3f}")
+
+
+def _planned_degree(job: Job, c: ClusterSpec, degrees: tuple[int, ...]) -> int:
+    """A planned policy's (coroutine's) degree is one more planned knob: the plan of each degree that fits, and
+    the degree whose plan predicts the most decode throughput over the batch (the smaller degree within the
+    planner's tie). DP attention that fits only by streaming experts every iteration can lose to TP groups that
+    keep them resident (DeepSeek-R1 on 8 x H20)."""
+    from batchgen.plan.planner import TIE
+
+    stats = WorkloadStats.of(job.workload)
+    best = None
+    for t in degrees:
+        policy = dataclasses.replace(job.policy, attention_tp=t)
+        lat = _latency(job, c, t)
+        try:
+            plan = plan_job(job.model, c, lat, job.memory, policy, stats, page_tokens=job.page_tokens)
+            _budget(job, lat, c, plan.resolve(policy), plan.streamed_layers)
+        except ConfigError:
+            continue
+        if best is None or plan.batch_tokens_per_s > best[1] * (1 + TIE):
+            best = (t, plan.batch_tokens_per_s)
+    # none fits: the most sharded degree, whose plan then fails with the memory plan's own explanation
+    return degrees[-1] if best is None else best[0]
 
 
 def _fraction_needed(job: Job, lat: LatencyModel, c: ClusterSpec, degree: int) -> float:

@@ -79,6 +79,14 @@ def test_partitioning_long_stragglers_pays_its_collectives_and_still_wins():
     assert comm_on > comm_off
 
 
+def test_tp_attention_groups_do_not_partition_their_stragglers():
+    """Under TP attention a rank is a group that already splits every sequence's heads: the same stragglers
+    that partition above are only rebalanced, and every sequence still finishes."""
+    out = long_stragglers(True, attention_tp=2)
+    assert out.prepared.state.all_finished() and out.prepared.state.topo.num_gpus == 4
+    assert out.prepared.state.table.partitions.sum() == 0
+
+
 def test_partition_join_is_an_all_reduce_per_layer_over_the_group():
     from batchgen.sim.costs import partition_join
     lat = prepare(make_job("coroutine", model="qwen3_30b_a3b")).latency

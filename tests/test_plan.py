@@ -315,3 +315,23 @@ def test_occupancy_replays_a_rank_share():
     lens = share_outputs((1.0, 2.0, 100.0), 40, 0.0)
     assert lens.size == 40 and lens.min() >= 1 and lens.max() <= 100
     assert (share_outputs((), 3, 7.4) == 7).all()
+
+
+def test_planned_prefill_chunk_is_the_largest_that_costs_decode_nothing():
+    """`prefill_tokens_per_rank: auto`: a chunk's activations come out of what device KV can hold. With room
+    to spare the largest chunk is kept; where the activations of a 32K-token chunk crowd out device KV the
+    plan takes a smaller one, predicts more decode throughput than the 32K plan, and the resolved policy
+    carries the chunk."""
+    from batchgen.plan.planner import PREFILL_CHUNKS
+
+    m, c, lat, stats, mem, seq, staging = tiny_case(pcie_gbs=64, kv_seqs=400)
+    auto = CoroutinePolicy(b_attn=64, b_moe=1024, kv_residency="device", prefill_tokens_per_rank="auto")
+    roomy = dataclasses.replace(mem, activation_reserve_gb=0.0)
+    assert plan_job(m, c, lat, roomy, auto, stats, page_tokens=64).prefill_tokens == PREFILL_CHUNKS[0]
+    plan = plan_job(m, c, lat, mem, auto, stats, page_tokens=64)
+    largest = plan_job(m, c, lat, mem, dataclasses.replace(auto, prefill_tokens_per_rank=PREFILL_CHUNKS[0]),
+                       stats, page_tokens=64)
+    assert plan.prefill_tokens < PREFILL_CHUNKS[0] and plan.device_seqs > largest.device_seqs
+    assert plan.batch_tokens_per_s > largest.batch_tokens_per_s
+    assert plan.resolve(auto).prefill_tokens_per_rank == plan.prefill_tokens
+    assert f"prefill chunk {plan.prefill_tokens:,}" in plan.describe()

@@ -104,15 +104,18 @@ def test_sglang_opt_runs_with_memory_derived_caps_and_its_memory_fraction():
     assert out.prepared.budget.kv_pages_per_gpu > cont.budget.kv_pages_per_gpu  # 0.95 of HBM, not 0.9
 
 
-@pytest.mark.parametrize("policy", ["continuous", "sglang_opt"])
-def test_tp_attention_runs_to_completion_with_invariants(policy):
+@pytest.mark.parametrize("policy,knobs", [("continuous", {}), ("sglang_opt", {}),
+                                          ("coroutine", {"kv_residency": "host"})])
+def test_tp_attention_runs_to_completion_with_invariants(policy, knobs):
     """Groups of 2 on 4 GPUs (2 scheduler ranks): every sequence finishes, the engine's invariants hold, and the
-    attention all-reduce shows up as communication even within one group's node."""
+    attention all-reduce shows up as communication even within one group's node (coroutine: host-resident)."""
     job = make_job(policy, model="tiny_moe", n=60, cluster_overrides={"num_gpus": 4},
-                   policy_overrides={"attention_tp": 2})
+                   policy_overrides={"attention_tp": 2, **knobs})
     out = simulate(job, progress=False)
     assert out.prepared.state.all_finished() and out.prepared.state.topo.num_gpus == 2
     assert sum(float(r.rank_comm.sum()) for r in out.records) > 0
+    if policy == "coroutine":
+        assert out.host_bytes > 0
 
 
 def test_two_batch_overlap_with_one_sequence_per_rank_is_the_whole_forward():
@@ -124,3 +127,53 @@ def test_two_batch_overlap_with_one_sequence_per_rank_is_the_whole_forward():
                        np.zeros(R), np.zeros(R))
     whole, tbo = price(p.latency, load), price(p.latency, load, tbo=True)
     assert tbo.compute_s == pytest.approx(whole.compute_s)
+
+
+def test_a_tp_group_restores_its_share_of_host_kv():
+    """Host-resident KV under TP attention: each GPU of a group restores its share of every token over its own
+    link, in parallel: GQA 1/degree of the KV heads, MLA the whole (replicated) latent."""
+    gqa = prepare(make_job("continuous", model="qwen3_30b_a3b", cluster="h20_8", policy_overrides={"attention_tp": 4}))
+    mla = prepare(_r1_job(8))
+    for p, split in ((gqa, 4), (mla, 1)):
+        base = p.latency.base
+        assert p.latency.kv_restore(80_000.0, 2) == pytest.approx(base.kv_restore(80_000.0 / split, 2))
+        assert p.latency.kv_append(64.0) == pytest.approx(base.kv_append(64.0 / split))
+
+
+def _r1_coroutine(n=64, **knobs):
+    rng = np.random.default_rng(1)
+    return make_job("coroutine", model="deepseek_r1", cluster="h20_8", inputs=np.full(n, 2048),
+                    outputs=rng.integers(2000, 12000, n), policy_overrides=knobs, check_invariants=False)
+
+
+def test_coroutine_plans_its_attention_degree_and_prefill_chunk():
+    """R1 on 8 x H20: data-parallel attention fits only by streaming experts from host every iteration; with
+    the degree and the prefill chunk planned, coroutine runs TP-attention groups with every weight resident,
+    and the plan it keeps predicts at least the throughput of every degree's own plan."""
+    auto = prepare(_r1_coroutine(attention_tp="auto", prefill_tokens_per_rank="auto"))
+    assert auto.policy.attention_tp > 1 and auto.plan.streamed_layers == 0
+    assert auto.state.topo.num_gpus == 8 // auto.policy.attention_tp  # a scheduler rank per group
+    assert auto.plan.ranks == auto.state.topo.num_gpus
+    for t in (1, 2, 4, 8):
+        try:
+            fixed = prepare(_r1_coroutine(attention_tp=t, prefill_tokens_per_rank="auto"))
+        except ConfigError:
+            continue
+        assert auto.plan.batch_tokens_per_s >= fixed.plan.batch_tokens_per_s * (1 - 0.01), t
+    dp = prepare(_r1_coroutine())  # the defaults: DP attention, 32K-token prefill chunks
+    assert dp.plan.streamed_layers > 0 and auto.plan.batch_tokens_per_s > dp.plan.batch_tokens_per_s
+
+
+def test_planned_group_kv_matches_the_memory_budget():
+    """The planner sizes a group's device KV as the memory budget does: GQA groups hold degree GPUs' shares of
+    each token, so a TP-2 group plans about twice the device sequences of a DP rank."""
+    seqs = {}
+    for t in (1, 2):
+        job = make_job("coroutine", model="qwen3_30b_a3b", cluster="h20_8", inputs=np.full(64, 30_000),
+                       outputs=np.full(64, 4000), policy_overrides={"attention_tp": t, "kv_residency": "device",
+                                                                     "b_moe": 1024}, check_invariants=False)
+        p = prepare(job)
+        pages = -(-(p.plan.typical_context + job.page_tokens) // job.page_tokens)
+        assert p.plan.device_seqs == p.budget.kv_pages_per_gpu // pages, t  # b_moe 1024: device KV bounds it
+        seqs[t] = p.plan.device_seqs
+    assert seqs[2] >= 2 * seqs[1] - 1

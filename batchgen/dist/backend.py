@@ -41,10 +41,11 @@ class DistBackend(ExecBackend):
         super().__init__(state, [worker.runner], [None] * procs, tokens, job_seed=job_seed)
         self.worker, self.procs = worker, procs
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
-        # not built across processes: head-sharded PARTITION, two-batch overlap, TP attention (declared so that
-        # the engine refuses a policy that needs them before the run)
-        self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=(1,), two_batch_overlap=False,
-                                                attention_tp=False)
+        # not built across processes: two-batch overlap, TP attention (declared so that the engine refuses a
+        # policy that needs them before the run). PARTITION: over at most the instance's processes (dist/partition)
+        degrees = tuple(d for d in self.capabilities.partition_degrees if d <= procs)
+        self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
+                                                two_batch_overlap=False, attention_tp=False)
         self._busy = np.zeros(procs)
         self._comm = np.zeros(procs)
         self.totals: list[Totals] | None = None
@@ -61,6 +62,8 @@ class DistBackend(ExecBackend):
     def shutdown(self) -> list[Totals]:
         """The workers leave their loops; every rank's totals (wall, busy, comm, idle seconds)."""
         self.totals = self._run(Command("stop"))
+        for t in self.totals:  # the ranks' own counts of PARTITION's bytes (split, join, per-layer exchange)
+            self.traffic.update(t.traffic)
         return self.totals
 
     def abort(self) -> None:
@@ -79,9 +82,10 @@ class DistBackend(ExecBackend):
     def move_kv(self, ops: KVOps) -> None:
         if ops.empty():
             return
-        if ops.join_ids.size or ops.split_ids.size:
-            raise ValueError("PARTITION (head-sharded attention) across processes is not supported under "
-                             "backend=dist yet")
+        bad = sorted(set(ops.split_degree.tolist()) - set(self.capabilities.partition_degrees))
+        if bad:
+            raise ValueError(f"a plan partitions sequences over {bad[0]} ranks; backend=dist declares degrees "
+                             f"{self.capabilities.partition_degrees} for this model over {self.procs} processes")
         parts = [ops.for_gpu(g) for g in range(self.procs)]
         migrations = list(zip(ops.migrate_ids.tolist(), ops.migrate_src.tolist(), ops.migrate_dst.tolist(),
                               ops.migrate_to_device.tolist()))
@@ -91,6 +95,7 @@ class DistBackend(ExecBackend):
         self.moves["offload"] += int(ops.offload_ids.size)
         self.moves["migrate"] += int(ops.migrate_ids.size)
         self.moves["restore"] += int(ops.restore_ids.size)
+        self.moves["partition"] += int(ops.split_ids.size)
 
     def check_placement(self, plan: StepPlan) -> None:
         """The caches are in other processes; the engine's ledger checks every op against where the KV is."""

@@ -25,6 +25,7 @@ streamed from host, repeats > 1, dense models (nothing to spread over processes)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import dataclasses
@@ -153,6 +154,8 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
 def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] | None = None,
                  params=None) -> DistOutput | None:
     """Run the job over settings.procs processes; rank 0's output (None on the other ranks under torchrun)."""
+    if job.policy.attention_tp == "auto":  # TP attention is not built across processes: auto is DP attention here
+        job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
     check_dist(job, settings)
     device = str(settings.instance_devices(1)[0].type)
     if under_torchrun():

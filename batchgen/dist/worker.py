@@ -6,10 +6,14 @@ group (`Command`), in the order they come, so that every collective they contain
 - `kv`: this rank's KV ops of a boundary (`GpuOps`: free, evict, yield, offload, restore on its own cache) and
   the boundary's migrations in plan order, each a send on its source and a receive on its destination
   (`kv_transfer`): every rank walks the same list, so sends and receives pair up without a global view;
+  PARTITION's joins (first) and splits (last) likewise, between the lead and the other ranks of each group
+  (`partition.join_kv` / `split_kv`: head shards sent and received);
 - `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
   `RankBatch`: paged attention, staged host-resident attention, sampling); its MoE layers are
-  `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; then it
-  samples its sequences and replies with the tokens and its timings (gathered on rank 0);
+  `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; partitioned
+  sequences run on their lead, their attention spread over their group by `partition.HeadShardExchange` (two
+  all-to-alls per layer, every rank joining); then it samples its sequences and replies with the tokens and its
+  timings (gathered on rank 0);
 - `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync;
 - `stop` (reply: the run's totals) and `abort` (rank 0 failed: leave without a reply).
 
@@ -17,8 +21,8 @@ The control channel is a `Comm` over a gloo group of its own (its waits are not 
 are the worker's idle time); with a heartbeat, a process that dies is found within seconds by the others.
 
 Timings are measured here, on each process's own clock: busy = seconds inside commands minus the seconds
-inside communication (`Comm.comm_s`: all-to-alls and KV transfers, waits for slower peers included); idle =
-everything else (waiting for rank 0's next command, the control messages themselves).
+inside communication (`Comm.comm_s`: all-to-alls, PARTITION's exchanges and KV transfers, waits for slower peers
+included); idle = everything else (waiting for rank 0's next command, the control messages themselves).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from batchgen.core.ops import GpuOps
 from batchgen.dist.comm import Comm
 from batchgen.dist.kv_transfer import recv_sequence, send_sequence
+from batchgen.dist.partition import HeadShardExchange, join_kv, split_kv
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import SamplingParams, sample
@@ -89,6 +94,9 @@ class Totals:
     comm_s: float
     idle_s: float
     moves: dict
+    # what this rank moved: reshard_bytes (PARTITION's shards, split and joined), partition_exchange_bytes (the
+    # per-layer head-sharded attention's rows sent) over partition_exchange_layers layers
+    traffic: dict = field(default_factory=dict)
     cpu_s: float = 0.0   # process CPU seconds over the same span (under load, busy wall seconds include waits
                          # for a core; CPU seconds do not)
 
@@ -104,6 +112,10 @@ class RankWorker:
         self._busy_pending = 0.0  # since the last reply
         self._comm_pending = 0.0
         self.moves: dict[str, int] = {}
+        self.traffic: dict[str, int] = {}
+        # PARTITION across processes: the runner hands each layer's head-sharded attention to the exchange
+        self.partition = HeadShardExchange(comm, cache) if comm.size > 1 else None
+        runner.partition = self.partition
         self._start = time.perf_counter()
         self._cpu_start = time.process_time()
 
@@ -187,11 +199,15 @@ class RankWorker:
             self.moves[kind] = self.moves.get(kind, 0) + n
 
     def _kv(self, ops: GpuOps, migrations: list) -> None:
-        """This rank's KV ops in the order of `KVOps`' fields (free, evict, yield, offload, migrate, restore)."""
-        if ops.join or ops.split:
-            raise RuntimeError("PARTITION across processes is not supported under backend=dist (the plan has "
-                               f"join/split ops for rank {self.rank})")
+        """This rank's KV ops in the order of `KVOps`' fields (join, free, evict, yield, offload, migrate,
+        restore, split). Joins and splits are walked in plan order by every rank of their group, like
+        migrations (partition.py): the lead counts the partition, each rank the shard bytes it moved."""
+        if (ops.join or ops.split) and self.partition is None:
+            raise RuntimeError(f"a plan partitions sequences over one process (rank {self.rank}): PARTITION "
+                               "needs a degree of at most backend.procs")
         cache = self.cache
+        for sid, group, keep in ops.join:
+            self._reshard(join_kv(self.comm, cache, sid, group, keep, self.comm_device))
         cache.release(ops.free)
         cache.release(ops.evict)
         self._count("evict", len(ops.evict))
@@ -208,6 +224,13 @@ class RankWorker:
                 recv_sequence(self.comm, cache, sid, src, to_device, self.comm_device)
         cache.restore(ops.restore)
         self._count("restore", len(ops.restore))
+        for sid, group in ops.split:
+            self._reshard(split_kv(self.comm, cache, sid, group, self.comm_device))
+            # the lead counts the partition (as rank 0's plan does), each other rank of the group the shard it got
+            self._count("partition" if group[0] == self.rank else "partition_shard", 1)
+
+    def _reshard(self, nbytes: int) -> None:
+        self.traffic["reshard_bytes"] = self.traffic.get("reshard_bytes", 0) + nbytes
 
     @property
     def comm_device(self) -> torch.device:
@@ -217,6 +240,8 @@ class RankWorker:
     def _forward(self, part: ForwardPart, cmd: Command) -> ForwardReply:
         batch = RankBatch(self.cache, part.seq_ids, part.token_ids, part.new_counts, part.start_positions,
                           part.host_resident, part.tp, part.sample)
+        if self.partition is not None:  # every rank: the instance's partition groups, from every rank's part
+            self.partition.begin(cmd.parts)
         logits, stats = self.runner.forward([batch], cmd.micro_batch, cmd.cpu_attention, cmd.ffn_schedule)
         ids = [s for s, keep in zip(part.seq_ids, part.sample or [True] * len(part.seq_ids)) if keep]
         start = time.perf_counter()
@@ -230,5 +255,8 @@ class RankWorker:
 
     def totals(self) -> Totals:
         wall = time.perf_counter() - self._start
+        if self.partition is not None and self.partition.layers:
+            self.traffic["partition_exchange_layers"] = self.partition.layers
+            self.traffic["partition_exchange_bytes"] = self.partition.sent_bytes
         return Totals(self.rank, wall, self.busy_s, self.comm_s, max(wall - self.busy_s - self.comm_s, 0.0),
-                      dict(self.moves), time.process_time() - self._cpu_start)
+                      dict(self.moves), dict(self.traffic), time.process_time() - self._cpu_start)

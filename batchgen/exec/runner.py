@@ -96,6 +96,11 @@ class InstanceRunner:
         # True when the MoE layers are collectives (batchgen.dist's ExpertParallelMoE): a forward with no tokens
         # on this rank still runs every layer, with zero rows, so that it joins the other ranks' all-to-alls
         self.collective = False
+        # PARTITION across processes (batchgen.dist.partition.HeadShardExchange), set by a multi-process worker:
+        # the other shards of its partitioned sequences live in other processes, so the runner plans only the
+        # lead's own shard and, once per layer, hands the group's attention to this exchange (every rank calls
+        # it, with or without partitioned sequences of its own: it is a collective)
+        self.partition = None
 
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
@@ -128,7 +133,7 @@ class InstanceRunner:
                 streamer.acquire(layer)
             for p in pieces:
                 if p.kind == "shard":
-                    if p.shard == 0:  # the whole group at once: the sum needs every shard
+                    if p.shard == 0 and self.partition is None:  # the whole group at once: the sum needs every shard
                         self._partitioned(layer, hidden, [q for q in pieces if q.rows == p.rows], timer)
                     continue
                 start = timer.start()
@@ -148,6 +153,8 @@ class InstanceRunner:
                 if p.kind == "staged":
                     pipelines[p.rank].release(layer, p.index)
                 timer.stop(start, p.rank)
+            if self.partition is not None:
+                self.partition.layer(self.model, layer, hidden, [p for p in pieces if p.kind == "shard"], timer)
             start = timer.start()
             if offload:  # an FFN per attention micro-batch (the weights already loaded for the layer)
                 for rows in _ffn_rows(pieces):
@@ -204,7 +211,7 @@ class InstanceRunner:
                 args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
                         [batch.start_positions[i] for i in idx])
                 rows = slice(offset, offset + sum(args[1]))
-                for j in range(degree):
+                for j in range(degree) if self.partition is None else (0,):  # (the others: other processes)
                     store = shards_of(ranks[(r + j) % len(ranks)].cache)
                     pieces.append(_Piece("shard", (r + j) % len(ranks), rows, store.prepare(*args), store.cache,
                                          args[0], shard=j, degree=degree, store=store))

@@ -140,29 +140,31 @@ def shards_of(cache: PagedKVCache) -> ShardStore:
     return store
 
 
-def split(group: list[PagedKVCache], seq_id: int, degree: int) -> int:
-    """PARTITION: group[0] (the lead) holds the sequence host-only with a complete host copy; shard j of its KV
-    goes to group[j]'s pool. Returns the bytes written to devices (the resharding traffic)."""
-    lead = group[0]
+def host_shards(lead: PagedKVCache, seq_id: int, degree: int) -> list[torch.Tensor]:
+    """The lead's host copy of a sequence cut into its `degree` head shards (GQA; MLA: the latent, replicated),
+    each [layers, planes, tokens, heads, head_dim]: shard j is what rank j of the group holds."""
     tokens = lead.synced_tokens(seq_id)
     pages = torch.tensor(lead.host_pages(seq_id), dtype=torch.int64)
     host = lead._host.index_select(2, pages)  # [layers, planes, pages, page_size, heads, head_dim]
     kv = host.reshape(host.shape[0], host.shape[1], -1, *host.shape[-2:])[:, :, :tokens]
+    store = shards_of(lead)
+    heads = store.heads(degree)
+    return [kv[..., j * heads:(j + 1) * heads, :] if store.split else kv for j in range(degree)]
+
+
+def split(group: list[PagedKVCache], seq_id: int, degree: int) -> int:
+    """PARTITION: group[0] (the lead) holds the sequence host-only with a complete host copy; shard j of its KV
+    goes to group[j]'s pool. Returns the bytes written to devices (the resharding traffic)."""
     moved = 0
-    for j, cache in enumerate(group):
-        store = shards_of(cache)
-        heads = store.heads(degree)
-        part = kv[..., j * heads:(j + 1) * heads, :] if store.split else kv
-        store.put(seq_id, degree, j, part)
+    for j, (cache, part) in enumerate(zip(group, host_shards(group[0], seq_id, degree))):
+        shards_of(cache).put(seq_id, degree, j, part)
         moved += part.numel() * part.element_size()
     return moved
 
 
-def join(group: list[PagedKVCache], seq_id: int) -> int:
-    """Undo `split`: gather the shards (with the tokens decoded since) and append what the lead's host copy
-    lacks; the lead then holds the sequence host-only again. Returns the bytes gathered."""
-    lead = group[0]
-    parts = [shards_of(cache).take(seq_id) for cache in group]
+def join_host(lead: PagedKVCache, seq_id: int, parts: list[torch.Tensor]) -> None:
+    """The shards taken back from every rank of the group (in shard order) into the lead's host copy: what it
+    lacks (the tokens decoded while partitioned) is appended; the lead then holds the sequence host-only."""
     kv = torch.cat(parts, dim=3) if shards_of(lead).split else parts[0]
     have = lead.synced_tokens(seq_id)
     new = kv.shape[2] - have
@@ -170,4 +172,11 @@ def join(group: list[PagedKVCache], seq_id: int) -> int:
         meta = lead.prepare_host([seq_id], [new], [have])
         lead.write_host_tokens(meta.slot_mapping, kv[:, :, have:].to("cpu"))
         lead.host_advance([seq_id])
+
+
+def join(group: list[PagedKVCache], seq_id: int) -> int:
+    """Undo `split`: gather the shards (with the tokens decoded since) and append what the lead's host copy
+    lacks; the lead then holds the sequence host-only again. Returns the bytes gathered."""
+    parts = [shards_of(cache).take(seq_id) for cache in group]
+    join_host(group[0], seq_id, parts)
     return sum(p.numel() * p.element_size() for p in parts)

@@ -11,9 +11,11 @@ dispatching 1/degree of its group's tokens (the all-to-all is the base model's, 
 `TPAttention` prices ONE GROUP as the simulator's rank: every per-rank cost is taken on the group's tokens
 with the shard's shapes (`shard_spec`: heads, intermediates and vocabulary divided by degree; GQA's KV bytes per
 token divided by degree, MLA's latent not), which is what each GPU of the group runs; `attention_join` is the
-all-reduce per layer. Routed experts, the all-to-all and copies are the base model's. The memory planner reads
-`weight_bytes_per_rank` (one GPU's share) and `kv_pages_per_group` to size the group's KV. With latency=table the sharded modules are priced by the roofline
-(a calibration measures whole modules, not head shards); the rest keeps the table.
+all-reduce per layer. Host-resident KV moves per GPU, each its share of every token over its own link (GQA:
+1/degree of the heads; MLA: the whole latent). Routed experts, the all-to-all and weight copies are the base
+model's. The memory planner reads `weight_bytes_per_rank` (one GPU's share) and `kv_pages_per_group` to size the
+group's KV. With latency=table the sharded modules are priced by the roofline (a calibration measures whole
+modules, not head shards); the rest keeps the table.
 
 Why not PARTITION (which splits one sequence's heads over ranks on the fly): a TP-attention engine shards every
 sequence over a fixed group with one scheduler, one running cap and one KV pool per group; pricing and
@@ -24,6 +26,8 @@ replicated latent in 1/degree of a GPU's pool.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from batchgen.latency.base import LatencyModel
 from batchgen.specs import ModelSpec
@@ -94,6 +98,19 @@ class TPAttention:
 
     def lm_head(self, tokens):
         return self.shard.lm_head(tokens)
+
+    # ---- host-resident KV: each GPU of the group moves its share of every sequence's KV over its own link ----
+    @property
+    def _kv_split(self) -> int:
+        """How many ways a token's KV is split over the group: GQA's KV heads (degree), MLA's latent (1:
+        replicated, every GPU restores all of it, in parallel on its own PCIe link)."""
+        return self.degree if self.model.attention == "gqa" else 1
+
+    def kv_restore(self, context_sum, micro_batches=1):
+        return self.base.kv_restore(np.asarray(context_sum, float) / self._kv_split, micro_batches)
+
+    def kv_append(self, tokens, micro_batches=1):
+        return self.base.kv_append(np.asarray(tokens, float) / self._kv_split, micro_batches)
 
     def attention_join(self, tokens):
         """Seconds per layer of the all-reduce that sums the heads' o_proj outputs over the group: a hidden row

@@ -40,6 +40,7 @@ from batchgen.specs import ClusterSpec, ModelSpec
 AUTO = "auto"
 PLANNED = ("b_attn", "b_moe", "kv_residency", "attention")
 B_ATTN = (32, 64, 128, 256, 512, 1024)
+PREFILL_CHUNKS = (32768, 16384, 8192, 4096, 2048)  # prompt tokens per rank per prefill forward, when planned
 B_MOE_MAX_LOG2 = 15          # B_moe candidates 2^5 .. 2^15 per rank (and the exact fills below them)
 MAX_MICRO_BATCHES = 64       # host-resident micro-batches per layer at most (a DAG under ~300 nodes)
 RESIDENCY_ORDER = ("device", "mixed", "host")
@@ -88,11 +89,12 @@ class Plan:
     host_gb: dict = field(default_factory=dict)    # per node: weights, kv, capacity
     candidates: int = 0         # candidates priced (that fit memory)
     ranks: int = 1              # ranks of an instance
+    prefill_tokens: int = 0     # the planned prefill chunk per rank (0: the policy's own, not planned)
 
     def resolve(self, policy: Any) -> Any:
         """The policy with its "auto" knobs replaced by this plan's values (explicit ones are kept)."""
         chosen = {"b_attn": self.b_attn, "b_moe": self.b_moe, "kv_residency": self.kv_residency,
-                  "attention": self.attention}
+                  "attention": self.attention, "prefill_tokens_per_rank": self.prefill_tokens}
         return dataclasses.replace(policy, **{k: v for k, v in chosen.items() if getattr(policy, k, None) == AUTO})
 
     def describe(self) -> str:
@@ -107,7 +109,8 @@ class Plan:
                 f"{self.tokens_per_s:,.0f} decode tok/s per instance ({self.batch_tokens_per_s:,.0f} over the "
                 "batch's waves), "
                 f"{self.host_bytes_per_iter / 1e9:.1f} GB host<->device per iteration "
-                f"(context {self.typical_context:,}; {self.candidates} candidates)")
+                f"(context {self.typical_context:,}; {self.candidates} candidates)"
+                + (f"; prefill chunk {self.prefill_tokens:,} tokens per rank" if self.prefill_tokens else ""))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -140,7 +143,7 @@ def choose(candidates: list[Candidate], tie: float = TIE) -> Candidate:
 
 def needs_plan(policy: Any) -> bool:
     """Whether any of the policy's planned knobs is "auto"."""
-    return any(getattr(policy, k, None) == AUTO for k in PLANNED)
+    return any(getattr(policy, k, None) == AUTO for k in (*PLANNED, "prefill_tokens_per_rank"))
 
 
 def plan_job(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings: MemorySettings, policy: Any,
@@ -151,13 +154,37 @@ def plan_job(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings
     try:
         hash(key)
     except TypeError:  # an unhashable policy: plan without the cache
-        return _Planner(lat, model, cluster, settings, policy, stats, page_tokens).run()
+        return _plan_chunk(lat, model, cluster, settings, policy, stats, page_tokens)
     plan = _CACHE.get(key)
     if plan is None:
-        plan = _CACHE[key] = _Planner(lat, model, cluster, settings, policy, stats, page_tokens).run()
+        plan = _CACHE[key] = _plan_chunk(lat, model, cluster, settings, policy, stats, page_tokens)
         if len(_CACHE) > 64:
             _CACHE.pop(next(iter(_CACHE)))
     return plan
+
+
+def _plan_chunk(lat, model, cluster, settings, policy, stats, page_tokens) -> Plan:
+    """A planned prefill chunk (`prefill_tokens_per_rank: auto`) only changes the activations the chunk holds,
+    and so what is left for weights and KV: each chunk's plan, and the LARGEST chunk whose plan is within `TIE`
+    of the best decode throughput (the planner does not price prefill; a larger chunk costs fewer forwards, and
+    only the chunk that would evict weights or KV from the device is worth shrinking)."""
+    if getattr(policy, "prefill_tokens_per_rank", None) != AUTO:
+        return _Planner(lat, model, cluster, settings, policy, stats, page_tokens).run()
+    plans, errors = [], []
+    for chunk in PREFILL_CHUNKS:
+        try:
+            plan = _Planner(lat, model, cluster, settings, dataclasses.replace(policy, prefill_tokens_per_rank=chunk),
+                            stats, page_tokens).run()
+        except ConfigError as e:
+            errors.append(e)
+            continue
+        if plans and plan.batch_tokens_per_s < plans[-1].batch_tokens_per_s * (1 + TIE):
+            break  # halving the chunk no longer frees memory that decode can use: smaller ones gain no more
+        plans.append(dataclasses.replace(plan, prefill_tokens=chunk))
+    if not plans:
+        raise errors[-1]
+    top = max(p.batch_tokens_per_s for p in plans)
+    return next(p for p in plans if p.batch_tokens_per_s >= top * (1 - TIE))
 
 
 _CACHE: dict = {}
@@ -189,17 +216,23 @@ class _Planner:
         self.b_attn, self.b_moe, self.residency, self.attention = (getattr(policy, k, AUTO) for k in PLANNED)
         self.stats, self.P = stats, page_tokens
         self.can_stream = bool(getattr(policy, "can_stream_weights", False))
-        self.R = lat.ep_ranks
         m = model
+        # a rank is a TP-attention group of `degree` GPUs where the latency model says so (tp_attention.py):
+        # memory is per GPU, batches and KV pools per group, experts spread over every GPU of the instance
+        self.degree = int(getattr(lat, "attention_tp", 1))
+        self.R = lat.ep_ranks // self.degree
+        self.groups_per_node = max(cluster.node_size // self.degree, 1)
+        kv_split = self.degree if m.attention == "gqa" else 1  # GQA splits a token's KV heads over the group
         self.weights = lat.weight_bytes_per_rank()
         n_moe = m.num_moe_layers
-        per_rank_experts = -(-m.num_experts // self.R) if m.is_moe else 0
+        per_rank_experts = -(-m.num_experts // lat.ep_ranks) if m.is_moe else 0
         self.layer_experts = per_rank_experts * m.expert_params * m.weight_bytes  # one MoE layer, one rank
         self.n_moe = n_moe
         self.capacity = cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
         self.page_bytes = page_tokens * m.kv_bytes_per_token
         ctx = stats.typical_context
-        self.seq_bytes = math.ceil((ctx + page_tokens) / page_tokens) * self.page_bytes  # one device-resident seq
+        # one device-resident sequence, on each GPU of its rank
+        self.seq_bytes = math.ceil((ctx + page_tokens) / page_tokens) * self.page_bytes / kv_split
         self.host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
         self.final_seq_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
@@ -260,7 +293,7 @@ class _Planner:
             if self.b_attn == AUTO and b_attn // 2 >= b_moe and b_attn != B_ATTN[0]:
                 continue  # one micro-batch either way: the next smaller B_attn covers it
             running = b_moe  # what host memory holds of it: the running KV at its final length
-            held = int((self.host_usable - self.host_weights) // (self.c.node_size * self.final_seq_bytes))
+            held = int((self.host_usable - self.host_weights) // (self.groups_per_node * self.final_seq_bytes))
             if held < b_moe:
                 if held < 1 or covered(held, b_moe):
                     continue  # nothing fits, or the next smaller candidate covers it
@@ -299,7 +332,7 @@ class _Planner:
                   "staging": staging_bytes(self.m, staging, self.stats.max_context),
                   "reserve": self.s.activation_reserve_gb * 1e9,
                   "capacity": self.c.gpu.hbm_bytes * self.s.gpu_memory_fraction}
-        host = {"weights": self.host_weights, "kv": (n_dev + n_host) * self.c.node_size * self.final_seq_bytes,
+        host = {"weights": self.host_weights, "kv": (n_dev + n_host) * self.groups_per_node * self.final_seq_bytes,
                 "capacity": self.host_usable}
         return _Cell(b_moe, residency, k, n_dev, n_host, device, host)
 
@@ -353,7 +386,7 @@ class _Planner:
     @property
     def per_rank(self) -> int:
         """Sequences one rank will see over the job (the input spread evenly)."""
-        return max(1, math.ceil(self.stats.num_sequences / self.c.num_gpus))
+        return max(1, math.ceil(self.stats.num_sequences / (self.c.num_gpus // self.degree)))
 
     def batch_throughputs(self, b_attn: int, cpu: bool, cells: list[_Cell]) -> list[float]:
         """Each cell's decode tokens per second per instance over a rank's whole share of the batch (waves.py):
@@ -380,14 +413,16 @@ class _Planner:
         return out
 
     def _host_bytes(self, c: _Cell, b_attn: int, cpu: bool) -> float:
-        """Host <-> device bytes of one decode iteration of the instance under this cell."""
+        """Host <-> device bytes of one decode iteration of the instance under this cell (under TP attention
+        every GPU of a group restores its share of the KV: MLA's whole latent, GQA's heads)."""
         m = self.m
         kv = m.kv_bytes_per_token_per_layer
         if cpu:
             per_seq = m.num_layers * (2 * m.num_heads * m.head_dim * m.act_bytes + kv)
         else:
-            per_seq = m.num_layers * (self.stats.typical_context + 1) * kv
-        return self.R * (c.n_host * per_seq + c.streamed * self.layer_experts)
+            copies = 1 if m.attention == "gqa" else self.degree
+            per_seq = m.num_layers * (self.stats.typical_context + 1) * kv * copies
+        return self.R * c.n_host * per_seq + self.R * self.degree * c.streamed * self.layer_experts
 
     def _why_nothing_fits(self) -> str:
         gb = 1e9

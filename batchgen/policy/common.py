@@ -5,6 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def check_attention_tp(value) -> None:
+    """policy.attention_tp: GPUs per tensor-parallel attention group (a whole number >= 1) or auto."""
+    if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"policy.attention_tp must be a whole number >= 1 or auto, got {value!r}")
+
+
 def pages_for(tokens: np.ndarray, page_tokens: int) -> np.ndarray:
     return -(-np.asarray(tokens, dtype=np.int64) // page_tokens)
 

@@ -43,7 +43,7 @@ import numpy as np
 from batchgen import fastpath
 from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
-from batchgen.policy.common import pages_for, per_rank, shed_to_fit
+from batchgen.policy.common import check_attention_tp, pages_for, per_rank, shed_to_fit
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ class ContinuousPolicy(PolicyDefaults):
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("policy: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
-        if self.attention_tp != "auto" and not (isinstance(self.attention_tp, int) and self.attention_tp >= 1):
-            raise ValueError(f"policy.attention_tp must be a whole number >= 1 or auto, got {self.attention_tp!r}")
+        check_attention_tp(self.attention_tp)
         for key in ("new_token_ratio_decay", "reserve_max_tokens", "model_context"):
             if getattr(self, key) < 0:
                 raise ValueError(f"policy.{key} must be >= 0, got {getattr(self, key)}")

@@ -13,6 +13,9 @@ Per instance, at every page boundary (page_tokens decode iterations):
    over several ranks (tensor-parallel attention, KV split by heads), once the longest of them has at least
    `partition_min_context` tokens: below that the per-layer collective that joins the shards costs more than
    the attention it splits.
+With `attention_tp` t > 1 a rank is a group of t GPUs running attention tensor-parallel (as continuous's
+ranks can be, batchgen.latency.tp_attention): b_attn and b_moe are then per group, and PARTITION is off (the
+group already splits every sequence's heads). `auto` plans the degree with the other knobs.
 Attention runs in micro-batches of `b_attn` sequences; their hidden states are combined into one expert batch
 of all running sequences of the rank, at most `b_moe` (the cap on running sequences per rank).
 
@@ -37,12 +40,13 @@ import numpy as np
 
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
-from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
+from batchgen.policy.common import check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
 
 
 RESIDENCIES = ("device", "host", "mixed", "auto")
 ATTENTION_DEVICES = ("gpu", "cpu", "auto")
-FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention": "gpu"}  # unresolved auto
+FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention": "gpu",
+            "prefill_tokens_per_rank": 32768}  # an auto no planner resolved
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class CoroutinePolicy(PolicyDefaults):
     b_moe: int | str = "auto"
     kv_residency: str = "auto"
     attention: str = "auto"
-    prefill_tokens_per_rank: int = 32768
+    prefill_tokens_per_rank: int | str = 32768  # auto: planned (the largest chunk that costs decode nothing)
     host_watermark: float = 0.7
     refill_below: float = 0.5
     prefill_ahead: float = 2.0
@@ -62,12 +66,13 @@ class CoroutinePolicy(PolicyDefaults):
     partition_below: float = 0.5
     partition_min_context: int = 32768
     max_partition_degree: int = 8
+    attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
 
     def __post_init__(self):
-        for key in ("b_attn", "b_moe"):
+        for key in ("b_attn", "b_moe", "prefill_tokens_per_rank"):
             v = getattr(self, key)
             if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"policy.{key} must be a whole number >= 1 or auto (planned), got {v!r}")
@@ -75,9 +80,10 @@ class CoroutinePolicy(PolicyDefaults):
             raise ValueError(f"policy.kv_residency must be one of {', '.join(RESIDENCIES)}, got {self.kv_residency!r}")
         if self.attention not in ATTENTION_DEVICES:
             raise ValueError(f"policy.attention must be one of {', '.join(ATTENTION_DEVICES)}, got {self.attention!r}")
-        for key in ("prefill_tokens_per_rank", "max_partition_degree", "partition_min_context"):
+        for key in ("max_partition_degree", "partition_min_context"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+        check_attention_tp(self.attention_tp)
         if not 0 < self.host_watermark <= 1:
             raise ValueError(f"policy.host_watermark must be in (0, 1], got {self.host_watermark}")
 
@@ -90,8 +96,8 @@ class CoroutinePolicy(PolicyDefaults):
         """Largest batches per rank: b_moe tokens at the gate, b_attn per attention micro-batch (and per staging
         buffer when KV may be host-resident), a prefill chunk of prefill_tokens_per_rank."""
         b_attn = self.knob("b_attn")
-        return BatchShape(gate_tokens=max(self.knob("b_moe"), self.prefill_tokens_per_rank), attn_seqs=b_attn,
-                          prefill_tokens=self.prefill_tokens_per_rank,
+        chunk = self.knob("prefill_tokens_per_rank")
+        return BatchShape(gate_tokens=max(self.knob("b_moe"), chunk), attn_seqs=b_attn, prefill_tokens=chunk,
                           staging_seqs=0 if self.knob("kv_residency") == "device" else b_attn)
 
     def residency(self, snap: Snapshot) -> str:
@@ -210,8 +216,9 @@ class CoroutinePolicy(PolicyDefaults):
         n_nodes = snap.host_capacity_tokens.size
         growth = np.bincount(snap.rank_node[snap.active_rank], minlength=n_nodes) * snap.page_tokens
         room = np.floor(snap.host_capacity_tokens * watermark - snap.host_used_tokens - growth).astype(np.int64)
-        budget = np.full(snap.num_ranks, self.prefill_tokens_per_rank)
-        cand = snap.pending.peek(snap.num_ranks * max(self.prefill_tokens_per_rank // 64, 1))
+        chunk = self.knob("prefill_tokens_per_rank")
+        budget = np.full(snap.num_ranks, chunk)
+        cand = snap.pending.peek(snap.num_ranks * max(chunk // 64, 1))
         tokens = snap.lengths.context(cand) + 1  # the prefill's first token lands on host too
         ranks = split_by_budget(tokens, budget)
         n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
@@ -292,7 +299,9 @@ class CoroutinePolicy(PolicyDefaults):
         # only device-resident sequences are partitioned: a host-resident one would have to restore its shards on
         # every rank of the group, which no backend does yet
         on_device = not np.isin(ids, snap.active_ids[snap.active_host_resident]).any()
-        if (self.partition and on_device and n <= self.partition_below * R
+        # under TP attention a rank is already a group sharing every sequence's heads; splitting a sequence over
+        # groups too would need pricing and shards of shards that nothing has yet: the tail is only rebalanced
+        if (self.partition and self.attention_tp == 1 and on_device and n <= self.partition_below * R
                 and ctx.max() >= self.partition_min_context):
             cap = min(self.max_partition_degree, snap.gpus_per_node, R // n)
             degree = max(d for d in (1, *snap.capabilities.partition_degrees) if d <= max(cap, 1))

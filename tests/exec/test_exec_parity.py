@@ -165,24 +165,27 @@ _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torc
 
 
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
-@pytest.mark.parametrize("residency,attention", [("host", "gpu"), ("mixed", "gpu"), ("host", "cpu")])
-def test_host_resident_decode_matches_hf_generate(saved, residency, attention, device):
+@pytest.mark.parametrize("residency,attention,tp", [("host", "gpu", 1), ("mixed", "gpu", 1), ("host", "cpu", 1),
+                                                    ("mixed", "gpu", 2)])
+def test_host_resident_decode_matches_hf_generate(saved, residency, attention, tp, device):
     """B_moe several times what device KV holds: running sequences beyond the device pages are host-resident
     (KV restored per layer and micro-batch into staging pages, or attended on the host CPU), and greedy
     outputs still equal transformers'. MLA models declare no CPU attention, so attention=cpu runs on the
-    device there."""
+    device there. tp=2: each rank is a TP-attention group of 2 GPUs (device attention as head shards)."""
     model, path = saved
     n, kv_tokens, page = 12, 80, 8
     rng = np.random.default_rng(7)
     inputs, outputs = rng.integers(24, 40, n), rng.integers(8, 32, n)
     job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=page,
-                   cluster_overrides={"num_gpus": 2},
-                   policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": residency, "attention": attention})
+                   cluster_overrides={"num_gpus": 2 * tp},
+                   policy_overrides={"b_moe": 8, "b_attn": 2, "kv_residency": residency, "attention": attention,
+                                     "attention_tp": tp})
     longest = -(-int((inputs + outputs).max()) // page) * page
     cpu = attention == "cpu" and not read_config(path).is_mla  # CPU attention stages nothing
     budget = kv_mb_for(path, kv_tokens, staging_seqs=0 if cpu else 2, max_context=longest)  # pool: ~80 tokens
     out = execute(job, ExecSettings(device=device, dtype="float32", model_path=str(path), kv_budget_mb=budget))
     assert out.prepared.state.gpu_pages[0] == kv_tokens // page
+    assert out.prepared.policy.attention_tp == tp and out.prepared.state.topo.num_gpus == 2
     for sid in range(n):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
     traffic = out.kv_traffic
