@@ -195,7 +195,8 @@ def inventory(cache) -> dict[int, tuple[bool, int, int, int, int]]:
                   cache._seqs[sid].pending, len(cache.pages(sid))) for sid in cache.seq_ids()}
 
 
-def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict]) -> list[dict]:
+def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict],
+              split: np.ndarray | None = None) -> list[dict]:
     """Rank 0: which KV each survivor keeps, per rank {sequence id: (on device, tokens kept, pages held, has a
     host copy)}.
 
@@ -204,12 +205,14 @@ def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: 
     imply: prompt + generated - 1 tokens (the last generated token is fed by the next forward), on device or as
     a host copy. The interrupted forward's token was never recorded: its slot (one token more on device, or a
     host-resident step's pending token) is dropped and written again, with the same token, by the next forward.
-    Everything else (no tokens yet, part-written prompts, a copy in a lost process) is recomputed."""
+    Everything else (no tokens yet, part-written prompts, a copy in a lost process, a PARTITIONed sequence:
+    `split` > 0 in the ledger, its head shards spread over processes) is recomputed."""
     plan: list[dict] = [{} for _ in inventories]
     seen: set[int] = set()
     for rank, inv in enumerate(inventories):
         for sid, (on_device, device_len, synced, pending, pages) in inv.items():
-            if sid in seen or done[sid] or not generated[sid] or table.prefilled[sid]:
+            if (sid in seen or done[sid] or not generated[sid] or table.prefilled[sid] or table.tp[sid] > 1
+                    or (split is not None and split[sid])):
                 continue
             need = int(table.input_len[sid]) + len(generated[sid]) - 1
             if on_device and device_len in (need, need + 1) and synced <= need:
@@ -227,6 +230,9 @@ def apply_keep(cache, keep: dict) -> None:
     tokens past the kept ones, or a host-resident step's pending tokens: an extra page held is harmless, the
     pools only ever grow a sequence's pages)."""
     cache.release([sid for sid in cache.seq_ids() if sid not in keep])
+    shards = getattr(cache, "shards", None)  # PARTITION's head shards (exec/shards.py): never kept
+    if shards is not None:
+        shards.release(shards.seq_ids())
     for sid, (on_device, tokens, _, _) in keep.items():
         seq = cache._seqs[sid]
         if on_device:
@@ -382,8 +388,9 @@ def carry_totals(before, after) -> None:
     after._busy_pending += before._busy_pending
     after._comm_pending += before._comm_pending
     after._start, after._cpu_start = before._start, before._cpu_start
-    for kind, n in before.moves.items():
-        after.moves[kind] = after.moves.get(kind, 0) + n
+    for into, src in ((after.moves, before.moves), (getattr(after, "traffic", {}), getattr(before, "traffic", {}))):
+        for kind, n in src.items():
+            into[kind] = into.get(kind, 0) + n
 
 
 def finished_report(tokens, ids) -> dict:

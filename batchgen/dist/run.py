@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from batchgen.core.ops import KVLedger
 from batchgen.dist.backend import DistBackend
 from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE
@@ -333,7 +333,9 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             gen = _regroup(current, survivors, settings)
             worker, _, kept = _build_rank(gen, job_next, settings, params, worker)
             table = prepared.state.table
-            keep = settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv)) if kept else None
+            split = KVLedger.of(prepared.state).split
+            keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
+                    if kept else None)
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
             finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
                                                         next_prepared.state, caught, lost_ranks, keep)

@@ -83,7 +83,7 @@ def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, k
     from batchgen.dist import run as run_module
 
     if not keep:
-        monkeypatch.setattr(run_module, "keep_plan", lambda table, generated, done, inventories:
+        monkeypatch.setattr(run_module, "keep_plan", lambda table, generated, done, inventories, split=None:
                             [{} for _ in inventories])
     _, path = saved
     kill_at(1, 30)
@@ -192,3 +192,25 @@ def test_host_resident_sequences_survive_a_lost_worker(saved, loop_kernel, kill_
     rec, = out.recoveries
     assert rec.kept > 0 and rec.requeued > 0 and rec.on_lost_rank > 0
     assert out.kv_traffic["host_resident_seq_steps"] > 0
+
+
+@pytest.mark.slow  # three processes, about 12 s on the loaded 2-core machine
+def test_a_partitioned_straggler_survives_losing_a_shard_holder(tmp_path_factory, loop_kernel, kill_at):
+    """3 processes, the straggler PARTITIONed over 2 of them (head shards in two processes); rank 1 is killed
+    while it is partitioned: no survivor keeps a shard (the straggler is recomputed), the rest finish; outputs
+    equal transformers'."""
+    from batchgen.dist.run import DistSettings
+    from tests.distributed.test_partition_dist import saved as saved_partition, straggler_job
+    from tests.exec.test_exec_parity import hf_greedy
+
+    model, path = saved_partition("mixtral", tmp_path_factory)
+    job, outputs = straggler_job(3, 1, 2)
+    kill_at(1, 14)
+    out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 2000),
+                                         procs=3, timeout_s=60.0))
+    for sid in range(len(outputs)):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    rec, = out.recoveries
+    t = out.prepared.state.table
+    assert rec.lost == [1] and rec.survivors == [0, 2] and rec.requeued >= 1
+    assert t.partitions[0] >= 1 and t.recomputes[0] >= 1  # partitioned before the loss, recomputed after it
