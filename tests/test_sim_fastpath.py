@@ -195,3 +195,36 @@ def test_vector_price_of_long_one_rank_runs_is_numpys():
     ragged = decode_load(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([20, 30, 40]), np.ones(3, np.int64),
                          1, 40, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
     assert price_vector(sp, ragged) is None  # sequences end part-way: not this path's
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_one_rank_offload_price_is_the_dags(pipelined):
+    """`sim.scalar_offload` (an offloading system's run on one rank with device KV, priced as a chain) equals
+    `price_offload` on the per-layer DAG bit for bit: one micro-batch or several, sequences ending part-way,
+    iterations without queries; and it declines host-resident KV (the DAG's territory)."""
+    from batchgen.sim.costs import decode_grid
+    from batchgen.sim.offload_costs import price_offload
+    from batchgen.sim.scalar_offload import price_offload_one_rank
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(11)
+    taken = 0
+    for trial in range(120):
+        n, K = int(rng.integers(1, 200)), int(rng.integers(1, 80))
+        context = rng.integers(1, 4000, n)
+        alive = np.full(n, K) if trial % 3 == 0 else rng.integers(1, K + 1, n)
+        mb = int(rng.choice([0, 1, 7, 16, 64, 256]))
+        one, zero = np.ones(n, np.int64), np.zeros(1, np.int64)
+        grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K, mb, zero, zero)
+        if trial % 10 == 1:  # a run whose last iterations have nobody left (steps past every finish)
+            grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K + 5, mb, zero, zero)
+        fast = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
+        taken += price_offload_one_rank(sp, grid, mb, pipelined) is not None
+        with fastpath.reference():
+            ref = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
+        _same_cost(fast[0], ref[0])
+        assert fast[1:3] == ref[1:3] and np.array_equal(fast[3], ref[3])
+    assert taken == 120  # every one of these runs took the chain
+    hosted = decode_grid(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([4, 4, 4]), np.ones(3, np.int64),
+                         np.ones(3, bool), 1, 4, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert price_offload_one_rank(sp, hosted, 0, pipelined) is None

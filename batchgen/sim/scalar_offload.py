@@ -1,0 +1,159 @@
+"""An offloading system's decode run on one rank with its KV on the GPU, priced without the per-layer DAG object.
+
+Why. FlexGen and ZeRO-Inference with device KV on one GPU (Vidur's workload) price every run through
+`plan.microbatch.price_microbatched`: a dozen roofline calls on (1 x K) grids, a `Dag` of a dozen nodes per layer
+and the module split priced again; about half of those policies' simulation time. On one rank with every
+sequence's KV on the device, that DAG is a chain: every node with a cost sits on the GPU stream (attention, FFN,
+the dense model's 0-second expert node), the weight ring costs nothing (a dense model streams no experts), and a
+sync node waits for one rank only. A layer's steady-state time is then the second layer's chain minus the first's.
+
+Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order
+(a max over predecessors picks a value without rounding), every cost is the roofline's formula on the same
+operands in the same order over the iterations (elementwise on (K,) vectors instead of (1, K) grids), GEMM times
+are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
+same layout. It applies where `sim.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
+no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
+returns None and the DAG prices. tests/test_sim_fastpath.py checks it against `price_offload` on random grids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
+from batchgen.plan.decode import DecodeGrid, _host_micro_batches
+from batchgen.sim.scalar import ScalarRoofline
+
+
+class _NotHere(Exception):
+    pass
+
+
+def _gemm(sp: ScalarRoofline, module: str, tokens: np.ndarray, shapes: tuple, launches) -> np.ndarray:
+    """The roofline's GEMM seconds for each cell of `tokens` (K,) in `launches` (a number or (K,)) launches, read
+    from its curves; cells without tokens hold 0 (the callers mask them)."""
+    index = tokens.astype(np.int64)
+    top = int(index.max(initial=0))
+    if top > _GEMM_LOOKUP_MAX or not (index == tokens).all():
+        raise _NotHere
+    lat = sp.lat
+    if not isinstance(launches, np.ndarray):
+        return lat._gemm_curve(module, shapes, float(launches), top)[index]
+    on = tokens > 0
+    used = launches[on]
+    if not used.size:
+        return np.zeros(tokens.shape)
+    first = used[0]
+    if first == np.floor(first) and (used == first).all():  # one launch count (the usual run)
+        return np.where(on, lat._gemm_curve(module, shapes, float(first), top)[index], 0.0)
+    out = np.zeros(tokens.shape)
+    for n in np.unique(used):
+        if n != np.floor(n):
+            raise _NotHere
+        cells = on & (launches == n)
+        out[cells] = lat._gemm_curve(module, shapes, float(n), top)[index[cells]]
+    return out
+
+
+def _attention_decode(sp: ScalarRoofline, t: np.ndarray, ctx: np.ndarray, mb: np.ndarray) -> np.ndarray:
+    """`Roofline.attention_decode(t, ctx, mb)` (no longest context) on (K,) vectors."""
+    proj = _gemm(sp, "attention_decode", t, sp.attn_shapes, mb)
+    rate, bw, kernel_s = sp.stream["attention_decode"]
+    kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
+    scores = np.maximum(sp.flops_decode * ctx / rate, kv / bw) + np.maximum(mb, 1) * kernel_s
+    return np.where(t > 0, proj + scores, 0.0)
+
+
+def _dense_ffn(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
+    if sp.ffn_shapes is None:
+        return np.zeros(t.shape)
+    return np.where(t > 0, _gemm(sp, "dense_ffn", t, sp.ffn_shapes, 1.0), 0.0)
+
+
+def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
+    proj = _gemm(sp, "lm_head", t, sp.head_shapes, 1.0)
+    return np.where(t > 0, proj + (2 * t * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
+
+
+def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
+    """`sim.offload_costs.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
+    calls per iteration), or None where this path does not mirror it (see the module docstring)."""
+    from batchgen.sim.costs import RunCost
+
+    gate2 = grid.gate_tokens
+    if gate2.shape[0] != 1 or np.any(grid.host_tokens):
+        return None
+    try:
+        return _price(sp, grid, micro_batch, pipelined, RunCost)
+    except _NotHere:
+        return None
+
+
+def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
+    n_dense = sp.lat.layer_counts()[0]
+    g = np.asarray(grid.gate_tokens, float)[0]
+    K = g.size
+    dev_t = np.asarray(grid.dev_tokens, float)[0]
+    dev_c = np.asarray(grid.dev_context, float)[0]
+    dev_mb = np.asarray(grid.dev_micro_batches, float)[0]
+    # price_microbatched: micro-batches of the device-resident queries, their head and per-forward overhead
+    peak = float(dev_t.max(initial=0.0))
+    if peak > 0 and (micro_batch <= 0 or math.ceil(peak / float(micro_batch) - 1e-9) == 1):
+        # one micro-batch: `_host_micro_batches` gives the queries themselves (clip(t - 0, 0, size) = t), their
+        # context (times t / t = 1, or 0 without queries) and a launch per micro_batch queries (or one)
+        tokens = dev_t[None, None]
+        context = np.where(dev_t > 0, dev_c, 0.0)[None, None]
+        launches = (np.ceil(dev_t / float(micro_batch)) if micro_batch > 0 else (dev_t > 0).astype(float))[None, None]
+    else:
+        tokens, context, launches = _host_micro_batches(dev_t[None], dev_c[None], micro_batch)  # (M, 1, K)
+    active = g > 0
+    lm_head = _lm_head(sp, g)
+    step = np.where(g > 0, sp.step_s + sp.step_seq_s * g, 0.0)
+    iteration = lm_head + step
+    busy = lm_head.copy()
+    exposed = np.zeros(K)
+    m = tokens.shape[0]
+    if n_dense and m:
+        attn = [_attention_decode(sp, tokens[i, 0], context[i, 0], launches[i, 0]) for i in range(m)]
+        ffn = [_dense_ffn(sp, tokens[i, 0]) for i in range(m)]
+        order = []  # the GPU stream's nodes in the DAG's order of issue (moe: the dense layer's 0-second node)
+        if pipelined:
+            order.append(attn[0])
+            for i in range(m):
+                if i + 1 < m:
+                    order.append(attn[i + 1])
+                order += [ffn[i], 0.0]
+        else:
+            for i in range(m):
+                order += [attn[i], ffn[i], 0.0]
+        ends = []
+        x = 0.0
+        for _layer in (1, 2):
+            for cost in order:
+                x = x + cost
+            x = x + 0.0  # the layer's end node
+            ends.append(x)
+        lt = ends[1] - ends[0]
+        work = sum(attn) + sum(ffn)
+        ct = work + sum([0.0] * m)
+        iteration = iteration + n_dense * lt
+        exposed = exposed + n_dense * np.maximum(lt - ct, 0.0)
+        busy = busy + n_dense * work
+    iteration = np.where(active, iteration, 0.0)
+    exposed = np.where(active, exposed, 0.0)
+    comm = np.where(active, np.zeros(K) + exposed, 0.0)
+    busy = np.where(active, busy, 0.0)
+    # price_offload: the run's cost, the module split from the same latency model (device attention only)
+    rank_comm = np.full(1, float(comm.sum()))
+    one = m == 1 and n_dense
+    # the module split's attention and FFN are the one micro-batch's where they are priced on the same amounts
+    # (the cells without queries are 0 either way)
+    dev_attn = (attn[0] if one and np.array_equal(launches[0, 0], dev_mb) and np.array_equal(context[0, 0], dev_c)
+                else _attention_decode(sp, dev_t, dev_c, dev_mb))
+    gate_ffn = ffn[0] if one and np.array_equal(tokens[0, 0], g) else _dense_ffn(sp, g)
+    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(K) + n_dense * gate_ffn, "head": lm_head}
+    modules = {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
+    cost = RunCost(iteration, busy[None, :].sum(axis=1), rank_comm, np.where(active, g, 0.0), modules)
+    return cost, 0.0, 0.0, np.zeros(K)
