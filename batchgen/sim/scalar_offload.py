@@ -83,12 +83,55 @@ def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: in
     from batchgen.sim.costs import RunCost
 
     gate2 = grid.gate_tokens
-    if gate2.shape[0] != 1 or np.any(grid.host_tokens):
+    if gate2.shape[0] != 1 or grid.host_tokens.any():
         return None
     try:
-        return _price(sp, grid, micro_batch, pipelined, RunCost)
+        out = _one_micro_batch(sp, grid, micro_batch, RunCost)
+        return out if out is not None else _price(sp, grid, micro_batch, pipelined, RunCost)
     except _NotHere:
         return None
+
+
+def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, RunCost):
+    """`_price` where the run is one micro-batch of every query, each sequence one gate token (the usual run:
+    ZeRO-Inference's whole batch, a FlexGen block of one micro-batch), with the operations that provably change
+    no value left out: x + 0.0 and 0 + x are x for x >= +0 (every cost here), 1.0 x kernel_s is kernel_s, and a
+    mask is the identity where the masked cells are 0 already. Per iteration k with t_k queries (on: t_k > 0):
+    the micro-batch is the queries themselves with their context and one launch (t_k <= micro_batch), so its
+    attention is the module split's too; a layer's chain is attention then FFN, end1 = a + f and
+    end2 = (end1 + a) + f. None where any of that does not hold."""
+    n_dense = sp.lat.layer_counts()[0]
+    g = grid.gate_tokens[0]
+    dev_t = grid.dev_tokens[0]
+    index = g.astype(np.int64)
+    top = int(index.max(initial=0))
+    if (not n_dense or top <= 0 or top > _GEMM_LOOKUP_MAX or (micro_batch > 0 and top > micro_batch)
+            or g.dtype != np.float64 or not (index == g).all() or not (dev_t == g).all()):
+        return None
+    on = g > 0
+    launches = on.astype(float)  # one per iteration with queries: ceil(t / micro_batch) = 1 for 0 < t <= micro_batch
+    if not (grid.dev_micro_batches[0] == launches).all():
+        return None
+    lat = sp.lat
+    dev_c = grid.dev_context[0]
+    rate, bw, kernel_s = sp.stream["attention_decode"]
+    kv = (dev_c + g) * sp.kvb + 2 * g * sp.act_row
+    a = np.where(on, lat._gemm_curve("attention_decode", sp.attn_shapes, 1.0, top)[index]
+                 + (np.maximum(sp.flops_decode * dev_c / rate, kv / bw) + kernel_s), 0.0)
+    f = (np.where(on, lat._gemm_curve("dense_ffn", sp.ffn_shapes, 1.0, top)[index], 0.0)
+         if sp.ffn_shapes is not None else np.zeros(g.shape))
+    head = np.where(on, lat._gemm_curve("lm_head", sp.head_shapes, 1.0, top)[index]
+                    + (2 * g * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
+    step = np.where(on, sp.step_s + sp.step_seq_s * g, 0.0)
+    end1 = a + f  # also the micro-batch's GPU work (attention + FFN)
+    lt = ((end1 + a) + f) - end1
+    iteration = np.where(on, (head + step) + n_dense * lt, 0.0)
+    exposed = np.where(on, 0.0 + n_dense * np.maximum(lt - end1, 0.0), 0.0)
+    busy = np.where(on, head + n_dense * end1, 0.0)
+    modules = {"attention": float((n_dense * a).sum()), "ffn": float((n_dense * f).sum()), "head": float(head.sum())}
+    cost = RunCost(iteration, busy[None, :].sum(axis=1), np.full(1, float(exposed.sum())), np.where(on, g, 0.0),
+                   modules)
+    return cost, 0.0, 0.0, np.zeros(g.size)
 
 
 def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
