@@ -228,3 +228,39 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
     hosted = decode_grid(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([4, 4, 4]), np.ones(3, np.int64),
                          np.ones(3, bool), 1, 4, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
     assert price_offload_one_rank(sp, hosted, 0, pipelined) is None
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_one_row_microbatched_price_is_the_dags(pipelined):
+    """The planner's typical iteration (a one-row, one-iteration grid: FlexGen's search) and the simulator's
+    runs of several micro-batches: `price_microbatched` with and without its chain path, bit for bit, up to
+    more micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
+    from batchgen.plan.decode import DecodeGrid
+    from batchgen.plan.microbatch import price_microbatched
+    from batchgen.sim.costs import decode_grid
+    from batchgen.sim.scalar_offload import microbatched_one_rank
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(5)
+    one = lambda v: np.full((1, 1), float(v))  # noqa: E731
+    for trial in range(80):
+        mb = int(rng.choice([0, 1, 2, 4, 16, 64]))
+        if trial % 2:
+            n = int(rng.integers(1, 3000))
+            grid = DecodeGrid(one(n), one(n * int(rng.integers(1, 3000))), one(1), one(0), one(0), one(n))
+        else:
+            n, K = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+            zero = np.zeros(1, np.int64)
+            grid = decode_grid(np.zeros(n, np.int64), rng.integers(1, 4000, n), rng.integers(1, K + 1, n),
+                               np.ones(n, np.int64), np.zeros(n, bool), 1, K, mb, zero, zero)
+        kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=float(rng.choice([0.0, 1e6])),
+                  replicas=int(rng.choice([1, 8])))
+        assert microbatched_one_rank(sp, grid, mb, pipelined, kw["replicas"]) is not None
+        fast, fast_calls = price_microbatched(lat, grid, mb, **kw)
+        with fastpath.reference():
+            ref, ref_calls = price_microbatched(lat, grid, mb, **kw)
+        for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
+            x, y = getattr(fast, f), getattr(ref, f)
+            assert x.shape == y.shape and np.array_equal(x, y), (trial, f, x, y)
+        assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
+        assert np.array_equal(fast_calls, ref_calls)

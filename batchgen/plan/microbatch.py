@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
@@ -150,7 +151,16 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     """Lockstep decode iterations over the grid with an FFN per micro-batch of `micro_batch` sequences (0: the
     whole rank's batch as one). Sequences are all device-resident or all host-resident (the offloading
     systems place the whole block's KV one way). Returns the price and the expert calls per MoE layer in each
-    iteration (K,), which the per-expert batch is measured by."""
+    iteration (K,), which the per-expert batch is measured by. One row of a dense model with device KV: priced
+    as the chain this DAG reduces to (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    if fastpath.ENABLED and np.shape(grid.gate_tokens)[0] == 1:
+        from batchgen.sim.scalar import scalar_pricer
+        from batchgen.sim.scalar_offload import microbatched_one_rank
+
+        sp = scalar_pricer(lat)
+        out = microbatched_one_rank(sp, grid, micro_batch, pipelined, replicas) if sp is not None else None
+        if out is not None:
+            return out
     n_dense, n_moe = lat.layer_counts()
     gate = grid.gate_tokens
     R, K = gate.shape

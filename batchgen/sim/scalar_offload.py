@@ -18,8 +18,6 @@ returns None and the DAG prices. tests/test_sim_fastpath.py checks it against `p
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
@@ -134,23 +132,31 @@ def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, Run
     return cost, 0.0, 0.0, np.zeros(g.size)
 
 
-def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
+def microbatched_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,
+                          replicas: int = 1):
+    """`plan.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
+    simulator's one-rank runs, the planner's typical iteration), or None where this path does not mirror it."""
+    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
+        return None
+    try:
+        price, calls, _ = _microbatched(sp, grid, micro_batch, pipelined, replicas)
+    except _NotHere:
+        return None
+    return price, calls
+
+
+def _microbatched(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, replicas: int = 1):
+    """(DecodePrice, calls, LM head seconds per iteration): every micro-batch's attention and FFN priced in one
+    vector call each (the roofline's formulas are elementwise), the chain added node by node in the DAG's order:
+    on Python floats for a one-iteration grid (the planner's), on (K,) vectors otherwise."""
+    from batchgen.plan.decode import DecodePrice
+
     n_dense = sp.lat.layer_counts()[0]
     g = np.asarray(grid.gate_tokens, float)[0]
     K = g.size
     dev_t = np.asarray(grid.dev_tokens, float)[0]
     dev_c = np.asarray(grid.dev_context, float)[0]
-    dev_mb = np.asarray(grid.dev_micro_batches, float)[0]
-    # price_microbatched: micro-batches of the device-resident queries, their head and per-forward overhead
-    peak = float(dev_t.max(initial=0.0))
-    if peak > 0 and (micro_batch <= 0 or math.ceil(peak / float(micro_batch) - 1e-9) == 1):
-        # one micro-batch: `_host_micro_batches` gives the queries themselves (clip(t - 0, 0, size) = t), their
-        # context (times t / t = 1, or 0 without queries) and a launch per micro_batch queries (or one)
-        tokens = dev_t[None, None]
-        context = np.where(dev_t > 0, dev_c, 0.0)[None, None]
-        launches = (np.ceil(dev_t / float(micro_batch)) if micro_batch > 0 else (dev_t > 0).astype(float))[None, None]
-    else:
-        tokens, context, launches = _host_micro_batches(dev_t[None], dev_c[None], micro_batch)  # (M, 1, K)
+    tokens, context, launches = _host_micro_batches(dev_t[None], dev_c[None], micro_batch)  # (M, 1, K)
     active = g > 0
     lm_head = _lm_head(sp, g)
     step = np.where(g > 0, sp.step_s + sp.step_seq_s * g, 0.0)
@@ -159,8 +165,10 @@ def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bo
     exposed = np.zeros(K)
     m = tokens.shape[0]
     if n_dense and m:
-        attn = [_attention_decode(sp, tokens[i, 0], context[i, 0], launches[i, 0]) for i in range(m)]
-        ffn = [_dense_ffn(sp, tokens[i, 0]) for i in range(m)]
+        t = tokens[:, 0, :].ravel()
+        attn = _attention_decode(sp, t, context[:, 0, :].ravel(), launches[:, 0, :].ravel()).reshape(m, K)
+        ffn = _dense_ffn(sp, t).reshape(m, K)
+        attn, ffn = (attn[:, 0].tolist(), ffn[:, 0].tolist()) if K == 1 else (list(attn), list(ffn))
         order = []  # the GPU stream's nodes in the DAG's order of issue (moe: the dense layer's 0-second node)
         if pipelined:
             order.append(attn[0])
@@ -181,6 +189,8 @@ def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bo
         lt = ends[1] - ends[0]
         work = sum(attn) + sum(ffn)
         ct = work + sum([0.0] * m)
+        if K == 1:
+            lt, work, ct = np.array([lt]), np.array([work]), np.array([ct])
         iteration = iteration + n_dense * lt
         exposed = exposed + n_dense * np.maximum(lt - ct, 0.0)
         busy = busy + n_dense * work
@@ -188,15 +198,22 @@ def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bo
     exposed = np.where(active, exposed, 0.0)
     comm = np.where(active, np.zeros(K) + exposed, 0.0)
     busy = np.where(active, busy, 0.0)
-    # price_offload: the run's cost, the module split from the same latency model (device attention only)
-    rank_comm = np.full(1, float(comm.sum()))
-    one = m == 1 and n_dense
-    # the module split's attention and FFN are the one micro-batch's where they are priced on the same amounts
-    # (the cells without queries are 0 either way)
-    dev_attn = (attn[0] if one and np.array_equal(launches[0, 0], dev_mb) and np.array_equal(context[0, 0], dev_c)
-                else _attention_decode(sp, dev_t, dev_c, dev_mb))
-    gate_ffn = ffn[0] if one and np.array_equal(tokens[0, 0], g) else _dense_ffn(sp, g)
-    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(K) + n_dense * gate_ffn, "head": lm_head}
+    # no expert weights to prefetch and no host KV: no bytes (0.0 x replicas, as the DAG's path gives)
+    price = DecodePrice(iteration, busy[None, :].sum(axis=1), comm, exposed, np.zeros(K), 0.0 * replicas,
+                        0.0 * replicas)
+    return price, np.zeros(K), lm_head
+
+
+def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
+    """`price_offload` from `_microbatched`: the module split from the same latency model (device attention)."""
+    n_dense = sp.lat.layer_counts()[0]
+    p, calls, lm_head = _microbatched(sp, grid, micro_batch, pipelined)
+    g = np.asarray(grid.gate_tokens, float)[0]
+    active = g > 0
+    dev_attn = _attention_decode(sp, np.asarray(grid.dev_tokens, float)[0], np.asarray(grid.dev_context, float)[0],
+                                 np.asarray(grid.dev_micro_batches, float)[0])
+    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(g.size) + n_dense * _dense_ffn(sp, g),
+                     "head": lm_head}
     modules = {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
-    cost = RunCost(iteration, busy[None, :].sum(axis=1), rank_comm, np.where(active, g, 0.0), modules)
-    return cost, 0.0, 0.0, np.zeros(K)
+    cost = RunCost(p.iteration_s, p.rank_busy, np.full(1, float(p.comm_s.sum())), np.where(active, g, 0.0), modules)
+    return cost, p.h2d_bytes, p.d2h_bytes, calls
