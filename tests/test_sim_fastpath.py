@@ -264,3 +264,33 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
             assert x.shape == y.shape and np.array_equal(x, y), (trial, f, x, y)
         assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
         assert np.array_equal(fast_calls, ref_calls)
+
+
+def test_all_alive_price_is_the_grids():
+    """`price_all_alive` (every row through the whole run: a static batch with its padding rows, a run to the
+    first finish) equals `price_vector` of the grid `costs.decode_load` builds, bit for bit, with the same
+    gate-token total."""
+    from batchgen.sim.costs import decode_load
+    from batchgen.sim.scalar import price_all_alive, price_vector, scalar_pricer
+
+    lat, sp = _scalar_setup()
+    padded = Roofline(lat.model, lat.gpu, dataclasses.replace(lat.eff, attention_padding=0.4),
+                      ep_ranks=lat.ep_ranks, gpus_per_node=lat.gpus_per_node, host=lat.host)
+    sp_padded = scalar_pricer(padded)  # padded attention kernels: the longest context enters the price
+    assert sp_padded is not None and sp_padded.pad == 0.4
+    rng = np.random.default_rng(9)
+    for trial in range(100):
+        pricer = sp_padded if trial % 4 == 3 else sp
+        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 90))
+        context = rng.integers(1, 6000 if trial % 4 != 3 else 300, n)  # padding rows longer than every row
+        if trial % 3 == 0:  # a static batch: every row over the longest context
+            context = np.full(n, context.max())
+        pad = int(rng.integers(1, 40)) if trial % 2 else 0
+        pad_ctx = pad * int(rng.integers(1, 5000)) + int(rng.integers(0, max(pad, 1)))  # a mean with a fraction
+        mb = int(rng.choice([0, 7, 64]))
+        stream = float(rng.choice([0.0, 0.02]))
+        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb,
+                           np.array([pad]), np.array([pad_ctx]))
+        cost, gate_total = price_all_alive(pricer, context, K, mb, pad, pad_ctx, stream)
+        _same_cost(cost, price_vector(pricer, load, stream))
+        assert gate_total == load.gate_tokens.sum()
