@@ -233,8 +233,9 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_one_row_microbatched_price_is_the_dags(pipelined):
     """The planner's typical iteration (a one-row, one-iteration grid: FlexGen's search) and the simulator's
-    runs of several micro-batches: `price_microbatched` with and without its chain path, bit for bit, up to
-    more micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
+    runs of several micro-batches: `price_microbatched` with and without its fast paths (the chain for device KV,
+    the DAG on Python floats for host KV: restored, or attended by the CPU), bit for bit, up to more
+    micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
     from batchgen.plan.decode import DecodeGrid
     from batchgen.plan.microbatch import price_microbatched
     from batchgen.sim.costs import decode_grid
@@ -245,17 +246,20 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
     one = lambda v: np.full((1, 1), float(v))  # noqa: E731
     for trial in range(80):
         mb = int(rng.choice([0, 1, 2, 4, 16, 64]))
+        hosted = trial % 4 == 1  # the planner's host-KV candidates: the DAG itself, on Python floats
         if trial % 2:
             n = int(rng.integers(1, 3000))
-            grid = DecodeGrid(one(n), one(n * int(rng.integers(1, 3000))), one(1), one(0), one(0), one(n))
+            kv = (one(0), one(0), one(0), one(n), one(n * int(rng.integers(1, 3000)))) if hosted else (
+                one(n), one(n * int(rng.integers(1, 3000))), one(1), one(0), one(0))
+            grid = DecodeGrid(*kv, one(n))
         else:
             n, K = int(rng.integers(1, 300)), int(rng.integers(1, 40))
             zero = np.zeros(1, np.int64)
             grid = decode_grid(np.zeros(n, np.int64), rng.integers(1, 4000, n), rng.integers(1, K + 1, n),
                                np.ones(n, np.int64), np.zeros(n, bool), 1, K, mb, zero, zero)
-        kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=float(rng.choice([0.0, 1e6])),
-                  replicas=int(rng.choice([1, 8])))
-        assert microbatched_one_rank(sp, grid, mb, pipelined, kw["replicas"]) is not None
+        kw = dict(cpu_attention=hosted and trial % 8 == 1, pipelined=pipelined,
+                  prefetch_bytes=float(rng.choice([0.0, 1e6])), replicas=int(rng.choice([1, 8])))
+        assert (microbatched_one_rank(sp, grid, mb, pipelined, kw["replicas"]) is None) == hosted
         fast, fast_calls = price_microbatched(lat, grid, mb, **kw)
         with fastpath.reference():
             ref, ref_calls = price_microbatched(lat, grid, mb, **kw)
