@@ -298,3 +298,30 @@ def test_all_alive_price_is_the_grids():
         cost, gate_total = price_all_alive(pricer, context, K, mb, pad, pad_ctx, stream)
         _same_cost(cost, price_vector(pricer, load, stream))
         assert gate_total == load.gate_tokens.sum()
+
+
+def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
+    """DeepSeek-V2's dense first layer in the planner's one-row iteration (host KV restored per layer): the
+    float DAG of `_float_costs` gives the general DAG's price bit for bit beside the MoE layers' own path."""
+    from batchgen.plan.decode import DecodeGrid
+    from batchgen.plan.microbatch import price_microbatched
+    from batchgen.specs import load_model
+
+    lat, _ = _scalar_setup()
+    moe = Roofline(load_model("deepseek_v2"), lat.gpu, lat.eff, ep_ranks=1, gpus_per_node=1, host=lat.host)
+    assert moe.layer_counts()[0] >= 1
+    one = lambda v: np.full((1, 1), float(v))  # noqa: E731
+    for n, mb in ((1, 0), (64, 8), (3000, 16), (777, 5)):
+        for hosted in (False, True):
+            kv = (one(0), one(0), one(0), one(n), one(n * 1500)) if hosted else (one(n), one(n * 1500), one(1),
+                                                                                 one(0), one(0))
+            grid = DecodeGrid(*kv, one(n))
+            for pipelined in (False, True):
+                kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=2e8, replicas=4)
+                fast, fast_calls = price_microbatched(moe, grid, mb, **kw)
+                with fastpath.reference():
+                    ref, ref_calls = price_microbatched(moe, grid, mb, **kw)
+                for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
+                    assert np.array_equal(getattr(fast, f), getattr(ref, f)), (n, mb, hosted, f)
+                assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
+                assert np.array_equal(fast_calls, ref_calls)
