@@ -125,8 +125,10 @@ class SimBackend:
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
             kv_split = self.state.kv_split_by_heads
-            join = partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
             calls = None
+            # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
+            join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
+                    if plan.ffn_schedule == "combined" or not fastpath.ENABLED else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
