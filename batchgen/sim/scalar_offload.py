@@ -13,7 +13,9 @@ operands in the same order over the iterations (elementwise on (K,) vectors inst
 are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
 same layout. It applies where `sim.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
 no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
-returns None and the DAG prices. tests/test_sim_fastpath.py checks it against `price_offload` on random grids.
+returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
+planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
+DAG on random grids.
 """
 
 from __future__ import annotations
