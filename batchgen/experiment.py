@@ -81,9 +81,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         plot_timeline(out, run_dir / "timeline.png")
     print(format_table([summary]))
     if out.backend == "dist":
+        for rec in out.recoveries:
+            print(f"recovered: lost rank {', '.join(map(str, rec.lost))} at {rec.at_s:.2f} s; {rec.finished_before} "
+                  f"sequences had finished, {rec.kept} kept their KV on the survivors, {rec.requeued} recomputed "
+                  f"from prompt + generated tokens ({rec.on_lost_rank} held by the lost rank); went on over ranks "
+                  f"{rec.survivors} after {rec.regroup_s:.2f} s")
         print("processes (own clocks): " + "; ".join(
             f"rank {r}: busy {b:.2f} s, comm {c:.2f} s, idle {i:.2f} s"
-            for r, (b, c, i) in enumerate(zip(out.rank_busy_s, out.rank_comm_s, out.rank_idle_s))))
+            for r, b, c, i in zip(summary["rank_ids"], out.rank_busy_s, out.rank_comm_s, out.rank_idle_s)))
     if out.backend in ("exec", "dist"):
         print(f"executor: {summary['device']} {summary['dtype']}, threads={summary['threads']}, torch "
               f"{summary['torch']}; BCT median of {summary['repeats']} run(s) {summary['bct_s']:.2f} s, range "

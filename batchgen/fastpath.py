@@ -3,7 +3,8 @@
 The simulator spends most of its time on small arrays (one rank, one iteration: a serving engine's forward),
 where numpy's per-call overhead, not the arithmetic, sets the pace. The hot paths therefore carry shortcuts
 (GEMM times read from a cached curve, zero grids priced as zeros, no copies priced when nothing moved, masks
-instead of sorts, one-rank runs priced on Python floats (batchgen.sim.scalar), ...), each taken only where its
+instead of sorts, one-rank runs priced on Python floats (batchgen.sim.scalar), an offloading system's one-rank
+runs priced as the chain its DAG reduces to (batchgen.sim.scalar_offload), ...), each taken only where its
 result is the general path's, bit for bit. `ENABLED` turns
 them all off at once; tests/test_sim_fastpath.py runs jobs both ways and requires identical decisions, times
 and step records. A new shortcut must consult `ENABLED` and keep that test passing.

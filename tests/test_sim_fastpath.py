@@ -195,3 +195,133 @@ def test_vector_price_of_long_one_rank_runs_is_numpys():
     ragged = decode_load(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([20, 30, 40]), np.ones(3, np.int64),
                          1, 40, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
     assert price_vector(sp, ragged) is None  # sequences end part-way: not this path's
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_one_rank_offload_price_is_the_dags(pipelined):
+    """`sim.scalar_offload` (an offloading system's run on one rank with device KV, priced as a chain) equals
+    `price_offload` on the per-layer DAG bit for bit: one micro-batch or several, sequences ending part-way,
+    iterations without queries; and it declines host-resident KV (the DAG's territory)."""
+    from batchgen.sim.costs import decode_grid
+    from batchgen.sim.offload_costs import price_offload
+    from batchgen.sim.scalar_offload import price_offload_one_rank
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(11)
+    taken = 0
+    for trial in range(120):
+        n, K = int(rng.integers(1, 200)), int(rng.integers(1, 80))
+        context = rng.integers(1, 4000, n)
+        alive = np.full(n, K) if trial % 3 == 0 else rng.integers(1, K + 1, n)
+        mb = int(rng.choice([0, 1, 7, 16, 64, 256]))
+        one, zero = np.ones(n, np.int64), np.zeros(1, np.int64)
+        grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K, mb, zero, zero)
+        if trial % 10 == 1:  # a run whose last iterations have nobody left (steps past every finish)
+            grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K + 5, mb, zero, zero)
+        fast = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
+        taken += price_offload_one_rank(sp, grid, mb, pipelined) is not None
+        with fastpath.reference():
+            ref = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
+        _same_cost(fast[0], ref[0])
+        assert fast[1:3] == ref[1:3] and np.array_equal(fast[3], ref[3])
+    assert taken == 120  # every one of these runs took the chain
+    hosted = decode_grid(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([4, 4, 4]), np.ones(3, np.int64),
+                         np.ones(3, bool), 1, 4, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert price_offload_one_rank(sp, hosted, 0, pipelined) is None
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_one_row_microbatched_price_is_the_dags(pipelined):
+    """The planner's typical iteration (a one-row, one-iteration grid: FlexGen's search) and the simulator's
+    runs of several micro-batches: `price_microbatched` with and without its fast paths (the chain for device KV,
+    the DAG on Python floats for host KV: restored, or attended by the CPU), bit for bit, up to more
+    micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
+    from batchgen.plan.decode import DecodeGrid
+    from batchgen.plan.microbatch import price_microbatched
+    from batchgen.sim.costs import decode_grid
+    from batchgen.sim.scalar_offload import microbatched_one_rank
+
+    lat, sp = _scalar_setup()
+    rng = np.random.default_rng(5)
+    one = lambda v: np.full((1, 1), float(v))  # noqa: E731
+    for trial in range(80):
+        mb = int(rng.choice([0, 1, 2, 4, 16, 64]))
+        hosted = trial % 4 == 1  # the planner's host-KV candidates: the DAG itself, on Python floats
+        if trial % 2:
+            n = int(rng.integers(1, 3000))
+            kv = (one(0), one(0), one(0), one(n), one(n * int(rng.integers(1, 3000)))) if hosted else (
+                one(n), one(n * int(rng.integers(1, 3000))), one(1), one(0), one(0))
+            grid = DecodeGrid(*kv, one(n))
+        else:
+            n, K = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+            zero = np.zeros(1, np.int64)
+            grid = decode_grid(np.zeros(n, np.int64), rng.integers(1, 4000, n), rng.integers(1, K + 1, n),
+                               np.ones(n, np.int64), np.zeros(n, bool), 1, K, mb, zero, zero)
+        kw = dict(cpu_attention=hosted and trial % 8 == 1, pipelined=pipelined,
+                  prefetch_bytes=float(rng.choice([0.0, 1e6])), replicas=int(rng.choice([1, 8])))
+        assert (microbatched_one_rank(sp, grid, mb, pipelined, kw["replicas"]) is None) == hosted
+        fast, fast_calls = price_microbatched(lat, grid, mb, **kw)
+        with fastpath.reference():
+            ref, ref_calls = price_microbatched(lat, grid, mb, **kw)
+        for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
+            x, y = getattr(fast, f), getattr(ref, f)
+            assert x.shape == y.shape and np.array_equal(x, y), (trial, f, x, y)
+        assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
+        assert np.array_equal(fast_calls, ref_calls)
+
+
+def test_all_alive_price_is_the_grids():
+    """`price_all_alive` (every row through the whole run: a static batch with its padding rows, a run to the
+    first finish) equals `price_vector` of the grid `costs.decode_load` builds, bit for bit, with the same
+    gate-token total."""
+    from batchgen.sim.costs import decode_load
+    from batchgen.sim.scalar import price_all_alive, price_vector, scalar_pricer
+
+    lat, sp = _scalar_setup()
+    padded = Roofline(lat.model, lat.gpu, dataclasses.replace(lat.eff, attention_padding=0.4),
+                      ep_ranks=lat.ep_ranks, gpus_per_node=lat.gpus_per_node, host=lat.host)
+    sp_padded = scalar_pricer(padded)  # padded attention kernels: the longest context enters the price
+    assert sp_padded is not None and sp_padded.pad == 0.4
+    rng = np.random.default_rng(9)
+    for trial in range(100):
+        pricer = sp_padded if trial % 4 == 3 else sp
+        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 90))
+        context = rng.integers(1, 6000 if trial % 4 != 3 else 300, n)  # padding rows longer than every row
+        if trial % 3 == 0:  # a static batch: every row over the longest context
+            context = np.full(n, context.max())
+        pad = int(rng.integers(1, 40)) if trial % 2 else 0
+        pad_ctx = pad * int(rng.integers(1, 5000)) + int(rng.integers(0, max(pad, 1)))  # a mean with a fraction
+        mb = int(rng.choice([0, 7, 64]))
+        stream = float(rng.choice([0.0, 0.02]))
+        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb,
+                           np.array([pad]), np.array([pad_ctx]))
+        cost, gate_total = price_all_alive(pricer, context, K, mb, pad, pad_ctx, stream)
+        _same_cost(cost, price_vector(pricer, load, stream))
+        assert gate_total == load.gate_tokens.sum()
+
+
+def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
+    """DeepSeek-V2's dense first layer in the planner's one-row iteration (host KV restored per layer): the
+    float DAG of `_float_costs` gives the general DAG's price bit for bit beside the MoE layers' own path."""
+    from batchgen.plan.decode import DecodeGrid
+    from batchgen.plan.microbatch import price_microbatched
+    from batchgen.specs import load_model
+
+    lat, _ = _scalar_setup()
+    moe = Roofline(load_model("deepseek_v2"), lat.gpu, lat.eff, ep_ranks=1, gpus_per_node=1, host=lat.host)
+    assert moe.layer_counts()[0] >= 1
+    one = lambda v: np.full((1, 1), float(v))  # noqa: E731
+    for n, mb in ((1, 0), (64, 8), (3000, 16), (777, 5)):
+        for hosted in (False, True):
+            kv = (one(0), one(0), one(0), one(n), one(n * 1500)) if hosted else (one(n), one(n * 1500), one(1),
+                                                                                 one(0), one(0))
+            grid = DecodeGrid(*kv, one(n))
+            for pipelined in (False, True):
+                kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=2e8, replicas=4)
+                fast, fast_calls = price_microbatched(moe, grid, mb, **kw)
+                with fastpath.reference():
+                    ref, ref_calls = price_microbatched(moe, grid, mb, **kw)
+                for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
+                    assert np.array_equal(getattr(fast, f), getattr(ref, f)), (n, mb, hosted, f)
+                assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
+                assert np.array_equal(fast_calls, ref_calls)

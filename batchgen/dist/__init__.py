@@ -16,6 +16,7 @@ Pieces, one module each:
   as the single-process layer), all-to-all back, combine; shared experts (DeepSeek-V3) run where the tokens are.
 - `kv_transfer`: MIGRATE across processes: a sequence's KV packed from a `PagedKVCache`, sent with its
   header (sequence id, dtype, shape), adopted into the receiver's cache.
+- `recovery`: after a lost worker, the survivors' new group (a generation), and the engine's state over them.
 - `failure` + `comm`: a heartbeat per process and a `Comm` that waits for every operation in slices, so a
   SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/distributed: about 3.4 s for a killed worker,
   0.5 s for a killed rank 0, whose store dies with it), never a hang.
@@ -34,8 +35,8 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    even when the data moves over NCCL, so that a dead peer is noticed there too). A forward is posted, then
    the instance's engine loop yields and the next instance's loop posts its own: the instances compute at the
    same time (control.py). A migration of a sequence one instance yielded and another resumes (a shared
-   node's pool) goes to both instances as one ordered step, over the world group. Every worker then runs its own list in a
-   fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
+   node's pool) goes to both instances as one ordered step, over the world group. Every worker then runs its
+   own list in a fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
    destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global
    view); its sequences' attention; then every MoE layer through `ExpertParallelMoE` (a rank with no tokens
    this step still takes part: the all-to-alls are collective); sampling for its sequences.
@@ -44,19 +45,23 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    rank 0 collects that forward); rank 0 updates the state and the metrics (tokens/s per GPU over processes
    that exist).
 4. Failure: a process's `Comm` (the all-to-alls, KV transfers and the control channel alike) raises
-   `WorkerLost` in the operation that needed the dead peer, asking the heartbeat between wait slices.
-   Recovery will need a new group of the survivors (a torch process group cannot drop a member), experts
-   re-placed over them (their weights loaded again), and the lost sequences restored or recomputed as the
-   latency model prices it. Restoring needs host copies that outlive their process (shared memory per
-   node): today a host copy lives in its process and dies with it.
+   `WorkerLost` in the operation that needed the dead peer (or, waiting, as soon as any member is lost),
+   asking the heartbeat between wait slices. `recovery`: rank 0 decides the survivors and publishes them in
+   the store; they build a new group (a torch process group cannot drop a member), re-place the experts over
+   themselves (weights built again from the same seed or directory), keep the KV their caches hold, and the
+   engine goes on; the lost rank's sequences are recomputed from prompt + generated tokens. Restoring them
+   instead would need host copies that outlive their process (shared memory per node): a host copy lives in
+   its process and dies with it, so recompute is the only path built.
 
 As built: rank 0 keeps every sequence's tokens and sends each forward's new tokens with the command, and every
 decode iteration is one command (the stopping rules are decided on rank 0); a migrating sequence is released
 on its source as soon as its send completed; one process keeps the plain MoE layer (no collectives); a lost
-worker stops the run with `WorkerLost` naming it (run.DistRunFailed), with no recovery yet.
+worker other than rank 0 is recovered from (backend.recover=false: the run stops with `WorkerLost` naming
+it, run.DistRunFailed).
 
-Not covered yet (refused before any process starts, or not built): head-sharded PARTITION, tensor-parallel attention and two-batch overlap across processes,
-weights streamed from host, recovery from a lost worker, NCCL (the code selects it on CUDA; no GPU was
+Not covered yet (refused before any process starts, or not built): tensor-parallel attention and two-batch
+overlap across processes, recovery with several instances (a lost worker stops such a run), weights streamed
+from host, NCCL (the code selects it on CUDA; no GPU was
 available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
 keeps its shard).
 """

@@ -43,8 +43,8 @@ from batchgen.exec.sequences import SequenceTokens
 class DistBackend(ExecBackend):
     def __init__(self, state: ClusterState, worker: RankWorker, tokens: SequenceTokens, procs: int,
                  is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None):
-        """channel: rank 0's command channel to every instance (control.py); by default one instance over every
-        process, on the worker's own control groups."""
+        """channel: rank 0's command channel to every instance (control.py); by default over the worker's
+        (`RankWorker.channels`, or its own control groups for one instance)."""
         topo = state.topo
         if topo.num_gpus != procs:
             raise ValueError(f"backend=dist runs one process per GPU: {procs} processes, but the state has "
@@ -61,10 +61,12 @@ class DistBackend(ExecBackend):
         # per process, so every instance's "runner" here is rank 0's (only its config is read)
         super().__init__(state, [worker.runner] * topo.num_instances, [None] * procs, tokens, job_seed=job_seed)
         self.worker, self.procs = worker, procs
-        if channel is None:
-            if topo.num_instances != 1:
-                raise ValueError("several instances need a command channel to each (control.CommandChannel)")
-            channel = CommandChannel(worker, [worker.control], [worker.replies], self.instance_ranks)
+        if channel is None:  # the worker's: every instance's command and reply groups, or its own for one
+            pairs = worker.channels or [(worker.control, worker.replies)]
+            if len(pairs) != topo.num_instances:
+                raise ValueError(f"{topo.num_instances} instances need a command channel to each "
+                                 f"(control.CommandChannel); the worker has {len(pairs)}")
+            channel = CommandChannel(worker, [c for c, _ in pairs], [r for _, r in pairs], self.instance_ranks)
         self.channel = channel
         self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE

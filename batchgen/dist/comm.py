@@ -91,10 +91,7 @@ class Comm:
                 except RuntimeError as e:
                     if _SLICE_TIMEOUT not in str(e):
                         raise self._lost_from_error(e, what, peers) from e
-                    if self.heartbeat is not None:
-                        lost = self.heartbeat.lost(peers)
-                        if lost:
-                            raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}") from None
+                    self._check_lost(what, peers)
         finally:
             self.comm_s += time.perf_counter() - t0
             self.calls += 1
@@ -106,15 +103,24 @@ class Comm:
         next_check = time.monotonic() + self._slice.total_seconds()
         while not work.is_completed():
             if self.heartbeat is not None and time.monotonic() >= next_check:
-                lost = self.heartbeat.lost(peers)
-                if lost:
-                    raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}")
+                self._check_lost(what, peers)
                 next_check = time.monotonic() + self._slice.total_seconds()
             time.sleep(20e-6)
         try:
             work.wait()
         except RuntimeError as e:
             raise self._lost_from_error(e, what, peers) from e
+
+    def _check_lost(self, what: str, peers: list[int]) -> None:
+        """Between wait slices: a lost peer of this operation first, else any lost member of the group. A group
+        that lost a member cannot finish its next collective anyway, and an operation between two survivors (a
+        broadcast the source will never send, because it is busy recovering) would otherwise wait for the
+        group's whole timeout."""
+        if self.heartbeat is None:
+            return
+        lost = self.heartbeat.lost(peers) or self.heartbeat.lost(self._peers())
+        if lost:
+            raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}") from None
 
     def _lost_from_error(self, e: RuntimeError, what: str, peers: list[int]) -> WorkerLost:
         """gloo failed the operation: name the peer whose heartbeat stops (after a closed socket, wait for it

@@ -61,6 +61,14 @@ def receive_command(commands: Comm) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
+def broadcast_command(commands: Comm, cmd: Any) -> None:
+    """Rank 0, waiting until every member has it (`receive_command`): for exchanges outside the run's posting
+    order, such as a recovery's, when nothing else is in flight."""
+    data = torch.frombuffer(bytearray(pickle.dumps(cmd)), dtype=torch.uint8)
+    commands.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, what="command length")
+    commands.broadcast(data, 0, what="command")
+
+
 def send_reply(replies: Comm, value: Any) -> None:
     """A worker: its reply, gathered on rank 0 (`gather_replies`)."""
     _gather(replies, pickle.dumps(value))

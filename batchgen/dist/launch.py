@@ -25,7 +25,7 @@ import queue
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from batchgen.dist.errors import DistConfigError
 
+_PROGRESS = "progress"  # tags a progress message on the results queue (rank, _PROGRESS, pickled payload)
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -91,6 +92,10 @@ class DistContext:
     backend: str
     timeout_s: float
     store_host_rank: int | None  # the rank hosting the store (0), None when torchrun's agent hosts it
+    store: Any = None            # this process's handle on the rendezvous store (recovery builds new groups on it)
+    # the one-machine launcher's channel to its parent: report(payload) sends a progress message that outlives
+    # this process (WorkerResult.progress); None under torchrun, which has no such parent
+    report: Callable[[Any], None] | None = None
 
     @property
     def rank(self) -> int:
@@ -133,7 +138,7 @@ def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s
     dist.init_process_group(backend, store=dist.PrefixStore("batchgen/pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    return DistContext(env, device, backend, timeout_s, None if agent_store else 0)
+    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,6 +159,8 @@ class WorkerResult:
     value: Any = None
     error: str | None = None
 
+    progress: list = field(default_factory=list)  # what the process reported while running (DistContext.report)
+
     @property
     def ok(self) -> bool:
         return self.exitcode == 0 and self.error is None
@@ -168,11 +175,15 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
     ctx = None
     try:
         ctx = init_distributed(DistEnv.from_env(), device, timeout_s)
+        ctx.report = lambda payload: results.put((rank, _PROGRESS, pickle.dumps(payload)))
         # plain pickle, by value: torch's queue would pass tensors as shared-memory handles, which die with
         # the process that made them
         results.put((rank, pickle.dumps(fn(ctx, *args)), None))
     except BaseException as e:  # reported to the launcher, which decides; the process then exits nonzero
-        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # (with what the error kept, `e.partial`: a stopped run's finished outputs)
+        partial = getattr(e, "partial", None)
+        results.put((rank, None if partial is None else pickle.dumps(partial),
+                     f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
     finally:
         if ctx is not None:
@@ -201,10 +212,18 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         w.start()
     got: dict[int, tuple[Any, str | None]] = {}
     deadline = time.monotonic() + join_timeout_s
+    progress: dict[int, list] = {r: [] for r in range(procs)}
+
+    def take(item) -> None:
+        rank, value, error = item
+        if isinstance(value, str) and value == _PROGRESS:
+            progress[rank].append(pickle.loads(error))
+        else:
+            got[rank] = (value, error)
+
     while time.monotonic() < deadline:
         try:  # drain while waiting: a child blocks at exit until its queued result has been read
-            rank, value, error = results.get(timeout=0.05)
-            got[rank] = (value, error)
+            take(results.get(timeout=0.05))
             continue
         except queue.Empty:
             pass
@@ -217,8 +236,7 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         w.join(5)
     while True:
         try:
-            rank, value, error = results.get_nowait()
-            got[rank] = (value, error)
+            take(results.get_nowait())
         except queue.Empty:
             break
     out = []
@@ -226,7 +244,8 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         value, error = got.get(r, (None, None))
         value = None if value is None else pickle.loads(value)
         if r in overdue:
-            out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed"))
+            out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed",
+                                    progress[r]))
         else:
-            out.append(WorkerResult(r, w.exitcode, value, error))
+            out.append(WorkerResult(r, w.exitcode, value, error, progress[r]))
     return out

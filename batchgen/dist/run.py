@@ -9,11 +9,21 @@ processes itself (`launch`) and returns rank 0's output.
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
 `ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process holds
-its own `PagedKVCache`, and a second gloo group carries rank 0's commands (worker.py). Rank 0 also runs the
+its own `PagedKVCache`, and gloo groups per instance carry rank 0's commands and the replies (control.py). Rank 0 also runs the
 engine and the policy over a `DistBackend` (backend.py).
 
-Not supported yet (refused with a ConfigError naming it): PARTITION / tensor-parallel attention / two-batch overlap across processes, weights
-streamed from host, repeats > 1, dense models (nothing to spread over processes).
+A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, the survivors regroup, rebuild
+their parts over the new group, keep the KV their caches hold, and the engine goes on over the unfinished
+sequences (the lost rank's recomputed from prompt + generated tokens); the output records each recovery (`DistOutput.recoveries`) and the launcher accepts the dead
+rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
+who was lost and how many sequences had finished, their tokens in `DistRunFailed.partial` (one-machine launcher:
+rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
+torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.
+
+Recovery covers one instance: with several, a lost worker stops the run (as recover=false).
+
+Not supported yet (refused with a ConfigError naming it): tensor-parallel attention / two-batch overlap across
+processes, weights streamed from host, repeats > 1, dense models (nothing to spread over processes).
 """
 
 from __future__ import annotations
@@ -27,16 +37,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from batchgen.core.ops import KVLedger
 from batchgen.dist.backend import DistBackend
 from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
-from batchgen.dist.control import CommandChannel
 from batchgen.dist.groups import control_groups, instance_groups
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
+from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
+                                    carry_totals, decide_survivors, finished_report, fold_peaks, keep_plan, publish,
+                                    regroup, requeue, settle, settle_caches)
 from batchgen.dist.worker import RankWorker
-from batchgen.engine import Engine
+from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
                                build_model, kv_pools, model_config, text_decoder)
@@ -44,6 +57,7 @@ from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
 from batchgen.job import Job, effective_cluster, prepare
+from batchgen.memory import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,7 @@ class DistSettings(ExecSettings):
     heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
     threads: int | str | None = 1  # torch intra-op threads per process
+    recover: bool = True           # a lost worker (not rank 0): go on over the survivors (recovery.py); false: stop
 
 
 @dataclass
@@ -64,22 +79,30 @@ class DistOutput(ExecOutput):
     rank_idle_s: list = field(default_factory=list)   # the rest: waiting for rank 0's next command
     rank_moves: list = field(default_factory=list)    # KV ops each rank carried out
     rank_cpu_s: list = field(default_factory=list)    # process CPU seconds (wall minus waiting for a core)
+    # recovery.Recovery per lost worker the run went on without (which rank, when, what was requeued, who went
+    # on). After one, the rank_* lists above hold the survivors' (launch ranks: recoveries[-1].survivors), each
+    # over its whole run, and records' rank_busy / rank_comm are indexed by launch rank (a lost rank's 0)
+    recoveries: list = field(default_factory=list)
 
 
 class DistRunFailed(RuntimeError):
     """A process of the run failed or died: the first line says which and why (a lost worker first), the rest
-    holds each failed rank's error."""
+    holds each failed rank's error. `partial`: what rank 0 kept when it stopped the run itself
+    (recovery.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
 
-    def __init__(self, bad: list):
+    def __init__(self, bad: list, rank0=None):
         self.results = bad
+        rank0 = rank0 or next((r for r in bad if r.rank == 0), None)
+        self.partial = None if rank0 is None else rank0.value or PartialOutput.from_reports(rank0.progress)
         lost = [r for r in bad if r.error and "WorkerLost" in r.error]
         first = (lost or bad)[0]
         lines = [l for l in (first.error or "").splitlines() if l.strip()]
         headline = lines[0] if lines else f"exit code {first.exitcode}"
         killed = [r.rank for r in bad if r.exitcode is not None and r.exitcode < 0]
+        kept = self.partial.summary if self.partial is not None and self.partial.summary not in headline else ""
         super().__init__(f"backend=dist stopped: rank {first.rank}: {headline}"
                          + (f" (killed by a signal: rank{'s' if len(killed) > 1 else ''} "
-                            f"{', '.join(map(str, killed))})" if killed else "")
+                            f"{', '.join(map(str, killed))})" if killed else "") + (f"; {kept}" if kept else "")
                          + "".join(f"\n--- rank {r.rank} (exit {r.exitcode}) ---\n{r.error or ''}" for r in bad))
         self.headline = str(self).splitlines()[0]
 
@@ -88,10 +111,11 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in ENV_VARS)
 
 
-def check_dist(job: Job, settings: DistSettings) -> None:
-    """Everything backend=dist refuses, before a process starts."""
+def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
+    """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
+    whose size is not torchrun's WORLD_SIZE)."""
     config = model_config(job, settings)
-    check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if launched and under_torchrun() else None)
     if not config.num_experts:
         raise DistConfigError("backend=dist spreads the experts of an MoE model over processes; this model is "
                               "dense (no experts): use backend=exec")
@@ -148,40 +172,62 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
                      timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
                      join_timeout_s=max(600.0, 10 * settings.timeout_s))
     bad = [r for r in results if not r.ok]
+    out = results[0].value if results[0].ok else None
+    if bad and out is not None:  # a worker the run recovered from is expected to have died
+        lost = {r for rec in out.recoveries for r in rec.lost}
+        bad = [r for r in bad if r.rank not in lost]
     if bad:
-        raise DistRunFailed(bad)
-    return results[0].value
+        raise DistRunFailed(bad, None if results[0].ok else results[0])
+    return out
 
 
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
               to_parent: bool = False) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
     `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
-    The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s."""
-    heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=6 * settings.heartbeat_s)
+    The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s;
+    with settings.recover the survivors then go on in a new group (recovery.py), each with its own heartbeat."""
+    heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
     heartbeat.start()
+    current = [Generation(0, ctx, heartbeat, tuple(range(ctx.world_size)))]  # the latest, for the finally
     try:
-        return _rank_run(ctx, job, settings, prompts, params, to_parent, heartbeat)
+        if ctx.rank != 0:
+            return _serve(current, job, settings, params)
+        return _drive(current, job, settings, prompts, params, to_parent)
     finally:
-        heartbeat.stop()
+        current[-1].heartbeat.stop()
 
 
-def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
-              heartbeat: Heartbeat) -> DistOutput | None:
-    start, cpu_start = time.perf_counter(), time.process_time()
+def _dead_after(settings: DistSettings) -> float:
+    return 6 * settings.heartbeat_s
+
+
+def reduced_job(job: Job, procs: int) -> Job:
+    """The job over `procs` survivors: the same workload and policy on a cluster of that many GPUs (whole nodes
+    kept where the survivors fill them, else one node)."""
+    c = job.cluster
+    node = c.gpus_per_node if procs <= c.gpus_per_node or procs % c.gpus_per_node == 0 else procs
+    return dataclasses.replace(job, cluster=dataclasses.replace(c, num_gpus=procs, gpus_per_node=node))
+
+
+def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
+                before: RankWorker | None = None) -> tuple[RankWorker, bool, bool]:
+    """This process's part over generation `gen`'s group: the model from the same weights, its expert shard of
+    the contiguous placement over the group, its KV cache, the control group; and whether the cache is the one
+    of `before` (this process's worker of the previous generation, whose totals carry over): kept, KV and all,
+    when the smaller group's memory plan gives the same pool (the same on every survivor: the same job)."""
     config = model_config(job, settings)
-    dtype = settings.torch_dtype([ctx.device])
+    dtype = settings.torch_dtype([gen.ctx.device])
     pools = kv_pools(job, settings, config, dtype)
-    done_before = [0] * len(job.workload)
-    params = _checked_params(job, settings, params, done_before)
-    model = build_model(job, settings, ctx.device, dtype).eval()
+    pool = (pools.pool_bytes, pools.staging_pages, pools.max_context)
+    model = build_model(job, settings, gen.ctx.device, dtype).eval()
     cluster = effective_cluster(job)  # instances: consecutive blocks of ranks, one process group each
     sizes = [cluster.instance_size] * cluster.num_instances
     instance = instance_groups(sizes, settings.timeout_s)
-    comm = Comm(instance.group, heartbeat)  # this instance's all-to-alls and migrations
-    world = Comm(heartbeat=heartbeat) if cluster.num_instances > 1 else comm  # migrations between instances
+    comm = Comm(instance.group, gen.heartbeat)  # this instance's all-to-alls and migrations
+    world = Comm(heartbeat=gen.heartbeat) if cluster.num_instances > 1 else comm  # migrations between instances
     # rank 0's commands to each instance and their replies (gloo, even when the data moves over NCCL)
-    channels = [None if g is None else (Comm(g[0], heartbeat), Comm(g[1], heartbeat))
+    channels = [None if g is None else (Comm(g[0], gen.heartbeat), Comm(g[1], gen.heartbeat))
                 for g in control_groups(sizes, settings.timeout_s)]
     control, replies = channels[instance.index]
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
@@ -192,44 +238,146 @@ def _rank_run(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
             if moe is not None:
                 model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
         runner.collective = True
-    cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
-                                     dtype=dtype, device=ctx.device, max_context=pools.max_context,
-                                     staging_pages=pools.staging_pages)
-    worker = RankWorker(ctx.rank, cache, runner, comm, control, params, settings.weights_seed, ctx.device,
-                        world=world, replies=replies)
-    if ctx.rank != 0:
-        worker.serve()
-        return None
+    kept = before is not None and getattr(before.cache, "pool", None) == pool
+    if kept:
+        cache = before.cache
+    else:
+        cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens,
+                                         budget_bytes=pools.pool_bytes, dtype=dtype, device=gen.ctx.device,
+                                         max_context=pools.max_context, staging_pages=pools.staging_pages)
+        cache.pool = pool  # what it was sized from (a recovery keeps it when the survivors' plan gives the same)
+    worker = RankWorker(gen.rank, cache, runner, comm, control, params, settings.weights_seed, gen.ctx.device,
+                        world=world, replies=replies, channels=channels if gen.rank == 0 else None)
+    if before is not None:
+        carry_totals(before, worker)
+    return worker, is_moe, kept
+
+
+def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Generation:
+    gen = regroup(current[-1], survivors, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
+    current.append(gen)
+    return gen
+
+
+def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
+    """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
+    survivors, join their new group, rebuild and serve again."""
+    params = _checked_params(job, settings, params, [0] * len(job.workload))
+    gen = current[-1]
+    worker, _, _ = _build_rank(gen, job, settings, params)
+    while True:
+        try:
+            worker.serve()
+            return None
+        except WorkerLost as err:
+            if not settings.recover or effective_cluster(job).num_instances > 1:  # recovery: one instance
+                raise
+            survivors = await_decision(gen, err, settings.timeout_s)
+        gen = _regroup(current, survivors, settings)
+        worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker)
+        if kept:
+            settle_caches(worker)
+
+
+def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool) -> DistOutput:
+    """Rank 0: the engine and the policy over a DistBackend; after a lost worker (recover=true), decide the
+    survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    gen = current[-1]
+    world = gen.size
+    config = model_config(job, settings)
+    done_before = [0] * len(job.workload)
+    params = _checked_params(job, settings, params, done_before)
+    worker, is_moe, _ = _build_rank(gen, job, settings, params)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
-    prepared = prepare(job, kv_pages_per_gpu=cache.num_pages)
+    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
-    channel = CommandChannel(worker, [c for c, _ in channels], [r for _, r in channels],
-                             [tuple(prepared.state.instance_gpus(i).tolist()) for i in range(len(sizes))])
-    backend = DistBackend(prepared.state, worker, tokens, settings.procs, is_moe, job_seed=settings.weights_seed,
-                          channel=channel)
-    try:
-        engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
-                        check_invariants=job.check_invariants)
-        engine.run_in_turn()
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        engine.finish()
-    except WorkerLost:
-        raise  # the survivors find rank 0 gone from its heartbeat
-    except BaseException:
-        backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
-        raise
-    totals = backend.shutdown()
-    moves = dict(backend.moves)
+    pieces, recoveries, clock, launched = RunPieces(), [], None, prepared
+    report = gen.ctx.report
+
+    def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
+        ended = finished_ids(plan, result)
+        if report is not None and ended.size:
+            report(finished_report(tokens, ended))
+    while True:
+        backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed)
+        if clock is None:
+            clock = backend._t0
+        else:  # one clock over the generations: records and finish times line up
+            backend._t0 = clock
+            recoveries[-1].regroup_s = backend.now() - recoveries[-1].at_s
+        engine = None
+        try:
+            engine = Engine(prepared.policy, backend, gpus_per_node=prepared.cluster.node_size,
+                            check_invariants=job.check_invariants, on_step=on_step)
+            engine.run_in_turn()
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            engine.finish()
+            totals = backend.shutdown()
+            pieces.add(engine, backend, gen.members, world)
+            break
+        except WorkerLost as err:
+            caught = backend.now()
+            if engine is not None:
+                pieces.add(engine, backend, gen.members, world)
+            done = np.array([st.finished for st in tokens.stops], bool)
+            partial = PartialOutput.of(tokens, done, pieces.records)
+            if not settings.recover or effective_cluster(job).num_instances > 1:
+                # (recovery regroups one instance: with several, the run stops as with recover=false)
+                stopped = WorkerLost(err.rank, err.cause)
+                stopped.args = (f"{stopped}; {partial.summary}",)
+                raise _with_partial(stopped, partial) from err
+            survivors, refusal = None, ""
+            try:
+                survivors = decide_survivors(gen, err)
+                job_next = reduced_job(job, len(survivors))
+                check_dist(job_next, dataclasses.replace(settings, procs=len(survivors)), launched=False)
+            except (RecoveryRefused, ConfigError) as e:
+                refusal = str(e).splitlines()[0]
+            publish(gen, None if refusal else survivors, refusal)
+            if refusal:
+                raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
+                                    partial) from err
+            lost_ranks = [r for r in range(gen.size) if r not in survivors]
+            before = gen
+            gen = _regroup(current, survivors, settings)
+            worker, _, kept = _build_rank(gen, job_next, settings, params, worker)
+            table = prepared.state.table
+            split = KVLedger.of(prepared.state).split
+            keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
+                    if kept else None)
+            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
+            finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
+                                                        next_prepared.state, caught, lost_ranks, keep)
+            # (one instance: a GPU index is a rank of its generation)
+            if prepared is not launched:
+                fold_peaks(launched.state, prepared.state, before.members)
+            recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
+                                       caught, str(err), finished, held, requeued, on_lost))
+            prepared = next_prepared
+        except BaseException:
+            backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
+            raise
     if to_parent:
         tokens.decode = None
-    return DistOutput(job, prepared, engine.records, wall, backend.events, backend="dist", tokens=tokens,
-                      kv_moves=moves, kv_traffic=dict(backend.traffic), capabilities=backend.capabilities,
-                      device=str(ctx.device), dtype=str(dtype).removeprefix("torch."),
+    if prepared is not launched:  # the output describes the cluster as launched, every sequence's result
+        settle(launched.state, prepared.state, gen.members)
+    return DistOutput(job, launched, pieces.records, wall, pieces.events, backend="dist", tokens=tokens,
+                      kv_moves=dict(pieces.moves), kv_traffic=dict(pieces.traffic),
+                      capabilities=backend.capabilities, device=str(gen.ctx.device),
+                      dtype=str(settings.torch_dtype([gen.ctx.device])).removeprefix("torch."),
                       threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
                       cpu_share=cpu / (wall * torch.get_num_threads()), procs=settings.procs,
                       rank_wall_s=[t.wall_s for t in totals], rank_busy_s=[t.busy_s for t in totals],
                       rank_comm_s=[t.comm_s for t in totals], rank_idle_s=[t.idle_s for t in totals],
-                      rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals])
+                      rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals],
+                      recoveries=recoveries)
+
+
+def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException:
+    """The launcher sends `error.partial` back with the error (launch._worker)."""
+    error.partial = partial
+    return error
 
 
 def _timedelta(seconds: float):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from batchgen.core.ops import GpuOps
 from batchgen.dist.comm import Comm
-from batchgen.dist.control import REPLY_KINDS, receive_command, send_reply
+from batchgen.dist.control import REPLY_KINDS, broadcast_command, gather_replies, receive_command, send_reply
 from batchgen.dist.kv_transfer import recv_sequence, send_sequence
 from batchgen.dist.partition import HeadShardExchange, join_kv, split_kv
 from batchgen.exec.kv_cache import PagedKVCache
@@ -108,14 +108,17 @@ class Totals:
 class RankWorker:
     def __init__(self, rank: int, cache: PagedKVCache, runner: InstanceRunner, comm: Comm,
                  control: Comm, params: list[SamplingParams], job_seed: int,
-                 device: torch.device, world: Comm | None = None, replies: Comm | None = None):
+                 device: torch.device, world: Comm | None = None, replies: Comm | None = None,
+                 channels: list | None = None):
         """comm: this rank's instance (its all-to-alls, migrations within it); world: every process (migrations
         between instances), the instance's comm when there is one instance; control / replies: rank 0's commands
-        to this instance and the replies to them (groups.control_groups; one group for both by default)."""
+        to this instance and the replies to them (groups.control_groups; one group for both by default);
+        channels: on rank 0, every instance's (commands, replies) pair (DistBackend's command channel)."""
         self.rank, self.cache, self.runner, self.comm = rank, cache, runner, comm
         self.world = comm if world is None else world
         self.control, self.params, self.job_seed, self.device = control, params, job_seed, device
         self.replies = control if replies is None else replies
+        self.channels = channels
         self.busy_s = 0.0     # totals over the run
         self.comm_s = 0.0
         self._busy_pending = 0.0  # since the last reply
@@ -129,19 +132,24 @@ class RankWorker:
         self._cpu_start = time.process_time()
 
     # ---- the control channel ---------------------------------------------------------------------------
-    def receive(self) -> Command:
-        """The next command rank 0 posted to this rank's instance (control.CommandChannel): pickled bytes after
-        their length, broadcast through `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes
-        WorkerLost in seconds)."""
+    def receive(self, cmd: Command | None = None) -> Command:
+        """The next command rank 0 broadcast to this rank's instance: pickled bytes after their length, through
+        `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes WorkerLost in seconds). During a run
+        rank 0 posts through control.CommandChannel; this rank-0 path (`cmd`, broadcast and waited for) is for
+        exchanges outside it (a recovery's, over its one instance)."""
         if self.rank == 0:
-            raise ValueError("rank 0 posts commands (control.CommandChannel); it does not receive them")
+            broadcast_command(self.control, cmd)
+            return cmd
         return receive_command(self.control)
 
-    def reply(self, value: Any) -> None:
-        """This worker's reply to rank 0 (which collects them: control.CommandChannel.collect)."""
-        if self.rank == 0:
-            raise ValueError("rank 0 keeps its own reply (control.CommandChannel)")
-        send_reply(self.replies, value)
+    def reply(self, value: Any) -> list | None:
+        """This worker's reply, gathered on rank 0 (during a run: control.CommandChannel.collect). On rank 0
+        (outside a run, as `receive`): every member's reply in rank order, its own first."""
+        if self.rank != 0:
+            send_reply(self.replies, value)
+            return None
+        got = gather_replies(self.replies) if self.replies.size > 1 else {}
+        return [value if r == 0 else got[r] for r in self.replies.ranks]
 
     def serve(self) -> Totals | None:
         """A worker (rank > 0): execute commands until stop (its totals) or abort (None)."""

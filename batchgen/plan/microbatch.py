@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import LatencyModel
+from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
 
@@ -55,9 +57,38 @@ class MicroBatchCosts:
     prefetch: object = 0.0  # h2d: the next layer's weights
 
 
-def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2) -> tuple[Dag, list[int]]:
-    """`layers` identical layers; returns the DAG and each layer's end node."""
-    dag = Dag()
+class _FloatDag:
+    """`Dag.add` for Python-float costs only (one rank, one iteration: the planner's typical iteration, a fast
+    path of batchgen.fastpath): the same nodes and the same starts (the latest finish among a node's
+    predecessors and its resource's previous node; a sync node waits for its one rank only), without names,
+    paths or checks; `finish` holds each node's end, as `Dag.finish` does."""
+
+    __slots__ = ("finish", "_last")
+
+    def __init__(self) -> None:
+        self.finish: list[float] = []
+        self._last: dict[str, int] = {}
+
+    def add(self, name: str, cost: float, after=(), resource: str | None = None, sync: bool = False) -> int:
+        finish = self.finish
+        start = 0.0
+        for p in after:
+            if p is not None and finish[p] >= start:
+                start = finish[p]
+        index = len(finish)
+        if resource is not None:
+            p = self._last.get(resource)
+            if p is not None and finish[p] >= start:
+                start = finish[p]
+            self._last[resource] = index
+        finish.append(start + cost)
+        return index
+
+
+def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2, dag=None) -> tuple[Dag, list[int]]:
+    """`layers` identical layers; returns the DAG and each layer's end node. `dag`: an empty one to fill (a
+    `_FloatDag` for float costs), else a new `Dag`."""
+    dag = Dag() if dag is None else dag
     m = len(c.attn)
     weight_link = WEIGHTS if c.kind == "cpu" else H2D
     weights_for = dag.add("weights L1", c.prefetch, resource=weight_link)
@@ -145,12 +176,45 @@ def _costs(lat: LatencyModel, tokens, context, launches, kind: str, moe: bool, r
     return c, calls
 
 
+def _float_costs(lat: LatencyModel, tokens, context, launches, kind: str) -> MicroBatchCosts | None:
+    """`_costs` of a dense layer for one rank and one iteration ((M, 1, 1) arrays) as Python floats, each module
+    priced for every micro-batch in one vector call (the roofline's formulas are elementwise, and its GEMM times
+    come from the same curves for whole token counts within them); None where a micro-batch's token count is
+    not such a count (the per-call path then decides between curve and direct pricing as before)."""
+    t, ctx, n = tokens[:, 0, 0], context[:, 0, 0], launches[:, 0, 0]
+    if float(t.max(initial=0.0)) > _GEMM_LOOKUP_MAX or not (t == np.floor(t)).all():
+        return None
+    m = t.size
+    c = MicroBatchCosts(kind, [], [], [0.0] * m, [], [], [], [], 0.0)
+    if kind == "cpu":
+        down, back = lat.cpu_attention_ship(t, n)
+        c.attn = np.asarray(lat.attention_decode(t, 0.0, n), float).tolist()
+        c.append, c.back = np.asarray(down, float).tolist(), np.asarray(back, float).tolist()
+        c.cpu = np.asarray(lat.cpu_attention(t, ctx, n), float).tolist()
+    else:
+        c.attn = np.asarray(lat.attention_decode(t, ctx, n), float).tolist()
+        if kind == "staged":
+            c.restore = np.asarray(lat.kv_restore(ctx, n), float).tolist()
+            c.append = np.asarray(lat.kv_append(t, n), float).tolist()
+    c.ffn = np.asarray(lat.dense_ffn(t), float).tolist()
+    return c
+
+
 def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
                        pipelined: bool, prefetch_bytes=0.0, replicas: int = 1) -> tuple[DecodePrice, np.ndarray]:
     """Lockstep decode iterations over the grid with an FFN per micro-batch of `micro_batch` sequences (0: the
     whole rank's batch as one). Sequences are all device-resident or all host-resident (the offloading
     systems place the whole block's KV one way). Returns the price and the expert calls per MoE layer in each
-    iteration (K,), which the per-expert batch is measured by."""
+    iteration (K,), which the per-expert batch is measured by. One row of a dense model with device KV: priced
+    as the chain this DAG reduces to (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    if fastpath.ENABLED and np.shape(grid.gate_tokens)[0] == 1:
+        from batchgen.sim.scalar import scalar_pricer
+        from batchgen.sim.scalar_offload import microbatched_one_rank
+
+        sp = scalar_pricer(lat)
+        out = microbatched_one_rank(sp, grid, micro_batch, pipelined, replicas) if sp is not None else None
+        if out is not None:
+            return out
     n_dense, n_moe = lat.layer_counts()
     gate = grid.gate_tokens
     R, K = gate.shape
@@ -172,8 +236,14 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     for count, is_moe in ((n_dense, False), (n_moe, True)):
         if not count or not tokens.shape[0]:
             continue
-        c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s)
-        dag, ends = build_dag(c, pipelined)
+        c = (_float_costs(lat, tokens, context, launches, kind)
+             if fastpath.ENABLED and not is_moe and R == 1 and K == 1 and type(lat) is Roofline else None)
+        if c is not None:  # one rank, one iteration, a dense layer: the same DAG on Python floats
+            layer_calls = []
+            dag, ends = build_dag(c, pipelined, dag=_FloatDag())
+        else:
+            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s)
+            dag, ends = build_dag(c, pipelined)
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)
         gpu = np.asarray(work, float).max(axis=0) if np.ndim(work) == 2 else work

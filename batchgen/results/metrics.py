@@ -14,6 +14,8 @@ Definitions decided here (the brief leaves them open):
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +192,11 @@ def _measurement(out) -> dict[str, Any]:
             "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True)),
             **({"procs": int(out.procs), "rank_busy_s": [_round(x) for x in out.rank_busy_s],
                 "rank_comm_s": [_round(x) for x in out.rank_comm_s],
-                "rank_idle_s": [_round(x) for x in out.rank_idle_s]} if out.backend == "dist" else {})}
+                "rank_idle_s": [_round(x) for x in out.rank_idle_s],
+                # lost workers the run went on without (the rank_* lists are then the survivors', in this order)
+                "recoveries": [dataclasses.asdict(r) for r in getattr(out, "recoveries", [])],
+                "rank_ids": list(out.recoveries[-1].survivors) if getattr(out, "recoveries", None)
+                else list(range(int(out.procs)))} if out.backend == "dist" else {})}
 
 
 def summarize(out) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
-from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_row, price_vector, rows_of,
-                                 scalar_pricer)
+from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
+                                 rows_of, scalar_pricer)
 from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
@@ -125,8 +125,10 @@ class SimBackend:
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
             kv_split = self.state.kv_split_by_heads
-            join = partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
             calls = None
+            # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
+            join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
+                    if plan.ffn_schedule == "combined" or not fastpath.ENABLED else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
@@ -159,6 +161,14 @@ class SimBackend:
                         rows = decode_rows(context, alive, iterations, plan.micro_batch)
                         cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
                         gate_total = sum(rows[2])
+                elif (R == 1 and iterations > MAX_ITERATIONS and ids.size and type(join) is float and join == 0.0
+                      and not (self.tbo and self.weight_stream_s <= 0) and (plan.padded or not self._similar_calls)
+                      and int(plan.decode_tp.max()) == 1 and int(alive.min()) == iterations):
+                    sp = scalar_pricer(self.lat)
+                    if sp is not None:  # one rank, every row through the whole run: its amounts in closed form
+                        cost, gate_total = price_all_alive(sp, context, iterations, plan.micro_batch,
+                                                           int(plan.pad_rows[0]), int(plan.pad_context[0]),
+                                                           self.weight_stream_s)
                 if cost is None:
                     load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                        plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,

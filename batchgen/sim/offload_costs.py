@@ -10,12 +10,21 @@ from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
 from batchgen.plan.microbatch import price_microbatched
 from batchgen.sim.costs import RunCost, _module_split
+from batchgen.sim.scalar import scalar_pricer
+from batchgen.sim.scalar_offload import price_offload_one_rank
 
 
 def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, pipelined: bool,
                   prefetch_bytes: float) -> tuple[RunCost, float, float, np.ndarray]:
     """(cost, h2d bytes, d2h bytes, expert calls per iteration) of the run; `rank_comm` holds the all-to-all
-    and the host traffic / CPU time the GPU could not hide."""
+    and the host traffic / CPU time the GPU could not hide. One rank with device KV, a dense model: priced as a
+    chain without the DAG object (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    if grid.gate_tokens.shape[0] == 1:
+        sp = scalar_pricer(lat)
+        if sp is not None:
+            out = price_offload_one_rank(sp, grid, micro_batch, pipelined)
+            if out is not None:
+                return out
     p, calls = price_microbatched(lat, grid, micro_batch, cpu_attention=cpu_attention, pipelined=pipelined,
                                   prefetch_bytes=prefetch_bytes)
     gate = grid.gate_tokens

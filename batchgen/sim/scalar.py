@@ -314,8 +314,6 @@ def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
     context is the same each iteration (a run to the first finish, a static batch with its padding rows): the
     constant modules priced once on Python floats, decode attention's context-dependent part as numpy vectors
     over the iterations (element for element the grid's operations). None where that does not hold."""
-    from batchgen.sim.costs import RunCost
-
     fields = {}
     for name in ("attn_tokens", "gate_tokens", "micro_batches", "sequences", "prefill_tokens", "prefill_sq",
                  "prefill_max", "prefill_seqs"):
@@ -332,8 +330,17 @@ def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
         h_rows = float(row[0])
     else:
         h_rows = fields["sequences"]
+    return _price_vector(sp, fields, h_rows, load.attn_context[0], load.attn_max[0], load.gate_tokens.shape[1],
+                         weight_stream_s)
+
+
+def _price_vector(sp: ScalarRoofline, fields: dict, h_rows: float, ctx: np.ndarray, attn_max: np.ndarray, K: int,
+                  weight_stream_s: float):
+    """`price_vector` from the run's constant amounts (`fields`, the LM head's rows), its context and longest
+    context per iteration."""
+    from batchgen.sim.costs import RunCost
+
     t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
-    K = load.gate_tokens.shape[1]
     n_dense = sp.lat.layer_counts()[0]
     try:
         pre = sp.attention_prefill(fields["prefill_tokens"], fields["prefill_sq"], fields["prefill_max"],
@@ -344,9 +351,8 @@ def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
         proj = sp.gemm("attention_decode", t, sp.attn_shapes, mb) if t > 0 else 0.0
     except _NotHere:
         return None
-    ctx = load.attn_context[0]
     if sp.pad != 0:
-        ctx = (1.0 - sp.pad) * ctx + sp.pad * np.maximum(t * load.attn_max[0], ctx)
+        ctx = (1.0 - sp.pad) * ctx + sp.pad * np.maximum(t * attn_max, ctx)
     if t > 0:
         rate, bw, kernel_s = sp.stream["attention_decode"]
         kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
@@ -367,3 +373,26 @@ def price_vector(sp: ScalarRoofline, load, weight_stream_s: float = 0.0):
     modules = {"attention": float((n_dense * attn).sum()), "ffn": float(np.full(K, 0.0 + n_dense * dense_ffn).sum()),
                "head": float(np.full(K, head).sum())}
     return RunCost(iteration, busy[None, :].sum(axis=1), np.zeros(1), np.full(K, 0.0 + g), modules)
+
+
+def price_all_alive(sp: ScalarRoofline, context: np.ndarray, iterations: int, micro_batch: int, pad_rows: int,
+                    pad_context: int, weight_stream_s: float = 0.0):
+    """`price_vector(sp, costs.decode_load(...))` and the load's gate-token total, for a one-rank run in which
+    every one of the n sequences runs all K iterations (a static batch, whose finished rows are padding rows of
+    the rank; a run to the first finish), nothing partitioned, no similar-context calls; without building the
+    load's grid. Its amounts in closed form, as the grid's bincounts and cumulative sums give them: n + pad_rows
+    queries and gate tokens each iteration, context (sum + n k) + (pad_context + pad_rows k), longest
+    max + k (or the padding rows' mean + k where that is longer): sums of whole numbers below 2^53, exact in any
+    order; the padding rows' mean is the grid's own division. None where price_vector declines."""
+    n, K = context.size, iterations
+    ks = np.arange(K)
+    tokens = float(n) + pad_rows
+    ctx = (float(context.sum()) + float(n) * ks) + (pad_context + pad_rows * ks)
+    longest = float(context.max()) + ks
+    if pad_rows > 0:
+        longest = np.maximum(longest, np.float64(pad_context) / np.float64(pad_rows) + ks)
+    mb = max(float(math.ceil(tokens / micro_batch)) if micro_batch > 0 else float(tokens > 0), 1.0)
+    fields = dict(attn_tokens=tokens, gate_tokens=tokens, micro_batches=mb, sequences=tokens, prefill_tokens=0.0,
+                  prefill_sq=0.0, prefill_max=0.0, prefill_seqs=0.0)
+    cost = _price_vector(sp, fields, tokens, ctx, longest, K, weight_stream_s)
+    return cost, np.full((1, K), tokens).sum()

@@ -134,8 +134,9 @@ def test_host_resident_decode_over_two_processes(saved, loop_kernel, attention):
 
 
 def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, monkeypatch):
-    """Rank 1 is SIGKILLed at its 4th forward: rank 0 finds it lost (heartbeat, or the closed socket) and the
-    run stops with an error naming it, well within 30 s, instead of hanging (no recovery yet)."""
+    """backend.recover=false: rank 1 is SIGKILLed at its 4th forward: rank 0 finds it lost (heartbeat, or the
+    closed socket) and the run stops with an error naming it, well within 30 s, instead of hanging
+    (test_recovery.py: the same loss with recovery)."""
     import os
     import signal
     import time
@@ -157,7 +158,7 @@ def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, monkey
     job, _ = job_for(2)
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:
-        execute_dist(job, dist_settings(path, 2, timeout_s=120.0))
+        execute_dist(job, dist_settings(path, 2, timeout_s=120.0, recover=False))
     assert time.monotonic() - t0 < 30
     assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
     assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)

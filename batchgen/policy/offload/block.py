@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.policy.base import Admit, Decision, Snapshot
 from batchgen.policy.common import pages_for, shed_to_fit
 
@@ -61,6 +62,12 @@ def decide_block(snap: Snapshot, plan: BlockPlan) -> Decision:
 def _shed(snap: Snapshot, d: Decision) -> None:
     """Rows that cannot grow by a page lose their KV (recomputed later)."""
     P = snap.page_tokens
+    if fastpath.ENABLED and snap.num_ranks == 1 and not snap.active_host_resident.any():
+        # one rank, device KV (the usual block): nothing is shed when every row's next page fits (the same
+        # integer sum `shed_to_fit` compares), and no host-resident row could be (a fast path: the same decision)
+        if int(pages_for(snap.active_context + P, P).sum()) <= int(snap.pages_capacity[0]):
+            d.evict_ids = np.empty(0, np.int64)
+            return
     dev = np.flatnonzero(~snap.active_host_resident)
     drop = dev[shed_to_fit(snap.active_rank[dev], pages_for(snap.active_context[dev] + P, P),
                            -snap.active_decoded[dev].astype(float), snap.pages_capacity)]

@@ -1,0 +1,427 @@
+"""Continuing a `backend=dist` run on the surviving processes after a worker other than rank 0 died (issue 9,
+part 4).
+
+A torch process group cannot drop a member, so the survivors build a new one: a *generation*. Generation 0 is
+the group the launcher (or torchrun) made; each recovery starts the next:
+
+1. Every survivor finds the loss on its own (`Comm` raises `WorkerLost` in the operation that needed the dead
+   peer, or, waiting for a command, as soon as the heartbeat marks any member lost).
+2. Rank 0 decides who survives (everyone its heartbeat does not call lost: `decide_survivors`) and publishes
+   the list in the rendezvous store under the next generation's key (`publish`); the others wait for that key
+   (`await_decision`), bounded by the collective timeout and abandoned at once if rank 0's heartbeat stops (a
+   dead rank 0 takes the store, the engine and the outputs with it: that is not recoverable). Rank 0 may
+   instead publish a refusal (the survivors cannot hold the model, by the same memory plan the run was
+   checked with): everyone then stops with that one line.
+3. `regroup`: the old heartbeat stops, every old group is destroyed (gloo lets pending operations on it go),
+   and the survivors, renumbered in launch-rank order (rank 0 stays 0), join a new default group over a
+   `PrefixStore` of the same store with the generation in its prefix; a new heartbeat runs under its own prefix
+   with the new numbering.
+4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
+   expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
+   the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
+   the same pool (else a fresh one).
+5. The caches are the truth (`settle_caches`): the loss was caught mid-step, so a planned yield, restore or
+   migration may or may not have happened. Each survivor reports what its cache holds; rank 0 keeps a sequence
+   where one survivor holds exactly the KV its tokens imply (`keep_plan`: prompt + generated - 1 tokens, on
+   device or as a host copy; the interrupted forward's one extra slot is dropped and written again, with the
+   same token, by the next forward); every survivor drops the rest.
+6. Rank 0 (`requeue`): a fresh `ClusterState` of the smaller cluster, remapped: finished sequences stay finished
+   (tokens, times, counters kept); kept ones run on, or wait suspended, on their survivor (pages and host copies
+   as its cache holds them; the new `KVLedger` says which cache); every other unfinished one (the lost rank's,
+   and part-written prompts) waits at the head of the queue with the tokens it had generated (`decoded` kept):
+   the engine's recompute path (the one eviction uses) prefills prompt + generated again, and sampling goes on
+   at step len(generated) with the same per-(sequence, step) draws, so outputs equal an undisturbed run's. The
+   engine restarts on it (the policy planned again for the survivors), on the same clock.
+
+What this does NOT do, said plainly:
+
+- No choice between restoring and recomputing the lost rank's sequences: their host copies lived in the dead
+  process's memory and died with it, so recompute is the only path (restoring would need host copies in memory
+  that outlives the process: shared memory per node).
+- The policy's own carried state (`Decision.carry`) starts afresh in the new engine.
+- NCCL: the code aborts the old communicators before destroying them; it has not run on a GPU.
+- Under torchrun the elastic agent stops every worker when one exits: recovery needs the one-machine launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch.distributed as dist
+
+from batchgen.core.ops import KVLedger
+from batchgen.core.queues import IdQueue
+from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED
+from batchgen.core.state import ClusterState
+from batchgen.dist.errors import WorkerLost
+from batchgen.dist.failure import Heartbeat
+from batchgen.dist.launch import DistContext, DistEnv
+from batchgen.dist.worker import Command
+
+KEY = "batchgen/recover/gen{}"
+
+
+class RecoveryRefused(RuntimeError):
+    """The run cannot continue on the survivors (rank 0 says why); the first line is the whole story."""
+
+
+@dataclass
+class Recovery:
+    """One recovery, as a researcher reads it in the output (ranks are launch ranks)."""
+
+    generation: int          # the group generation it started (1 for the first recovery)
+    lost: list[int]          # the ranks found lost
+    survivors: list[int]     # the ranks that went on, in their new rank order
+    at_s: float              # rank 0's engine clock when it caught the loss
+    cause: str               # what showed it (WorkerLost's message)
+    finished_before: int     # sequences that had finished (kept: tokens, times, counters)
+    kept: int                # unfinished sequences whose KV a survivor kept (running or suspended there)
+    requeued: int            # unfinished sequences with KV or generated tokens, recomputed from prompt + generated
+    on_lost_rank: int        # of them, those whose KV (device or host copy) was in a lost rank's process
+    regroup_s: float = 0.0   # from the catch to the new engine's start: decision, new group, model rebuilt
+
+
+@dataclass
+class Generation:
+    """One process group's lifetime: this process's membership in it, its heartbeat, and which launch rank each
+    of its ranks is."""
+
+    number: int
+    ctx: DistContext
+    heartbeat: Heartbeat
+    members: tuple[int, ...]  # members[r]: the launch rank of this generation's rank r
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def size(self) -> int:
+        return self.ctx.world_size
+
+
+# ---- who survives ------------------------------------------------------------------------------------------
+def decide_survivors(gen: Generation, err: WorkerLost, settle_s: float | None = None) -> list[int]:
+    """Rank 0: the ranks of `gen` that go on (ascending; rank 0 first). The rank the error named and every rank
+    the heartbeat calls lost are out; after an error that named no rank, wait for the heartbeat to find one.
+    `settle_s` (default one heartbeat interval): a short wait so that processes killed together (one node's)
+    are dropped together rather than in two recoveries."""
+    hb = gen.heartbeat
+    peers = [r for r in range(gen.size) if r != gen.rank]
+    lost = set(hb.lost(peers))
+    if err.rank is not None and err.rank != gen.rank:
+        lost.add(err.rank)
+    if not lost:
+        found = hb.wait_for_loss(peers)
+        if found is not None:
+            lost.add(found)
+    if not lost:
+        raise RecoveryRefused(f"a peer failed ({err}) but no rank stopped beating: cannot tell whom to drop")
+    time.sleep(hb.interval_s if settle_s is None else settle_s)
+    lost |= set(hb.lost(peers))
+    return [r for r in range(gen.size) if r not in lost]
+
+
+def publish(gen: Generation, survivors: list[int] | None, reason: str = "") -> None:
+    """Rank 0: the next generation's members (ranks of `gen`), or None with the reason the run stops."""
+    gen.ctx.store.set(KEY.format(gen.number + 1), json.dumps({"survivors": survivors, "reason": reason}))
+
+
+def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[int]:
+    """A worker after WorkerLost: rank 0's list of survivors for the next generation. Raises the WorkerLost
+    itself when rank 0 is the lost one (nobody is left to decide), RecoveryRefused when rank 0 stops the run or
+    leaves this rank out, WorkerLost naming rank 0 when no decision comes within `timeout_s`."""
+    if err.rank == 0:
+        raise err
+    key = KEY.format(gen.number + 1)
+    hb, store = gen.heartbeat, gen.ctx.store
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if hb.lost([0]):
+            raise WorkerLost(0, f"{hb.cause(0)}, while waiting for rank 0's recovery decision (after: {err})")
+        try:
+            if store.check([key]):
+                break
+        except Exception as e:  # noqa: BLE001: rank 0 hosts the store; it is gone with it
+            raise WorkerLost(0, f"the store stopped answering ({e}) while waiting for the recovery decision") \
+                from None
+        if time.monotonic() >= deadline:
+            raise WorkerLost(0, f"no recovery decision from rank 0 within {timeout_s:g} s (after: {err})")
+        time.sleep(hb.interval_s / 4)
+    decision = json.loads(store.get(key))
+    survivors = decision["survivors"]
+    if survivors is None:
+        raise RecoveryRefused(f"rank 0 stopped the run after {err}: {decision['reason']}")
+    if gen.rank not in survivors:
+        raise RecoveryRefused(f"rank 0 left rank {gen.members[gen.rank]} out of the recovered group (it was found "
+                              f"lost: {err})")
+    return survivors
+
+
+# ---- the new group -----------------------------------------------------------------------------------------
+def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_after_s: float) -> Generation:
+    """Leave every group of `gen` and join the survivors' new one (this process must be among them); a new
+    heartbeat for it. Bounded: init_process_group waits at most the collective timeout for the others."""
+    gen.heartbeat.stop()
+    if gen.ctx.backend == "nccl":  # a communicator whose peer died may block a plain destroy
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    number = gen.number + 1
+    old = gen.ctx
+    new_rank = survivors.index(gen.rank)
+    env = DistEnv(new_rank, len(survivors), old.env.local_rank, old.env.master_addr, old.env.master_port)
+    dist.init_process_group(old.backend, store=dist.PrefixStore(f"batchgen/pg/gen{number}", old.store),
+                            rank=new_rank, world_size=len(survivors),
+                            timeout=datetime.timedelta(seconds=old.timeout_s),
+                            device_id=old.device if old.device.type == "cuda" else None)
+    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report)
+    heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
+                                      prefix=f"batchgen/hb/gen{number}").start()
+    return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
+
+
+# ---- the survivors' caches ----------------------------------------------------------------------------------
+def inventory(cache) -> dict[int, tuple[bool, int, int, int, int]]:
+    """What a survivor's cache holds: sequence id -> (on device, device tokens, host-copy tokens, tokens of a
+    host-resident step under way, device pages held)."""
+    return {sid: (cache.on_device(sid), cache.device_tokens(sid), cache.synced_tokens(sid),
+                  cache._seqs[sid].pending, len(cache.pages(sid))) for sid in cache.seq_ids()}
+
+
+def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict],
+              split: np.ndarray | None = None) -> list[dict]:
+    """Rank 0: which KV each survivor keeps, per rank {sequence id: (on device, tokens kept, pages held, has a
+    host copy)}.
+
+    The caches, not the state, are the truth here: the loss was caught mid-step, so a planned yield, restore or
+    migration may or may not have happened. A sequence is kept where one survivor holds exactly the KV its tokens
+    imply: prompt + generated - 1 tokens (the last generated token is fed by the next forward), on device or as
+    a host copy. The interrupted forward's token was never recorded: its slot (one token more on device, or a
+    host-resident step's pending token) is dropped and written again, with the same token, by the next forward.
+    Everything else (no tokens yet, part-written prompts, a copy in a lost process, a PARTITIONed sequence:
+    `split` > 0 in the ledger, its head shards spread over processes) is recomputed."""
+    plan: list[dict] = [{} for _ in inventories]
+    seen: set[int] = set()
+    for rank, inv in enumerate(inventories):
+        for sid, (on_device, device_len, synced, pending, pages) in inv.items():
+            if (sid in seen or done[sid] or not generated[sid] or table.prefilled[sid] or table.tp[sid] > 1
+                    or (split is not None and split[sid])):
+                continue
+            need = int(table.input_len[sid]) + len(generated[sid]) - 1
+            if on_device and device_len in (need, need + 1) and synced <= need:
+                plan[rank][sid] = (True, need, pages, synced > 0)
+            elif not on_device and synced == need:
+                plan[rank][sid] = (False, need, 0, True)
+            else:
+                continue
+            seen.add(sid)
+    return plan
+
+
+def apply_keep(cache, keep: dict) -> None:
+    """A survivor: drop every sequence not kept; a kept one forgets the interrupted forward's slot (device
+    tokens past the kept ones, or a host-resident step's pending tokens: an extra page held is harmless, the
+    pools only ever grow a sequence's pages)."""
+    cache.release([sid for sid in cache.seq_ids() if sid not in keep])
+    shards = getattr(cache, "shards", None)  # PARTITION's head shards (exec/shards.py): never kept
+    if shards is not None:
+        shards.release(shards.seq_ids())
+    for sid, (on_device, tokens, _, _) in keep.items():
+        seq = cache._seqs[sid]
+        if on_device:
+            seq.device_len = tokens
+        else:
+            seq.pending = 0
+
+
+def settle_caches(worker, decide=None) -> list[dict]:
+    """Every survivor, right after regrouping with its old cache: report it, rank 0 decides (`decide(inventories)
+    -> keep_plan`) and broadcasts, each applies its part. Through the control channel's reply and receive."""
+    got = worker.reply(inventory(worker.cache))
+    plan = worker.receive(Command("keep", decide(got)) if worker.rank == 0 else None).parts
+    apply_keep(worker.cache, plan[worker.rank])
+    return plan
+
+
+# ---- the engine's state over the survivors -------------------------------------------------------------------
+def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new: ClusterState, now: float,
+            lost_gpus: list[int], keep: list[dict] | None = None) -> tuple[int, int, int, int]:
+    """Fill `new` (a fresh state of the smaller cluster, every sequence pending) from `old` (the state when the
+    loss was caught, possibly mid-step), the tokens actually generated and what the survivors' caches kept
+    (`keep`, per new rank, from `keep_plan`; None: nothing kept).
+
+    Finished sequences stay finished (`done`: the stopping rules ended them, possibly in the interrupted step,
+    whose finish time is then `now`). A kept sequence runs device-resident on its survivor (pages as its cache
+    holds them; a host copy counted where its cache has one) or waits suspended on that survivor's node, and the
+    new ledger says which cache holds it. Every other unfinished one is pending with `decoded` = its generated
+    tokens: those that had KV or tokens at the head of the queue (as an eviction leaves them: recomputed from
+    prompt + generated), the others behind them in their old queue order.
+    Returns (finished, kept, requeued, requeued whose KV was in a lost rank's process)."""
+    to, tn = old.table, new.table
+    n = len(tn)
+    gen = np.array([len(g) for g in generated], np.int64)
+    done = np.asarray(done, bool)
+    if not np.all(done[to.where == FINISHED]):
+        raise AssertionError("a sequence the state finished is not finished by its tokens")
+    tn.input_len[:] = to.input_len
+    tn.output_len[:] = np.where(done, gen, to.output_len)
+    tn.decoded[:] = gen
+    for name in ("yields", "migrations", "recomputes", "partitions"):
+        getattr(tn, name)[:] = getattr(to, name)
+    tn.first_token_time[:] = np.where(np.isnan(to.first_token_time) & (gen > 0), now, to.first_token_time)
+    tn.finish_time[:] = np.where(done, np.where(np.isnan(to.finish_time), now, to.finish_time), np.nan)
+    tn.where[:] = np.where(done, FINISHED, PENDING)
+    tn.instance[:] = 0
+    new.num_finished = int(done.sum())
+    kept = np.zeros(n, bool)
+    ledger = KVLedger.of(new)
+    node = new.topo.gpu_node
+    for rank, mine in enumerate(keep or []):
+        if not mine:
+            continue
+        ids = np.fromiter(mine, np.int64, len(mine))
+        dev = np.array([mine[int(s)][0] for s in ids], bool)
+        pages = np.array([mine[int(s)][2] for s in ids], np.int64)
+        copy = np.array([mine[int(s)][3] for s in ids], bool)
+        kept[ids] = True
+        ledger.holder[ids], ledger.on_device[ids] = rank, dev
+        run, park = ids[dev], ids[~dev]
+        if run.size:
+            new._join_gpu(0, run, np.full(run.size, rank), lookahead_tokens=0, reserve=False)
+            new._set_pages(run, pages[dev])
+        if park.size:
+            tn.where[park] = SUSPENDED
+            new.suspended[int(node[rank])].push(park)
+        with_copy = ids[copy]
+        if with_copy.size:
+            tn.host_node[with_copy] = node[rank]
+            new._host_add(np.full(with_copy.size, node[rank]), tn.input_len[with_copy] + tn.decoded[with_copy])
+    had_kv = (to.where >= 0) | (to.where == SUSPENDED) | (gen > 0) | (to.prefilled > 0)
+    requeued = ~done & ~kept & had_kv
+    tn.recomputes[requeued] += 1
+    # held by a lost rank: running there, or its KV (device pages or host copy) in that process's cache, as the
+    # ledger of the ops so far has it
+    holder = KVLedger.of(old).holder
+    on_lost = requeued & (np.isin(to.where, lost_gpus) | np.isin(holder, lost_gpus))
+    queued = [q.to_array() for q in (*old.pending, *old.pinned)]
+    order = np.concatenate(queued) if queued else np.empty(0, np.int64)
+    waiting = order[~done[order] & ~requeued[order] & ~kept[order]]
+    rest = np.setdiff1d(np.flatnonzero(~done & ~requeued & ~kept), waiting)  # e.g. a prefill to host mid-step
+    new.pending = [IdQueue(np.concatenate([np.flatnonzero(requeued), rest, waiting]))]
+    new.pending.extend(IdQueue() for _ in range(new.topo.num_instances - 1))
+    new.pinned = [IdQueue() for _ in range(new.topo.num_gpus)]
+    new.check()
+    if len(new.pending[0]) + int(kept.sum()) != n - new.num_finished:
+        raise AssertionError("requeue lost track of a sequence")
+    return new.num_finished, int(kept.sum()), int(requeued.sum()), int(on_lost.sum())
+
+
+def pad_ranks(values: np.ndarray, members: tuple[int, ...], world: int) -> np.ndarray:
+    """A generation's per-rank array as per launch rank (a lost rank's entry 0): records of every generation
+    line up."""
+    out = np.zeros(world, dtype=np.asarray(values).dtype)
+    out[list(members)] = values
+    return out
+
+
+@dataclass
+class RunPieces:
+    """What rank 0 keeps across generations: the finished engines' records and counters."""
+
+    records: list = field(default_factory=list)
+    events: int = 0
+    moves: dict = field(default_factory=dict)
+    traffic: dict = field(default_factory=dict)
+
+    def add(self, engine, backend, members: tuple[int, ...], world: int) -> None:
+        for r in engine.records:
+            r.rank_busy = pad_ranks(r.rank_busy, members, world)
+            r.rank_comm = pad_ranks(r.rank_comm, members, world)
+        self.records.extend(engine.records)
+        self.events += backend.events
+        for into, src in ((self.moves, backend.moves), (self.traffic, backend.traffic)):
+            for k, v in src.items():
+                into[k] = (max(into.get(k, 0), v) if k.startswith("peak") else into.get(k, 0) + v)
+
+
+@dataclass
+class PartialOutput:
+    """What a run that stopped keeps (rank 0 alive): every finished sequence's tokens, and the steps run."""
+
+    finished: dict[int, list[int]]  # sequence id -> its generated tokens, for each sequence that had finished
+    total: int                      # sequences in the job
+    records: list
+
+    @classmethod
+    def of(cls, tokens, done: np.ndarray, records: list) -> "PartialOutput":
+        return cls({int(s): list(tokens.generated[s]) for s in np.flatnonzero(done)}, len(done), list(records))
+
+    @classmethod
+    def from_reports(cls, reports: list) -> "PartialOutput | None":
+        """What rank 0 reported to the launcher as sequences finished (`finished_report`): all that is left of
+        its outputs when rank 0 itself died (no records)."""
+        if not reports:
+            return None
+        finished = {}
+        for r in reports:
+            finished.update(r["finished"])
+        return cls(finished, reports[-1]["total"], [])
+
+    @property
+    def summary(self) -> str:
+        return (f"{len(self.finished)} of {self.total} sequences had finished (their tokens: "
+                "DistRunFailed.partial)")
+
+
+def carry_totals(before, after) -> None:
+    """A process's new `RankWorker` (next generation) goes on counting where the old one stopped: busy,
+    communication and wall seconds, CPU seconds and KV moves are over the process's whole run."""
+    after.busy_s += before.busy_s
+    after.comm_s += before.comm_s
+    after._busy_pending += before._busy_pending
+    after._comm_pending += before._comm_pending
+    after._start, after._cpu_start = before._start, before._cpu_start
+    for into, src in ((after.moves, before.moves), (getattr(after, "traffic", {}), getattr(before, "traffic", {}))):
+        for kind, n in src.items():
+            into[kind] = into.get(kind, 0) + n
+
+
+def finished_report(tokens, ids) -> dict:
+    """A progress message for the launcher: the tokens of sequences that just finished (each sent once, so a
+    rank 0 that dies later leaves them behind in its parent)."""
+    return {"total": len(tokens.generated), "finished": {int(s): list(tokens.generated[int(s)]) for s in ids}}
+
+
+def fold_peaks(first: ClusterState, retired: ClusterState, members: tuple[int, ...]) -> None:
+    """The launched cluster's peak pages (per launch rank) and host use also count a later generation's."""
+    idx = list(members)
+    first.peak_pages[idx] = np.maximum(first.peak_pages[idx], retired.peak_pages)
+    k = min(first.peak_host.size, retired.peak_host.size)
+    first.peak_host[:k] = np.maximum(first.peak_host[:k], retired.peak_host[:k])
+
+
+def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) -> None:
+    """The output's state after recoveries: the launched cluster's (its topology, so that records' per-rank
+    arrays, indexed by launch rank, line up with its GPUs) holding the last generation's per-sequence results
+    (every sequence finished: nothing left on any GPU, host or queue)."""
+    if not last.all_finished():
+        raise AssertionError("settle: the last generation left sequences unfinished")
+    fold_peaks(first, last, members)
+    first.table = last.table
+    first.num_finished = last.num_finished
+    first.pages_used[:] = 0
+    first.host_used[:] = 0
+    first.host_reserved[:] = 0
+    first.pending = [IdQueue() for _ in first.pending]
+    first.pinned = [IdQueue() for _ in first.pinned]
+    first.suspended = [IdQueue() for _ in first.suspended]
+    first.active = [np.empty(0, np.int64) for _ in first.active]
+    first.prefilling = [np.empty(0, np.int64) for _ in first.prefilling]
+    first.check()

@@ -1,0 +1,221 @@
+"""An offloading system's decode run on one rank with its KV on the GPU, priced without the per-layer DAG object.
+
+Why. FlexGen and ZeRO-Inference with device KV on one GPU (Vidur's workload) price every run through
+`plan.microbatch.price_microbatched`: a dozen roofline calls on (1 x K) grids, a `Dag` of a dozen nodes per layer
+and the module split priced again; about half of those policies' simulation time. On one rank with every
+sequence's KV on the device, that DAG is a chain: every node with a cost sits on the GPU stream (attention, FFN,
+the dense model's 0-second expert node), the weight ring costs nothing (a dense model streams no experts), and a
+sync node waits for one rank only. A layer's steady-state time is then the second layer's chain minus the first's.
+
+Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order
+(a max over predecessors picks a value without rounding), every cost is the roofline's formula on the same
+operands in the same order over the iterations (elementwise on (K,) vectors instead of (1, K) grids), GEMM times
+are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
+same layout. It applies where `sim.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
+no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
+returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
+planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
+DAG on random grids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
+from batchgen.plan.decode import DecodeGrid, _host_micro_batches
+from batchgen.sim.scalar import ScalarRoofline
+
+
+class _NotHere(Exception):
+    pass
+
+
+def _gemm(sp: ScalarRoofline, module: str, tokens: np.ndarray, shapes: tuple, launches) -> np.ndarray:
+    """The roofline's GEMM seconds for each cell of `tokens` (K,) in `launches` (a number or (K,)) launches, read
+    from its curves; cells without tokens hold 0 (the callers mask them)."""
+    index = tokens.astype(np.int64)
+    top = int(index.max(initial=0))
+    if top > _GEMM_LOOKUP_MAX or not (index == tokens).all():
+        raise _NotHere
+    lat = sp.lat
+    if not isinstance(launches, np.ndarray):
+        return lat._gemm_curve(module, shapes, float(launches), top)[index]
+    on = tokens > 0
+    used = launches[on]
+    if not used.size:
+        return np.zeros(tokens.shape)
+    first = used[0]
+    if first == np.floor(first) and (used == first).all():  # one launch count (the usual run)
+        return np.where(on, lat._gemm_curve(module, shapes, float(first), top)[index], 0.0)
+    out = np.zeros(tokens.shape)
+    for n in np.unique(used):
+        if n != np.floor(n):
+            raise _NotHere
+        cells = on & (launches == n)
+        out[cells] = lat._gemm_curve(module, shapes, float(n), top)[index[cells]]
+    return out
+
+
+def _attention_decode(sp: ScalarRoofline, t: np.ndarray, ctx: np.ndarray, mb: np.ndarray) -> np.ndarray:
+    """`Roofline.attention_decode(t, ctx, mb)` (no longest context) on (K,) vectors."""
+    proj = _gemm(sp, "attention_decode", t, sp.attn_shapes, mb)
+    rate, bw, kernel_s = sp.stream["attention_decode"]
+    kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
+    scores = np.maximum(sp.flops_decode * ctx / rate, kv / bw) + np.maximum(mb, 1) * kernel_s
+    return np.where(t > 0, proj + scores, 0.0)
+
+
+def _dense_ffn(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
+    if sp.ffn_shapes is None:
+        return np.zeros(t.shape)
+    return np.where(t > 0, _gemm(sp, "dense_ffn", t, sp.ffn_shapes, 1.0), 0.0)
+
+
+def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
+    proj = _gemm(sp, "lm_head", t, sp.head_shapes, 1.0)
+    return np.where(t > 0, proj + (2 * t * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
+
+
+def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
+    """`sim.offload_costs.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
+    calls per iteration), or None where this path does not mirror it (see the module docstring)."""
+    from batchgen.sim.costs import RunCost
+
+    gate2 = grid.gate_tokens
+    if gate2.shape[0] != 1 or grid.host_tokens.any():
+        return None
+    try:
+        out = _one_micro_batch(sp, grid, micro_batch, RunCost)
+        return out if out is not None else _price(sp, grid, micro_batch, pipelined, RunCost)
+    except _NotHere:
+        return None
+
+
+def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, RunCost):
+    """`_price` where the run is one micro-batch of every query, each sequence one gate token (the usual run:
+    ZeRO-Inference's whole batch, a FlexGen block of one micro-batch), with the operations that provably change
+    no value left out: x + 0.0 and 0 + x are x for x >= +0 (every cost here), 1.0 x kernel_s is kernel_s, and a
+    mask is the identity where the masked cells are 0 already. Per iteration k with t_k queries (on: t_k > 0):
+    the micro-batch is the queries themselves with their context and one launch (t_k <= micro_batch), so its
+    attention is the module split's too; a layer's chain is attention then FFN, end1 = a + f and
+    end2 = (end1 + a) + f. None where any of that does not hold."""
+    n_dense = sp.lat.layer_counts()[0]
+    g = grid.gate_tokens[0]
+    dev_t = grid.dev_tokens[0]
+    index = g.astype(np.int64)
+    top = int(index.max(initial=0))
+    if (not n_dense or top <= 0 or top > _GEMM_LOOKUP_MAX or (micro_batch > 0 and top > micro_batch)
+            or g.dtype != np.float64 or not (index == g).all() or not (dev_t == g).all()):
+        return None
+    on = g > 0
+    launches = on.astype(float)  # one per iteration with queries: ceil(t / micro_batch) = 1 for 0 < t <= micro_batch
+    if not (grid.dev_micro_batches[0] == launches).all():
+        return None
+    lat = sp.lat
+    dev_c = grid.dev_context[0]
+    rate, bw, kernel_s = sp.stream["attention_decode"]
+    kv = (dev_c + g) * sp.kvb + 2 * g * sp.act_row
+    a = np.where(on, lat._gemm_curve("attention_decode", sp.attn_shapes, 1.0, top)[index]
+                 + (np.maximum(sp.flops_decode * dev_c / rate, kv / bw) + kernel_s), 0.0)
+    f = (np.where(on, lat._gemm_curve("dense_ffn", sp.ffn_shapes, 1.0, top)[index], 0.0)
+         if sp.ffn_shapes is not None else np.zeros(g.shape))
+    head = np.where(on, lat._gemm_curve("lm_head", sp.head_shapes, 1.0, top)[index]
+                    + (2 * g * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
+    step = np.where(on, sp.step_s + sp.step_seq_s * g, 0.0)
+    end1 = a + f  # also the micro-batch's GPU work (attention + FFN)
+    lt = ((end1 + a) + f) - end1
+    iteration = np.where(on, (head + step) + n_dense * lt, 0.0)
+    exposed = np.where(on, 0.0 + n_dense * np.maximum(lt - end1, 0.0), 0.0)
+    busy = np.where(on, head + n_dense * end1, 0.0)
+    modules = {"attention": float((n_dense * a).sum()), "ffn": float((n_dense * f).sum()), "head": float(head.sum())}
+    cost = RunCost(iteration, busy[None, :].sum(axis=1), np.full(1, float(exposed.sum())), np.where(on, g, 0.0),
+                   modules)
+    return cost, 0.0, 0.0, np.zeros(g.size)
+
+
+def microbatched_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,
+                          replicas: int = 1):
+    """`plan.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
+    simulator's one-rank runs, the planner's typical iteration), or None where this path does not mirror it."""
+    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
+        return None
+    try:
+        price, calls, _ = _microbatched(sp, grid, micro_batch, pipelined, replicas)
+    except _NotHere:
+        return None
+    return price, calls
+
+
+def _microbatched(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, replicas: int = 1):
+    """(DecodePrice, calls, LM head seconds per iteration): every micro-batch's attention and FFN priced in one
+    vector call each (the roofline's formulas are elementwise), the chain added node by node in the DAG's order:
+    on Python floats for a one-iteration grid (the planner's), on (K,) vectors otherwise."""
+    from batchgen.plan.decode import DecodePrice
+
+    n_dense = sp.lat.layer_counts()[0]
+    g = np.asarray(grid.gate_tokens, float)[0]
+    K = g.size
+    dev_t = np.asarray(grid.dev_tokens, float)[0]
+    dev_c = np.asarray(grid.dev_context, float)[0]
+    tokens, context, launches = _host_micro_batches(dev_t[None], dev_c[None], micro_batch)  # (M, 1, K)
+    active = g > 0
+    lm_head = _lm_head(sp, g)
+    step = np.where(g > 0, sp.step_s + sp.step_seq_s * g, 0.0)
+    iteration = lm_head + step
+    busy = lm_head.copy()
+    exposed = np.zeros(K)
+    m = tokens.shape[0]
+    if n_dense and m:
+        t = tokens[:, 0, :].ravel()
+        attn = _attention_decode(sp, t, context[:, 0, :].ravel(), launches[:, 0, :].ravel()).reshape(m, K)
+        ffn = _dense_ffn(sp, t).reshape(m, K)
+        attn, ffn = (attn[:, 0].tolist(), ffn[:, 0].tolist()) if K == 1 else (list(attn), list(ffn))
+        order = []  # the GPU stream's nodes in the DAG's order of issue (moe: the dense layer's 0-second node)
+        if pipelined:
+            order.append(attn[0])
+            for i in range(m):
+                if i + 1 < m:
+                    order.append(attn[i + 1])
+                order += [ffn[i], 0.0]
+        else:
+            for i in range(m):
+                order += [attn[i], ffn[i], 0.0]
+        ends = []
+        x = 0.0
+        for _layer in (1, 2):
+            for cost in order:
+                x = x + cost
+            x = x + 0.0  # the layer's end node
+            ends.append(x)
+        lt = ends[1] - ends[0]
+        work = sum(attn) + sum(ffn)
+        ct = work + sum([0.0] * m)
+        if K == 1:
+            lt, work, ct = np.array([lt]), np.array([work]), np.array([ct])
+        iteration = iteration + n_dense * lt
+        exposed = exposed + n_dense * np.maximum(lt - ct, 0.0)
+        busy = busy + n_dense * work
+    iteration = np.where(active, iteration, 0.0)
+    exposed = np.where(active, exposed, 0.0)
+    comm = np.where(active, np.zeros(K) + exposed, 0.0)
+    busy = np.where(active, busy, 0.0)
+    # no expert weights to prefetch and no host KV: no bytes (0.0 x replicas, as the DAG's path gives)
+    price = DecodePrice(iteration, busy[None, :].sum(axis=1), comm, exposed, np.zeros(K), 0.0 * replicas,
+                        0.0 * replicas)
+    return price, np.zeros(K), lm_head
+
+
+def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
+    """`price_offload` from `_microbatched`: the module split from the same latency model (device attention)."""
+    n_dense = sp.lat.layer_counts()[0]
+    p, calls, lm_head = _microbatched(sp, grid, micro_batch, pipelined)
+    g = np.asarray(grid.gate_tokens, float)[0]
+    active = g > 0
+    dev_attn = _attention_decode(sp, np.asarray(grid.dev_tokens, float)[0], np.asarray(grid.dev_context, float)[0],
+                                 np.asarray(grid.dev_micro_batches, float)[0])
+    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(g.size) + n_dense * _dense_ffn(sp, g),
+                     "head": lm_head}
+    modules = {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
+    cost = RunCost(p.iteration_s, p.rank_busy, np.full(1, float(p.comm_s.sum())), np.where(active, g, 0.0), modules)
+    return cost, p.h2d_bytes, p.d2h_bytes, calls
