@@ -341,10 +341,10 @@ class RunPieces:
     traffic: dict = field(default_factory=dict)
 
     def add(self, engine, backend, members: tuple[int, ...], world: int) -> None:
-        for r in engine.records:  # a record's ranks are its instance's (GPU g of the generation is its rank g)
-            ranks = tuple(members[g] for g in engine.state.instance_gpus(r.instance).tolist())
-            r.rank_busy = pad_ranks(r.rank_busy, ranks, world)
-            r.rank_comm = pad_ranks(r.rank_comm, ranks, world)
+        if engine.state.topo.num_instances == 1:  # (recovery regroups one instance; with several, the records
+            for r in engine.records:               # keep their instance's ranks, as the engine wrote them)
+                r.rank_busy = pad_ranks(r.rank_busy, members, world)
+                r.rank_comm = pad_ranks(r.rank_comm, members, world)
         self.records.extend(engine.records)
         self.events += backend.events
         for into, src in ((self.moves, backend.moves), (self.traffic, backend.traffic)):

@@ -115,11 +115,7 @@ def test_two_instances_match_exec_and_hf_and_overlap(saved, loop_kernel, forward
     assert len(out.rank_busy_s) == procs and all(b > 0 for b in out.rank_busy_s)
     for w, b, c, i in zip(out.rank_wall_s, out.rank_busy_s, out.rank_comm_s, out.rank_idle_s):
         assert b + c + i == pytest.approx(w, rel=1e-6, abs=1e-6)
-    for r in out.records:  # per launch rank: a record's busy seconds are its instance's ranks'
-        assert r.rank_busy.shape == (procs,)
-        outside = np.ones(procs, bool)
-        outside[r.instance * per_instance:(r.instance + 1) * per_instance] = False
-        assert not r.rank_busy[outside].any() and not r.rank_comm[outside].any()
+    assert all(r.rank_busy.shape == (per_instance,) for r in out.records)
     # the instances ran at the same time: instance 1's forwards overlap instance 0's for a good share of them
     first, second = forward_log(0), forward_log(per_instance)
     assert len(first) > 5 and len(second) > 5
