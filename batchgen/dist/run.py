@@ -46,7 +46,7 @@ from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, in
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, keep_plan, publish,
                                     regroup, requeue, restore_lost, settle, settle_caches)
-from batchgen.dist.shared_host import PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
+from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
@@ -144,6 +144,11 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         raise DistConfigError(f"backend.start_method={settings.start_method!r}: choose fork or spawn")
     if not settings.heartbeat_s > 0:
         raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
+    if not isinstance(settings.shared_host_copies, bool):
+        raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
+    if settings.shared_host_copies and not os.path.isdir(SHM_DIR):
+        raise DistConfigError(f"backend.shared_host_copies keeps host KV pools in {SHM_DIR}, which this machine "
+                              "lacks: set backend.shared_host_copies=false")
     if settings.timeout_s <= 0:
         raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
     if isinstance(settings.device, (list, tuple)):

@@ -254,7 +254,7 @@ def test_host_pool_in_a_shared_file_outlives_the_cache_and_reads_back_exact(tmp_
                                                                                  "batchgen-unit-r3-1",
                                                                                  "batchgen-unit-r3-2"]
     assert files.publish(cache) and not files.publish(cache)  # unchanged: nothing written
-    assert sorted(os.listdir(tmp_path)) == ["batchgen-unit-r3-2", "batchgen-unit-r3.json"]
+    assert sorted(os.listdir(tmp_path)) == ["batchgen-unit-r3-2", "batchgen-unit-r3.idx"]
     del cache  # the process's pool is gone; the file and its index are not
     index = PublishedIndex.load(files.index)
     assert index.readable() and {s: n for s, (n, _) in index.seqs.items()} == {5: 10, 9: 3}
@@ -328,3 +328,12 @@ def test_restore_lost_adopts_exact_copies_it_prices_cheaper_within_the_host_room
             assert keep[0][1] == (False, 8, 0, True) and torch.equal(cache.export(1).tokens(), rows)
             cache.check()
     files.close()
+
+
+def test_a_bad_shared_host_copies_setting_is_refused_before_any_process_starts(saved):
+    from batchgen.dist.errors import DistConfigError
+    from batchgen.dist.run import check_dist
+
+    _, path = saved
+    with pytest.raises(DistConfigError, match="shared_host_copies='yes': give true or false"):
+        check_dist(job_for(2)[0], dist_settings(path, 2, shared_host_copies="yes"))
