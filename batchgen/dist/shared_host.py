@@ -30,7 +30,9 @@ at the end (`close`), by rank 0 once it has read a lost rank's (`remove_rank`), 
 after the run whatever happened (`sweep`).
 
 Not done: the pool is pageable memory even on CUDA (an anonymous pool is pinned there; the cache's copies go
-through pinned staging buffers either way); multi-machine runs restore only from files on rank 0's machine.
+through pinned staging buffers either way); multi-machine runs restore only from files on rank 0's machine;
+under torchrun a killed process's files stay until removed by hand (no launcher parent sweeps them; the elastic
+agent stops every worker on a loss anyway).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class SharedHostFiles:
     _retired: list = field(default_factory=list)  # older pool files, removed once the index names `current`
     _published: dict | None = None    # the last index's entries, {id: (its _Seq, synced, host pages held)}
     _published_file: str | None = None
+    fallback: str | None = None       # why the last pool is in ordinary memory (no room in root), if it is
     writes: int = 0                   # index files written
     publish_s: float = 0.0            # seconds inside publish (entries built, and written when they changed)
 
@@ -107,19 +110,29 @@ class SharedHostFiles:
         return index_path(self.run_id, self.rank, self.root)
 
     def alloc(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled pool tensor mapped onto a new file (the cache's `host_alloc`): a fresh file of that
-        size reads as zeros and takes memory only as pages are written."""
+        """A zero-filled pool tensor mapped onto a new file (the cache's `host_alloc`). The file's memory is
+        reserved up front (posix_fallocate: what torch.zeros touches anyway), so a full tmpfs is an error here,
+        not a SIGBUS at the first write into a hole. When it is full, the pool falls back to ordinary memory
+        (`fallback` says why; the index then names no file: this rank's copies are recomputed if it dies)."""
         path = pool_path(self.run_id, self.rank, self._n, self.root)
         self._n += 1
         numel = math.prod(shape)
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        with open(path, "xb") as f:  # x: never map another run's (or pool's) file
-            f.truncate(nbytes)
-        pool = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
         if self.current is not None:
             self._retired.append(self.current)
-        self.current, self.shape, self.dtype = path, tuple(shape), dtype
-        return pool
+        self.current, self.shape, self.dtype = None, tuple(shape), dtype
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never another run's (or pool's) file
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            _unlink(path)
+            self.fallback = f"{path}: {e.strerror or e} ({nbytes:,} bytes)"
+            return torch.zeros(*shape, dtype=dtype)
+        self.current = path
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
 
     @staticmethod
     def entries(cache: PagedKVCache, skip=()) -> dict:
@@ -232,7 +245,7 @@ class PublishedIndex:
 
     def readable(self) -> bool:
         """This machine holds the pool file the index names, at full size."""
-        if self.host != socket.gethostname() or not os.path.exists(self.file):
+        if not self.file or self.host != socket.gethostname() or not os.path.exists(self.file):
             return False
         need = math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
         return os.path.getsize(self.file) >= need

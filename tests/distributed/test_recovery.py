@@ -337,3 +337,25 @@ def test_a_bad_shared_host_copies_setting_is_refused_before_any_process_starts(s
     _, path = saved
     with pytest.raises(DistConfigError, match="shared_host_copies='yes': give true or false"):
         check_dist(job_for(2)[0], dist_settings(path, 2, shared_host_copies="yes"))
+
+
+def test_a_full_tmpfs_falls_back_to_ordinary_memory_and_the_index_names_no_file(tmp_path, monkeypatch):
+    import errno
+
+    files = SharedHostFiles("unit", 2, root=str(tmp_path))
+    cache = _cache_with_copies(files, {1: 4})  # one page: the first file holds it
+    assert files.current and files.fallback is None
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache.prepare([2], [9], [0])
+    cache.yield_to_host([2])  # the pool grows: no room for a new file
+    assert files.current is None and "No space left" in files.fallback
+    assert cache.export(2).length == 9 and cache.export(1).length == 4  # the cache goes on in ordinary memory
+    files.publish(cache)
+    index = PublishedIndex.load(files.index)
+    assert index.file is None and not index.readable()  # a reader recomputes this rank's sequences
+    files.close()
+    assert not os.listdir(tmp_path)
