@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from batchgen.dist.run import DistSettings, execute_dist
-from batchgen.dist.shared_host import SharedHostFiles
+from batchgen.dist.shared_host import SHM_DIR, SharedHostFiles
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.job import Job
 from batchgen.policy import make_policy
@@ -36,7 +36,7 @@ from batchgen.workload import Workload
 
 def publish_cost(seqs: int, tokens: int, page: int = 16, calls: int = 200) -> tuple[float, float, int]:
     """(us per unchanged publish, us per changed publish, index bytes) for `seqs` host copies of `tokens`."""
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory(dir=SHM_DIR) as root:
         files = SharedHostFiles("bench", 0, root=root)
         pages = seqs * -(-tokens // page)
         cache = PagedKVCache(1, 1, 1, page_size=page, num_pages=pages, host_pages=pages, host_alloc=files.alloc)

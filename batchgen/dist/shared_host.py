@@ -15,8 +15,7 @@ Files, per run (`run_id`) and launch rank r:
 - `batchgen-<run id>-r<r>.idx`: the index of its complete host copies (`publish`), replaced atomically (write
   to a temporary name, then rename): one JSON line {"file", "shape", "dtype", "host": hostname, "page_size",
   "seqs": count}, then int64 arrays: ids, synced tokens, host-page counts, and every sequence's host pages
-  covering its synced tokens, concatenated (binary: 256 copies of 2,048 tokens in 16-token pages take 2 ms to
-  write, where a JSON list of the same pages took 8-34 ms). A sequence's first `synced` tokens in those pages never change while it is held
+  covering its synced tokens, concatenated (binary: a JSON list of the same pages took 5-10 times longer). A sequence's first `synced` tokens in those pages never change while it is held
   (syncs rewrite a page with the same values; new tokens go past `synced`), so an entry stays true until the
   sequence is released and its pages handed to another. The worker publishes before a boundary's releases
   (without the released sequences, only when one of them is in the published index) and after its KV ops
@@ -24,8 +23,11 @@ Files, per run (`run_id`) and launch rank r:
 
 Cost per boundary: one pass over the cache's sequences comparing (sequence object, synced, host pages held)
 with the last index (a sequence's pages only grow while it is held; a released and re-added one is a new
-object) and, only when something changed, one write and rename (`publish` returns whether it wrote);
-benchmarks/shared_host_cost.py measures both. Files are removed by their process
+object) and, only when something changed, one write and rename (`publish` returns whether it wrote); a
+sequence's page array is rebuilt only when its pages change. `python benchmarks/shared_host_cost.py` on the
+loaded 2-core development machine (load average 2.1), 16-token pages, per call, unchanged / changed:
+16 copies of 512 tokens 16 us / 134 us; 256 of 2,048: 187 us / 0.7 ms; 2,048 of 2,048: 1.3 ms / 4.1 ms
+(a 2 MB index). Files are removed by their process
 at the end (`close`), by rank 0 once it has read a lost rank's (`remove_rank`), and by the launcher's parent
 after the run whatever happened (`sweep`).
 
@@ -43,7 +45,6 @@ import math
 import os
 import socket
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 import torch
@@ -94,6 +95,7 @@ class SharedHostFiles:
     _retired: list = field(default_factory=list)  # older pool files, removed once the index names `current`
     _published: dict | None = None    # the last index's entries, {id: (its _Seq, synced, host pages held)}
     _published_file: str | None = None
+    _arrays: dict = field(default_factory=dict)  # id -> (its _Seq, its pages array) of the last index written
     fallback: str | None = None       # why the last pool is in ordinary memory (no room in root), if it is
     writes: int = 0                   # index files written
     publish_s: float = 0.0            # seconds inside publish (entries built, and written when they changed)
@@ -162,15 +164,13 @@ class SharedHostFiles:
             ids = np.fromiter(entries, np.int64, n)
             synced = np.fromiter((e[1] for e in entries.values()), np.int64, n)
             counts = -(-synced // page)
-            pages = np.fromiter(chain.from_iterable(e[0].host_pages[:c] for e, c in zip(entries.values(),
-                                                                                        counts.tolist())),
-                                np.int64, int(counts.sum()))
+            pages = self._page_arrays(entries, counts.tolist())
             head = {"file": self.current, "shape": list(self.shape), "dtype": str(self.dtype),
                     "host": socket.gethostname(), "page_size": page, "seqs": n}
             tmp = self.index + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(json.dumps(head).encode() + b"\n")
-                f.write(np.concatenate([ids, synced, counts, pages]).tobytes())
+                f.write(np.concatenate([ids, synced, counts, pages]))  # the buffer itself: no bytes copy
             os.replace(tmp, self.index)
             self._published, self._published_file = entries, self.current
             self.writes += 1
@@ -180,6 +180,19 @@ class SharedHostFiles:
         self._retired.clear()
         self.publish_s += time.perf_counter() - t0
         return wrote
+
+    def _page_arrays(self, entries: dict, counts: list[int]) -> np.ndarray:
+        """Every entry's host pages covering its synced tokens, concatenated; a sequence's array is built again
+        only when it is a new sequence object or covers another number of pages (its pages only grow)."""
+        cached, arrays = {}, []
+        for (sid, (seq, _, _)), count in zip(entries.items(), counts):
+            hit = self._arrays.get(sid)
+            arr = hit[1] if hit is not None and hit[0] is seq and hit[1].size == count else \
+                np.array(seq.host_pages[:count], np.int64)
+            cached[sid] = (seq, arr)
+            arrays.append(arr)
+        self._arrays = cached
+        return np.concatenate(arrays) if arrays else np.empty(0, np.int64)
 
     def publish_before_release(self, cache: PagedKVCache, released) -> bool:
         """Before a boundary releases `released` (their host pages may go to another sequence in the same
