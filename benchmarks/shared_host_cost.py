@@ -1,9 +1,9 @@
 """What shared host copies (`backend.shared_host_copies`, batchgen/dist/shared_host.py) cost a run that loses
 nothing.
 
-    python benchmarks/shared_host_cost.py [--rounds 3] [--sequences 32] [--kv-mb 0.5] [--seqs 256 --tokens 2048]
+    python benchmarks/shared_host_cost.py [--rounds 3] [--sequences 32] [--kv-mb 0.5] [--sizes 16x512,256x2048,...]
 
-1. Per boundary: `SharedHostFiles.publish` over a cache holding `--seqs` host copies of `--tokens` tokens each,
+1. Per boundary: `SharedHostFiles.publish` over a cache holding S host copies of T tokens each (--sizes SxT,...),
    when nothing changed (the entry list built and compared: what most boundaries pay) and when it changed (the
    JSON index written and renamed as well); microseconds per call, median of many.
 2. End to end: `backend=dist`, 2 processes (gloo, one thread each), tiny_moe with wider experts, a KV budget
@@ -73,13 +73,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sequences", type=int, default=32)
     p.add_argument("--kv-mb", type=float, default=0.5)
-    p.add_argument("--seqs", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--sizes", default="16x512,256x2048,2048x2048")
     args = p.parse_args()
     torch.set_num_threads(1)
-    same, changed, size = publish_cost(args.seqs, args.tokens)
-    print(f"publish, {args.seqs} host copies of {args.tokens} tokens: unchanged {same:.0f} us, changed {changed:.0f}"
-          f" us (index {size} bytes)")
+    for size in args.sizes.split(","):
+        seqs, tokens = map(int, size.split("x"))
+        same, changed, nbytes = publish_cost(seqs, tokens, calls=50)
+        print(f"publish, {seqs} host copies of {tokens} tokens: unchanged {same:.0f} us, changed {changed:.0f} us "
+              f"(index {nbytes} bytes)")
     best: dict[bool, float] = {}
     for _ in range(args.rounds):
         for shared in (True, False):
