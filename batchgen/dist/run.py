@@ -13,8 +13,8 @@ engine and the policy over a `DistBackend` (backend.py).
 A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, the survivors regroup, rebuild
 their parts over the new group, keep the KV their caches hold, and the engine goes on over the unfinished
 sequences (the lost rank's restored from its shared host copies or recomputed from prompt + generated tokens,
-whichever the latency model prices lower: `backend.shared_host_copies`, shared_host.py); the output records each recovery (`DistOutput.recoveries`) and the launcher accepts the dead
-rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
+whichever the latency model prices lower: `backend.shared_host_copies`, shared_host.py); the output records
+each recovery (`DistOutput.recoveries`) and the launcher accepts the dead rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
 who was lost and how many sequences had finished, their tokens in `DistRunFailed.partial` (one-machine launcher:
 rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
 torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.

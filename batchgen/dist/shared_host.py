@@ -15,11 +15,12 @@ Files, per run (`run_id`) and launch rank r:
 - `batchgen-<run id>-r<r>.idx`: the index of its complete host copies (`publish`), replaced atomically (write
   to a temporary name, then rename): one JSON line {"file", "shape", "dtype", "host": hostname, "page_size",
   "seqs": count}, then int64 arrays: ids, synced tokens, host-page counts, and every sequence's host pages
-  covering its synced tokens, concatenated (binary: a JSON list of the same pages took 5-10 times longer). A sequence's first `synced` tokens in those pages never change while it is held
-  (syncs rewrite a page with the same values; new tokens go past `synced`), so an entry stays true until the
-  sequence is released and its pages handed to another. The worker publishes before a boundary's releases
-  (without the released sequences, only when one of them is in the published index) and after its KV ops
-  (`RankWorker._kv`): a reader never follows an entry whose pages were reused.
+  covering its synced tokens, concatenated (binary: a JSON list of the same pages took 5-10 times longer).
+  A sequence's first `synced` tokens in those pages never change while it is held (syncs rewrite a page with
+  the same values; new tokens go past `synced`), so an entry stays true until the sequence is released and its
+  pages handed to another. The worker publishes before a boundary's releases (without the released
+  sequences, only when one of them is in the published index) and after its KV ops (`RankWorker._kv`), and
+  each survivor after a recovery settled its cache: a reader never follows an entry whose pages were reused.
 
 Cost per boundary: one pass over the cache's sequences comparing (sequence object, synced, host pages held)
 with the last index (a sequence's pages only grow while it is held; a released and re-added one is a new
@@ -29,9 +30,10 @@ loaded 2-core development machine (load average 2.0-2.1, two runs), 16-token pag
 changed: 16 copies of 512 tokens 15-16 us / 0.11-0.13 ms; 256 of 2,048: 0.11-0.19 ms / 0.5-0.7 ms; 2,048 of
 2,048: 1.3-2.1 ms / 4.1-6.4 ms (a 2 MB index). End to end (2 processes, tiny_moe, best of 3 alternating runs)
 the BCT with shared host copies was 0.997x the anonymous pool's, inside this machine's run-to-run noise
-(+-20%): hence on by default. Files are removed by their process
-at the end (`close`), by rank 0 once it has read a lost rank's (`remove_rank`), and by the launcher's parent
-after the run whatever happened (`sweep`).
+(+-20%): hence on by default.
+
+Files are removed by their process at the end (`close`), by rank 0 once it has read a lost rank's
+(`remove_rank`), and by the launcher's parent after the run whatever happened (`sweep`).
 
 Not done: the pool is pageable memory even on CUDA (an anonymous pool is pinned there; the cache's copies go
 through pinned staging buffers either way); multi-machine runs restore only from files on rank 0's machine;
