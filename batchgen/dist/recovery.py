@@ -33,11 +33,20 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    at step len(generated) with the same per-(sequence, step) draws, so outputs equal an undisturbed run's. The
    engine restarts on it (the policy planned again for the survivors), on the same clock.
 
+7. Restore or recompute (`restore_lost`, rank 0, with `backend.shared_host_copies`): each rank's host pool is a
+   shared-memory file that outlives it, with an index of its complete host copies (shared_host.py). For every
+   unfinished sequence that no survivor kept and whose copy in a lost rank's index holds exactly prompt +
+   generated - 1 tokens, the survivors' latency model prices restoring it (`choose`: its KV over the host link,
+   `kv_restore` x layers) against recomputing it (a prefill of prompt + generated tokens on one rank, as the
+   simulator prices a forward); the cheaper wins. Rank 0 reads a restored one from the dead rank's file and
+   adopts it as a host copy in its own cache (within the node's host room); it waits suspended there like a
+   kept sequence with a host copy (counted as `restored`, not `kept`). The rest are recomputed as above.
+
 What this does NOT do, said plainly:
 
-- No choice between restoring and recomputing the lost rank's sequences: their host copies lived in the dead
-  process's memory and died with it, so recompute is the only path (restoring would need host copies in memory
-  that outlives the process: shared memory per node).
+- Restored sequences all go to rank 0 (the reader must be on the dead rank's machine, and rank 0 is the one
+  survivor whose machine is known; the policy may migrate them later). Without shared host copies (or on
+  another machine) recompute is the only path.
 - The policy's own carried state (`Decision.carry`) starts afresh in the new engine.
 - NCCL: the code aborts the old communicators before destroying them; it has not run on a GPU.
 - Under torchrun the elastic agent stops every worker when one exits: recovery needs the one-machine launcher.
@@ -83,6 +92,9 @@ class Recovery:
     requeued: int            # unfinished sequences with KV or generated tokens, recomputed from prompt + generated
     on_lost_rank: int        # of them, those whose KV (device or host copy) was in a lost rank's process
     regroup_s: float = 0.0   # from the catch to the new engine's start: decision, new group, model rebuilt
+    restored: int = 0        # unfinished sequences adopted from a lost rank's shared host copy (not recomputed)
+    restorable: int = 0      # lost sequences with a complete shared host copy (restored + those cheaper to
+                             # recompute + those the host room left out)
 
 
 @dataclass
@@ -426,3 +438,58 @@ def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) ->
     first.active = [np.empty(0, np.int64) for _ in first.active]
     first.prefilling = [np.empty(0, np.int64) for _ in first.prefilling]
     first.check()
+
+
+# ---- restore or recompute the lost ranks' sequences ------------------------------------------------------------
+@dataclass(frozen=True)
+class RestoreChoice:
+    """What the latency model says one lost sequence costs each way (seconds)."""
+
+    tokens: int          # KV tokens of its host copy (prompt + generated - 1)
+    restore_s: float     # its KV over the host link: kv_restore of those tokens, every layer
+    recompute_s: float   # a prefill of prompt + generated tokens (one more than the copy), one forward on one rank
+
+    @property
+    def restore(self) -> bool:
+        return self.restore_s < self.recompute_s
+
+
+def choose(latency, tokens: int) -> RestoreChoice:
+    """Restore (host link) or recompute (prefill) a sequence whose host copy holds `tokens` tokens, priced by
+    the job's latency model as the simulator prices a host restore and a one-sequence prefill forward."""
+    from batchgen.sim.costs import price, prefill_load
+
+    n_dense, n_moe = latency.layer_counts()
+    restore_s = float(latency.kv_restore(tokens)) * (n_dense + n_moe)
+    none = np.empty(0, np.int64)
+    load = prefill_load(np.zeros(1, np.int64), np.array([tokens + 1], np.int64), none, none, 1, 1)
+    recompute_s = float(price(latency, load).iteration_s.sum())
+    return RestoreChoice(int(tokens), restore_s, recompute_s)
+
+
+def restore_lost(cache, keep: list[dict], indexes: list, table, generated: list[list[int]], done: np.ndarray,
+                 latency, host_room: int, split: np.ndarray | None = None) -> tuple[int, int]:
+    """Rank 0 after `settle_caches`: adopt into its own `cache` the lost sequences whose published host copy
+    (`indexes`: the lost ranks' `shared_host.PublishedIndex`, readable here) holds exactly prompt + generated - 1
+    tokens and is cheaper to restore than to recompute (`choose`), while the node's host room (`host_room` KV
+    tokens: a restored copy counts prompt + generated, as the state does) lasts. Each goes into `keep[0]` as a
+    host copy (suspended on rank 0). The same filters as `keep_plan`. Returns (restored, restorable)."""
+    kept = set().union(*(k.keys() for k in keep))
+    restored = restorable = 0
+    for index in indexes:
+        for sid, (synced, _) in sorted(index.seqs.items()):
+            if (sid in kept or done[sid] or not generated[sid] or table.prefilled[sid] or table.tp[sid] > 1
+                    or (split is not None and split[sid])):
+                continue
+            need = int(table.input_len[sid]) + len(generated[sid]) - 1
+            if synced != need:
+                continue
+            restorable += 1
+            if need + 1 > host_room or not choose(latency, need).restore:
+                continue
+            cache.import_(sid, index.read(sid))
+            keep[0][sid] = (False, need, 0, True)
+            kept.add(sid)
+            host_room -= need + 1
+            restored += 1
+    return restored, restorable

@@ -14,8 +14,9 @@ engine and the policy over a `DistBackend` (backend.py).
 
 A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, the survivors regroup, rebuild
 their parts over the new group, keep the KV their caches hold, and the engine goes on over the unfinished
-sequences (the lost rank's recomputed from prompt + generated tokens); the output records each recovery (`DistOutput.recoveries`) and the launcher accepts the dead
-rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
+sequences (the lost rank's restored from its shared host copies or recomputed from prompt + generated tokens,
+whichever the latency model prices lower: `backend.shared_host_copies`, shared_host.py); the output records
+each recovery (`DistOutput.recoveries`) and the launcher accepts the dead rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
 who was lost and how many sequences had finished, their tokens in `DistRunFailed.partial` (one-machine launcher:
 rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
 torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +49,8 @@ from batchgen.dist.groups import control_groups, instance_groups
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, keep_plan, publish,
-                                    regroup, requeue, settle, settle_caches)
+                                    regroup, requeue, restore_lost, settle, settle_caches)
+from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.kv_cache import PagedKVCache
@@ -68,6 +71,9 @@ class DistSettings(ExecSettings):
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
     threads: int | str | None = 1  # torch intra-op threads per process
     recover: bool = True           # a lost worker (not rank 0): go on over the survivors (recovery.py); false: stop
+    # each rank's host KV pool in a /dev/shm file with a published index (shared_host.py): a lost rank's host
+    # copies can be restored instead of recomputed (whichever the latency model prices lower)
+    shared_host_copies: bool = True
 
 
 @dataclass
@@ -139,6 +145,11 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         raise DistConfigError(f"backend.start_method={settings.start_method!r}: choose fork or spawn")
     if not settings.heartbeat_s > 0:
         raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
+    if not isinstance(settings.shared_host_copies, bool):
+        raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
+    if settings.shared_host_copies and not os.path.isdir(SHM_DIR):
+        raise DistConfigError(f"backend.shared_host_copies keeps host KV pools in {SHM_DIR}, which this machine "
+                              "lacks: set backend.shared_host_copies=false")
     if settings.timeout_s <= 0:
         raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
     if isinstance(settings.device, (list, tuple)):
@@ -168,9 +179,14 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         finally:
             ctx.close()
     threads = None if settings.threads in (None, "auto") else int(settings.threads)
-    results = launch(rank_main, settings.procs, (job, settings, prompts, params, True), device=device,
-                     timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
-                     join_timeout_s=max(600.0, 10 * settings.timeout_s))
+    run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files
+    try:
+        results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id), device=device,
+                         timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
+                         join_timeout_s=max(600.0, 10 * settings.timeout_s))
+    finally:  # what killed processes left
+        if settings.shared_host_copies:
+            sweep(run_id)
     bad = [r for r in results if not r.ok]
     out = results[0].value if results[0].ok else None
     if bad and out is not None:  # a worker the run recovered from is expected to have died
@@ -182,7 +198,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
 
 
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
-              to_parent: bool = False) -> DistOutput | None:
+              to_parent: bool = False, run_id: str | None = None) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
     `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
     The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s;
@@ -190,12 +206,18 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     heartbeat = Heartbeat.for_context(ctx, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
     heartbeat.start()
     current = [Generation(0, ctx, heartbeat, tuple(range(ctx.world_size)))]  # the latest, for the finally
+    files = None
+    if settings.shared_host_copies:  # torchrun: the elastic run id (and the store's port) name the files
+        run_id = run_id or f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}"
+        files = SharedHostFiles(run_id, ctx.rank)
     try:
         if ctx.rank != 0:
-            return _serve(current, job, settings, params)
-        return _drive(current, job, settings, prompts, params, to_parent)
+            return _serve(current, job, settings, params, files)
+        return _drive(current, job, settings, prompts, params, to_parent, files)
     finally:
         current[-1].heartbeat.stop()
+        if files is not None:
+            files.close()
 
 
 def _dead_after(settings: DistSettings) -> float:
@@ -211,7 +233,8 @@ def reduced_job(job: Job, procs: int) -> Job:
 
 
 def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
-                before: RankWorker | None = None) -> tuple[RankWorker, bool, bool]:
+                before: RankWorker | None = None, files: SharedHostFiles | None = None
+                ) -> tuple[RankWorker, bool, bool]:
     """This process's part over generation `gen`'s group: the model from the same weights, its expert shard of
     the contiguous placement over the group, its KV cache, the control group; and whether the cache is the one
     of `before` (this process's worker of the previous generation, whose totals carry over): kept, KV and all,
@@ -244,10 +267,12 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     else:
         cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens,
                                          budget_bytes=pools.pool_bytes, dtype=dtype, device=gen.ctx.device,
-                                         max_context=pools.max_context, staging_pages=pools.staging_pages)
+                                         max_context=pools.max_context, staging_pages=pools.staging_pages,
+                                         host_alloc=None if files is None else files.alloc)
         cache.pool = pool  # what it was sized from (a recovery keeps it when the survivors' plan gives the same)
     worker = RankWorker(gen.rank, cache, runner, comm, control, params, settings.weights_seed, gen.ctx.device,
                         world=world, replies=replies, channels=channels if gen.rank == 0 else None)
+    worker.host_files = files
     if before is not None:
         carry_totals(before, worker)
     return worker, is_moe, kept
@@ -259,12 +284,12 @@ def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Gen
     return gen
 
 
-def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
+def _serve(current: list, job: Job, settings: DistSettings, params, files=None) -> None:
     """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
     survivors, join their new group, rebuild and serve again."""
     params = _checked_params(job, settings, params, [0] * len(job.workload))
     gen = current[-1]
-    worker, _, _ = _build_rank(gen, job, settings, params)
+    worker, _, _ = _build_rank(gen, job, settings, params, files=files)
     while True:
         try:
             worker.serve()
@@ -274,12 +299,15 @@ def _serve(current: list, job: Job, settings: DistSettings, params) -> None:
                 raise
             survivors = await_decision(gen, err, settings.timeout_s)
         gen = _regroup(current, survivors, settings)
-        worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker)
+        worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker, files)
         if kept:
             settle_caches(worker)
+        if files is not None:  # the index names what the settled (or fresh) cache holds
+            files.publish(worker.cache)
 
 
-def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool) -> DistOutput:
+def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
+           files: SharedHostFiles | None = None) -> DistOutput:
     """Rank 0: the engine and the policy over a DistBackend; after a lost worker (recover=true), decide the
     survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue)."""
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -288,7 +316,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     config = model_config(job, settings)
     done_before = [0] * len(job.workload)
     params = _checked_params(job, settings, params, done_before)
-    worker, is_moe, _ = _build_rank(gen, job, settings, params)
+    worker, is_moe, _ = _build_rank(gen, job, settings, params, files=files)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
@@ -341,19 +369,25 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             lost_ranks = [r for r in range(gen.size) if r not in survivors]
             before = gen
             gen = _regroup(current, survivors, settings)
-            worker, _, kept = _build_rank(gen, job_next, settings, params, worker)
+            worker, _, kept = _build_rank(gen, job_next, settings, params, worker, files)
             table = prepared.state.table
             split = KVLedger.of(prepared.state).split
             keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
-                    if kept else None)
+                    if kept else [{} for _ in survivors])
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
+            restored = restorable = 0
+            if files is not None:
+                restored, restorable = _restore_lost(files, [before.members[r] for r in lost_ranks], worker,
+                                                     keep, next_prepared, table, tokens.generated, done, split)
+                files.publish(worker.cache)
             finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
                                                         next_prepared.state, caught, lost_ranks, keep)
             # (one instance: a GPU index is a rank of its generation)
             if prepared is not launched:
                 fold_peaks(launched.state, prepared.state, before.members)
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
-                                       caught, str(err), finished, held, requeued, on_lost))
+                                       caught, str(err), finished, held - restored, requeued, on_lost,
+                                       restored=restored, restorable=restorable))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
@@ -372,6 +406,25 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                       rank_comm_s=[t.comm_s for t in totals], rank_idle_s=[t.idle_s for t in totals],
                       rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals],
                       recoveries=recoveries)
+
+
+def _restore_lost(files: SharedHostFiles, lost: list[int], worker: RankWorker, keep: list[dict], prepared,
+                  table, generated, done, split) -> tuple[int, int]:
+    """Rank 0: the lost (launch) ranks' published host copies, restored into its cache where cheaper than a
+    recompute (recovery.restore_lost), within its node's host room left by the kept copies; then their files
+    go. Returns (restored, restorable)."""
+    indexes = [i for i in (PublishedIndex.load(index_path(files.run_id, r, files.root)) for r in lost)
+               if i is not None and i.readable()]
+    state = prepared.state
+    node = state.topo.gpu_node
+    kept_copies = sum(int(table.input_len[s]) + len(generated[s]) for r, mine in enumerate(keep)
+                      for s, v in mine.items() if v[3] and node[r] == node[0])
+    room = int(state.host_kv_tokens[node[0]]) - kept_copies
+    try:
+        return restore_lost(worker.cache, keep, indexes, table, generated, done, prepared.latency, room, split)
+    finally:
+        for r in lost:
+            remove_rank(files.run_id, r, files.root)
 
 
 def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException:

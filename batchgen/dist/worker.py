@@ -128,6 +128,7 @@ class RankWorker:
         # PARTITION across processes: the runner hands each layer's head-sharded attention to the exchange
         self.partition = HeadShardExchange(comm, cache) if comm.size > 1 else None
         runner.partition = self.partition
+        self.host_files = None  # shared host copies (dist/shared_host.py): this rank's index, published in `_kv`
         self._start = time.perf_counter()
         self._cpu_start = time.process_time()
 
@@ -209,6 +210,11 @@ class RankWorker:
             raise RuntimeError(f"a plan partitions sequences over one process (rank {self.rank}): PARTITION "
                                "needs a degree of at most backend.procs")
         cache = self.cache
+        files = self.host_files
+        if files is not None:  # the published index must not name a sequence whose pages this boundary may reuse
+            files.publish_before_release(cache, [*ops.free, *ops.evict, *(j[0] for j in ops.join),
+                                                 *(s[0] for s in ops.split),
+                                                 *(m[0] for m in migrations if m[1] == self.rank)])
         for sid, group, keep in ops.join:  # groups of global ranks, within this instance: its group's ranks
             self._reshard(join_kv(self.comm, cache, sid, self._local(group), keep, self.comm_device))
         cache.release(ops.free)
@@ -234,6 +240,8 @@ class RankWorker:
             self._reshard(split_kv(self.comm, cache, sid, self._local(group), self.comm_device))
             # the lead counts the partition (as rank 0's plan does), each other rank of the group the shard it got
             self._count("partition" if group[0] == self.rank else "partition_shard", 1)
+        if files is not None:
+            files.publish(cache)
 
     def _local(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """A partition group's global ranks as ranks of this instance's group (the same for one instance)."""

@@ -107,8 +107,11 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  host_pinned: bool | None = None, v_head_dim: int | None = None, host_pages: int | None = None,
-                 max_context: int | None = None, staging_pages: int | None = None):
+                 max_context: int | None = None, staging_pages: int | None = None, host_alloc=None):
         """v_head_dim: None or head_dim for a V pool like the K pool; 0 for no V pool (MLA's latent cache).
+        host_alloc: where the host pool's storage comes from, `host_alloc(shape, dtype) -> zero-filled CPU
+        tensor` (default: torch.zeros, pinned per host_pinned); backend=dist passes a shared-memory file per
+        pool (`batchgen.dist.shared_host`) so that host copies outlive the process.
         host_pages: the host pool's initial size (default num_pages; it doubles when full). Host-resident
         decode's staging buffers (`batchgen.exec.staging`) hold `staging_pages` pages of one layer each (host
         micro-batches are cut to fit), or, without it, B_attn sequences of `max_context` tokens (the job's
@@ -124,6 +127,7 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.max_context = max_context
         self.staging_pages = staging_pages
+        self.host_alloc = host_alloc
         self.host_pinned = self.device.type == "cuda" if host_pinned is None else bool(host_pinned)
         if self.host_pinned and not torch.cuda.is_available():
             raise ValueError("host_pinned=True needs CUDA (pinned memory is allocated through the CUDA driver)")
@@ -149,7 +153,8 @@ class PagedKVCache:
     def from_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int,
                     budget_bytes: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                     host_pinned: bool | None = None, v_head_dim: int | None = None,
-                    max_context: int | None = None, staging_pages: int | None = None) -> "PagedKVCache":
+                    max_context: int | None = None, staging_pages: int | None = None,
+                    host_alloc=None) -> "PagedKVCache":
         """As many pages as fit in the device-memory budget given to the KV cache (the budget is a hard cap)."""
         per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype, v_head_dim)
         num_pages = int(budget_bytes) // per_page
@@ -160,7 +165,7 @@ class PagedKVCache:
                              f"in {dtype} takes {per_page} bytes")
         return cls(num_layers, num_kv_heads, head_dim, page_size=page_size, num_pages=num_pages, dtype=dtype,
                    device=device, host_pinned=host_pinned, v_head_dim=v_head_dim, max_context=max_context,
-                   staging_pages=staging_pages)
+                   staging_pages=staging_pages, host_alloc=host_alloc)
 
     # ---- views and queries --------------------------------------------------------------------------
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +274,9 @@ class PagedKVCache:
     @torch.inference_mode(False)  # grown inside a forward too, and updated in place outside one
     def _new_host(self, pages: int) -> torch.Tensor:
         # zeros: restores copy whole pages, and pools must hold only finite values (see AttentionMetadata)
+        if self.host_alloc is not None:
+            return self.host_alloc((self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads,
+                                    self.head_dim), self.dtype)
         return torch.zeros(self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads, self.head_dim,
                            dtype=self.dtype, pin_memory=self.host_pinned)
 

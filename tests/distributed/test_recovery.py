@@ -1,13 +1,15 @@
 """backend=dist recovers from a lost worker: a rank other than 0 is SIGKILLed mid-run; the survivors build a
 new process group, re-place the experts over themselves and finish every sequence, with greedy outputs equal
-to an undisturbed run's token for token (the unfinished sequences are recomputed from prompt + generated
-tokens: recovery.py). With recover=false, or when rank 0 dies, the run stops within 30 s with a one-line error.
+to an undisturbed run's token for token (the unfinished sequences are restored from the lost rank's shared host
+copies where the latency model prices that lower, else recomputed from prompt + generated tokens: recovery.py,
+shared_host.py). With recover=false, or when rank 0 dies, the run stops within 30 s with a one-line error.
 
 The reference is the single-process executor, which test_dist_backend shows equal to an undisturbed
 backend=dist run over 1, 2 and 4 processes (loop expert kernel, bit-identical logits)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -15,8 +17,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from batchgen.dist import worker as worker_module
+from batchgen.dist.recovery import choose, restore_lost
+from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, sweep
+from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.dist.run import DistRunFailed, execute_dist
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.results import summarize
@@ -74,12 +80,16 @@ def check_recovered(out, ref, procs, lost, survivors, kept=True):
     assert all(np.isfinite(t.finish_time)) and np.all(t.first_token_time <= t.finish_time)
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["survivor-keeps-its-kv", "everything-recomputed"])
-def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at, monkeypatch, keep):
+@pytest.mark.parametrize("keep,shared", [(True, True), (False, True), (True, False)],
+                         ids=["survivor-keeps-its-kv", "nothing-kept", "no-shared-host-copies"])
+def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at, monkeypatch, keep, shared):
     """2 processes, rank 1 killed at its 30th forward (3 sequences done, one running on rank 1 and one whose host
     copy it holds, one of rank 0's mid-forward): rank 0 alone (the plain MoE layer) finishes the job, keeping
-    the KV its cache holds (its interrupted forward's slot dropped); or, with nothing kept (the path of a
-    survivors' memory plan that gives another pool), recomputing every unfinished sequence."""
+    the KV its cache holds (its interrupted forward's slot dropped), restoring the suspended one from rank 1's
+    shared host pool (its published copy holds exactly prompt + generated - 1 tokens, and the job's latency
+    model prices its restore below its prefill) and recomputing the one that was running there; or, with
+    nothing kept (the path of a survivors' memory plan that gives another pool), recomputing every unfinished
+    sequence of its own; or, without shared host copies, recomputing rank 1's suspended one too."""
     from batchgen.dist import run as run_module
 
     if not keep:
@@ -88,10 +98,17 @@ def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, k
     _, path = saved
     kill_at(1, 30)
     t0 = time.monotonic()
-    out = execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=60.0))
+    out = execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=60.0, shared_host_copies=shared))
     took = time.monotonic() - t0
     check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0], kept=keep)
     assert took < 60
+    rec = out.recoveries[0]
+    if shared:  # restored from the dead process's file, not recomputed (check_recovered: recomputes == requeued)
+        assert rec.restored == rec.restorable == 1, rec
+        assert rec.finished_before + rec.kept + rec.restored + rec.requeued == N
+    else:
+        assert rec.restored == rec.restorable == 0, rec
+    assert not glob.glob(f"{SHM_DIR}/batchgen-{os.getpid()}-*")  # every file of the run removed
     summary = summarize(out)  # what results.json gets: the recovery, and whose the per-rank numbers are
     assert summary["recoveries"][0]["lost"] == [1] and summary["rank_ids"] == [0]
     json.dumps(summary)
@@ -214,3 +231,131 @@ def test_a_partitioned_straggler_survives_losing_a_shard_holder(tmp_path_factory
     t = out.prepared.state.table
     assert rec.lost == [1] and rec.survivors == [0, 2] and rec.requeued >= 1
     assert t.partitions[0] >= 1 and t.recomputes[0] >= 1  # partitioned before the loss, recomputed after it
+
+
+# ---- shared host copies and the restore-or-recompute choice (no processes) ----------------------------------
+def _cache_with_copies(files, seqs: dict[int, int], page=4):
+    """A cache whose host pool is `files`' shared file, holding `seqs` (id -> tokens) as host copies of random
+    KV; the pool starts at one page so that it grows (a new file) on the way."""
+    cache = PagedKVCache(2, 2, 4, page_size=page, num_pages=16, host_pages=1, host_alloc=files.alloc)
+    for sid, n in seqs.items():
+        cache.prepare([sid], [n], [0])
+        cache._kv.copy_(torch.randn_like(cache._kv))
+        cache.yield_to_host([sid])
+    return cache
+
+
+def test_host_pool_in_a_shared_file_outlives_the_cache_and_reads_back_exact(tmp_path):
+    files = SharedHostFiles("unit", 3, root=str(tmp_path))
+    cache = _cache_with_copies(files, {5: 10, 9: 3})
+    want = {sid: cache.export(sid).tokens().clone() for sid in (5, 9)}
+    # the pool grew: the new file is in use, the old one stays until an index names the new one
+    assert files.current.endswith("-r3-2") and sorted(os.listdir(tmp_path)) == ["batchgen-unit-r3-0",
+                                                                                 "batchgen-unit-r3-1",
+                                                                                 "batchgen-unit-r3-2"]
+    assert files.publish(cache) and not files.publish(cache)  # unchanged: nothing written
+    assert sorted(os.listdir(tmp_path)) == ["batchgen-unit-r3-2", "batchgen-unit-r3.idx"]
+    del cache  # the process's pool is gone; the file and its index are not
+    index = PublishedIndex.load(files.index)
+    assert index.readable() and {s: n for s, (n, _) in index.seqs.items()} == {5: 10, 9: 3}
+    for sid, rows in want.items():
+        got = index.read(sid)
+        assert got.length == rows.shape[0] and torch.equal(got.tokens(), rows)
+    other = PagedKVCache(2, 2, 4, page_size=4, num_pages=16)  # a survivor adopts it as a host copy
+    other.import_(5, index.read(5))
+    assert torch.equal(other.export(5).tokens(), want[5])
+    assert sweep("unit", str(tmp_path)) == 2 and not os.listdir(tmp_path)
+
+
+def test_the_index_never_names_a_released_sequence_whose_pages_may_be_reused(tmp_path):
+    files = SharedHostFiles("unit", 1, root=str(tmp_path))
+    cache = _cache_with_copies(files, {1: 8, 2: 8})
+    files.publish(cache)
+    assert not files.publish_before_release(cache, [7])  # not in the index: nothing to write
+    assert files.publish_before_release(cache, [1])      # before the boundary releases 1
+    assert set(PublishedIndex.load(files.index).seqs) == {2}
+    cache.release([1])
+    files.publish(cache)
+    assert set(PublishedIndex.load(files.index).seqs) == {2}
+    files.close()
+    assert not os.listdir(tmp_path)
+
+
+def test_restore_or_recompute_follows_the_latency_model():
+    """The job's roofline prices a 100-token restore over the host link far below a prefill; with a host link a
+    million times slower the prefill wins."""
+    import copy
+
+    from batchgen.job import prepare
+
+    lat = prepare(job_for(2)[0]).latency
+    fast = choose(lat, 100)
+    assert fast.restore and fast.restore_s < fast.recompute_s
+    slow_link = copy.copy(lat)
+    slow_link.host_link_bw = lat.host_link_bw / 1e6
+    slow = choose(slow_link, 100)
+    assert not slow.restore and slow.recompute_s == pytest.approx(fast.recompute_s)
+    assert slow.restore_s > 1e3 * fast.restore_s
+
+
+def test_restore_lost_adopts_exact_copies_it_prices_cheaper_within_the_host_room(tmp_path):
+    """Lost rank's copies: 1 (prompt 6 + 3 generated - 1 = 8 tokens: exact), 2 (8 tokens but 5 generated: stale),
+    3 (exact, finished), 4 (exact, but a survivor kept it). Restored: 1 alone; with a slow host link, none; with
+    host room for less than 9 tokens, none."""
+    import copy
+    from types import SimpleNamespace
+
+    from batchgen.job import prepare
+
+    files = SharedHostFiles("unit", 1, root=str(tmp_path))
+    dead = _cache_with_copies(files, {1: 8, 2: 8, 3: 8, 4: 8})
+    rows = dead.export(1).tokens().clone()
+    files.publish(dead)
+    index = PublishedIndex.load(files.index)
+    table = SimpleNamespace(input_len=np.full(5, 6), prefilled=np.zeros(5, int), tp=np.ones(5, int))
+    generated = [[], [1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3], [1, 2, 3]]
+    done = np.array([False, False, False, True, False])
+    lat = prepare(job_for(2)[0]).latency
+    slow = copy.copy(lat)
+    slow.host_link_bw = lat.host_link_bw / 1e6
+    for latency, room, want in ((lat, 100, [1]), (slow, 100, []), (lat, 8, [])):
+        cache = PagedKVCache(2, 2, 4, page_size=4, num_pages=16)
+        keep = [{4: (False, 8, 0, True)}]
+        restored, restorable = restore_lost(cache, keep, [index], table, generated, done, latency, room)
+        assert (restored, restorable) == (len(want), 1) and cache.seq_ids() == want
+        assert sorted(keep[0]) == sorted([4, *want])
+        if want:
+            assert keep[0][1] == (False, 8, 0, True) and torch.equal(cache.export(1).tokens(), rows)
+            cache.check()
+    files.close()
+
+
+def test_a_bad_shared_host_copies_setting_is_refused_before_any_process_starts(saved):
+    from batchgen.dist.errors import DistConfigError
+    from batchgen.dist.run import check_dist
+
+    _, path = saved
+    with pytest.raises(DistConfigError, match="shared_host_copies='yes': give true or false"):
+        check_dist(job_for(2)[0], dist_settings(path, 2, shared_host_copies="yes"))
+
+
+def test_a_full_tmpfs_falls_back_to_ordinary_memory_and_the_index_names_no_file(tmp_path, monkeypatch):
+    import errno
+
+    files = SharedHostFiles("unit", 2, root=str(tmp_path))
+    cache = _cache_with_copies(files, {1: 4})  # one page: the first file holds it
+    assert files.current and files.fallback is None
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache.prepare([2], [9], [0])
+    cache.yield_to_host([2])  # the pool grows: no room for a new file
+    assert files.current is None and "No space left" in files.fallback
+    assert cache.export(2).length == 9 and cache.export(1).length == 4  # the cache goes on in ordinary memory
+    files.publish(cache)
+    index = PublishedIndex.load(files.index)
+    assert index.file is None and not index.readable()  # a reader recomputes this rank's sequences
+    files.close()
+    assert not os.listdir(tmp_path)
