@@ -431,8 +431,3 @@ def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException
     """The launcher sends `error.partial` back with the error (launch._worker)."""
     error.partial = partial
     return error
-
-
-def _timedelta(seconds: float):
-    import datetime
-    return datetime.timedelta(seconds=seconds)
