@@ -33,6 +33,7 @@ import dataclasses
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,9 +148,6 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
     if not isinstance(settings.shared_host_copies, bool):
         raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
-    if settings.shared_host_copies and not os.path.isdir(SHM_DIR):
-        raise DistConfigError(f"backend.shared_host_copies keeps host KV pools in {SHM_DIR}, which this machine "
-                              "lacks: set backend.shared_host_copies=false")
     if settings.timeout_s <= 0:
         raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
     if isinstance(settings.device, (list, tuple)):
@@ -168,6 +166,10 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     """Run the job over settings.procs processes; rank 0's output (None on the other ranks under torchrun)."""
     if job.policy.attention_tp == "auto":  # TP attention is not built across processes: auto is DP attention here
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
+    if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
+        warnings.warn(f"backend.shared_host_copies: this machine has no {SHM_DIR}; host KV pools stay in process "
+                      "memory, so a lost worker's sequences are recomputed, not restored")
+        settings = dataclasses.replace(settings, shared_host_copies=False)
     check_dist(job, settings)
     device = str(settings.instance_devices(1)[0].type)
     if under_torchrun():
