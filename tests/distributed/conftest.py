@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchgen.dist import launch
+from batchgen.exec.models import moe as moe_module
 
 
 @pytest.fixture(scope="module")
@@ -14,6 +15,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Mixtral saved as a Hugging Face directory, and the model (the reference for greedy outputs)."""
+    from tests.exec.test_models import tiny_hf
+
+    model = tiny_hf("mixtral")
+    path = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture
+def loop_kernel(monkeypatch):
+    """The loop expert kernel in this process and in the forked workers: an expert's GEMM sees the same rows in
+    the same order with and without expert parallelism, so logits agree bit for bit."""
+    monkeypatch.setitem(moe_module._GROUPED, ("cpu", torch.float32), False)
 
 
 def run_procs(fn, procs: int, *args, expect_ok: bool = True, **kw):

@@ -20,35 +20,18 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from batchgen.dist import worker as worker_module
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.run import check_dist, execute_dist
-from batchgen.exec.models import moe as moe_module
 from batchgen.exec.run import ExecSettings, execute
 from conftest import make_job
 from tests.distributed.test_dist_backend import dist_settings
 from tests.exec.test_exec_parity import hf_greedy, kv_mb_for
-from tests.exec.test_models import tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N = 10
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    model = tiny_hf("mixtral")
-    path = tmp_path_factory.mktemp("mixtral")
-    model.save_pretrained(path)
-    return model, path
-
-
-@pytest.fixture
-def loop_kernel(monkeypatch):
-    """The loop expert kernel in this process and in the forked workers."""
-    monkeypatch.setitem(moe_module._GROUPED, ("cpu", torch.float32), False)
 
 
 @pytest.fixture

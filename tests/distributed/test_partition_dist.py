@@ -11,7 +11,6 @@ import torch
 from batchgen.dist import Comm
 from batchgen.dist.run import DistSettings, execute_dist
 from batchgen.exec.kv_cache import PagedKVCache
-from batchgen.exec.models import moe as moe_module
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.exec.shards import shards_of
 from conftest import make_job
@@ -35,11 +34,6 @@ def saved(arch: str, tmp_path_factory):
         model.save_pretrained(path)
         _SAVED[arch] = model, path
     return _SAVED[arch]
-
-
-@pytest.fixture
-def loop_kernel(monkeypatch):
-    monkeypatch.setitem(moe_module._GROUPED, ("cpu", torch.float32), False)
 
 
 def straggler_job(procs: int, stragglers: int, degree: int):

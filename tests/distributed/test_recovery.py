@@ -26,7 +26,7 @@ from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.dist.run import DistRunFailed, execute_dist
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.results import summarize
-from tests.distributed.test_dist_backend import N, dist_settings, job_for, loop_kernel, saved  # noqa: F401
+from tests.distributed.test_dist_backend import N, dist_settings, job_for
 from tests.exec.test_exec_parity import kv_mb_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
