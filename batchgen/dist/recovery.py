@@ -204,7 +204,7 @@ def inventory(cache) -> dict[int, tuple[bool, int, int, int, int]]:
     """What a survivor's cache holds: sequence id -> (on device, device tokens, host-copy tokens, tokens of a
     host-resident step under way, device pages held)."""
     return {sid: (cache.on_device(sid), cache.device_tokens(sid), cache.synced_tokens(sid),
-                  cache._seqs[sid].pending, len(cache.pages(sid))) for sid in cache.seq_ids()}
+                  cache.pending_tokens(sid), len(cache.pages(sid))) for sid in cache.seq_ids()}
 
 
 def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict],
@@ -245,12 +245,8 @@ def apply_keep(cache, keep: dict) -> None:
     shards = getattr(cache, "shards", None)  # PARTITION's head shards (exec/shards.py): never kept
     if shards is not None:
         shards.release(shards.seq_ids())
-    for sid, (on_device, tokens, _, _) in keep.items():
-        seq = cache._seqs[sid]
-        if on_device:
-            seq.device_len = tokens
-        else:
-            seq.pending = 0
+    for sid, (_, tokens, _, _) in keep.items():
+        cache.truncate(sid, tokens)
 
 
 def settle_caches(worker, decide=None) -> list[dict]:

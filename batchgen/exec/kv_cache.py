@@ -222,6 +222,22 @@ class PagedKVCache:
     def synced_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).synced
 
+    def pending_tokens(self, seq_id: int) -> int:
+        """Tokens a host-resident step is writing (between `prepare_host` and `host_advance`)."""
+        return self._get(seq_id).pending
+
+    def truncate(self, seq_id: int, tokens: int) -> None:
+        """Forget a step that was interrupted before its token was recorded (a lost worker's recovery): a
+        device-resident sequence keeps its first `tokens` tokens (its pages stay held: the next forward writes
+        the same slots again), a host-resident one drops its pending tokens. Never grows a sequence."""
+        seq = self._get(seq_id)
+        if seq.on_device:
+            if not 0 <= tokens <= seq.device_len:
+                raise ValueError(f"sequence {seq_id} holds {seq.device_len} device tokens: cannot keep {tokens}")
+            seq.device_len = tokens
+        else:
+            seq.pending = 0
+
     def _get(self, seq_id: int) -> _Seq:
         try:
             return self._seqs[seq_id]
