@@ -2,10 +2,14 @@
 seconds), one torch thread each, gloo on CPU. Build models and references in the test process with one thread
 too (the thread count can change a GEMM's last bits); forked workers inherit them without pickling."""
 
+import os
+import signal
+
 import pytest
 import torch
 
 from batchgen.dist import launch
+from batchgen.dist import worker as worker_module
 from batchgen.exec.models import moe as moe_module
 
 
@@ -33,6 +37,27 @@ def loop_kernel(monkeypatch):
     """The loop expert kernel in this process and in the forked workers: an expert's GEMM sees the same rows in
     the same order with and without expert parallelism, so logits agree bit for bit."""
     monkeypatch.setitem(moe_module._GROUPED, ("cpu", torch.float32), False)
+
+
+@pytest.fixture
+def kill_at(monkeypatch):
+    """kill_at(rank, n): the process of launch rank `rank` SIGKILLs itself at its n-th forward (the forked
+    workers inherit the patch; the launcher's RANK is the launch rank, whatever a recovery renumbers)."""
+    forward = worker_module.RankWorker._forward
+    calls = {"n": 0}
+    victim = {}
+
+    def dying(self, part, cmd):
+        calls["n"] += 1
+        if int(os.environ.get("RANK", -1)) == victim["rank"] and calls["n"] == victim["n"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, part, cmd)
+
+    def arm(rank: int, n: int) -> None:
+        victim.update(rank=rank, n=n)
+        monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)
+
+    return arm
 
 
 def run_procs(fn, procs: int, *args, expect_ok: bool = True, **kw):

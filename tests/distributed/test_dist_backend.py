@@ -116,27 +116,16 @@ def test_host_resident_decode_over_two_processes(saved, loop_kernel, attention):
     assert (traffic["restored_bytes"] > 0) == (attention == "gpu")
 
 
-def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, monkeypatch):
+def test_a_killed_worker_stops_the_run_within_seconds(saved, loop_kernel, kill_at):
     """backend.recover=false: rank 1 is SIGKILLed at its 4th forward: rank 0 finds it lost (heartbeat, or the
     closed socket) and the run stops with an error naming it, well within 30 s, instead of hanging
     (test_recovery.py: the same loss with recovery)."""
-    import os
     import signal
     import time
 
-    from batchgen.dist import worker as worker_module
     from batchgen.dist.run import DistRunFailed
 
-    forward = worker_module.RankWorker._forward
-    calls = {"n": 0}
-
-    def dying(self, part, cmd):
-        calls["n"] += 1
-        if self.rank == 1 and calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return forward(self, part, cmd)
-
-    monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)  # the forked workers inherit it
+    kill_at(1, 4)
     _, path = saved
     job, _ = job_for(2)
     t0 = time.monotonic()

@@ -119,7 +119,7 @@ def test_refused_before_any_process_starts(saved):
         execute_dist(job_for(32, 16)[0], dist_settings(path, 32))
 
 
-def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved, loop_kernel, monkeypatch):
+def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved, loop_kernel, kill_at):
     """Rank 1 (instance 1 of two single-process instances) is SIGKILLed at its 4th forward: rank 0, collecting
     that instance's replies (a gather waited in slices under the heartbeat), finds it lost and the run stops with
     an error naming it well within 30 s, instead of hanging while instance 0 goes on."""
@@ -127,16 +127,7 @@ def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved,
 
     from batchgen.dist.run import DistRunFailed
 
-    forward = worker_module.RankWorker._forward
-    calls = {"n": 0}
-
-    def dying(self, part, cmd):
-        calls["n"] += 1
-        if self.rank == 1 and calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return forward(self, part, cmd)
-
-    monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)  # the forked workers inherit it
+    kill_at(1, 4)
     _, path = saved
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import signal
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from batchgen.dist import worker as worker_module
 from batchgen.dist.recovery import choose, restore_lost
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, sweep
 from batchgen.exec.kv_cache import PagedKVCache
@@ -30,27 +28,6 @@ from tests.distributed.test_dist_backend import N, dist_settings, job_for
 from tests.exec.test_exec_parity import kv_mb_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def kill_at(monkeypatch):
-    """kill_at(rank, n): the process of launch rank `rank` SIGKILLs itself at its n-th forward (the forked
-    workers inherit the patch; the launcher's RANK is the launch rank, whatever a recovery renumbers)."""
-    forward = worker_module.RankWorker._forward
-    calls = {"n": 0}
-    victim = {}
-
-    def dying(self, part, cmd):
-        calls["n"] += 1
-        if int(os.environ.get("RANK", -1)) == victim["rank"] and calls["n"] == victim["n"]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return forward(self, part, cmd)
-
-    def arm(rank: int, n: int) -> None:
-        victim.update(rank=rank, n=n)
-        monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)
-
-    return arm
 
 
 def reference(path, procs):
