@@ -135,26 +135,28 @@ def _ceiling_worker(ctx, layers, x, steps: int):
     return time.perf_counter() - t0
 
 
-def ceiling(layers, x, steps: int) -> float:
-    """Tokens/s of two processes splitting the experts with no communication (`_ceiling_worker`)."""
-    results = launch(_ceiling_worker, 2, (layers, x, steps), start_method="fork", threads=1, join_timeout_s=1800)
+def _launch(fn, procs: int, layers, x, steps: int) -> list:
+    """fn on `procs` forked processes (one thread each); their return values by rank, or the failures raised."""
+    results = launch(fn, procs, (layers, x, steps), start_method="fork", threads=1, join_timeout_s=1800)
     bad = [r for r in results if not r.ok]
     if bad:
         raise RuntimeError("\n".join(f"rank {r.rank}: exit {r.exitcode}: {r.error}" for r in bad))
-    return x.shape[0] * steps / max(r.value for r in results)
+    return [r.value for r in results]
+
+
+def ceiling(layers, x, steps: int) -> float:
+    """Tokens/s of two processes splitting the experts with no communication (`_ceiling_worker`)."""
+    return x.shape[0] * steps / max(_launch(_ceiling_worker, 2, layers, x, steps))
 
 
 def run(layers, x, procs: int, steps: int) -> dict:
-    results = launch(_worker, procs, (layers, x, steps), start_method="fork", threads=1, join_timeout_s=1800)
-    bad = [r for r in results if not r.ok]
-    if bad:
-        raise RuntimeError("\n".join(f"rank {r.rank}: exit {r.exitcode}: {r.error}" for r in bad))
-    elapsed = max(r.value[0] for r in results)
+    results = _launch(_worker, procs, layers, x, steps)
+    elapsed = max(r[0] for r in results)
     out = dict(procs=procs, seconds=elapsed, tokens_per_s=x.shape[0] * steps / elapsed,
-               comm_share=[r.value[1] / r.value[0] for r in results],
-               expert_batch=[r.value[2] for r in results], cpu_s=[r.value[4] for r in results])
-    if results[0].value[3] is not None:
-        out["plain_tokens_per_s"] = x.shape[0] * steps / results[0].value[3]
+               comm_share=[r[1] / r[0] for r in results],
+               expert_batch=[r[2] for r in results], cpu_s=[r[4] for r in results])
+    if results[0][3] is not None:
+        out["plain_tokens_per_s"] = x.shape[0] * steps / results[0][3]
     return out
 
 
