@@ -101,3 +101,59 @@ def test_partition_degree_divides_the_heads():
     from batchgen.specs import load_model
     assert load_model("qwen3_30b_a3b").partition_degrees(8) == (1, 2, 4)  # 4 KV heads
     assert 8 in load_model("deepseek_r1").partition_degrees(8)  # MLA: 128 query heads, latent replicated
+
+
+def test_a_partitioned_sequence_attends_with_a_head_shard_of_the_weights_on_each_rank():
+    """A shard projects and attends for 1/degree of the heads (exec.models.tensor_parallel), so each rank of
+    the group reads that share of the head-indexed weights: at one query the shard's attention is cheaper than
+    the whole sequence's on one rank, and it is what the shard's shapes price, on every rank of the group."""
+    from batchgen.sim.costs import decode_load, price
+
+    for model in ("qwen3_30b_a3b", "deepseek_r1"):
+        lat = prepare(make_job("coroutine", model=model)).latency
+        shard = lat.head_shard(2)
+        assert shard.model.num_heads == lat.model.num_heads // 2
+        assert lat.head_shard(2) is shard  # built once per degree
+        m = lat.model
+        whole_params = sum(k * n for k, n in lat._attention_shapes)
+        shard_params = sum(k * n for k, n in shard._attention_shapes)
+        shared = ((m.hidden_size * m.q_lora_rank + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim))
+                  if m.attention == "mla" else 0)  # MLA's low-rank down-projections serve every head
+        assert shard_params == pytest.approx(shared + (whole_params - shared) / 2)
+        ctx, K, R = 40000, 4, 8
+        args = (np.array([0]), np.array([ctx]), np.array([K]))
+        rest = (R, K, 0, np.zeros(R), np.zeros(R))
+        split = decode_load(*args, np.array([2]), *rest)
+        whole = decode_load(*args, np.array([1]), *rest)
+        assert split.attn_tokens.sum() == 0 and len(split.shards) == 1
+        s = split.shards[0]
+        assert s.degree == 2 and np.array_equal(s.tokens[:, 0], [1, 1, 0, 0, 0, 0, 0, 0])
+        assert np.array_equal(s.context[0], ctx + np.arange(K)) and np.array_equal(s.launches, s.tokens)
+        n_layers = sum(lat.layer_counts())
+        expect = shard.attention_decode(1.0, ctx + np.arange(K), 1.0, ctx + np.arange(K))
+        assert price(lat, split).modules["attention"] == pytest.approx(n_layers * float(np.sum(expect)))
+        assert price(lat, split).modules["attention"] < price(lat, whole).modules["attention"]
+
+
+def test_a_measured_latency_model_scales_its_attention_by_the_rooflines_shard_share():
+    from batchgen.latency.tp_attention import partition_attention_decode
+
+    roof = prepare(make_job("coroutine", model="qwen3_30b_a3b")).latency
+
+    class Measured:  # what a TablePredictor looks like to the shard pricing: its own prices, a roofline behind
+        fallback = roof
+
+        def attention_decode(self, tokens, context_sum, micro_batches=1, max_context=None):
+            return 3.0 * np.asarray(roof.attention_decode(tokens, context_sum, micro_batches, max_context))
+
+    got = partition_attention_decode(Measured(), 4, 2.0, 9000.0, 1.0, 5000.0)
+    assert got == pytest.approx(3.0 * roof.head_shard(4).attention_decode(2.0, 9000.0, 1.0, 5000.0))
+    assert partition_attention_decode(roof, 4, 0.0, 0.0, 0.0) == 0.0
+
+
+def test_a_host_resident_sequence_cannot_be_priced_partitioned():
+    from batchgen.sim.costs import decode_grid
+
+    with pytest.raises(ValueError, match="host-resident"):
+        decode_grid(np.array([0, 1]), np.array([100, 100]), np.array([2, 2]), np.array([2, 1]),
+                    np.array([True, False]), 4, 2, 0, np.zeros(4), np.zeros(4))

@@ -39,6 +39,10 @@ class LatencyModel(Protocol):
         """Prefill attention over `tokens` prompt tokens of `sequences` prompts whose squared lengths sum to
         `context_sq_sum`; `max_context`: the longest prompt."""
 
+    def head_shard(self, degree: int) -> "LatencyModel":
+        """The same GPU computing 1/degree of every attention head (a PARTITIONed sequence's shard); see
+        batchgen.latency.tp_attention.partition_attention_decode."""
+
     def dense_ffn(self, tokens): ...
     def shared_experts(self, tokens): ...
     def router(self, tokens): ...

@@ -101,10 +101,24 @@ class Roofline:
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
         self._attention_gemms = tuple(self._attention_shapes_of_model())
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
+        self._head_shards: dict[int, Roofline] = {}  # degree -> head_shard(degree)
 
     @property
     def attention_padding(self) -> float:
         return self.eff.attention_padding
+
+    def head_shard(self, degree: int) -> "Roofline":
+        """The same GPU computing 1/degree of every head (`tp_attention.shard_spec`): what one rank of a
+        PARTITIONed sequence's group projects and attends with. Built once per degree."""
+        shard = self._head_shards.get(degree)
+        if shard is None:
+            from batchgen.latency.tp_attention import shard_spec
+
+            shard = self._head_shards[degree] = Roofline(
+                shard_spec(self.model, degree), self.gpu, self.eff, ep_ranks=self.ep_ranks,
+                gpus_per_node=self.gpus_per_node, routing_skew=self.routing_skew, use_fp8=self.use_fp8,
+                host=self.host)
+        return shard
 
     def key(self) -> tuple:
         """Everything the prices depend on (plan caches key on it)."""

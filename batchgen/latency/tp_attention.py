@@ -62,6 +62,24 @@ def shard_spec(model: ModelSpec, degree: int) -> ModelSpec:
                                vocab_size=max(model.vocab_size // degree, 1), name=f"{model.name}/tp{degree}")
 
 
+def partition_attention_decode(lat, degree: int, tokens, context_sum, micro_batches=1, max_context=None):
+    """Decode attention of PARTITIONed sequences' head shards on one rank of their groups (degree > 1):
+    `tokens` shard rows (one per partitioned sequence the rank serves) over `context_sum` context. A shard
+    projects and attends for 1/degree of the heads (batchgen.exec.models.tensor_parallel), so it reads that
+    share of the head-indexed projection weights (MLA's shared low-rank projections whole) and of a GQA
+    token's KV (MLA: the whole latent). A roofline prices it on the shard's shapes (`Roofline.head_shard`);
+    a measured model (latency=table, which measured whole heads only) is scaled by the roofline's ratio of
+    the shard to the whole."""
+    roof = getattr(lat, "fallback", lat)  # a TablePredictor's roofline, or the roofline itself
+    shard = roof.head_shard(degree).attention_decode(tokens, context_sum, micro_batches, max_context)
+    if roof is lat:
+        return shard
+    whole_roof = np.asarray(roof.attention_decode(tokens, context_sum, micro_batches, max_context), float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(whole_roof > 0, np.asarray(shard, float) / whole_roof, 0.0)
+    return np.asarray(lat.attention_decode(tokens, context_sum, micro_batches, max_context), float) * ratio
+
+
 class TPAttention:
     """A latency model whose rank is a TP-attention group of `degree` GPUs (see the module docstring).
     `shard` prices one GPU's share of the group's work (a Roofline over `shard_spec`); `base` everything that

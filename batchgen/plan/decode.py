@@ -24,6 +24,29 @@ MAX_DAG_MICRO_BATCHES = 128
 
 
 @dataclass
+class Shards:
+    """PARTITIONed sequences of one degree, as head shards on each rank and iteration: every rank of a group
+    computes one query row of each sequence it serves with 1/degree of the heads
+    (`tp_attention.partition_attention_decode`)."""
+
+    degree: int
+    tokens: np.ndarray    # (R, K) shard rows
+    context: np.ndarray   # (R, K) their summed context
+    launches: np.ndarray  # (R, K) attention calls: one per group of shards a lead rank sends (the executor's pieces)
+    longest: np.ndarray   # (R, K) longest context among them
+
+
+def shard_attention(lat: LatencyModel, shards: tuple[Shards, ...]) -> np.ndarray | float:
+    """Seconds per layer of the head shards' attention on each rank and iteration (0.0 without shards)."""
+    from batchgen.latency.tp_attention import partition_attention_decode
+
+    total = 0.0
+    for s in shards:
+        total = total + partition_attention_decode(lat, s.degree, s.tokens, s.context, s.launches, s.longest)
+    return total
+
+
+@dataclass
 class DecodeGrid:
     """What each rank computes in each decode iteration: (ranks x iterations) arrays."""
 
@@ -34,6 +57,7 @@ class DecodeGrid:
     host_context: np.ndarray       # their summed context (KV restored per layer, or read by the CPU)
     gate_tokens: np.ndarray        # tokens entering this rank's gate (every running sequence)
     tp_join: np.ndarray | float = 0.0  # seconds per layer joining PARTITIONed attention shards (all-reduce)
+    shards: tuple[Shards, ...] = ()    # PARTITIONed sequences' head shards (device-resident; not in dev_tokens)
 
 
 @dataclass
@@ -72,6 +96,8 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
     """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid."""
     t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
     dev_attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+    if grid.shards:
+        dev_attn = dev_attn + shard_attention(lat, grid.shards)
     gate = grid.gate_tokens
     if moe:
         ffn = lat.shared_experts(gate) + lat.router(gate)

@@ -124,14 +124,13 @@ class SimBackend:
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
-            kv_split = self.state.kv_split_by_heads
             calls = None
             # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
             join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
                     if plan.ffn_schedule == "combined" or not fastpath.ENABLED else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
                 cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
                                                       cpu_attention=bool(plan.cpu_attention and hosted.any()),
                                                       pipelined=plan.ffn_schedule == "pipelined",
@@ -142,7 +141,7 @@ class SimBackend:
                 self.h2d_bytes += h2d
             elif hosted.any() or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
                 load.tp_join = join
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
@@ -171,7 +170,7 @@ class SimBackend:
                                                            self.weight_stream_s)
                 if cost is None:
                     load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
-                                       plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split,
+                                       plan.micro_batch, plan.pad_rows, plan.pad_context,
                                        self._similar_calls and not plan.padded)
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()

@@ -20,7 +20,7 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, price_decode
+from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
 
 
 @dataclass
@@ -41,7 +41,7 @@ class RunCost:
 class RankLoad:
     """What each rank computes in each iteration: (ranks x iterations) arrays."""
 
-    attn_tokens: np.ndarray     # decode queries in attention (partitioned sequences count fractionally)
+    attn_tokens: np.ndarray     # decode queries in whole-head attention (PARTITIONed ones are in `shards`)
     attn_context: np.ndarray    # summed context those decode queries attend to
     gate_tokens: np.ndarray     # tokens that enter this rank's FFN / router
     prefill_sq: np.ndarray      # sum of squared prompt lengths (prefill attention), else 0
@@ -52,6 +52,7 @@ class RankLoad:
     prefill_seqs: np.ndarray    # prompts prefilled
     sequences: np.ndarray       # sequences in the forward (the engine's per-forward overhead grows with them)
     head_rows: np.ndarray | None = None  # rows through the LM head and sampling (None: one per sequence)
+    shards: tuple[Shards, ...] = ()      # PARTITIONed sequences' head shards (batchgen.plan.decode.Shards)
 
 
 def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,
@@ -71,28 +72,42 @@ def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.
 
 
 def _attention(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
-               K: int, kv_split: bool = True, longest: bool = True
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(queries, summed context, longest context) in attention per rank and iteration. A partitioned sequence spreads its
-    attention over tp consecutive ranks (heads split); its token enters the gate once, on its lead rank. With
-    its KV split by heads each rank reads 1/tp of it; a replicated latent (MLA, kv_split=False) is read whole
-    by every rank of the group (which also charges each rank the whole score FLOPs: conservative)."""
-    if fastpath.ENABLED and (tp.size == 0 or tp.max() == 1):  # nothing partitioned: one rank each, weight 1
-        ones, ctx = np.ones(rank.size), context.astype(float)
-        attn_tokens = _alive(rank, alive_for, ones, R, K)
-        attn_ctx0 = _alive(rank, alive_for, ctx, R, K)
-        top = _longest_alive(rank, alive_for, ctx, R, K) if longest else None  # None: the caller does not use it
-        return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), top
-    rep = np.repeat(np.arange(rank.size), tp)
-    offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
-    a_rank = (rank[rep] + offset) % R
-    a_weight = 1.0 / tp[rep]
-    attn_tokens = _alive(a_rank, alive_for[rep], a_weight, R, K)
-    ctx_weight = a_weight if kv_split else np.ones(rep.size)
-    attn_ctx0 = _alive(a_rank, alive_for[rep], ctx_weight * context[rep], R, K)
-    # every live sequence's context grows by one per iteration
-    longest = _longest_alive(a_rank, alive_for[rep], context[rep].astype(float), R, K)
-    return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), longest
+               K: int, longest: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(queries, summed context, longest context) in whole-head attention per rank and iteration: every
+    sequence that is not PARTITIONed, on its own rank (the partitioned ones are `_shards`)."""
+    if tp.size and tp.max() > 1:
+        whole = tp == 1
+        rank, context, alive_for = rank[whole], context[whole], alive_for[whole]
+    ones, ctx = np.ones(rank.size), context.astype(float)
+    attn_tokens = _alive(rank, alive_for, ones, R, K)
+    attn_ctx0 = _alive(rank, alive_for, ctx, R, K)
+    top = _longest_alive(rank, alive_for, ctx, R, K) if longest else None  # None: the caller does not use it
+    return attn_tokens, attn_ctx0 + attn_tokens * np.arange(K), top
+
+
+def _shards(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray, R: int,
+            K: int) -> tuple[Shards, ...]:
+    """PARTITIONed sequences as head shards, one `Shards` per degree: a sequence of degree d led by rank r runs
+    a shard on ranks r..r+d-1 (mod R), each a query row over the whole context (the shard's shapes set what of
+    its KV and weights a rank reads); its token enters the gate once, on the lead (`decode_load`). A lead's
+    sequences of one degree form one call per member rank, as the executor groups them."""
+    out = []
+    for degree in np.unique(tp[tp > 1]):
+        d = int(degree)
+        sel = np.flatnonzero(tp == d)
+        rep = np.repeat(sel, d)
+        member = (rank[rep] + np.tile(np.arange(d), sel.size)) % R
+        ctx = context[rep].astype(float)
+        tokens = _alive(member, alive_for[rep], np.ones(rep.size), R, K)
+        summed = _alive(member, alive_for[rep], ctx, R, K) + tokens * np.arange(K)
+        leads, group = np.unique(rank[sel], return_inverse=True)
+        group_alive = np.zeros(leads.size, np.int64)
+        np.maximum.at(group_alive, group, alive_for[sel])
+        lead_rep = np.repeat(np.arange(leads.size), d)
+        lead_member = (leads[lead_rep] + np.tile(np.arange(d), leads.size)) % R
+        launches = _alive(lead_member, group_alive[lead_rep], np.ones(lead_rep.size), R, K)
+        out.append(Shards(d, tokens, summed, launches, _longest_alive(member, alive_for[rep], ctx, R, K)))
+    return tuple(out)
 
 
 def _longest_alive(rank: np.ndarray, alive_for: np.ndarray, context: np.ndarray, R: int, K: int) -> np.ndarray:
@@ -164,41 +179,45 @@ def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, mi
 
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True) -> DecodeGrid:
+                pad_rows: np.ndarray, pad_context: np.ndarray) -> DecodeGrid:
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
-    if fastpath.ENABLED and not host_resident.any() and (tp.size == 0 or tp.max() == 1) and not pad_rows.any():
+    partitioned = tp.size > 0 and tp.max() > 1
+    if fastpath.ENABLED and not host_resident.any() and not partitioned and not pad_rows.any():
         # all on the device, unpartitioned (an offloading system's block with its KV on the GPU): the host
         # part is zeros and each query is one gate token, as the general code below sums them
-        dev_tokens, dev_ctx, _ = _attention(rank, context, alive_for, tp, R, K, kv_split, longest=False)
+        dev_tokens, dev_ctx, _ = _attention(rank, context, alive_for, tp, R, K, longest=False)
         zeros = np.zeros((R, K))
         mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
         return DecodeGrid(dev_tokens, dev_ctx + 0.0, mb, zeros, zeros, dev_tokens + 0.0)
+    if partitioned and (host_resident & (tp > 1)).any():
+        raise ValueError("a PARTITIONed sequence is host-resident: its shards' KV would have to be restored on "
+                         "every rank of its group, which no backend does (partition device-resident sequences)")
     dev = ~host_resident
-    dev_tokens, dev_ctx, _ = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K, kv_split)
+    dev_tokens, dev_ctx, _ = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K)
     host_tokens, host_ctx, _ = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
-                                          tp[host_resident], R, K, kv_split)
+                                          tp[host_resident], R, K)
     ks = np.arange(K)
     dev_tokens = dev_tokens + pad_rows[:, None]
     dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
     dev_gate = _alive(rank[dev], alive_for[dev], np.ones(int(dev.sum())), R, K) + pad_rows[:, None]
     gate = dev_gate + _alive(rank[host_resident], alive_for[host_resident], np.ones(int(host_resident.sum())), R, K)
-    mb = np.ceil(dev_gate / micro_batch) if micro_batch > 0 else (dev_gate > 0).astype(float)
-    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate)
+    # attention calls over the whole-head queries (every device query and padding row when nothing is partitioned)
+    mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
+    shards = _shards(rank, context, alive_for, tp, R, K) if partitioned else ()
+    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards)
 
 
 def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray, kv_split: bool = True,
-                similar_calls: bool = False) -> RankLoad:
+                pad_rows: np.ndarray, pad_context: np.ndarray, similar_calls: bool = False) -> RankLoad:
     """Per-iteration load of a decode run; sequence i takes part in iterations 0..alive_for[i]-1.
     `similar_calls`: attention is called on runs of similar contexts (padded kernels; `padded_runs`) rather
     than in micro-batches of B_attn over the whole rank."""
     K, R = iterations, num_ranks
-    attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K, kv_split)
-    whole = (tp == 1)
-    all_whole = bool(whole.all())
+    attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K)
+    all_whole = bool((tp == 1).all())
     shortcut = fastpath.ENABLED and all_whole
     # unpartitioned, each sequence's query is one gate token on its rank: the same sum as its attention tokens
     gate = attn_tokens if shortcut else _alive(rank, alive_for, np.ones(rank.size), R, K)
@@ -211,13 +230,16 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
             pad_longest = np.where(pad_rows > 0, pad_context / pad_rows, 0.0)[:, None] + ks
         longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
         gate = gate + pad_rows[:, None]
-    mb = np.ceil(gate / micro_batch) if micro_batch > 0 else (gate > 0).astype(float)
+    # attention calls over the whole-head queries (the gate's tokens when nothing is partitioned)
+    mb = np.ceil(attn_tokens / micro_batch) if micro_batch > 0 else (attn_tokens > 0).astype(float)
     if similar_calls and all_whole and not pad_rows.any():
         mb, work = padded_runs(rank, context, alive_for, micro_batch, R, K)
         with np.errstate(divide="ignore", invalid="ignore"):
             longest = np.where(attn_tokens > 0, work / attn_tokens, 0.0)
     zeros = np.zeros((R, K))
-    return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0), longest, zeros, zeros, gate)
+    shards = () if all_whole else _shards(rank, context, alive_for, tp, R, K)
+    return RankLoad(attn_tokens, attn_ctx, gate, zeros, zeros, np.maximum(mb, 1.0), longest, zeros, zeros, gate,
+                    shards=shards)
 
 
 def _alive(rank: np.ndarray, alive_for: np.ndarray, weight: np.ndarray, R: int, K: int) -> np.ndarray:
@@ -345,6 +367,9 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
     forward split in two overlapped micro-batches (batchgen.sim.tbo; not with streamed weights)."""
     if tbo and weight_stream_s <= 0:
+        if load.shards:
+            raise ValueError("two-batch overlap with PARTITIONed sequences is not priced: a policy runs one or "
+                             "the other")
         from batchgen.sim.tbo import price_tbo
         return price_tbo(lat, load, join)
     n_dense, n_moe = lat.layer_counts()
@@ -352,6 +377,8 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         join = join + lat.attention_join(load.attn_tokens + load.prefill_tokens)
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
+    if load.shards:
+        attn = attn + shard_attention(lat, load.shards)
     gate = load.gate_tokens
     head = lat.lm_head(load.sequences if load.head_rows is None else load.head_rows)
     busy = np.zeros(gate.shape) + head
@@ -429,6 +456,8 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     # the module split counts attention as computed where the KV is read (the DAG's overlap aside)
     attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
             + lat.attention_decode(grid.host_tokens, grid.host_context, np.ceil(grid.host_tokens / max(micro_batch, 1))))
+    if grid.shards:
+        attn = attn + shard_attention(lat, grid.shards)
     modules = _module_split(lat, attn, gate, gate, active)
     return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules),
             p.h2d_bytes, p.d2h_bytes)

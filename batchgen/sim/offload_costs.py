@@ -19,6 +19,8 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     """(cost, h2d bytes, d2h bytes, expert calls per iteration) of the run; `rank_comm` holds the all-to-all
     and the host traffic / CPU time the GPU could not hide. One rank with device KV, a dense model: priced as a
     chain without the DAG object (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    if grid.shards:
+        raise ValueError("an offloading system's schedule with PARTITIONed sequences is not priced")
     if grid.gate_tokens.shape[0] == 1:
         sp = scalar_pricer(lat)
         if sp is not None:
