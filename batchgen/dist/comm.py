@@ -112,13 +112,14 @@ class Comm:
             raise self._lost_from_error(e, what, peers) from e
 
     def _check_lost(self, what: str, peers: list[int]) -> None:
-        """Between wait slices: a lost peer of this operation first, else any lost member of the group. A group
-        that lost a member cannot finish its next collective anyway, and an operation between two survivors (a
-        broadcast the source will never send, because it is busy recovering) would otherwise wait for the
-        group's whole timeout."""
+        """Between wait slices: a lost peer of this operation first, else any lost member of the group, else any
+        lost process of the run. A group that lost a member cannot finish its next collective anyway, and an
+        operation between two survivors (a broadcast the source will never send, or an all-to-all of another
+        instance that rank 0 abandoned, because it is busy recovering) would otherwise wait for the group's
+        whole timeout."""
         if self.heartbeat is None:
             return
-        lost = self.heartbeat.lost(peers) or self.heartbeat.lost(self._peers())
+        lost = self.heartbeat.lost(peers) or self.heartbeat.lost(self._peers()) or self.heartbeat.lost()
         if lost:
             raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}") from None
 

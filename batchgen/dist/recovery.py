@@ -42,6 +42,13 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    adopts it as a host copy in its own cache (within the node's host room); it waits suspended there like a
    kept sequence with a host copy (counted as `restored`, not `kept`). The rest are recomputed as above.
 
+8. Several instances (`instance_survivors`): the instance that lost a worker is dropped whole, so that the
+   others keep their size, expert placement and KV; its live processes are released (`await_decision` returns
+   None and they leave the run), its sequences are requeued and dealt over the remaining instances' queues.
+   Every process of the run, not only the dead one's peers, abandons its step as soon as the heartbeat reports
+   the loss (comm.Comm._check_lost): instance 0 may be mid-forward with rank 0, which stops to recover.
+   A loss in rank 0's own instance stops the run (rank 0 holds the engine).
+
 What this does NOT do, said plainly:
 
 - Restored sequences all go to rank 0 (the reader must be on the dead rank's machine, and rank 0 is the one
@@ -95,6 +102,8 @@ class Recovery:
     restored: int = 0        # unfinished sequences adopted from a lost rank's shared host copy (not recomputed)
     restorable: int = 0      # lost sequences with a complete shared host copy (restored + those cheaper to
                              # recompute + those the host room left out)
+    released: list[int] = field(default_factory=list)  # live ranks that left with their instance (several
+                                                        # instances: the one that lost a worker is dropped whole)
 
 
 @dataclass
@@ -138,13 +147,32 @@ def decide_survivors(gen: Generation, err: WorkerLost, settle_s: float | None = 
     return [r for r in range(gen.size) if r not in lost]
 
 
-def publish(gen: Generation, survivors: list[int] | None, reason: str = "") -> None:
-    """Rank 0: the next generation's members (ranks of `gen`), or None with the reason the run stops."""
-    gen.ctx.store.set(KEY.format(gen.number + 1), json.dumps({"survivors": survivors, "reason": reason}))
+def instance_survivors(alive: list[int], size: int, num_instances: int, members: tuple[int, ...]) -> list[int]:
+    """Rank 0, several instances: the ranks of the instances that lost nobody (instances are consecutive blocks
+    of `size` ranks). The instance that lost a worker is dropped whole, so that the others keep their size,
+    their expert placement and their KV; its live processes are released. Raises RecoveryRefused when rank 0's
+    own instance lost one (rank 0 runs the engine and cannot leave)."""
+    if num_instances == 1:
+        return alive
+    intact = [i for i in range(num_instances) if all(r in alive for r in range(i * size, (i + 1) * size))]
+    if 0 not in intact:
+        dead = [members[r] for r in range(size) if r not in alive]
+        raise RecoveryRefused(f"rank 0's instance lost rank {', '.join(map(str, dead))}: rank 0 runs the engine and "
+                              f"cannot leave with its instance, and its survivors cannot form an instance of {size} "
+                              "processes (only another instance's loss is recovered from)")
+    return [r for i in intact for r in range(i * size, (i + 1) * size)]
 
 
-def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[int]:
-    """A worker after WorkerLost: rank 0's list of survivors for the next generation. Raises the WorkerLost
+def publish(gen: Generation, survivors: list[int] | None, reason: str = "", released: list[int] = ()) -> None:
+    """Rank 0: the next generation's members (ranks of `gen`) and the live ranks that leave with a dropped
+    instance, or None with the reason the run stops."""
+    gen.ctx.store.set(KEY.format(gen.number + 1),
+                      json.dumps({"survivors": survivors, "reason": reason, "released": list(released)}))
+
+
+def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[int] | None:
+    """A worker after WorkerLost: rank 0's list of survivors for the next generation (None: this rank is
+    released with its dropped instance, and leaves the run). Raises the WorkerLost
     itself when rank 0 is the lost one (nobody is left to decide), RecoveryRefused when rank 0 stops the run or
     leaves this rank out, WorkerLost naming rank 0 when no decision comes within `timeout_s`."""
     if err.rank == 0:
@@ -168,6 +196,8 @@ def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[i
     survivors = decision["survivors"]
     if survivors is None:
         raise RecoveryRefused(f"rank 0 stopped the run after {err}: {decision['reason']}")
+    if gen.rank in decision.get("released", ()):
+        return None
     if gen.rank not in survivors:
         raise RecoveryRefused(f"rank 0 left rank {gen.members[gen.rank]} out of the recovered group (it was found "
                               f"lost: {err})")
@@ -251,9 +281,10 @@ def apply_keep(cache, keep: dict) -> None:
 
 def settle_caches(worker, decide=None) -> list[dict]:
     """Every survivor, right after regrouping with its old cache: report it, rank 0 decides (`decide(inventories)
-    -> keep_plan`) and broadcasts, each applies its part. Through the control channel's reply and receive."""
-    got = worker.reply(inventory(worker.cache))
-    plan = worker.receive(Command("keep", decide(got)) if worker.rank == 0 else None).parts
+    -> keep_plan`) and broadcasts, each applies its part. Over every process of the new group (`worker.world`:
+    with several instances each instance's control channel reaches only its own)."""
+    got = worker.reply(inventory(worker.cache), worker.world)
+    plan = worker.receive(Command("keep", decide(got)) if worker.rank == 0 else None, worker.world).parts
     apply_keep(worker.cache, plan[worker.rank])
     return plan
 
@@ -266,7 +297,8 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
     (`keep`, per new rank, from `keep_plan`; None: nothing kept).
 
     Finished sequences stay finished (`done`: the stopping rules ended them, possibly in the interrupted step,
-    whose finish time is then `now`). A kept sequence runs device-resident on its survivor (pages as its cache
+    whose finish time is then `now`). A kept sequence belongs to its survivor's instance and runs device-resident
+    on that survivor (pages as its cache
     holds them; a host copy counted where its cache has one) or waits suspended on that survivor's node, and the
     new ledger says which cache holds it. Every other unfinished one is pending with `decoded` = its generated
     tokens: those that had KV or tokens at the head of the queue (as an eviction leaves them: recomputed from
@@ -287,6 +319,7 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
     tn.finish_time[:] = np.where(done, np.where(np.isnan(to.finish_time), now, to.finish_time), np.nan)
     tn.where[:] = np.where(done, FINISHED, PENDING)
     tn.instance[:] = 0
+    instance_of = new.topo.gpu_instance
     new.num_finished = int(done.sum())
     kept = np.zeros(n, bool)
     ledger = KVLedger.of(new)
@@ -301,8 +334,9 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
         kept[ids] = True
         ledger.holder[ids], ledger.on_device[ids] = rank, dev
         run, park = ids[dev], ids[~dev]
+        tn.instance[ids] = instance_of[rank]  # the instance whose ranks include the survivor that holds it
         if run.size:
-            new._join_gpu(0, run, np.full(run.size, rank), lookahead_tokens=0, reserve=False)
+            new._join_gpu(int(instance_of[rank]), run, np.full(run.size, rank), lookahead_tokens=0, reserve=False)
             new._set_pages(run, pages[dev])
         if park.size:
             tn.where[park] = SUSPENDED
@@ -322,11 +356,14 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
     order = np.concatenate(queued) if queued else np.empty(0, np.int64)
     waiting = order[~done[order] & ~requeued[order] & ~kept[order]]
     rest = np.setdiff1d(np.flatnonzero(~done & ~requeued & ~kept), waiting)  # e.g. a prefill to host mid-step
-    new.pending = [IdQueue(np.concatenate([np.flatnonzero(requeued), rest, waiting]))]
-    new.pending.extend(IdQueue() for _ in range(new.topo.num_instances - 1))
+    line = np.concatenate([np.flatnonzero(requeued), rest, waiting])
+    # several instances: dealt round-robin in that order, as the launch split the input (each keeps the order)
+    share = np.arange(line.size) % new.topo.num_instances
+    tn.instance[line] = share
+    new.pending = [IdQueue(line[share == i]) for i in range(new.topo.num_instances)]
     new.pinned = [IdQueue() for _ in range(new.topo.num_gpus)]
     new.check()
-    if len(new.pending[0]) + int(kept.sum()) != n - new.num_finished:
+    if sum(len(q) for q in new.pending) + int(kept.sum()) != n - new.num_finished:
         raise AssertionError("requeue lost track of a sequence")
     return new.num_finished, int(kept.sum()), int(requeued.sum()), int(on_lost.sum())
 
@@ -343,16 +380,22 @@ def pad_ranks(values: np.ndarray, members: tuple[int, ...], world: int) -> np.nd
 class RunPieces:
     """What rank 0 keeps across generations: the finished engines' records and counters."""
 
+    several: bool = False  # the launched cluster has several instances (each survives whole or is dropped)
     records: list = field(default_factory=list)
     events: int = 0
     moves: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)
 
     def add(self, engine, backend, members: tuple[int, ...], world: int) -> None:
-        if engine.state.topo.num_instances == 1:  # (recovery regroups one instance; with several, the records
-            for r in engine.records:               # keep their instance's ranks, as the engine wrote them)
+        topo = engine.state.topo
+        if not self.several:  # one instance: per launch rank (a lost rank's entries 0)
+            for r in engine.records:
                 r.rank_busy = pad_ranks(r.rank_busy, members, world)
                 r.rank_comm = pad_ranks(r.rank_comm, members, world)
+        else:  # whole instances survive: a record keeps its instance's ranks, renumbered to the launched one
+            launched = launched_instances(topo, members)
+            for r in engine.records:
+                r.instance = int(launched[r.instance])
         self.records.extend(engine.records)
         self.events += backend.events
         for into, src in ((self.moves, backend.moves), (self.traffic, backend.traffic)):
@@ -416,6 +459,13 @@ def fold_peaks(first: ClusterState, retired: ClusterState, members: tuple[int, .
     first.peak_host[:k] = np.maximum(first.peak_host[:k], retired.peak_host[:k])
 
 
+def launched_instances(topo, members: tuple[int, ...]) -> np.ndarray:
+    """Each instance of a later generation's topology as the launched instance it is (several instances
+    survive whole and keep their size: its first GPU's launch rank over that size)."""
+    size = topo.instance_gpus(0).size
+    return np.array([members[int(topo.instance_gpus(i)[0])] // size for i in range(topo.num_instances)])
+
+
 def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) -> None:
     """The output's state after recoveries: the launched cluster's (its topology, so that records' per-rank
     arrays, indexed by launch rank, line up with its GPUs) holding the last generation's per-sequence results
@@ -423,6 +473,7 @@ def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) ->
     if not last.all_finished():
         raise AssertionError("settle: the last generation left sequences unfinished")
     fold_peaks(first, last, members)
+    last.table.instance[:] = launched_instances(last.topo, members)[last.table.instance]
     first.table = last.table
     first.num_finished = last.num_finished
     first.pages_used[:] = 0

@@ -21,7 +21,9 @@ who was lost and how many sequences had finished, their tokens in `DistRunFailed
 rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
 torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.
 
-Recovery covers one instance: with several, a lost worker stops the run (as recover=false).
+With several instances the instance that lost a worker is dropped whole: its other processes leave the run,
+and the intact instances go on (their groups rebuilt, their KV kept); the dropped instance's sequences are
+requeued over them. If rank 0's own instance lost a worker the run stops (rank 0 holds the engine).
 
 Not supported yet (refused with a ConfigError naming it): tensor-parallel attention / two-batch overlap across
 processes, weights streamed from host, repeats > 1, dense models (nothing to spread over processes).
@@ -49,8 +51,8 @@ from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import control_groups, instance_groups
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
-                                    carry_totals, decide_survivors, finished_report, fold_peaks, keep_plan, publish,
-                                    regroup, requeue, restore_lost, settle, settle_caches)
+                                    carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
+                                    keep_plan, publish, regroup, requeue, restore_lost, settle, settle_caches)
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
@@ -228,7 +230,8 @@ def _dead_after(settings: DistSettings) -> float:
 
 def reduced_job(job: Job, procs: int) -> Job:
     """The job over `procs` survivors: the same workload and policy on a cluster of that many GPUs (whole nodes
-    kept where the survivors fill them, else one node)."""
+    kept where the survivors fill them, else one node; several instances keep their size: the survivors are
+    whole instances, `instance_survivors`)."""
     c = job.cluster
     node = c.gpus_per_node if procs <= c.gpus_per_node or procs % c.gpus_per_node == 0 else procs
     return dataclasses.replace(job, cluster=dataclasses.replace(c, num_gpus=procs, gpus_per_node=node))
@@ -297,9 +300,11 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None) 
             worker.serve()
             return None
         except WorkerLost as err:
-            if not settings.recover or effective_cluster(job).num_instances > 1:  # recovery: one instance
+            if not settings.recover:
                 raise
             survivors = await_decision(gen, err, settings.timeout_s)
+            if survivors is None:  # its instance lost a member and was dropped: this process leaves the run
+                return None
         gen = _regroup(current, survivors, settings)
         worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker, files)
         if kept:
@@ -322,7 +327,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
-    pieces, recoveries, clock, launched = RunPieces(), [], None, prepared
+    pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
     report = gen.ctx.report
 
     def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
@@ -352,19 +357,21 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 pieces.add(engine, backend, gen.members, world)
             done = np.array([st.finished for st in tokens.stops], bool)
             partial = PartialOutput.of(tokens, done, pieces.records)
-            if not settings.recover or effective_cluster(job).num_instances > 1:
-                # (recovery regroups one instance: with several, the run stops as with recover=false)
+            if not settings.recover:
                 stopped = WorkerLost(err.rank, err.cause)
                 stopped.args = (f"{stopped}; {partial.summary}",)
                 raise _with_partial(stopped, partial) from err
-            survivors, refusal = None, ""
+            survivors, released, refusal = None, [], ""
             try:
-                survivors = decide_survivors(gen, err)
+                alive = decide_survivors(gen, err)
+                cluster = effective_cluster(job)
+                survivors = instance_survivors(alive, cluster.instance_size, cluster.num_instances, gen.members)
+                released = [r for r in alive if r not in survivors]
                 job_next = reduced_job(job, len(survivors))
                 check_dist(job_next, dataclasses.replace(settings, procs=len(survivors)), launched=False)
             except (RecoveryRefused, ConfigError) as e:
                 refusal = str(e).splitlines()[0]
-            publish(gen, None if refusal else survivors, refusal)
+            publish(gen, None if refusal else survivors, refusal, [] if refusal else released)
             if refusal:
                 raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
                                     partial) from err
@@ -387,9 +394,10 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             # (one instance: a GPU index is a rank of its generation)
             if prepared is not launched:
                 fold_peaks(launched.state, prepared.state, before.members)
-            recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks], list(gen.members),
-                                       caught, str(err), finished, held - restored, requeued, on_lost,
-                                       restored=restored, restorable=restorable))
+            recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks if r not in released],
+                                       list(gen.members), caught, str(err), finished, held - restored, requeued,
+                                       on_lost, restored=restored, restorable=restorable,
+                                       released=[before.members[r] for r in released]))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes

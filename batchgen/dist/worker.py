@@ -133,24 +133,27 @@ class RankWorker:
         self._cpu_start = time.process_time()
 
     # ---- the control channel ---------------------------------------------------------------------------
-    def receive(self, cmd: Command | None = None) -> Command:
+    def receive(self, cmd: Command | None = None, channel: Comm | None = None) -> Command:
         """The next command rank 0 broadcast to this rank's instance: pickled bytes after their length, through
         `Comm` (waited in slices under the heartbeat: a dead rank 0 becomes WorkerLost in seconds). During a run
         rank 0 posts through control.CommandChannel; this rank-0 path (`cmd`, broadcast and waited for) is for
-        exchanges outside it (a recovery's, over its one instance)."""
+        exchanges outside it (a recovery's: over `channel`, every process of the run, when nothing else is in
+        flight)."""
+        channel = self.control if channel is None else channel
         if self.rank == 0:
-            broadcast_command(self.control, cmd)
+            broadcast_command(channel, cmd)
             return cmd
-        return receive_command(self.control)
+        return receive_command(channel)
 
-    def reply(self, value: Any) -> list | None:
+    def reply(self, value: Any, channel: Comm | None = None) -> list | None:
         """This worker's reply, gathered on rank 0 (during a run: control.CommandChannel.collect). On rank 0
         (outside a run, as `receive`): every member's reply in rank order, its own first."""
+        channel = self.replies if channel is None else channel
         if self.rank != 0:
-            send_reply(self.replies, value)
+            send_reply(channel, value)
             return None
-        got = gather_replies(self.replies) if self.replies.size > 1 else {}
-        return [value if r == 0 else got[r] for r in self.replies.ranks]
+        got = gather_replies(channel) if channel.size > 1 else {}
+        return [value if r == 0 else got[r] for r in channel.ranks]
 
     def serve(self) -> Totals | None:
         """A worker (rank > 0): execute commands until stop (its totals) or abort (None)."""

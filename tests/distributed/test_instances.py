@@ -120,9 +120,10 @@ def test_refused_before_any_process_starts(saved):
 
 
 def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved, loop_kernel, kill_at):
-    """Rank 1 (instance 1 of two single-process instances) is SIGKILLed at its 4th forward: rank 0, collecting
-    that instance's replies (a gather waited in slices under the heartbeat), finds it lost and the run stops with
-    an error naming it well within 30 s, instead of hanging while instance 0 goes on."""
+    """Rank 1 (instance 1 of two single-process instances) is SIGKILLed at its 4th forward, with recover=false:
+    rank 0, collecting that instance's replies (a gather waited in slices under the heartbeat), finds it lost and
+    the run stops with an error naming it well within 30 s, instead of hanging while instance 0 goes on. (With
+    recovery on, the survivors go on: test_recovery.py.)"""
     import signal
 
     from batchgen.dist.run import DistRunFailed
@@ -131,7 +132,7 @@ def test_a_killed_worker_of_another_instance_stops_the_run_within_seconds(saved,
     _, path = saved
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:
-        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0))
+        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0, recover=False))
     assert time.monotonic() - t0 < 30
     assert "rank 1" in err.value.headline and "WorkerLost" in err.value.headline, str(err.value)
     assert any(r.rank == 1 and r.exitcode == -signal.SIGKILL for r in err.value.results)
@@ -158,7 +159,7 @@ def test_rank_0_failing_while_another_instance_computes_stops_with_its_own_error
     _, path = saved
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:
-        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0))
+        execute_dist(job_for(2, 1)[0], dist_settings(path, 2, timeout_s=120.0, recover=False))
     assert time.monotonic() - t0 < 30
     assert "rank 0" in err.value.headline and "policy bug on instance 0" in err.value.headline, str(err.value)
     assert [r.rank for r in err.value.results] == [0], str(err.value)

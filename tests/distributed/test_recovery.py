@@ -336,3 +336,49 @@ def test_a_full_tmpfs_falls_back_to_ordinary_memory_and_the_index_names_no_file(
     assert index.file is None and not index.readable()  # a reader recomputes this rank's sequences
     files.close()
     assert not os.listdir(tmp_path)
+
+
+def instances_job(procs: int, per_instance: int):
+    from tests.distributed.test_instances import job_for as instance_job
+
+    return instance_job(procs, per_instance, n=N)[0]
+
+
+@pytest.mark.parametrize("procs,per_instance,lost,survivors,released",
+                         [(2, 1, [1], [0], []), pytest.param(4, 2, [3], [0, 1], [2], marks=pytest.mark.slow)],
+                         ids=["2x1", "2x2"])
+def test_an_instance_that_lost_a_worker_is_dropped_and_the_others_finish(saved, loop_kernel, kill_at, procs,
+                                                                         per_instance, lost, survivors, released):
+    """Several instances: a worker of instance 1 dies; that instance is dropped whole (its other process leaves
+    the run), instance 0 goes on with its group rebuilt and its KV kept, the dropped instance's sequences are
+    requeued onto it, and every sequence finishes with the tokens of the single-process executor over the
+    launched cluster. Records keep the launched instance numbering."""
+    _, path = saved
+    kill_at(lost[0], 12)
+    out = execute_dist(instances_job(procs, per_instance), dist_settings(path, procs, timeout_s=60.0))
+    ref = execute(instances_job(procs, per_instance), ExecSettings(device="cpu", model_path=str(path),
+                                                                   kv_budget_mb=kv_mb_for(path, 80), threads=1))
+    assert [out.tokens.generated[s] for s in range(N)] == [ref.tokens.generated[s] for s in range(N)]
+    t = out.prepared.state.table
+    assert out.prepared.state.all_finished() and np.array_equal(t.decoded, t.output_len)
+    assert len(out.recoveries) == 1, out.recoveries
+    rec = out.recoveries[0]
+    assert rec.lost == lost and rec.survivors == survivors and rec.released == released
+    assert rec.finished_before < N and rec.requeued > 0
+    after = [r for r in out.records if r.start >= rec.at_s]
+    assert after and all(r.instance == 0 for r in after)  # only instance 0 ran after the loss
+    assert np.all(t.instance[t.finish_time > rec.at_s] == 0)
+    assert len(out.rank_busy_s) == len(survivors) and all(b > 0 for b in out.rank_busy_s)
+    json.dumps(summarize(out))
+
+
+@pytest.mark.slow  # four processes on a loaded 2-core machine
+def test_losing_a_worker_of_rank_0s_instance_stops_the_run_with_one_line(saved, loop_kernel, kill_at):
+    _, path = saved
+    kill_at(1, 12)
+    t0 = time.monotonic()
+    with pytest.raises(DistRunFailed) as err:
+        execute_dist(instances_job(4, 2), dist_settings(path, 4, timeout_s=60.0))
+    assert time.monotonic() - t0 < 60
+    assert "rank 0's instance lost rank 1" in err.value.headline, err.value.headline
+    assert err.value.partial is not None
