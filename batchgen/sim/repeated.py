@@ -59,8 +59,7 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
             cost, h2d, d2h, calls, gate_total = costs(j)
         else:  # priced alone, as execute prices it
             grid = decode_grid(rank, context0[live] + j * P, produced, plan.decode_tp[live],
-                               np.zeros(ids.size, bool), R, P, plan.micro_batch, plan.pad_rows, plan.pad_context,
-                               backend.state.kv_split_by_heads)
+                               np.zeros(ids.size, bool), R, P, plan.micro_batch, plan.pad_rows, plan.pad_context)
             cost, h2d, d2h, calls = price_offload(backend.lat, grid, plan.micro_batch, cpu_attention=False,
                                                   pipelined=plan.ffn_schedule == "pipelined",
                                                   prefetch_bytes=backend._prefetch_per_layer)
@@ -85,8 +84,7 @@ def _priced_together(backend, plan: StepPlan, remaining0: np.ndarray, context0: 
         return None
     K = (n + 1) * P
     grid = decode_grid(plan.decode_rank, context0, np.minimum(remaining0, K), plan.decode_tp,
-                       np.zeros(remaining0.size, bool), 1, K, plan.micro_batch, plan.pad_rows, plan.pad_context,
-                       backend.state.kv_split_by_heads)
+                       np.zeros(remaining0.size, bool), 1, K, plan.micro_batch, plan.pad_rows, plan.pad_context)
     chain = chain_vectors(sp, grid, plan.micro_batch)
     if chain is None:
         return None
