@@ -1,8 +1,8 @@
 """Identical decode runs back to back as one event: the engine's side (the backend's: `execute_repeated`).
 
 Why. A block policy (FlexGen, ZeRO-Inference) decides at every page boundary to decode its whole block again,
-until the block drains: on Vidur's workload about five such boundaries per block, each costing a snapshot, a
-decision, a priced run and a SimPy event, though nothing is decided. Where the policy declares (`Policy.repeats`,
+until the block drains: on Vidur's workload (benchmarks/sim_scale.py --policies) 5,192 decode runs for 625
+blocks, each run costing a snapshot, a decision, a priced run and a SimPy event, though nothing new is decided. Where the policy declares (`Policy.repeats`,
 given the `Forecast` of its next snapshots) that its next n decisions are this same decode, the backend prices
 the n + 1 runs together and makes time pass once (`execute_repeated`), and the engine replays each boundary's
 bookkeeping as it would have happened: the same `apply_decision` (pages reserved for the next page of tokens),
