@@ -2,6 +2,7 @@
 general code they skip takes the same decisions and ends with the same times, step by step, bit for bit."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -420,4 +421,25 @@ def test_one_timeout_lands_where_the_runs_timeouts_would(now, durations):
     for d in durations:
         end = end + d
     delay = _landing_delay(now, durations)
-    assert delay >= 0 and now + delay == end
+    if delay is not None:
+        assert delay >= 0 and now + delay == end
+        return
+    lo = hi = end - now  # None only where no delay near end - now lands there (a rounding tie)
+    assert now + lo != end
+    for _ in range(16):
+        lo, hi = math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf)
+        assert now + lo != end and now + hi != end
+
+
+def test_where_no_one_delay_lands_the_runs_keep_their_own_timeouts(monkeypatch):
+    """A rounding tie (`now` on half the end's last place) leaves no single delay: the runs then take a timeout
+    each, and the job's results are still those of running them one by one."""
+    import batchgen.sim.repeated as repeated
+
+    assert repeated._landing_delay(1.2132447763310665, [97.0, 1000.0, 1000.0, 1000.0, 999.7224461926149]) is None
+    job = REPEAT_CASES["zero_inference-a100"]()
+    alone = run_by_run(job)
+    monkeypatch.setattr(repeated, "_landing_delay", lambda now, durations: None)
+    ticked = outcome(job)
+    assert_same(ticked, alone)
+    assert ticked["events"] == alone["events"]

@@ -9,7 +9,8 @@ the tokens made since, whole numbers summed exactly); an offloading system's one
 (batchgen.sim.scalar_offload.Chain) is priced once over all of them and reduced per range, any other offloading
 run is priced run by run on its own grid as `execute` prices it; each run's duration, finish offsets and
 counters follow `execute`'s arithmetic. The clock lands where n + 1 timeouts would have left it (the running
-sum of the durations, added in order); tests/test_sim_fastpath.py compares whole jobs with and without it.
+sum of the durations, added in order: one timeout of the delay that lands there, or, where rounding leaves no
+such delay, the n + 1 timeouts); tests/test_sim_fastpath.py compares whole jobs with and without it.
 
 It covers the runs `can_repeat` accepts: an offloading system's schedule (an FFN per micro-batch) with nothing
 moved, no host-resident sequence, no padding and no partition; everything else runs one run per event.
@@ -71,8 +72,14 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
         result = _result(backend, cost, calls, gate_total, ids.size, P, produced, remaining == produced)
         durations.append(result.duration)
         out.append((ids, result))
-    backend.events += 1
-    yield backend.env.timeout(_landing_delay(float(backend.env.now), durations))
+    delay = _landing_delay(float(backend.env.now), durations)
+    if delay is not None:
+        backend.events += 1
+        yield backend.env.timeout(delay)
+    else:  # no one delay lands there (a rounding tie): a timeout per run, as execute's would
+        backend.events += len(durations)
+        for duration in durations:
+            yield backend.env.timeout(duration)
     return out
 
 
@@ -120,15 +127,16 @@ def _result(backend, cost: RunCost, calls: np.ndarray, gate_total, in_play: int,
                       modules=cost.modules, chunk_finished=_NONE)
 
 
-def _landing_delay(now: float, durations: list[float]) -> float:
+def _landing_delay(now: float, durations: list[float]) -> float | None:
     """A delay d with now + d equal, in floating point, to the clock after one timeout per duration (each added
-    to the clock in turn, as the event queue adds them)."""
+    to the clock in turn, as the event queue adds them); None where no d does (now + d can skip the end when
+    `now` falls on half a unit of the end's last place: round half to even)."""
     end = now
     for d in durations:
         end = end + d
     delay = end - now
-    for _ in range(64):
+    for _ in range(4):  # the nearest delays: end - now rounded is within an ulp or two of a landing one
         if now + delay == end:
             return delay
         delay = math.nextafter(delay, math.inf if now + delay < end else -math.inf)
-    raise ArithmeticError(f"no delay lands the clock from {now!r} on {end!r}")  # pragma: no cover
+    return None
