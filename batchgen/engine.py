@@ -14,7 +14,7 @@ from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
-from batchgen import fastpath
+from batchgen import fastpath, repeat
 from batchgen.core.ops import GpuOps, KVLedger, KVOps, plan_ops
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
@@ -496,7 +496,7 @@ class Engine:
     def loop(self, instance: int) -> Generator[Any, Any, None]:
         """Drive one instance until its policy has nothing left to run."""
         policy, backend, state, ledger = self.policy, self.backend, self.state, self.ledger
-        liveness, records, on_step, check = self.liveness, self.records, self.on_step, self.check_invariants
+        liveness = self.liveness
         progress = InstanceProgress(state.instance_gpus(instance).size)
         idle, last = 0, 0.0
         # an instance that only runs work other instances hand over (PD-disaggregation's decode units) stays
@@ -529,20 +529,31 @@ class Engine:
                 continue
             idle = 0
             summary, folded = BoundaryDecision.of(decision, plan, folded), None
+            more = repeat.repeats(self, instance, snap, decision, plan)
+            if more:  # the same decode at the next boundaries: one event, each boundary replayed
+                yield from repeat.run_repeated(self, instance, decision, plan, summary, progress, more)
+                continue
             result = yield from backend.execute(plan)
-            record_outcome(state, plan, result, now, progress, decision.padded)
-            if ledger is not None:
-                ledger.finished(instance, finished_ids(plan, result))
-            if on_step is not None:
-                on_step(plan, result)
-            liveness.changed(backend)
-            progress.last_phase = plan.phase
-            records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
-                                      int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
-                                      result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm,
-                                      summary, result.modules))
-            if check:
-                state.check()
+            self.record(instance, plan, result, now, progress, decision.padded, summary)
+
+    def record(self, instance: int, plan: StepPlan, result: StepResult, start: float, progress: InstanceProgress,
+               padded: bool, summary: BoundaryDecision) -> None:
+        """Fold a run's outcome into the state and record it (its step record, observers, invariant checks)."""
+        state = self.state
+        record_outcome(state, plan, result, start, progress, padded)
+        if self.ledger is not None:
+            self.ledger.finished(instance, finished_ids(plan, result))
+        if self.on_step is not None:
+            self.on_step(plan, result)
+        self.liveness.changed(self.backend)
+        progress.last_phase = plan.phase
+        self.records.append(StepRecord(instance, start, result.duration, plan.phase, result.iterations,
+                                       result.tokens, int(plan.decode_ids.size + plan.prefill_ids.size
+                                                          + plan.chunk_ids.size),
+                                       result.expert_tokens, result.expert_calls, result.rank_busy,
+                                       result.rank_comm, summary, result.modules))
+        if self.check_invariants:
+            state.check()
 
     def finish(self) -> None:
         """After every loop ended: every sequence finished, and the bookkeeping recounts."""

@@ -27,6 +27,14 @@ load 7-8.5, wall: continuous 20.1, sglang_opt 31.4, static 7.41, flexgen 10.4, z
 zero_inference reach 3.0-4.9 CPU s depending on the load, about the target; continuous and sglang_opt do not
 (their time is the engine's and the policy's bookkeeping at each boundary, spread over many small steps, with
 about one boundary per finish or prompt chunk).
+Then (same day, load average 5.2-5.8) a block policy's decode runs that its next decisions would repeat
+unchanged (`Policy.repeats`) run as one event, each boundary's bookkeeping replayed (batchgen/repeat.py,
+batchgen/sim/repeated.py): flexgen and zero_inference 5,817 -> 1,250 events, the same 5,817 step records, and
+finish times, records and decision trace bit for bit the same (a digest of them equal to main's). CPU seconds of
+`simulate` (main ce12f0e and the change, fresh processes in turn, least of three): zero_inference 2.40 -> 1.44,
+flexgen 2.61 -> 1.52. This script then, at load 5.2-5.5: flexgen 2.52 s wall / 1.67 s CPU (14.0x / 21.2x
+Vidur), zero_inference 2.69 / 1.72 (13.1x / 20.5x); static 2.92 / 1.99, coroutine 1.91 / 1.25, moe_lightning
+1.72 / 1.14; continuous 8.31 / 5.55 and sglang_opt 12.27 / 8.25 remain below 10x.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """
 

@@ -118,3 +118,19 @@ def test_bad_knobs_are_refused_before_work_starts():
         _prepared("flexgen", model="deepseek_v2", n=100, cpu_delegation=True)
     with pytest.raises(ConfigError, match="attention=cpu"):
         _prepared("moe_lightning", model="deepseek_v2", n=100, attention="cpu")
+
+
+def test_a_search_scores_every_candidate_as_alone_when_it_shares_prices():
+    """Within one search candidates share the prices they have in common (`score`'s memo): each one scores
+    exactly as it does scored alone, and memo entries are shared across KV placements of one block shape."""
+    from batchgen.policy.offload.search import Rig, score
+
+    job = make_job("flexgen", "mixtral_8x7b", "a5000_1", inputs=np.full(300, 512), outputs=np.full(300, 256))
+    pr = prepare(job)
+    rig = Rig.of(job.model, job.cluster, pr.latency, job.memory, job.workload, job.page_tokens)
+    candidates = [dataclasses.replace(c, max_prompt=rig.max_input) for c in job.policy.candidates(rig)]
+    memo = {}
+    shared = [score(rig, c, memo) for c in candidates]
+    alone = [score(rig, c) for c in candidates]
+    assert shared == alone and sum(s is not None for s in shared) > 10
+    assert len(memo) < 2 * sum(s is not None for s in shared)  # some prices were shared

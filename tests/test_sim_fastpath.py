@@ -2,10 +2,12 @@
 general code they skip takes the same decisions and ends with the same times, step by step, bit for bit."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from batchgen import fastpath
 from batchgen.decisions import first_difference, trace_of
@@ -35,8 +37,9 @@ def assert_same(fast, ref):
         assert np.array_equal(fast[key], ref[key], equal_nan=True), key
     for k, (a, b) in enumerate(zip(fast["steps"], ref["steps"])):
         assert a == b, f"step {k}: {a} != {b}"
-    for key in ("steps", "events", "host_bytes", "host_bytes_per_iteration"):
+    for key in ("steps", "host_bytes", "host_bytes_per_iteration"):
         assert fast[key] == ref[key], key
+    assert fast["events"] <= ref["events"], "events"  # repeated runs as one event (batchgen.repeat): fewer
 
 
 def both_ways(job, kv_pages=None):
@@ -325,3 +328,118 @@ def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
                     assert np.array_equal(getattr(fast, f), getattr(ref, f)), (n, mb, hosted, f)
                 assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
                 assert np.array_equal(fast_calls, ref_calls)
+
+
+# ---- repeated decode runs as one event (batchgen.repeat, batchgen.sim.repeated) ----------------------------
+
+def run_by_run(job, kv_pages=None):
+    """`outcome` of the job with every run its own event (the block policies declare no repeats)."""
+    from unittest import mock
+
+    from batchgen.policy.offload.base import OffloadPolicy
+
+    with mock.patch.object(OffloadPolicy, "repeats", lambda self, snap, decision, forecast: 0):
+        return outcome(job, kv_pages)
+
+
+REPEAT_CASES = {
+    "zero_inference-a100": lambda: vidur_like("zero_inference", n=200),
+    "flexgen-a100": lambda: vidur_like("flexgen", n=200),
+    # several micro-batches per block: each run priced on its own grid (not the one-micro-batch chain)
+    "flexgen-a100-4x4": lambda: vidur_like("flexgen", n=120, gpu_batch_size=4, num_gpu_batches=4, cache_on="gpu",
+                                           cpu_delegation=False),
+    # without invariant checks: the replay alone, as benchmarks run it
+    "zero_inference-a100-unchecked": lambda: dataclasses.replace(vidur_like("zero_inference", n=200),
+                                                                 check_invariants=False),
+    # a rank short of pages (the executor's pool): rows are shed part-way through a block, ending the repeats
+    "zero_inference-a100-shedding": lambda: shedding_job(),
+    # an MoE model (its runs priced on the DAG, run by run): one rank, four ranks in one instance
+    "zero_inference-tiny-moe": lambda: make_job("zero_inference", "tiny_moe", "h100_8", n=60,
+                                                policy_overrides={"batch_size": 16},
+                                                cluster_overrides={"num_gpus": 1, "gpus_per_instance": None}),
+    "flexgen-tiny-moe-4": lambda: make_job("flexgen", "tiny_moe", "h100_8", n=80, seed=2,
+                                           policy_overrides={"gpu_batch_size": 4, "num_gpu_batches": 2,
+                                                             "cache_on": "gpu", "cpu_delegation": False},
+                                           cluster_overrides={"num_gpus": 4, "gpus_per_instance": 4}),
+    # several instances: never merged (another instance's loop could look at the state between the runs)
+    "zero_inference-tiny-moe-2x2": lambda: make_job("zero_inference", "tiny_moe", "h100_8", n=60, seed=4,
+                                                    cluster_overrides={"num_gpus": 4, "gpus_per_instance": 2}),
+    "zero_inference-a100-4x1": lambda: make_job("zero_inference", "llama2_7b", "a100_8", n=60, seed=3,
+                                                cluster_overrides={"num_gpus": 4, "gpus_per_instance": None}),
+}
+REPEAT_PAGES = {"zero_inference-a100-shedding": 280}
+
+
+def shedding_job():
+    """Blocks of 16 prompts of 1,000 tokens that fit 280 pages of 64 tokens at prefill, not as they grow."""
+    return make_job("zero_inference", "llama2_7b", "a100_8", np.full(40, 1000), np.arange(1, 41) * 15,
+                    policy_overrides={"batch_size": 16}, cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
+
+
+@pytest.mark.parametrize("case", sorted(REPEAT_CASES))
+def test_repeated_runs_as_one_event_change_no_result(case):
+    job, kv_pages = REPEAT_CASES[case](), REPEAT_PAGES.get(case)
+    merged, alone = outcome(job, kv_pages), run_by_run(job, kv_pages)
+    assert_same(merged, alone)
+    assert alone["events"] == len(alone["steps"])
+    if case.endswith(("2x2", "4x1")):
+        assert merged["events"] == alone["events"]  # several instances: never merged
+    else:
+        assert merged["events"] < alone["events"] / 2, (merged["events"], alone["events"])
+    if case.endswith("shedding"):
+        assert any(d.evicted for d in merged["trace"]), "the case must shed rows part-way through a block"
+
+
+def test_a_wrong_repeat_declaration_fails_the_checked_run(monkeypatch):
+    """With invariant checks the policy is asked at every replayed boundary: a block that declares repeats
+    through a boundary where it sheds rows is caught there."""
+    from batchgen.core.sequences import InvariantError
+    from batchgen.policy.offload.base import OffloadPolicy
+
+    job = shedding_job()
+    monkeypatch.setattr(OffloadPolicy, "repeats", lambda self, snap, decision, forecast: forecast.alive.shape[0])
+    with pytest.raises(InvariantError, match="declared"):
+        simulate(job, progress=False, kv_pages_per_gpu=REPEAT_PAGES["zero_inference-a100-shedding"])
+
+
+def test_forecast_of_the_next_boundaries():
+    from batchgen.repeat import forecast
+
+    ahead = forecast(np.array([5, 16, 17, 40]), np.array([100, 10, 7, 1]), steps=16)
+    # boundaries 1 and 2 after this one (at 16 and 32 tokens made): the last one still runs at both
+    assert ahead.alive.tolist() == [[False, False, True, True], [False, False, False, True]]
+    assert ahead.context.tolist() == [[116, 26, 23, 17], [132, 42, 39, 33]]
+    assert forecast(np.array([16, 3]), np.array([1, 1]), steps=16).alive.shape == (0, 2)  # all end in this run
+    assert forecast(np.array([1000]), np.array([1]), steps=1, limit=7).alive.shape == (7, 1)
+
+
+@given(st.floats(0, 1e7), st.lists(st.floats(1e-9, 1e3), min_size=1, max_size=80))
+def test_one_timeout_lands_where_the_runs_timeouts_would(now, durations):
+    from batchgen.sim.repeated import _landing_delay
+
+    end = now
+    for d in durations:
+        end = end + d
+    delay = _landing_delay(now, durations)
+    if delay is not None:
+        assert delay >= 0 and now + delay == end
+        return
+    lo = hi = end - now  # None only where no delay near end - now lands there (a rounding tie)
+    assert now + lo != end
+    for _ in range(16):
+        lo, hi = math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf)
+        assert now + lo != end and now + hi != end
+
+
+def test_where_no_one_delay_lands_the_runs_keep_their_own_timeouts(monkeypatch):
+    """A rounding tie (`now` on half the end's last place) leaves no single delay: the runs then take a timeout
+    each, and the job's results are still those of running them one by one."""
+    import batchgen.sim.repeated as repeated
+
+    assert repeated._landing_delay(1.2132447763310665, [97.0, 1000.0, 1000.0, 1000.0, 999.7224461926149]) is None
+    job = REPEAT_CASES["zero_inference-a100"]()
+    alone = run_by_run(job)
+    monkeypatch.setattr(repeated, "_landing_delay", lambda now, durations: None)
+    ticked = outcome(job)
+    assert_same(ticked, alone)
+    assert ticked["events"] == alone["events"]

@@ -176,6 +176,18 @@ class Decision:
         return "decode"
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """What the instance's next snapshots will show if each run goes as decided and nothing else happens: the
+    running sequences of the decision's run at each of the next `len(alive)` boundaries. Row j is boundary
+    j + 1 after this one: `alive[j, i]` whether `Snapshot.active_ids[i]` still runs there (it has not ended),
+    `context[j, i]` its context then (meaningful where alive). Given to `Policy.repeats` only, never to
+    `decide`: a policy learns that a sequence ended when it ends (see `repeats`)."""
+
+    alive: np.ndarray    # (J, N) bool
+    context: np.ndarray  # (J, N) int64
+
+
 class Policy(Protocol):
     """A scheduling policy: `decide` is all it must have. The optional members below (with the defaults of
     `PolicyDefaults`, which every registered policy inherits) are read by the engine and the job's layout:
@@ -190,6 +202,11 @@ class Policy(Protocol):
       systems); None: nothing to resolve.
     - `two_batch_overlap`: every forward as two micro-batches (SGLang's TBO; sglang_opt); default False.
     - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
+    - `repeats(snap, decision, forecast) -> int`: at how many of the next boundaries (a prefix of the
+      `Forecast`'s) `decide` would return this same decision again (a decode of every running sequence, nothing
+      else), so that the simulator may run them as one event and replay their bookkeeping (batchgen.repeat);
+      default 0. A speed declaration only: decisions and results are the same either way, and a run with
+      `check_invariants` calls `decide` at every replayed boundary and fails if the declaration was wrong.
     """
 
     name: str
@@ -216,3 +233,6 @@ class PolicyDefaults:
 
     def receives_work(self, instance: int) -> bool:
         return False
+
+    def repeats(self, snap: Snapshot, decision: Decision, forecast: Forecast) -> int:
+        return 0

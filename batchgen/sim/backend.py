@@ -18,6 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
+from batchgen.sim import repeated
 from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
                                  rows_of, scalar_pricer)
@@ -205,6 +206,14 @@ class SimBackend:
                           if self.lat.model.is_moe else 0,
                           int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def can_repeat(self, plan: StepPlan) -> bool:
+        """Whether `execute_repeated` can run this plan's decode again and again as one event."""
+        return repeated.can_repeat(self, plan)
+
+    def execute_repeated(self, plan: StepPlan, n: int):
+        """`plan`'s run and the n identical runs after it, one event ((ids, result) per run; batchgen.repeat)."""
+        return repeated.execute_repeated(self, plan, n)
 
     def _price(self, load, weight_stream_s: float, join=0.0):
         """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the

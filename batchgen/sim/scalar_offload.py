@@ -94,12 +94,41 @@ def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: in
 
 def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, RunCost):
     """`_price` where the run is one micro-batch of every query, each sequence one gate token (the usual run:
-    ZeRO-Inference's whole batch, a FlexGen block of one micro-batch), with the operations that provably change
-    no value left out: x + 0.0 and 0 + x are x for x >= +0 (every cost here), 1.0 x kernel_s is kernel_s, and a
-    mask is the identity where the masked cells are 0 already. Per iteration k with t_k queries (on: t_k > 0):
-    the micro-batch is the queries themselves with their context and one launch (t_k <= micro_batch), so its
-    attention is the module split's too; a layer's chain is attention then FFN, end1 = a + f and
-    end2 = (end1 + a) + f. None where any of that does not hold."""
+    ZeRO-Inference's whole batch, a FlexGen block of one micro-batch); None where that does not hold
+    (`chain_vectors`)."""
+    chain = chain_vectors(sp, grid, micro_batch)
+    return None if chain is None else chain.cost(slice(None), RunCost)
+
+
+class Chain:
+    """A one-micro-batch run's per-iteration amounts (see `chain_vectors`), reduced over any range of its
+    iterations by `cost`: a run priced once and cut into consecutive runs (batchgen.sim.repeated) gives each
+    the values of pricing it alone, since every amount is elementwise in the iteration and every reduction is
+    numpy's on a contiguous range of the same values."""
+
+    __slots__ = ("iteration", "busy", "exposed", "gate", "attention", "ffn", "head")
+
+    def __init__(self, iteration, busy, exposed, gate, attention, ffn, head):
+        self.iteration, self.busy, self.exposed, self.gate = iteration, busy, exposed, gate
+        self.attention, self.ffn, self.head = attention, ffn, head
+
+    def cost(self, part: slice, RunCost):
+        """(cost, h2d bytes, d2h bytes, expert calls per iteration) of iterations `part`, as `price_offload`."""
+        iteration = self.iteration[part]
+        modules = {"attention": float(self.attention[part].sum()), "ffn": float(self.ffn[part].sum()),
+                   "head": float(self.head[part].sum())}
+        cost = RunCost(iteration, self.busy[part][None, :].sum(axis=1),
+                       np.full(1, float(self.exposed[part].sum())), self.gate[part], modules)
+        return cost, 0.0, 0.0, np.zeros(iteration.size)
+
+
+def chain_vectors(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int) -> Chain | None:
+    """Per-iteration amounts of a one-rank device-KV run that is one micro-batch of every query, with the
+    operations that provably change no value left out: x + 0.0 and 0 + x are x for x >= +0 (every cost here),
+    1.0 x kernel_s is kernel_s, and a mask is the identity where the masked cells are 0 already. Per iteration
+    k with t_k queries (on: t_k > 0): the micro-batch is the queries themselves with their context and one
+    launch (t_k <= micro_batch), so its attention is the module split's too; a layer's chain is attention then
+    FFN, end1 = a + f and end2 = (end1 + a) + f. None where any of that does not hold."""
     n_dense = sp.lat.layer_counts()[0]
     g = grid.gate_tokens[0]
     dev_t = grid.dev_tokens[0]
@@ -128,10 +157,7 @@ def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, Run
     iteration = np.where(on, (head + step) + n_dense * lt, 0.0)
     exposed = np.where(on, 0.0 + n_dense * np.maximum(lt - end1, 0.0), 0.0)
     busy = np.where(on, head + n_dense * end1, 0.0)
-    modules = {"attention": float((n_dense * a).sum()), "ffn": float((n_dense * f).sum()), "head": float(head.sum())}
-    cost = RunCost(iteration, busy[None, :].sum(axis=1), np.full(1, float(exposed.sum())), np.where(on, g, 0.0),
-                   modules)
-    return cost, 0.0, 0.0, np.zeros(g.size)
+    return Chain(iteration, busy, exposed, np.where(on, g, 0.0), n_dense * a, n_dense * f, head)
 
 
 def microbatched_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,

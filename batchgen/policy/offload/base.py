@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchgen.memory import BatchShape
-from batchgen.policy.base import Decision, PolicyDefaults, Snapshot
-from batchgen.policy.offload.block import BlockPlan, decide_block
+from batchgen.policy.base import Decision, Forecast, PolicyDefaults, Snapshot
+from batchgen.policy.offload.block import BlockPlan, block_repeats, decide_block
 
 AUTO = "auto"
 
@@ -48,6 +48,10 @@ class OffloadPolicy(PolicyDefaults):
 
     def decide(self, snap: Snapshot) -> Decision:
         return decide_block(snap, self.block_plan())
+
+    def repeats(self, snap: Snapshot, decision: Decision, forecast: Forecast) -> int:
+        """A block decodes unchanged until it drains or a row must be shed (`block.block_repeats`)."""
+        return block_repeats(snap, forecast)
 
     def resolve_for_job(self, rig):
         """This policy with its auto knobs chosen by its own search over the job (`search.search`)."""

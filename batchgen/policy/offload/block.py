@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen import fastpath
-from batchgen.policy.base import Admit, Decision, Snapshot
+from batchgen.policy.base import Admit, Decision, Forecast, Snapshot
 from batchgen.policy.common import pages_for, shed_to_fit
 
 FFN_SCHEDULES = ("micro_batch", "pipelined")
@@ -57,6 +57,24 @@ def decide_block(snap: Snapshot, plan: BlockPlan) -> Decision:
     elif host:  # a pool on another instance's node cannot be ours; nothing to do here
         pass
     return d
+
+
+def block_repeats(snap: Snapshot, forecast: Forecast) -> int:
+    """`Policy.repeats` of `decide_block`'s decode: while the block runs, the decision at the next boundary is
+    the same decode as long as a row still runs and `_shed` drops nothing there, i.e. every rank's rows fit
+    their next page (the sum `shed_to_fit` compares). Rows with host KV are not forecast (their shed also reads
+    host memory that other instances share): 0 then."""
+    alive, context = forecast.alive, forecast.context
+    if not alive.size or not snap.active_ids.size or snap.active_host_resident.any():
+        return 0
+    P, R = snap.page_tokens, snap.num_ranks
+    need = np.where(alive, pages_for(context + P, P), 0)  # (J, N) pages each row needs at each boundary
+    if R == 1:
+        per_rank = need.sum(axis=1)[:, None]
+    else:
+        per_rank = np.stack([need[:, snap.active_rank == r].sum(axis=1) for r in range(R)], axis=1)
+    same = alive.any(axis=1) & (per_rank <= snap.pages_capacity).all(axis=1)
+    return int(same.size if same.all() else np.argmin(same))
 
 
 def _shed(snap: Snapshot, d: Decision) -> None:

@@ -73,10 +73,10 @@ class Scored:
     prefill_s: float
 
 
-def score(rig: Rig, policy) -> Scored | None:
-    """The candidate's predicted decode-and-prefill throughput per instance, or None if it does not fit."""
-    from batchgen.sim.costs import prefill_load, price
-
+def score(rig: Rig, policy, memo: dict | None = None) -> Scored | None:
+    """The candidate's predicted decode-and-prefill throughput per instance, or None if it does not fit.
+    `memo`: prices already computed in this search, keyed by everything they read (candidates that differ only
+    in what the price does not read share it: FlexGen's KV placements of one block shape, for instance)."""
     plan = policy.block_plan()
     m, c, lat, P = rig.model, rig.cluster, rig.lat, rig.page_tokens
     try:
@@ -99,22 +99,37 @@ def score(rig: Rig, policy) -> Scored | None:
     else:
         grid = DecodeGrid(one(n), one(n * ctx), one(1), one(0), one(0), one(n))
     n_moe = max(lat.layer_counts()[1], 1)
-    price_d, _ = price_microbatched(lat, grid, plan.micro_batch, cpu_attention=plan.kv_on_host and plan.cpu_attention,
-                                    pipelined=plan.ffn_schedule == "pipelined",
-                                    prefetch_bytes=budget.streamed_bytes_per_iter / n_moe, replicas=R)
-    iteration = float(price_d.iteration_s[0])
-    empty = np.empty(0, np.int64)
-    load = prefill_load(np.zeros(n, np.int64), np.full(n, int(round(rig.mean_input))), empty, empty, 1,
-                        plan.micro_batch)
+    memo = {} if memo is None else memo
+    cpu_attention, pipelined = plan.kv_on_host and plan.cpu_attention, plan.ffn_schedule == "pipelined"
+    prefetch = budget.streamed_bytes_per_iter / n_moe
+    key = ("decode", plan.kv_on_host, n, ctx, plan.micro_batch, cpu_attention, pipelined, prefetch, R)
+    if key not in memo:
+        price_d, _ = price_microbatched(lat, grid, plan.micro_batch, cpu_attention=cpu_attention,
+                                        pipelined=pipelined, prefetch_bytes=prefetch, replicas=R)
+        memo[key] = float(price_d.iteration_s[0])
+    iteration = memo[key]
     stream_s = float(lat.h2d(budget.streamed_bytes_per_iter)) if budget.streamed_bytes_per_iter else 0.0
-    prefill_s = price(lat, load, stream_s).compute_s
+    key = ("prefill", n, plan.micro_batch, stream_s)
+    if key not in memo:
+        memo[key] = _prefill_s(rig, n, plan.micro_batch, stream_s)
+    prefill_s = memo[key]
     total = prefill_s + rig.mean_output * iteration
     return Scored(policy, n * R * rig.mean_output / total if total > 0 else 0.0, iteration, prefill_s)
 
 
+def _prefill_s(rig: Rig, n: int, micro_batch: int, stream_s: float) -> float:
+    """A block of n typical prompts prefilled, the layer weights streamed once."""
+    from batchgen.sim.costs import prefill_load, price
+
+    empty = np.empty(0, np.int64)
+    load = prefill_load(np.zeros(n, np.int64), np.full(n, int(round(rig.mean_input))), empty, empty, 1, micro_batch)
+    return price(rig.lat, load, stream_s).compute_s
+
+
 def search(rig: Rig, candidates: Iterable, what: str):
     """The fastest fitting candidate (among those within TIE of it, the smallest block); ConfigError if none."""
-    scored = [s for s in (score(rig, p) for p in candidates) if s is not None]
+    memo: dict = {}
+    scored = [s for s in (score(rig, p, memo) for p in candidates) if s is not None]
     if not scored:
         raise ConfigError(f"{what}: no schedule fits {rig.model.name} on {rig.cluster.gpu.name} (every block of "
                           "its search exceeds device or host memory): give it a GPU with more memory, more host "
