@@ -48,13 +48,17 @@ from batchgen.exec.models.moe import SparseMoE
 DEFAULT_PIPELINE = 2  # local-slot groups the all-to-alls are pipelined over when not given; 1 = synchronous
 
 
+def check_pipeline(pipeline, name: str = "pipeline") -> int:
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise DistConfigError(f"{name}={pipeline!r}: give the number of local-expert groups to pipeline the MoE "
+                              "all-to-alls over, an integer >= 1 (1 = synchronous)")
+    return pipeline
+
+
 def slot_groups(width: int, pipeline: int) -> tuple[tuple[int, int], ...]:
     """`pipeline` contiguous blocks [lo, hi) of the `width` local slots, as even as they go (at most one group
     per slot: an expert is never split)."""
-    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
-        raise DistConfigError(f"pipeline={pipeline!r}: give the number of local-expert groups to pipeline the "
-                              "MoE all-to-alls over, an integer >= 1 (1 = synchronous)")
-    n = min(pipeline, width)
+    n = min(check_pipeline(pipeline), width)
     bounds = [width * g // n for g in range(n + 1)]
     return tuple(zip(bounds[:-1], bounds[1:]))
 

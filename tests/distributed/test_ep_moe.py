@@ -215,3 +215,15 @@ def test_an_overlapped_operation_counts_its_issue_and_wait_not_the_work_in_betwe
         assert calls == 1 and comm_s < 0.4, comm_s
         assert y == [0.0, 0.0, 1.0, 1.0]
         assert waited_twice == "probe: waited twice"
+
+
+def test_a_bad_ep_pipeline_setting_is_refused_before_any_process_starts(saved):
+    from batchgen.dist.errors import DistConfigError
+    from batchgen.dist.run import check_dist
+    from tests.distributed.test_dist_backend import dist_settings, job_for
+
+    _, path = saved
+    for bad in (0, "2", 1.5):
+        with pytest.raises(DistConfigError, match=f"backend.ep_pipeline={bad!r}: give the number of local-expert"):
+            check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=bad))
+    check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=3))  # more groups than experts is fine (clamped)
