@@ -162,19 +162,23 @@ def _interleaved_worker(ctx, layers, x, steps: int, variants: list[int]):
     for v in variants:
         step(v)
     times: dict[int, list[float]] = {v: [] for v in variants}
+    cpu = dict.fromkeys(variants, 0.0)
     for i in range(steps):
         for v in (variants if i % 2 == 0 else variants[::-1]):
             comm.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(v)
             times[v].append(time.perf_counter() - t0)
-    return times
+            cpu[v] += time.process_time() - c0
+    return times, cpu
 
 
-def interleaved(layers, x, steps: int, variants: list[int]) -> dict[int, list[float]]:
-    """Per variant, each step's time on the slower of the two ranks (`_interleaved_worker`)."""
+def interleaved(layers, x, steps: int, variants: list[int]) -> tuple[dict, dict]:
+    """Per variant, each step's time on the slower of the two ranks, and the two ranks' CPU seconds per step
+    (their own and their gloo threads': what the variant costs a machine with no core to spare)."""
     results = _launch(_interleaved_worker, 2, layers, x, steps, variants)
-    return {v: [max(r[v][i] for r in results) for i in range(steps)] for v in variants}
+    times = {v: [max(r[0][v][i] for r in results) for i in range(steps)] for v in variants}
+    return times, {v: sum(r[1][v] for r in results) / steps for v in variants}
 
 
 def _launch(fn, procs: int, *args) -> list:
@@ -265,10 +269,11 @@ def main() -> None:
         print(f"round {rnd} no-communication ceiling, 2 processes: {c:.1f} tok/s", flush=True)
         best_ceiling = max(c, best_ceiling)
     if args.ab_steps > 0 and len(variants) > 1:
-        times = interleaved(layers, x, args.ab_steps, variants)
+        times, cpu = interleaved(layers, x, args.ab_steps, variants)
         base = times[variants[0]]
         print(f"interleaved A/B, 2 processes, {args.ab_steps} steps each, alternating step by step: median step "
-              + ", ".join(f"{statistics.median(times[v]) * 1e3:.1f} ms with pipeline={v}" for v in variants)
+              + ", ".join(f"{statistics.median(times[v]) * 1e3:.1f} ms (CPU {cpu[v] * 1e3:.0f} ms, both ranks) with "
+                          f"pipeline={v}" for v in variants)
               + "; median per-step time ratio to pipeline=" + f"{variants[0]}: "
               + ", ".join(f"{statistics.median(a / b for a, b in zip(times[v], base)):.3f} (pipeline={v})"
                           for v in variants[1:]), flush=True)

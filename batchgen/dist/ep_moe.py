@@ -7,7 +7,8 @@ shared experts (replicated) and its shard of the routed experts (`SparseMoE.expe
 2. order the (token, expert) assignments by expert, as `SparseMoE.experts` does, then group them by owner
    rank (experts stay ascending within an owner);
 3. exchange counts: a [ranks, max local experts] matrix, one all-to-all, so every rank knows how many rows
-   arrive from each source for each of its experts (the split sizes of the next exchange);
+   arrive from each source for each of its experts (the split sizes of the next exchange); pipelined, it is in
+   flight while the rows to send are gathered;
 4. dispatch the rows (the token's hidden state once per assignment) with all_to_all_single;
 5. run the local experts on what arrived, sorted by expert with the sources in rank order
    (`SparseMoE.sorted_expert_rows`: the same kernels, grouped GEMM or loop);
@@ -116,14 +117,18 @@ class ExpertParallelMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments by expert, as SparseMoE.experts
         expert = flat[order]
         dest = self._owner[expert] * W + self._slot[expert]
+        send_counts = torch.bincount(dest, minlength=P * W)
+        recv_counts = torch.empty_like(send_counts)
+        counting = self.comm.start_all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
+        if not self.pipelined:
+            self.comm.wait(counting)
         # rows sent by (slot group, owner rank, slot): a group's rows are one block, each owner's in expert order
         # (slots ascend with expert ids on a rank), each expert's in token order (stable)
         perm = torch.argsort(self._group_of_expert[expert] * (P * W) + dest, stable=True)
         rows = order[perm]  # assignment index of each row sent
         x_send = hidden[rows // k]
-        send_counts = torch.bincount(dest, minlength=P * W)
-        recv_counts = torch.empty_like(send_counts)
-        self.comm.all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
+        if self.pipelined:  # the gather above overlapped the count exchange
+            self.comm.wait(counting)
         send_c, recv_c = send_counts.view(P, W), recv_counts.view(P, W)
         self._last_counts = recv_c.sum(0)[:len(self.local_experts)]
         y_send = torch.empty_like(x_send)
