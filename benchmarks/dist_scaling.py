@@ -2,7 +2,7 @@
 thread per process), the same tokens and weights in both.
 
     python benchmarks/dist_scaling.py [--experts 8] [--hidden 768] [--inter 2048] [--layers 4] [--top-k 2]
-        [--tokens 256] [--steps 4] [--rounds 3] [--pipelines 1,2]
+        [--tokens 256] [--steps 4] [--rounds 3] [--pipelines 1,2] [--ab-steps 12]
 
 The model is attention-free on purpose: only EP MoE layers (`batchgen.dist.ExpertParallelMoE`, residual
 added), so the experts' GEMMs dominate and the ratio measures what expert parallelism buys and what its
@@ -229,7 +229,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--pipelines", default=f"1,{DEFAULT_PIPELINE}",
+    p.add_argument("--pipelines", default="1,2",
                    help="pipeline values for the 2-process runs (1 = synchronous exchange)")
     p.add_argument("--ab-steps", type=int, default=12,
                    help="steps per variant of the interleaved A/B of the pipeline values (0: skip it)")

@@ -24,9 +24,16 @@ before. A layer's shared experts (DeepSeek) run while the dispatch is in flight.
 (group, owner, slot) so each group's rows are one contiguous block, and the returned rows land in the same
 layout. An expert lives in exactly one group, so it still runs one GEMM on all its rows in the same order: the
 pipelined layer gives the synchronous one's bits (tests/distributed/test_ep_moe.py). Every rank of a group
-must use the same `pipeline` (the all-to-alls must match). What gloo does with it on CPU: the operations run on
-the process group's worker thread, so they progress while the caller computes; whether that pays on a given
-machine is what benchmarks/dist_scaling.py measures (synchronous and pipelined side by side).
+must use the same `pipeline` (the all-to-alls must match).
+
+What it gives with gloo on CPU (2-core development machine, December 1, 2026, loaded by other work): the
+operations run on the process group's worker threads and do progress while the caller computes (an all-to-all
+of 2048x768 fp32 rows issued, a 44 ms GEMM, then its wait: 0.02 ms; the same all-to-all waited at once: 5.7 ms;
+load average 1.6). But that thread needs a core, and with one process per core there is none to spare: over 120
+steps of benchmarks/dist_scaling.py's model, alternating step by step (load average 3.3-3.9), pipeline=2 took a
+median 1.030x the synchronous step's time (quartiles 0.98-1.06) and 3.5% more CPU (two more operations per
+layer, each waking the gloo threads). So the default is synchronous; the pipeline is for machines where the
+exchange does not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there.
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
@@ -46,7 +53,9 @@ from batchgen.dist.placement import ExpertPlacement
 from batchgen.exec.models.moe import SparseMoE
 
 
-DEFAULT_PIPELINE = 2  # local-slot groups the all-to-alls are pipelined over when not given; 1 = synchronous
+# local-slot groups the all-to-alls are pipelined over when not given: 1 = synchronous, measured faster on the
+# 2-core CPU machine (gloo; benchmarks/dist_scaling.py's A/B): see the module docstring
+DEFAULT_PIPELINE = 1
 
 
 def check_pipeline(pipeline, name: str = "pipeline") -> int:

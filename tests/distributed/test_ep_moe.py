@@ -78,22 +78,24 @@ def reference(moe, x):
     return ref, moe.last_tokens_per_expert
 
 
-def _ep_forward(ctx, moe, x, splits, owner):
+def _ep_forward(ctx, moe, x, splits, owner, pipeline=None):
     torch.set_grad_enabled(False)
     comm = Comm()
     placement = None if owner is None else ExpertPlacement(owner, comm.size)
-    ep = ExpertParallelMoE(moe, comm, placement)
+    ep = ExpertParallelMoE(moe, comm, placement, pipeline=pipeline)
     mine = torch.split(x, splits)[comm.rank]
     out = ep(mine)
     held = sum(getattr(ep.shard, n).numel() for n in ("w_gate", "w_up", "w_down"))
     return out, ep.local_experts, ep.last_tokens_per_expert, held
 
 
-@pytest.mark.parametrize("procs", [1, 2, 4])
-def test_ep_forward_equals_single_process_moe(layer, procs, kernel):
+@pytest.mark.parametrize("procs, pipeline", [(1, None), (2, None), (4, None), (4, 2)])
+def test_ep_forward_equals_single_process_moe(layer, procs, pipeline, kernel):
+    """The default exchange over 1, 2 and 4 processes, and the pipelined one over 4 (4 sources per expert, a rank
+    without tokens; 2 processes: test_pipelined_exchange_...)."""
     moe, x = layer
     ref, ref_counts = reference(moe, x)
-    got = run_procs(_ep_forward, procs, moe, x, SPLITS[procs], None)
+    got = run_procs(_ep_forward, procs, moe, x, SPLITS[procs], None, pipeline)
     out = torch.cat([g[0] for g in got])
     assert out.shape == ref.shape
     check_equal(out, ref, kernel)
