@@ -143,7 +143,8 @@ class ExpertParallelMoE(nn.Module):
         y_send = torch.empty_like(x_send)
         side = None
         if self.pipelined:
-            side = self._pipeline(x_send, y_send, send_c, recv_c, None if alongside is None else (lambda: alongside(hidden)))
+            side = self._pipeline(x_send, y_send, send_c, recv_c,
+                                  None if alongside is None else (lambda: alongside(hidden)))
         else:
             send_splits, recv_splits = send_c.sum(1).tolist(), recv_c.sum(1).tolist()
             x_recv = hidden.new_empty(sum(recv_splits), H)
