@@ -229,3 +229,44 @@ def test_a_bad_ep_pipeline_setting_is_refused_before_any_process_starts(saved):
         with pytest.raises(DistConfigError, match=f"backend.ep_pipeline={bad!r}: give the number of local-expert"):
             check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=bad))
     check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=3))  # more groups than experts is fine (clamped)
+
+
+def _killed_mid_pipeline(ctx, moe, x):
+    """Rank 1 SIGKILLs itself in its second expert group's compute of the 3rd forward (its first group's combine
+    and rank 0's second group's rows in flight); rank 0 must raise WorkerLost naming it, not hang."""
+    import os
+    import signal
+    import time
+    from batchgen.dist import Heartbeat, WorkerLost
+    torch.set_grad_enabled(False)
+    hb = Heartbeat.for_context(ctx).start()
+    ep = ExpertParallelMoE(moe, Comm(heartbeat=hb), pipeline=2)
+    run_rows, calls = ep.shard.sorted_expert_rows, [0]
+
+    def dying(rows, counts):
+        calls[0] += 1
+        if ctx.rank == 1 and calls[0] == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_rows(rows, counts)
+
+    ep.shard.sorted_expert_rows = dying
+    mine = torch.split(x, SPLITS[2])[ctx.rank]
+    for _ in range(3):
+        t0 = time.time()
+        try:
+            ep(mine)
+        except WorkerLost as e:
+            return e.rank, time.time() - t0, str(e)
+    return None, None, "3 forwards without a peer"
+
+
+def test_a_peer_killed_mid_pipeline_is_worker_lost_within_seconds(loop_kernel, one_thread):
+    import signal
+    cfg = ExecModelConfig(**CONFIGS["mixtral"])
+    moe = init_random(cfg, seed=3, std=0.3).moe(0)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    results = run_procs(_killed_mid_pipeline, 2, moe, x, expect_ok=False, join_timeout_s=30)
+    assert results[1].exitcode == -signal.SIGKILL
+    assert results[0].ok, results[0].error
+    lost, after_s, message = results[0].value
+    assert lost == 1 and after_s < 10.0, message
