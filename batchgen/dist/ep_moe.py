@@ -29,11 +29,13 @@ must use the same `pipeline` (the all-to-alls must match).
 What it gives with gloo on CPU (2-core development machine, December 1, 2026, loaded by other work): the
 operations run on the process group's worker threads and do progress while the caller computes (an all-to-all
 of 2048x768 fp32 rows issued, a 44 ms GEMM, then its wait: 0.02 ms; the same all-to-all waited at once: 5.7 ms;
-load average 1.6). But that thread needs a core, and with one process per core there is none to spare: over 120
-steps of benchmarks/dist_scaling.py's model, alternating step by step (load average 3.3-3.9), pipeline=2 took a
-median 1.030x the synchronous step's time (quartiles 0.98-1.06) and 3.5% more CPU (two more operations per
-layer, each waking the gloo threads). So the default is synchronous; the pipeline is for machines where the
-exchange does not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there.
+load average 1.6). But that thread needs a core, and with one process per core there is none to spare: in
+benchmarks/dist_scaling.py's interleaved A/B (its default model, the two variants alternating step by step in
+the same two processes, 120 steps each; load average 3.3-3.9) pipeline=2 took a median 1.030x the synchronous
+step's time (quartiles 0.98-1.06) and 3.5% more CPU (382 against 369 ms per step, both ranks: two more
+operations per layer, and gloo's threads interrupting the GEMMs); the whole benchmark's own A/B (12 steps, load
+5.5) said 1.024x and 2.7%. So the default is synchronous; the pipeline is for machines where the exchange does
+not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there (`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
