@@ -152,8 +152,8 @@ def test_slot_groups_split_the_local_slots_into_contiguous_blocks_and_refuse_a_b
             slot_groups(4, bad)
 
 
-# (placement, pipelines): contiguous, and an uneven one (rank 0 holds 5 experts, rank 1 the rest, so rank 1 has
-# slots past its shard) with every grouping from synchronous (1) to one group per slot
+# (placement, pipelines): contiguous, and an uneven one (rank 1 holds the last 3 experts, rank 0 the rest: with 8
+# experts rank 1 has slots past its shard) with every grouping from synchronous (1) to one group per slot
 def _uneven(num_experts):
     return tuple(0 if e < num_experts - 3 else 1 for e in range(num_experts))
 
