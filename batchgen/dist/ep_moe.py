@@ -34,8 +34,10 @@ benchmarks/dist_scaling.py's interleaved A/B (its default model, the two variant
 the same two processes, 120 steps each; load average 3.3-3.9) pipeline=2 took a median 1.030x the synchronous
 step's time (quartiles 0.98-1.06) and 3.5% more CPU (382 against 369 ms per step, both ranks: two more
 operations per layer, and gloo's threads interrupting the GEMMs); the whole benchmark's own A/B (12 steps, load
-5.5) said 1.024x and 2.7%. So the default is synchronous; the pipeline is for machines where the exchange does
-not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there (`backend.ep_pipeline`).
+5.5) said 1.024x and 2.7%; at a quieter moment (load average 0.6-2.2, 60 steps each) 1.041x (quartiles
+1.01-1.06), and its fastest steps too (10th percentile 206 against 194 ms, pipeline=4: 211 ms). So the default
+is synchronous; the pipeline is for machines where the exchange does not take a compute core (NCCL on GPUs, a
+spare CPU core), to be measured there (`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
