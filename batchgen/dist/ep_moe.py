@@ -35,8 +35,11 @@ the same two processes, 120 steps each; load average 3.3-3.9) pipeline=2 took a 
 step's time (quartiles 0.98-1.06) and 3.5% more CPU (382 against 369 ms per step, both ranks: two more
 operations per layer, and gloo's threads interrupting the GEMMs); the whole benchmark's own A/B (12 steps, load
 5.5) said 1.024x and 2.7%; at a quieter moment (load average 0.6-2.2, 60 steps each) 1.041x (quartiles
-1.01-1.06), and its fastest steps too (10th percentile 206 against 194 ms, pipeline=4: 211 ms). So the default
-is synchronous; the pipeline is for machines where the exchange does not take a compute core (NCCL on GPUs, a
+1.01-1.06), and its fastest steps too (10th percentile 206 against 194 ms, pipeline=4: 211 ms). Why: here an
+all-to-all is mostly CPU work of its own process (2 processes, a barrier, then one all-to-all, median of 60,
+load 2.0: nothing to send 0.33 ms wall of which 0.21 ms CPU; 128 rows of 768 fp32 to the peer, the benchmark's
+dispatch, 0.55 ms of which 0.40 ms CPU), so the latency overlap could hide is about 1% of a step, less than the
+two more operations per layer cost. So the default is synchronous; the pipeline is for machines where the exchange does not take a compute core (NCCL on GPUs, a
 spare CPU core), to be measured there (`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
