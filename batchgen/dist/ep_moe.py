@@ -39,8 +39,9 @@ operations per layer, and gloo's threads interrupting the GEMMs); the whole benc
 all-to-all is mostly CPU work of its own process (2 processes, a barrier, then one all-to-all, median of 60,
 load 2.0: nothing to send 0.33 ms wall of which 0.21 ms CPU; 128 rows of 768 fp32 to the peer, the benchmark's
 dispatch, 0.55 ms of which 0.40 ms CPU), so the latency overlap could hide is about 1% of a step, less than the
-two more operations per layer cost. So the default is synchronous; the pipeline is for machines where the exchange does not take a compute core (NCCL on GPUs, a
-spare CPU core), to be measured there (`backend.ep_pipeline`).
+two more operations per layer cost. So the default is synchronous; the pipeline is for machines where the
+exchange does not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there
+(`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
