@@ -2,7 +2,7 @@
 thread per process), the same tokens and weights in both.
 
     python benchmarks/dist_scaling.py [--experts 8] [--hidden 768] [--inter 2048] [--layers 4] [--top-k 2]
-        [--tokens 256] [--steps 4] [--rounds 3]
+        [--tokens 256] [--steps 4] [--rounds 3] [--pipelines 1,2] [--ab-steps 12]
 
 The model is attention-free on purpose: only EP MoE layers (`batchgen.dist.ExpertParallelMoE`, residual
 added), so the experts' GEMMs dominate and the ratio measures what expert parallelism buys and what its
@@ -20,7 +20,15 @@ all-to-alls and waits). Runs alternate (1, 2, ceiling, 1, 2, ...) for --rounds r
 kept, since another load on the machine can only slow a run down. The weights are built once in the parent and the workers are forked (they
 share them copy-on-write until each copies its own shard). Report `uptime` with the result: on a loaded
 2-core machine the second process competes with other work, so 1.6x is only meaningful on an idle one.
-The last line reads `speedup_2procs=<r>`.
+
+Two processes run once per `--pipelines` value (`ExpertParallelMoE(pipeline=...)`): 1 is the synchronous
+exchange (one dispatch, all local experts, one combine), p > 1 pipelines it over p groups of local expert slots
+so the all-to-alls overlap the experts' GEMMs (ep_moe.py); their order alternates between rounds. Each prints
+its own line and speedup (`speedup_2procs_pipeline<p>=`) and, per round, its ratio to the synchronous run of
+the same round. Then (--ab-steps) all of them run in the same two processes, alternating step by step, and the
+median per-step time ratio to the first (synchronous) is printed: the A/B least biased by a changing load. The
+last line reads `speedup_2procs=<r>` for the default (`batchgen.dist.ep_moe.DEFAULT_PIPELINE`, what
+backend=dist runs); one process always runs synchronously.
 
 Measured December 1, 2026 on the 2-core development machine while idle (load average 0.6-1.3), `--rounds 5`
 (the default shapes): speedup_2procs 1.54, 1.69 and 1.51 in three runs (earlier that day, 3 rounds: 1.52, 1.63,
@@ -36,11 +44,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import time
 
 import torch
 
 from batchgen.dist import Comm, ExpertParallelMoE, ExpertPlacement, launch
+from batchgen.dist.ep_moe import DEFAULT_PIPELINE
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.loading import init_random
 
@@ -68,11 +78,11 @@ def tokens(args) -> torch.Tensor:
     return torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(1))
 
 
-def _worker(ctx, layers, x, steps: int):
+def _worker(ctx, layers, x, steps: int, pipeline: int):
     keep_freed_memory()
     torch.set_grad_enabled(False)
     comm = Comm()
-    eps = [ExpertParallelMoE(m, comm) for m in layers]
+    eps = [ExpertParallelMoE(m, comm, pipeline=pipeline) for m in layers]
     mine = torch.tensor_split(x, comm.size)[comm.rank]
 
     def step(h):
@@ -135,9 +145,47 @@ def _ceiling_worker(ctx, layers, x, steps: int):
     return time.perf_counter() - t0
 
 
-def _launch(fn, procs: int, layers, x, steps: int) -> list:
-    """fn on `procs` forked processes (one thread each); their return values by rank, or the failures raised."""
-    results = launch(fn, procs, (layers, x, steps), start_method="fork", threads=1, join_timeout_s=1800)
+def _interleaved_worker(ctx, layers, x, steps: int, variants: list[int]):
+    """Every pipeline variant in the same two processes, alternating step by step (the order reversed every
+    other step), a barrier before each step: the per-step times of the variants see the same load, so their
+    ratio step by step is an A/B that a machine's changing load does not bias."""
+    keep_freed_memory()
+    torch.set_grad_enabled(False)
+    comm = Comm()
+    eps = {v: [ExpertParallelMoE(m, comm, pipeline=v) for m in layers] for v in variants}
+    mine = torch.tensor_split(x, comm.size)[comm.rank]
+
+    def step(v):
+        h = mine
+        for ep in eps[v]:
+            h = h + ep(h)
+
+    for v in variants:
+        step(v)
+    times: dict[int, list[float]] = {v: [] for v in variants}
+    cpu = dict.fromkeys(variants, 0.0)
+    for i in range(steps):
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            comm.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(v)
+            times[v].append(time.perf_counter() - t0)
+            cpu[v] += time.process_time() - c0
+    return times, cpu
+
+
+def interleaved(layers, x, steps: int, variants: list[int]) -> tuple[dict, dict]:
+    """Per variant, each step's time on the slower of the two ranks, and the two ranks' CPU seconds per step
+    (their own and their gloo threads': what the variant costs a machine with no core to spare)."""
+    results = _launch(_interleaved_worker, 2, layers, x, steps, variants)
+    times = {v: [max(r[0][v][i] for r in results) for i in range(steps)] for v in variants}
+    return times, {v: sum(r[1][v] for r in results) / steps for v in variants}
+
+
+def _launch(fn, procs: int, *args) -> list:
+    """fn(ctx, *args) on `procs` forked processes (one thread each); their return values by rank, or the failures
+    raised."""
+    results = launch(fn, procs, args, start_method="fork", threads=1, join_timeout_s=1800)
     bad = [r for r in results if not r.ok]
     if bad:
         raise RuntimeError("\n".join(f"rank {r.rank}: exit {r.exitcode}: {r.error}" for r in bad))
@@ -149,8 +197,8 @@ def ceiling(layers, x, steps: int) -> float:
     return x.shape[0] * steps / max(_launch(_ceiling_worker, 2, layers, x, steps))
 
 
-def run(layers, x, procs: int, steps: int) -> dict:
-    results = _launch(_worker, procs, layers, x, steps)
+def run(layers, x, procs: int, steps: int, pipeline: int = 1) -> dict:
+    results = _launch(_worker, procs, layers, x, steps, pipeline)
     elapsed = max(r[0] for r in results)
     out = dict(procs=procs, seconds=elapsed, tokens_per_s=x.shape[0] * steps / elapsed,
                comm_share=[r[1] / r[0] for r in results],
@@ -158,6 +206,18 @@ def run(layers, x, procs: int, steps: int) -> dict:
     if results[0][3] is not None:
         out["plain_tokens_per_s"] = x.shape[0] * steps / results[0][3]
     return out
+
+
+def pipelines(text: str) -> list[int]:
+    """--pipelines: comma-separated positive integers, the default pipeline always included (its speedup is the
+    last line)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--pipelines {text!r}: give comma-separated integers >= 1, e.g. 1,2") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"--pipelines {text!r}: give comma-separated integers >= 1, e.g. 1,2")
+    return sorted(set(values) | {DEFAULT_PIPELINE})
 
 
 def main() -> None:
@@ -170,37 +230,72 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pipelines", default="1,2",
+                   help="pipeline values for the 2-process runs (1 = synchronous exchange)")
+    p.add_argument("--ab-steps", type=int, default=12,
+                   help="steps per variant of the interleaved A/B of the pipeline values (0: skip it)")
     args = p.parse_args()
+    variants = pipelines(args.pipelines)
     torch.set_num_threads(1)
     print(f"load average before: {os.getloadavg()}; cores: {os.cpu_count()}")
     print(f"model: {args.layers} MoE layers x {args.experts} experts (hidden {args.hidden}, expert width "
-          f"{args.inter}, top-{args.top_k}), {args.tokens} tokens per step, {args.steps} steps per run, fp32")
+          f"{args.inter}, top-{args.top_k}), {args.tokens} tokens per step, {args.steps} steps per run, fp32; "
+          f"2 processes with pipeline {variants} (default {DEFAULT_PIPELINE})")
     layers, x = build_layers(args), tokens(args)
-    best: dict[int, dict] = {}
+    best: dict = {}  # 1 -> the one-process run; (2, pipeline) -> each two-process variant
+
+    def keep(key, r):
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = r
+
+    def describe(r) -> str:
+        return (f"{r['tokens_per_s']:.1f} tok/s ({r['seconds']:.2f} s), time in collectives per rank "
+                f"{[f'{s:.0%}' for s in r['comm_share']]}, mean expert batch per rank "
+                f"{[f'{b:.0f}' for b in r['expert_batch']]}, CPU s per rank {[f'{c:.2f}' for c in r['cpu_s']]}")
+
     best_ceiling = 0.0
     for rnd in range(args.rounds):
-        for procs in (1, 2):
-            r = run(layers, x, procs, args.steps)
-            extra = (f", plain SparseMoE {r['plain_tokens_per_s']:.1f} tok/s" if "plain_tokens_per_s" in r else "")
-            print(f"round {rnd} procs={procs}: {r['tokens_per_s']:.1f} tok/s ({r['seconds']:.2f} s), time in "
-                  f"collectives per rank {[f'{s:.0%}' for s in r['comm_share']]}, mean expert batch per rank "
-                  f"{[f'{b:.0f}' for b in r['expert_batch']]}, CPU s per rank {[f'{c:.2f}' for c in r['cpu_s']]}"
-                  f"{extra}", flush=True)
-            if procs not in best or r["tokens_per_s"] > best[procs]["tokens_per_s"]:
-                best[procs] = r
+        one = run(layers, x, 1, args.steps)
+        print(f"round {rnd} procs=1: {describe(one)}, plain SparseMoE {one['plain_tokens_per_s']:.1f} tok/s",
+              flush=True)
+        keep(1, one)
+        this_round = {}
+        for pipeline in (variants if rnd % 2 == 0 else variants[::-1]):
+            r = this_round[pipeline] = run(layers, x, 2, args.steps, pipeline)
+            print(f"round {rnd} procs=2 pipeline={pipeline}: {describe(r)}; "
+                  f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x this round's 1 process", flush=True)
+            keep((2, pipeline), r)
+        if 1 in this_round and len(variants) > 1:
+            print(f"round {rnd} tokens/s over the synchronous run's: " + ", ".join(
+                f"{this_round[v]['tokens_per_s'] / this_round[1]['tokens_per_s']:.3f} with pipeline={v}"
+                for v in variants if v != 1), flush=True)
         c = ceiling(layers, x, args.steps)
         print(f"round {rnd} no-communication ceiling, 2 processes: {c:.1f} tok/s", flush=True)
         best_ceiling = max(c, best_ceiling)
+    if args.ab_steps > 0 and len(variants) > 1:
+        times, cpu = interleaved(layers, x, args.ab_steps, variants)
+        base = times[variants[0]]
+        print(f"interleaved A/B, 2 processes, {args.ab_steps} steps each, alternating step by step: median step "
+              + ", ".join(f"{statistics.median(times[v]) * 1e3:.1f} ms (CPU {cpu[v] * 1e3:.0f} ms, both ranks) with "
+                          f"pipeline={v}" for v in variants)
+              + "; median per-step time ratio to pipeline=" + f"{variants[0]}: "
+              + ", ".join(f"{statistics.median(a / b for a, b in zip(times[v], base)):.3f} (pipeline={v})"
+                          for v in variants[1:]), flush=True)
     print(f"load average after: {os.getloadavg()}")
-    cpu_ratio = sum(best[1]["cpu_s"]) / max(best[2]["cpu_s"])
+    two = best[(2, DEFAULT_PIPELINE)]
+    cpu_ratio = sum(best[1]["cpu_s"]) / max(two["cpu_s"])
     print(f"diagnostic, not a speed: CPU seconds of 1 process / of the busiest of 2 = {cpu_ratio:.2f} (the ratio "
           "2 idle cores could give if waiting cost nothing; the wall-clock ratio below is the measurement)")
     print(f"diagnostic: two processes splitting the experts with no communication reach {best_ceiling:.1f} tok/s, "
           f"{best_ceiling / best[1]['tokens_per_s']:.2f}x one process (what two cores give this split; expert "
           f"parallelism's all-to-alls and waits cost the rest: EP reaches "
-          f"{best[2]['tokens_per_s'] / best_ceiling:.0%} of it)")
-    print(f"best: 1 process {best[1]['tokens_per_s']:.1f} tok/s, 2 processes {best[2]['tokens_per_s']:.1f} tok/s")
-    print(f"speedup_2procs={best[2]['tokens_per_s'] / best[1]['tokens_per_s']:.2f}")
+          + ", ".join(f"{best[(2, v)]['tokens_per_s'] / best_ceiling:.0%} with pipeline={v}" for v in variants)
+          + " of it)")
+    print(f"best: 1 process {best[1]['tokens_per_s']:.1f} tok/s, 2 processes "
+          + ", ".join(f"{best[(2, v)]['tokens_per_s']:.1f} tok/s with pipeline={v}" for v in variants))
+    for v in variants:
+        print(f"speedup_2procs_pipeline{v}={best[(2, v)]['tokens_per_s'] / best[1]['tokens_per_s']:.2f}")
+    print(f"speedup_2procs={two['tokens_per_s'] / best[1]['tokens_per_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,19 @@ Without a heartbeat the group's own collective timeout (init_distributed's timeo
 
 `comm_s` adds up the wall time spent inside operations, waiting for slower peers included: the
 communication-and-wait share of a step, for per-rank busy/communication/idle accounting.
+
+Overlap (`start_all_to_all_single`, then `wait`): the operation is issued and runs in the background (gloo: on
+the group's worker thread; NCCL: on its stream) while the caller computes; `comm_s` counts the time spent
+issuing it and the time spent in `wait` (the part the computation did not hide, waiting for a slower peer
+included), not the computation in between, which is busy time. One `calls` per operation, when waited.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,17 @@ from batchgen.dist.failure import Heartbeat
 
 _SLICE_TIMEOUT = "Operation timed out!"  # Work.wait(timeout) expiring; the operation goes on
 _GLOO_TIMEOUT = "Timed out waiting"  # gloo giving up after the group's collective timeout
+
+
+@dataclass
+class Pending:
+    """An operation issued and not waited yet (`Comm.start_all_to_all_single`): what `Comm.wait` needs to wait
+    for it under the failure detector and to account its time."""
+    work: Any  # the torch.distributed Work
+    what: str
+    peers: list[int]
+    issue_s: float  # seconds spent issuing it (communication time, added when it is waited)
+    done: bool = False
 
 
 class Comm:
@@ -45,10 +62,27 @@ class Comm:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Sequence[int] | None = None,
                           input_split_sizes: Sequence[int] | None = None, what: str = "all-to-all") -> None:
+        self.wait(self.start_all_to_all_single(output, input, output_split_sizes, input_split_sizes, what))
+
+    def start_all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                                output_split_sizes: Sequence[int] | None = None,
+                                input_split_sizes: Sequence[int] | None = None,
+                                what: str = "all-to-all") -> Pending:
+        """Issue an all-to-all and return at once; `output` is filled (and `input` may be reused) only after
+        `wait` returns. Every rank of the group must issue the group's operations in the same order."""
         t0 = time.perf_counter()
         work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=self.group,
                                       async_op=True)
-        self._wait(work, what, self._peers(), t0)
+        return Pending(work, what, self._peers(), time.perf_counter() - t0)
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for an operation `start_*` issued (under the failure detector, in slices); its issue time and the
+        time spent here count as communication."""
+        if pending.done:
+            raise RuntimeError(f"{pending.what}: waited twice")
+        pending.done = True
+        self.comm_s += pending.issue_s
+        self._wait(pending.work, pending.what, pending.peers, time.perf_counter())
 
     def send(self, tensor: torch.Tensor, dst: int, what: str = "send") -> None:
         t0 = time.perf_counter()

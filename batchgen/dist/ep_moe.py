@@ -7,12 +7,41 @@ shared experts (replicated) and its shard of the routed experts (`SparseMoE.expe
 2. order the (token, expert) assignments by expert, as `SparseMoE.experts` does, then group them by owner
    rank (experts stay ascending within an owner);
 3. exchange counts: a [ranks, max local experts] matrix, one all-to-all, so every rank knows how many rows
-   arrive from each source for each of its experts (the split sizes of the next exchange);
+   arrive from each source for each of its experts (the split sizes of the next exchange); pipelined, it is in
+   flight while the rows to send are gathered;
 4. dispatch the rows (the token's hidden state once per assignment) with all_to_all_single;
 5. run the local experts on what arrived, sorted by expert with the sources in rank order
    (`SparseMoE.sorted_expert_rows`: the same kernels, grouped GEMM or loop);
 6. return the rows with the reverse all-to-all and combine them exactly as `SparseMoE.experts` does (weight in
    fp32, cast, index_add in expert order), then add the shared experts' output for this rank's tokens.
+
+Overlap (`pipeline`, default `DEFAULT_PIPELINE`): steps 4-6 can be pipelined over groups of the local expert
+slots (slots 0..a of every rank first, then the next block, ...). Each group's rows go out in their own
+asynchronous all-to-all, all issued at once after the count exchange; the local experts of group g run as soon
+as group g's rows are in, while the later groups' rows are still arriving, and group g's outputs go back
+asynchronously while group g+1 computes; the combine then waits for every group and adds in expert order as
+before. A layer's shared experts (DeepSeek) run while the dispatch is in flight. The sends are laid out by
+(group, owner, slot) so each group's rows are one contiguous block, and the returned rows land in the same
+layout. An expert lives in exactly one group, so it still runs one GEMM on all its rows in the same order: the
+pipelined layer gives the synchronous one's bits (tests/distributed/test_ep_moe.py). Every rank of a group
+must use the same `pipeline` (the all-to-alls must match).
+
+What it gives with gloo on CPU (2-core development machine, December 1, 2026, loaded by other work): the
+operations run on the process group's worker threads and do progress while the caller computes (an all-to-all
+of 2048x768 fp32 rows issued, a 44 ms GEMM, then its wait: 0.02 ms; the same all-to-all waited at once: 5.7 ms;
+load average 1.6). But that thread needs a core, and with one process per core there is none to spare: in
+benchmarks/dist_scaling.py's interleaved A/B (its default model, the two variants alternating step by step in
+the same two processes, 120 steps each; load average 3.3-3.9) pipeline=2 took a median 1.030x the synchronous
+step's time (quartiles 0.98-1.06) and 3.5% more CPU (382 against 369 ms per step, both ranks: two more
+operations per layer, and gloo's threads interrupting the GEMMs); the whole benchmark's own A/B (12 steps, load
+5.5) said 1.024x and 2.7%; at a quieter moment (load average 0.6-2.2, 60 steps each) 1.041x (quartiles
+1.01-1.06), and its fastest steps too (10th percentile 206 against 194 ms, pipeline=4: 211 ms). Why: here an
+all-to-all is mostly CPU work of its own process (2 processes, a barrier, then one all-to-all, median of 60,
+load 2.0: nothing to send 0.33 ms wall of which 0.21 ms CPU; 128 rows of 768 fp32 to the peer, the benchmark's
+dispatch, 0.55 ms of which 0.40 ms CPU), so the latency overlap could hide is about 1% of a step, less than the
+two more operations per layer cost. So the default is synchronous; the pipeline is for machines where the
+exchange does not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there
+(`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same
@@ -32,10 +61,33 @@ from batchgen.dist.placement import ExpertPlacement
 from batchgen.exec.models.moe import SparseMoE
 
 
+# local-slot groups the all-to-alls are pipelined over when not given: 1 = synchronous, measured faster on the
+# 2-core CPU machine (gloo; benchmarks/dist_scaling.py's A/B): see the module docstring
+DEFAULT_PIPELINE = 1
+
+
+def check_pipeline(pipeline, name: str = "pipeline") -> int:
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise DistConfigError(f"{name}={pipeline!r}: give the number of local-expert groups to pipeline the MoE "
+                              "all-to-alls over, an integer >= 1 (1 = synchronous)")
+    return pipeline
+
+
+def slot_groups(width: int, pipeline: int) -> tuple[tuple[int, int], ...]:
+    """`pipeline` contiguous blocks [lo, hi) of the `width` local slots, as even as they go (at most one group
+    per slot: an expert is never split)."""
+    n = min(check_pipeline(pipeline), width)
+    bounds = [width * g // n for g in range(n + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
 class ExpertParallelMoE(nn.Module):
-    def __init__(self, moe: SparseMoE, comm: Comm, placement: ExpertPlacement | None = None):
+    def __init__(self, moe: SparseMoE, comm: Comm, placement: ExpertPlacement | None = None,
+                 pipeline: int | None = None):
         """moe: the whole layer (every rank builds or loads it, then keeps only its shard: the full expert
-        stacks can be dropped once this returns). placement: contiguous blocks over the group by default."""
+        stacks can be dropped once this returns). placement: contiguous blocks over the group by default.
+        pipeline: groups of local slots the dispatch, expert compute and combine are pipelined over (1: one
+        synchronous dispatch and combine; None: DEFAULT_PIPELINE); the same on every rank of the group."""
         super().__init__()
         placement = placement or ExpertPlacement.contiguous(moe.num_experts, comm.size)
         if placement.num_experts != moe.num_experts or placement.ranks != comm.size:
@@ -43,12 +95,20 @@ class ExpertParallelMoE(nn.Module):
                                   f"does not fit a layer of {moe.num_experts} experts on a group of {comm.size}")
         self.comm, self.placement = comm, placement
         self.local_experts = placement.experts_of(comm.rank)
+        self._width = placement.max_local
+        self.groups = slot_groups(self._width, DEFAULT_PIPELINE if pipeline is None else pipeline)
         self.shard = moe.expert_shard(self.local_experts)
         owner, slot = placement.tables(moe.w_gate.device)
+        group = torch.repeat_interleave(torch.arange(len(self.groups), device=slot.device),
+                                        torch.tensor([hi - lo for lo, hi in self.groups], device=slot.device))
         self.register_buffer("_owner", owner, persistent=False)
         self.register_buffer("_slot", slot, persistent=False)
-        self._width = placement.max_local
+        self.register_buffer("_group_of_expert", group[slot], persistent=False)
         self._last_counts: torch.Tensor | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        return len(self.groups) > 1
 
     @property
     def last_tokens_per_expert(self) -> list[int]:
@@ -58,45 +118,90 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H]: this rank's tokens (T may be 0) -> the layer's output for them, [T, H]."""
         ids, weights = self.shard.route(hidden)
-        out = self.routed(hidden, ids, weights)
-        shared = self.shard.shared(hidden)
+        out, shared = self._exchange(hidden, ids, weights, self.shard.shared)
         return out if shared is None else out + shared
 
     def routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for this rank's tokens (what `SparseMoE.experts` returns)."""
+        return self._exchange(hidden, topk_ids, topk_weights, None)[0]
+
+    def _exchange(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, alongside):
+        """(routed output, alongside(hidden) or None): `alongside` (the shared experts) runs while the dispatch
+        is in flight when pipelined, after the combine otherwise."""
         P, W, H = self.comm.size, self._width, hidden.shape[-1]
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments by expert, as SparseMoE.experts
         expert = flat[order]
-        owner = self._owner[expert]
-        by_owner = torch.argsort(owner, stable=True)  # then by owner rank, experts ascending within one
-        rows = order[by_owner]  # assignment index of each row sent
-        x_send = hidden[rows // k]
-        dest = self._owner[flat[rows]] * W + self._slot[flat[rows]]
+        dest = self._owner[expert] * W + self._slot[expert]
         send_counts = torch.bincount(dest, minlength=P * W)
         recv_counts = torch.empty_like(send_counts)
-        self.comm.all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
-        send_splits = send_counts.view(P, W).sum(1).tolist()
-        recv_splits = recv_counts.view(P, W).sum(1).tolist()
-        x_recv = hidden.new_empty(sum(recv_splits), H)
-        self.comm.all_to_all_single(x_recv, x_send, recv_splits, send_splits, what="MoE dispatch")
-        y_recv = self._run_local(x_recv, recv_counts.view(P, W))
+        counting = self.comm.start_all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
+        if not self.pipelined:
+            self.comm.wait(counting)
+        # rows sent by (slot group, owner rank, slot): a group's rows are one block, each owner's in expert order
+        # (slots ascend with expert ids on a rank), each expert's in token order (stable)
+        perm = torch.argsort(self._group_of_expert[expert] * (P * W) + dest, stable=True)
+        rows = order[perm]  # assignment index of each row sent
+        x_send = hidden[rows // k]
+        if self.pipelined:  # the gather above overlapped the count exchange
+            self.comm.wait(counting)
+        send_c, recv_c = send_counts.view(P, W), recv_counts.view(P, W)
+        self._last_counts = recv_c.sum(0)[:len(self.local_experts)]
         y_send = torch.empty_like(x_send)
-        self.comm.all_to_all_single(y_send, y_recv, send_splits, recv_splits, what="MoE combine")
+        side = None
+        if self.pipelined:
+            side = self._pipeline(x_send, y_send, send_c, recv_c,
+                                  None if alongside is None else (lambda: alongside(hidden)))
+        else:
+            send_splits, recv_splits = send_c.sum(1).tolist(), recv_c.sum(1).tolist()
+            x_recv = hidden.new_empty(sum(recv_splits), H)
+            self.comm.all_to_all_single(x_recv, x_send, recv_splits, send_splits, what="MoE dispatch")
+            y_recv = self._run_local(x_recv, recv_c, 0)
+            self.comm.all_to_all_single(y_send, y_recv, send_splits, recv_splits, what="MoE combine")
+            if alongside is not None:
+                side = alongside(hidden)
         y = torch.empty_like(y_send)
-        y[by_owner] = y_send  # back to expert order
+        y[perm] = y_send  # back to expert order
         weighted = (y * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, order // k, weighted)
+        return torch.zeros_like(hidden).index_add_(0, order // k, weighted), side
 
-    def _run_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows arrived grouped by source, each source's by local expert: sort them by expert (sources in rank
-        order within one), run the shard, and put the outputs back in arrival order."""
-        n_local = len(self.local_experts)
-        slot_of_row = torch.arange(self._width, device=x.device).repeat(counts.shape[0]).repeat_interleave(
-            counts.reshape(-1))
+    def _pipeline(self, x_send, y_send, send_c, recv_c, alongside):
+        """Steps 4-6 over the slot groups: every group's dispatch issued at once; then per group, wait for its
+        rows, run its experts, issue its combine (into its block of y_send); then wait for every combine.
+        Returns alongside()'s value (None without one), computed while the dispatch is in flight."""
+        splits = [(send_c[:, lo:hi].sum(1).tolist(), recv_c[:, lo:hi].sum(1).tolist()) for lo, hi in self.groups]
+        dispatched, start = [], 0
+        for send, recv in splits:
+            block = slice(start, start + sum(send))
+            x_recv = x_send.new_empty(sum(recv), x_send.shape[-1])
+            dispatched.append((block, x_recv, self.comm.start_all_to_all_single(
+                x_recv, x_send[block], recv, send, what="MoE dispatch")))
+            start = block.stop
+        side = None if alongside is None else alongside()
+        combines = []
+        for (lo, hi), (send, recv), (block, x_recv, pending) in zip(self.groups, splits, dispatched):
+            self.comm.wait(pending)
+            y_recv = self._run_local(x_recv, recv_c[:, lo:hi], lo)
+            combines.append((y_recv, self.comm.start_all_to_all_single(
+                y_send[block], y_recv, send, recv, what="MoE combine")))
+        for _, pending in combines:  # (y_recv stays referenced until its combine is done)
+            self.comm.wait(pending)
+        return side
+
+    def _run_local(self, x: torch.Tensor, counts: torch.Tensor, lo: int) -> torch.Tensor:
+        """Rows arrived grouped by source, each source's by local slot (slots lo.. of counts' width): sort them by
+        expert (sources in rank order within one), run the shard, and put the outputs back in arrival order."""
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        n_local, (P, width) = len(self.local_experts), counts.shape
+        per_expert = counts.new_zeros(n_local)  # the other groups' experts get no rows here
+        hi = max(lo, min(lo + width, n_local))  # slots past n_local: experts this rank does not have (no rows)
+        per_expert[lo:hi] = counts.sum(0)[:hi - lo]
+        if P == 1 or width == 1:  # arrival order is already expert order
+            return self.shard.sorted_expert_rows(x, per_expert)
+        slot_of_row = torch.arange(width, device=x.device).repeat(P).repeat_interleave(counts.reshape(-1))
         local_order = torch.argsort(slot_of_row, stable=True)
-        per_expert = self._last_counts = counts.sum(0)[:n_local]
         out = torch.empty_like(x)
         out[local_order] = self.shard.sorted_expert_rows(x[local_order], per_expert)
         return out

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from batchgen.core.ops import KVLedger
 from batchgen.dist.backend import DistBackend
 from batchgen.dist.comm import Comm
-from batchgen.dist.ep_moe import ExpertParallelMoE
+from batchgen.dist.ep_moe import ExpertParallelMoE, check_pipeline
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import control_groups, instance_groups
@@ -77,6 +77,9 @@ class DistSettings(ExecSettings):
     # each rank's host KV pool in a /dev/shm file with a published index (shared_host.py): a lost rank's host
     # copies can be restored instead of recomputed (whichever the latency model prices lower)
     shared_host_copies: bool = True
+    # the MoE all-to-alls pipelined over this many groups of each rank's experts, overlapping the experts'
+    # compute (ep_moe.py; 1 = synchronous; None = batchgen.dist.ep_moe.DEFAULT_PIPELINE)
+    ep_pipeline: int | None = None
 
 
 @dataclass
@@ -150,6 +153,8 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
     if not isinstance(settings.shared_host_copies, bool):
         raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
+    if settings.ep_pipeline is not None:
+        check_pipeline(settings.ep_pipeline, "backend.ep_pipeline")
     if settings.timeout_s <= 0:
         raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
     if isinstance(settings.device, (list, tuple)):
@@ -264,7 +269,7 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
         for layer in range(model.num_layers):
             moe = model.moe(layer)
             if moe is not None:
-                model.layers[layer].mlp = ExpertParallelMoE(moe, comm)
+                model.layers[layer].mlp = ExpertParallelMoE(moe, comm, pipeline=settings.ep_pipeline)
         runner.collective = True
     kept = before is not None and getattr(before.cache, "pool", None) == pool
     if kept:

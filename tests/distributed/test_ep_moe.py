@@ -78,22 +78,24 @@ def reference(moe, x):
     return ref, moe.last_tokens_per_expert
 
 
-def _ep_forward(ctx, moe, x, splits, owner):
+def _ep_forward(ctx, moe, x, splits, owner, pipeline=None):
     torch.set_grad_enabled(False)
     comm = Comm()
     placement = None if owner is None else ExpertPlacement(owner, comm.size)
-    ep = ExpertParallelMoE(moe, comm, placement)
+    ep = ExpertParallelMoE(moe, comm, placement, pipeline=pipeline)
     mine = torch.split(x, splits)[comm.rank]
     out = ep(mine)
     held = sum(getattr(ep.shard, n).numel() for n in ("w_gate", "w_up", "w_down"))
     return out, ep.local_experts, ep.last_tokens_per_expert, held
 
 
-@pytest.mark.parametrize("procs", [1, 2, 4])
-def test_ep_forward_equals_single_process_moe(layer, procs, kernel):
+@pytest.mark.parametrize("procs, pipeline", [(1, None), (2, None), (4, None), (4, 2)])
+def test_ep_forward_equals_single_process_moe(layer, procs, pipeline, kernel):
+    """The default exchange over 1, 2 and 4 processes, and the pipelined one over 4 (4 sources per expert, a rank
+    without tokens; 2 processes: test_pipelined_exchange_...)."""
     moe, x = layer
     ref, ref_counts = reference(moe, x)
-    got = run_procs(_ep_forward, procs, moe, x, SPLITS[procs], None)
+    got = run_procs(_ep_forward, procs, moe, x, SPLITS[procs], None, pipeline)
     out = torch.cat([g[0] for g in got])
     assert out.shape == ref.shape
     check_equal(out, ref, kernel)
@@ -134,3 +136,137 @@ def test_two_instances_run_ep_side_by_side_in_their_own_groups(layer, kernel):
     for index, (lo, hi) in enumerate([(0, 30), (30, 53)]):
         ref, _ = reference(moe, x[lo:hi])
         check_equal(torch.cat([g[2] for g in got if g[0] == index]), ref, kernel)
+
+
+# ---- the pipelined exchange (overlap of the all-to-alls with the local experts) ------------------------------
+
+def test_slot_groups_split_the_local_slots_into_contiguous_blocks_and_refuse_a_bad_pipeline():
+    from batchgen.dist.ep_moe import slot_groups
+    from batchgen.dist.errors import DistConfigError
+    assert slot_groups(4, 1) == ((0, 4),)
+    assert slot_groups(4, 2) == ((0, 2), (2, 4))
+    assert slot_groups(5, 2) == ((0, 2), (2, 5))
+    assert slot_groups(3, 8) == ((0, 1), (1, 2), (2, 3))  # at most one group per slot: an expert is never split
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(DistConfigError, match="pipeline="):
+            slot_groups(4, bad)
+
+
+# (placement, pipelines): contiguous, and an uneven one (rank 1 holds the last 3 experts, rank 0 the rest: with 8
+# experts rank 1 has slots past its shard) with every grouping from synchronous (1) to one group per slot
+def _uneven(num_experts):
+    return tuple(0 if e < num_experts - 3 else 1 for e in range(num_experts))
+
+
+def _ep_pipelines(ctx, moe, x, splits, variants):
+    torch.set_grad_enabled(False)
+    comm = Comm()
+    mine = torch.split(x, splits)[comm.rank]
+    outs = []
+    for owner, pipeline in variants:
+        placement = None if owner is None else ExpertPlacement(owner, comm.size)
+        ep = ExpertParallelMoE(moe, comm, placement, pipeline=pipeline)
+        calls = comm.calls
+        out = ep(mine)
+        outs.append((owner, pipeline, len(ep.groups), comm.calls - calls, out, ep.last_tokens_per_expert))
+    return outs
+
+
+def test_pipelined_exchange_gives_the_synchronous_bits_and_the_single_process_layer(layer, kernel):
+    """2 processes, each grouping of the local slots: the pipelined layer's output equals the synchronous one's
+    bit for bit (loop kernel) and the single-process SparseMoE over the concatenated tokens; each group costs one
+    dispatch and one combine, and the experts' batches do not change (no expert is split)."""
+    moe, x = layer
+    ref, ref_counts = reference(moe, x)
+    uneven = _uneven(moe.num_experts)
+    variants = [(None, p) for p in (1, 2, 8)] + [(uneven, p) for p in (1, 2, 3, 8)]
+    got = run_procs(_ep_pipelines, 2, moe, x, SPLITS[2], variants)
+    width = {None: (moe.num_experts + 1) // 2, uneven: moe.num_experts - 3}
+    for i, (owner, pipeline) in enumerate(variants):
+        out = torch.cat([g[i][4] for g in got])
+        groups = got[0][i][2]
+        assert groups == min(pipeline, width[owner])
+        assert [g[i][3] for g in got] == [1 + 2 * groups] * 2  # count exchange, then a dispatch and a combine each
+        assert [n for g in got for n in g[i][5]] == ref_counts
+        check_equal(out, ref, kernel)
+        sync = torch.cat([g[variants.index((owner, 1))][4] for g in got])
+        if kernel == "loop":
+            assert torch.equal(out, sync)
+
+
+def _async_accounting(ctx):
+    import time
+    comm = Comm()
+    x = torch.full((4,), float(comm.rank))
+    y = torch.empty(4)
+    before, calls = comm.comm_s, comm.calls
+    pending = comm.start_all_to_all_single(y, x, what="probe")
+    time.sleep(0.5)  # computing meanwhile: not communication
+    comm.wait(pending)
+    waited_twice = None
+    try:
+        comm.wait(pending)
+    except RuntimeError as e:
+        waited_twice = str(e)
+    return comm.comm_s - before, comm.calls - calls, y.tolist(), waited_twice
+
+
+def test_an_overlapped_operation_counts_its_issue_and_wait_not_the_work_in_between():
+    got = run_procs(_async_accounting, 2)
+    for comm_s, calls, y, waited_twice in got:
+        assert calls == 1 and comm_s < 0.4, comm_s
+        assert y == [0.0, 0.0, 1.0, 1.0]
+        assert waited_twice == "probe: waited twice"
+
+
+def test_a_bad_ep_pipeline_setting_is_refused_before_any_process_starts(saved):
+    from batchgen.dist.errors import DistConfigError
+    from batchgen.dist.run import check_dist
+    from tests.distributed.test_dist_backend import dist_settings, job_for
+
+    _, path = saved
+    for bad in (0, "2", 1.5):
+        with pytest.raises(DistConfigError, match=f"backend.ep_pipeline={bad!r}: give the number of local-expert"):
+            check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=bad))
+    check_dist(job_for(2)[0], dist_settings(path, 2, ep_pipeline=3))  # more groups than experts is fine (clamped)
+
+
+def _killed_mid_pipeline(ctx, moe, x):
+    """Rank 1 SIGKILLs itself in its second expert group's compute of the 3rd forward (its first group's combine
+    and rank 0's second group's rows in flight); rank 0 must raise WorkerLost naming it, not hang."""
+    import os
+    import signal
+    import time
+    from batchgen.dist import Heartbeat, WorkerLost
+    torch.set_grad_enabled(False)
+    hb = Heartbeat.for_context(ctx).start()
+    ep = ExpertParallelMoE(moe, Comm(heartbeat=hb), pipeline=2)
+    run_rows, calls = ep.shard.sorted_expert_rows, [0]
+
+    def dying(rows, counts):
+        calls[0] += 1
+        if ctx.rank == 1 and calls[0] == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_rows(rows, counts)
+
+    ep.shard.sorted_expert_rows = dying
+    mine = torch.split(x, SPLITS[2])[ctx.rank]
+    for _ in range(3):
+        t0 = time.time()
+        try:
+            ep(mine)
+        except WorkerLost as e:
+            return e.rank, time.time() - t0, str(e)
+    return None, None, "3 forwards without a peer"
+
+
+def test_a_peer_killed_mid_pipeline_is_worker_lost_within_seconds(loop_kernel, one_thread):
+    import signal
+    cfg = ExecModelConfig(**CONFIGS["mixtral"])
+    moe = init_random(cfg, seed=3, std=0.3).moe(0)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    results = run_procs(_killed_mid_pipeline, 2, moe, x, expect_ok=False, join_timeout_s=30)
+    assert results[1].exitcode == -signal.SIGKILL
+    assert results[0].ok, results[0].error
+    lost, after_s, message = results[0].value
+    assert lost == 1 and after_s < 10.0, message
