@@ -56,6 +56,7 @@ from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, Recover
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
+from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
                                build_model, kv_pools, model_config, text_decoder)
@@ -166,6 +167,9 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
     if stream_spec_of(pools.budget, job.model):
         raise DistConfigError("the memory plan streams weights from host, not supported under backend=dist yet: "
                               "raise the device memory or use backend=exec")
+    if launched and devices[0].type == "cpu":  # every process on this machine builds the whole model first
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", settings.procs)) if under_torchrun() else settings.procs
+        check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, local, weight_copies=local)
 
 
 def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] | None = None,

@@ -45,8 +45,11 @@ def parameter_count(job, model_path: str | None) -> tuple[int, str] | None:
 
 
 def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
-               ranks_per_instance: int, free=free_bytes, streamed=None) -> None:
+               ranks_per_instance: int, free=free_bytes, streamed=None, weight_copies: int = 1) -> None:
     """Raise ConfigError when some device cannot hold its weights and KV budget.
+
+    `weight_copies`: whole copies of the weights each device holds at once (backend=dist: every process on the
+    machine builds the whole model before keeping its expert shard).
 
     `streamed` (a `weight_stream.Footprint`, from the memory plan): weights that live on the host and pass
     through staging slots on the device. Each device then holds the resident weights and the slots, and the
@@ -65,8 +68,8 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
     host = torch.device("cpu")
     need: dict[torch.device, float] = {}
     for device in dict.fromkeys(devices):  # weights (and the host copies of streamed ones) once per device
-        need[device] = need.get(device, 0.0) + on_device
-        need[host] = need.get(host, 0.0) + host_copy
+        need[device] = need.get(device, 0.0) + on_device * weight_copies
+        need[host] = need.get(host, 0.0) + host_copy * weight_copies
     for device in devices:  # each instance's ranks keep their KV on its device
         need[device] += ranks_per_instance * kv_budget_mb * 2**20
     dtype_name = str(dtype).removeprefix("torch.")
@@ -83,8 +86,10 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
                 f"there) but has {have / 1e9:.1f} GB free: choose a smaller model (model=tiny_moe or "
                 "model=small_moe), a smaller backend.kv_budget_mb, backend.dtype=bfloat16, or a machine with more "
                 "memory")
+        copies = f" in each of {weight_copies} processes" if weight_copies > 1 else ""
+        fewer = ", fewer processes (backend.procs)" if weight_copies > 1 else ""
         raise ConfigError(
-            f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights plus "
-            f"{(bytes_ - weights) / 1e9:.1f} GB of KV budget on {device}, which has {have / 1e9:.1f} GB free: "
-            "choose a smaller model (model=tiny_moe or model=small_moe), a smaller backend.kv_budget_mb, "
-            "backend.dtype=bfloat16, or a device with more memory")
+            f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights{copies} "
+            f"plus {(bytes_ - weights * weight_copies) / 1e9:.1f} GB of KV budget on {device}, which has "
+            f"{have / 1e9:.1f} GB free: choose a smaller model (model=tiny_moe or model=small_moe), a smaller "
+            f"backend.kv_budget_mb, backend.dtype=bfloat16{fewer}, or a device with more memory")
