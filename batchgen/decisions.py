@@ -19,8 +19,11 @@ IdTuple = tuple[int, ...]
 
 
 def _ids(a) -> IdTuple:
-    if fastpath.ENABLED and (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets are empty
-        return ()
+    if fastpath.ENABLED:
+        if (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets are empty
+            return ()
+        if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu":  # a few hundred ids: Python sorts
+            return tuple(sorted(a.tolist()))                                  # them faster than numpy's call
     return tuple(np.sort(np.asarray(a, dtype=np.int64).ravel()).tolist())
 
 
@@ -50,8 +53,8 @@ class BoundaryDecision:
     def of(cls, decision, plan, folded: "BoundaryDecision | None" = None) -> "BoundaryDecision":
         """From a `Decision` and the `StepPlan` it became; `folded`: idle decisions' changes since the last run."""
         admitted = np.concatenate([np.asarray(a.ids) for a in decision.admits]) if decision.admits else ()
-        flags = ",".join(n for n in ("prefill_to_host", "host_sync", "cpu_attention", "padded")
-                         if getattr(decision, n))
+        flags = ",".join(n for n, on in (("prefill_to_host", decision.prefill_to_host), ("host_sync", decision.host_sync),
+                                         ("cpu_attention", decision.cpu_attention), ("padded", decision.padded)) if on)
         rec = cls(instance=int(plan.instance), phase=plan.phase, prefilled=_ids(plan.prefill_ids),
                   chunked=_ids(plan.chunk_ids), decoded=_ids(plan.decode_ids),
                   host_resident=_ids(plan.decode_ids[np.asarray(plan.decode_host_resident, bool)]),

@@ -9,6 +9,7 @@ and in core/.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol
 
@@ -180,24 +181,52 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return view
 
 
+class _SharedViews:
+    """The parts of a state's snapshots that are the same at every boundary, built once: read-only views of its
+    pools and of its length columns, and each instance's GPUs' nodes and the nodes' owners (the topology does not
+    change). Built again if the state's table or pool lists are replaced (recovery swaps them)."""
+
+    def __init__(self, state: ClusterState):
+        t, topo = state.table, state.topo
+        self.sources = (state.table, state.pending, state.pinned, state.suspended)
+        self.pending = [_ReadOnlyPool(q) for q in state.pending]
+        self.pinned = [_ReadOnlyPool(q) for q in state.pinned]  # per global GPU
+        self.suspended = [_ReadOnlyPool(q) for q in state.suspended]
+        self.lengths = Lengths(_frozen(t.input_len), _frozen(t.decoded))
+        self.node_instance = _frozen(state.node_instance)
+        self.rank_node = [_frozen(topo.gpu_node[state.instance_gpus(i)]) for i in range(topo.num_instances)]
+        self.instance_pinned = [[self.pinned[g] for g in state.instance_gpus(i)] for i in range(topo.num_instances)]
+
+    @classmethod
+    def of(cls, state: ClusterState) -> "_SharedViews":
+        views = _VIEWS.get(state)
+        if views is None or any(a is not b for a, b in zip(views.sources, (state.table, state.pending, state.pinned,
+                                                                         state.suspended))):
+            views = _VIEWS[state] = cls(state)
+        return views
+
+
+_VIEWS: "weakref.WeakKeyDictionary[ClusterState, _SharedViews]" = weakref.WeakKeyDictionary()
+
+
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
-    topo, t = state.topo, state.table
+    t = state.table
     gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
+    views = _SharedViews.of(state)
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
-        rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
+        rank_node=views.rank_node[instance], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
         pad_rows=progress.pad_rows.copy(),
         active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
         active_host_resident=t.host_resident[ids],
-        pending=_ReadOnlyPool(state.pending[instance]), pinned=[_ReadOnlyPool(state.pinned[g]) for g in gpus],
-        suspended=[_ReadOnlyPool(q) for q in state.suspended],
-        node_instance=state.node_instance.copy(), host_capacity_tokens=state.host_kv_tokens,
+        pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,
+        node_instance=views.node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
-        lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
+        lengths=views.lengths, last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
         capabilities=capabilities, active_prefilled=t.prefilled[ids], carry=progress.carry,
     )
 
@@ -209,7 +238,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     checked against the ledger and recorded there."""
     topo, t = state.topo, state.table
     gpus = state.instance_gpus(instance)
-    moves = Moves.zeros(topo.num_gpus)
+    moving = (d.yield_ids.size or d.offload_ids.size or d.move_ids.size or d.admits or d.partition_ids.size
+              or d.prefill_to_host)
+    moves = Moves.zeros(topo.num_gpus) if moving or not fastpath.ENABLED else Moves.none(topo.num_gpus)
     if d.pin_ids.size:
         state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
     if d.evict_ids.size:

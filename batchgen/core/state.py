@@ -58,13 +58,31 @@ class Moves:
         moves._block = block
         return moves
 
+    @classmethod
+    def none(cls, num_gpus: int) -> "Moves":
+        """No byte moved: one shared, read-only instance per GPU count, for a boundary whose decision calls no
+        primitive that moves KV (most boundaries; a primitive that writes into it fails at the write)."""
+        moves = _NO_MOVES.get(num_gpus)
+        if moves is None:
+            moves = cls.zeros(num_gpus)
+            for a in (moves._block, moves.h2d, moves.d2h, moves.network, moves.peer):
+                a.flags.writeable = False
+            moves._nothing = True
+            _NO_MOVES[num_gpus] = moves
+        return moves
+
     def any(self) -> bool:
         """Whether any byte moved (a backend skips pricing copies when none did)."""
+        if fastpath.ENABLED and self.__dict__.get("_nothing"):
+            return False
         b = self.__dict__.get("_block")
         if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
                 and self.network.base is b and self.peer.base is b):
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
+
+
+_NO_MOVES: dict[int, Moves] = {}
 
 
 class ClusterState:
@@ -99,6 +117,9 @@ class ClusterState:
         # prompts being prefilled straight to host: between their queue and the host pool for one step
         self.prefilling = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
         self.num_finished = 0
+        # whether any sequence was ever PARTITIONed (tp > 1): until then every running sequence holds its pages on
+        # one GPU, and the page arithmetic skips the per-sequence degrees (a fast path; `check` verifies it)
+        self.partitioned_ever = False
 
     # ---- placement at the start -------------------------------------------------------------------
     def assign_instances(self, instance_of_seq: np.ndarray) -> None:
@@ -140,8 +161,10 @@ class ClusterState:
         """(index into ids, GPU) for every GPU that holds part of a running sequence: its own GPU, and for a
         PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
         t = self.table
+        if fastpath.ENABLED and not self.partitioned_ever:  # nothing partitioned (usual): one GPU each
+            return np.arange(ids.size), t.where[ids].astype(np.int64)
         tp = t.tp[ids].astype(np.int64)
-        if fastpath.ENABLED and (not tp.size or tp.max() == 1):  # nothing partitioned (usual): one GPU each
+        if fastpath.ENABLED and (not tp.size or tp.max() == 1):
             return np.arange(ids.size), t.where[ids].astype(np.int64)
         rep = np.repeat(np.arange(ids.size), tp)
         if rep.size == ids.size:
@@ -160,6 +183,8 @@ class ClusterState:
     def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
         the tokens into a page (KV split by heads), a replicated latent does not."""
+        if fastpath.ENABLED and not self.partitioned_ever:  # every degree is 1
+            return -(-np.asarray(tokens, np.int64) // self.page_tokens)
         per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
         return -(-np.asarray(tokens, np.int64) // per_page)
 
@@ -183,7 +208,7 @@ class ClusterState:
         sums instead of a scatter: the same counts (integers), the same check (only that GPU's count changed,
         and every other one was within capacity already). False, having changed nothing, elsewhere."""
         t = self.table
-        if t.tp[ids].max() != 1:
+        if self.partitioned_ever and t.tp[ids].max() != 1:
             return False
         where = t.where[ids]
         g = int(where[0])
@@ -202,7 +227,8 @@ class ClusterState:
     def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
         (host-resident ones hold no pages)."""
-        ids = ids[~self.table.host_resident[ids]]
+        if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
+            ids = ids[~self.table.host_resident[ids]]
         need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
@@ -229,7 +255,8 @@ class ClusterState:
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
         self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
-        self.table.tp[ids] = 1
+        if not fastpath.ENABLED or self.partitioned_ever:
+            self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
         # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
@@ -372,6 +399,7 @@ class ClusterState:
         if not ids.size:
             return
         t.partitions[ids] += 1
+        self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
         on_device = ~t.host_resident[ids]
         kv = t.context(ids) * self.kv_bytes_per_token
         old = t.tp[ids].astype(np.int64)
@@ -511,6 +539,8 @@ class ClusterState:
         """Recount everything from the table and compare with the incremental bookkeeping."""
         t = self.table
         t.check()
+        if not self.partitioned_ever and np.any(t.tp != 1):
+            raise InvariantError("a sequence is partitioned although the state never partitioned one")
         running = np.flatnonzero(t.where >= 0)
         rep, gpus = self.group_gpus(running)
         if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)

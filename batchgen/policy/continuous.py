@@ -220,10 +220,12 @@ class ContinuousPolicy(PolicyDefaults):
         budget = self.token_budget - decoding
         room = None
         waiting = None
-        if self.admission == "conservative":
+        if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
+            room, d.carry = self._admit_room_one_rank(snap, n_wait, partial, free)
+        elif self.admission == "conservative":
             waiting = np.array([n_wait])
-            keep_mask = keep if keep is not None else np.ones(snap.active_ids.size, bool)
-            room, d.carry = self._admit_room(snap, waiting, drop, keep_mask, np.array([free]))
+            room, d.carry = self._admit_room(snap, waiting, drop, keep, np.array([free]))
+            room = float(room[0])
         going_mask = partial if keep is None else keep & partial
         if budget > 0 and (n_wait > 0 or bool(going_mask.any())) and not drop.size:
             going = snap.active_ids[going_mask]
@@ -234,11 +236,10 @@ class ContinuousPolicy(PolicyDefaults):
                 queued = queue.peek(head)
                 final = head == look  # the candidates are the reference's (else a prefix of them)
                 if room is not None and queued.size:
-                    fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
-                                                                                self.clip_max_new_tokens)) < room[0]
-                    fits[0] |= not count
-                    if not fits.all():  # cut inside the prefix: the whole queue is cut at the same place
-                        queued = queued[: int(np.argmin(fits))]
+                    n = _fitting(snap.lengths.context(queued).tolist(), self._max_tokens(snap, queued).tolist(),
+                                 self.clip_max_new_tokens, room, not count)
+                    if n < queued.size:  # cut inside the prefix: the whole queue is cut at the same place
+                        queued = queued[:n]
                         final = True
                 cand = np.concatenate([going, queued])
                 start = np.concatenate([prefilled[going_mask], np.zeros(queued.size, np.int64)])
@@ -252,6 +253,31 @@ class ContinuousPolicy(PolicyDefaults):
         if not n_wait and not any_partial and not drop.size:
             d.stop = "none"
         return d
+
+    def _admit_room_one_rank(self, snap: Snapshot, n_wait: int, partial: np.ndarray, free: float
+                             ) -> tuple[float, dict]:
+        """`_admit_room` of one rank that preempts nothing (`_decide_chunked_one_rank`): the same room and carry,
+        with the rank's new_token_ratio a Python float (the same IEEE operations as the one-element arrays)."""
+        st = snap.carry
+        ids = snap.active_ids
+        if st is None or st["ratio"].size != 1 or not ids.size:
+            ratio = self.init_new_token_ratio
+            st = None
+        else:
+            ratio = float(st["ratio"][0])
+        if st is not None and st["ids"].size:  # forwards run since: the most tokens any sequence decoded since
+            ran = max(int((snap.lengths.decoded[st["ids"]] - st["dec"]).max()), 0)
+            ratio = max(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
+        if not ids.size and not n_wait:
+            ratio = self.init_new_token_ratio
+        decoded = snap.active_decoded
+        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
+        est = left * ratio
+        reserve = np.where(partial, snap.active_context - snap.active_prefilled + est,
+                           np.maximum(est - self.page_lookahead, 0))
+        room = free * snap.page_tokens - np.bincount(snap.active_rank, weights=reserve, minlength=1)
+        return float(room[0]), {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
+                                "dec": decoded}
 
     def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
         """max_tokens of each request as the engine knows it (never the true output length): the configured
@@ -319,6 +345,19 @@ _NO_DROP = np.empty(0, np.int64)
 _HEAD = 16                     # queue entries the one-rank fast path looks at first
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
 _RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS
+
+
+def _fitting(context: list[int], max_tokens: list[int], clip: int, room: float, first_always: bool) -> int:
+    """How many FIFO candidates SGLang's conservative check admits: the running sum of each prompt plus its
+    clipped max_tokens stays below the room (the first always fits on an empty rank). Python integers compared
+    with a float exactly, as numpy's cumsum of int64 is below 2^53 here."""
+    total = n = 0
+    for c, m in zip(context, max_tokens):
+        total += c + min(m, clip)
+        if not (total < room or (n == 0 and first_always)):
+            break
+        n += 1
+    return n
 
 
 def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budget: int, free_pages: float,

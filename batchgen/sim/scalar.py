@@ -43,6 +43,7 @@ class ScalarRoofline:
     def __init__(self, lat: Roofline):
         m, gpu = lat.model, lat.gpu
         self.lat = lat
+        self.n_dense = lat.layer_counts()[0]
         self.kvb = m.kv_bytes_per_token_per_layer
         self.act_row = lat._act_row
         self.pad = lat.eff.attention_padding
@@ -161,7 +162,7 @@ def price_row(sp: ScalarRoofline, rows: list[list[float]], head_rows_given: bool
 
 
 def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = sp.n_dense
     (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
     iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
     batch = None
@@ -192,46 +193,50 @@ def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
 
 
 def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
-    """`tbo.price_tbo` on one rank of a dense model (no all-to-all): each half's chain, one after the other."""
-    n_dense = sp.lat.layer_counts()[0]
+    """`tbo.price_tbo` on one rank of a dense model (no all-to-all, no join: nothing to communicate, so the
+    rank's comm is 0.0): each half's chain, one after the other. A half's parts that do not depend on the context
+    (its prefill attention, LM head, overhead, dense FFN) are priced once per batch, as in `_plain`."""
+    n_dense = sp.n_dense
     (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
-    iteration, busy, attention, ffn, head_s, comm, active = [], [], [], [], [], [], []
+    iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
+    batch = halves = share = None
     for k in range(len(gate)):
         s = seqs[k]
-        share = math.ceil(s / 2.0) / s if s > 0 else 0.0
-        it = b = hs = at = f = c = 0.0
-        halves = []
-        for name_total in (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k]):
-            first = float(round(name_total * share))
-            halves.append((first, name_total - first))
+        if batch != (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k], p_sq[k], p_max[k]):
+            batch = (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k], p_sq[k], p_max[k])
+            share = math.ceil(s / 2.0) / s if s > 0 else 0.0
+            split = []
+            for total in (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k]):
+                first = float(round(total * share))
+                split.append((first, total - first))
+            sq_halves = (p_sq[k] * share, p_sq[k] * (1.0 - share))
+            halves = []
+            for i in (0, 1):
+                h_tok, h_gate, h_ptok, h_pseq, h_seqs, h_head = (pair[i] for pair in split)
+                halves.append((h_tok, sp.attention_prefill(h_ptok, sq_halves[i], p_max[k], h_pseq),
+                               sp.lm_head(h_head if head_rows_given else h_seqs), sp.step_overhead(h_seqs),
+                               sp.dense_ffn(h_gate) if n_dense else 0.0))
         ctx_halves = (a_ctx[k] * share, a_ctx[k] * (1.0 - share))
-        sq_halves = (p_sq[k] * share, p_sq[k] * (1.0 - share))
+        it = b = hs = at = f = 0.0
         for i in (0, 1):
-            h_tok, h_gate, h_ptok, h_pseq, h_seqs, h_head = (pair[i] for pair in halves)
-            attn = (sp.attention_decode(h_tok, ctx_halves[i], mb[k], a_max[k])
-                    + sp.attention_prefill(h_ptok, sq_halves[i], p_max[k], h_pseq))
-            head = sp.lm_head(h_head if head_rows_given else h_seqs)
-            overhead = sp.step_overhead(h_seqs)
+            h_tok, prefill, head, overhead, dense_ffn = halves[i]
+            attn = sp.attention_decode(h_tok, ctx_halves[i], mb[k], a_max[k]) + prefill
             b += head
             it += head + overhead
             hs += head
             at += n_dense * attn
             if n_dense:
-                dense_ffn = sp.dense_ffn(h_gate)
                 it += n_dense * (attn + dense_ffn + 0.0)
                 b += n_dense * (attn + dense_ffn)
                 f += n_dense * dense_ffn
-                c += n_dense * 0.0
         on = gate[k] > 0
         iteration.append(it if on else 0.0)
         busy.append(b)
         attention.append(at if on else 0.0)
         ffn.append(f if on else 0.0)
         head_s.append(hs if on else 0.0)
-        comm.append(c if on else 0.0)
         active.append(on)
-    rank_comm = np.array([0.0 + comm[0]]) if len(comm) == 1 else np.full(1, float(np.array(comm).sum()))
-    return _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s)
+    return _cost(RunCost, iteration, busy, gate, active, 0.0, attention, ffn, head_s)
 
 
 def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s):
@@ -341,7 +346,7 @@ def _price_vector(sp: ScalarRoofline, fields: dict, h_rows: float, ctx: np.ndarr
     from batchgen.sim.costs import RunCost
 
     t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = sp.n_dense
     try:
         pre = sp.attention_prefill(fields["prefill_tokens"], fields["prefill_sq"], fields["prefill_max"],
                                    fields["prefill_seqs"])
