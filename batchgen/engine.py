@@ -19,7 +19,7 @@ from batchgen import fastpath
 from batchgen.core.ops import GpuOps, KVLedger, KVOps, plan_ops
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
-from batchgen.decisions import BoundaryDecision
+from batchgen.decisions import BoundaryDecision, DeferredDecision
 from batchgen.policy.base import Capabilities, Decision, Lengths, Phase, Policy, Snapshot
 
 
@@ -139,8 +139,15 @@ class StepRecord:
     expert_calls: int
     rank_busy: np.ndarray
     rank_comm: np.ndarray
-    decision: BoundaryDecision | None = None  # what was decided at the boundary that started this run
+    # what was decided at the boundary that started this run (`decision`; built when first read)
+    summary: BoundaryDecision | DeferredDecision | None = None
     modules: dict[str, float] = field(default_factory=dict)  # StepResult.modules
+
+    @property
+    def decision(self) -> BoundaryDecision | None:
+        if isinstance(self.summary, DeferredDecision):
+            self.summary = self.summary.resolve()
+        return self.summary
 
 
 @dataclass
@@ -282,8 +289,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
-        decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
-        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
+        decode_tp=t.tp[decode_ids], prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids],
         cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
         pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
@@ -559,7 +566,9 @@ class Engine:
                 idle = 0
                 continue
             idle = 0
-            summary, folded = BoundaryDecision.of(decision, plan, folded), None
+            summary = (DeferredDecision(decision, plan, folded) if fastpath.ENABLED
+                       else BoundaryDecision.of(decision, plan, folded))
+            folded = None
             result = yield from backend.execute(plan)
             record_outcome(state, plan, result, now, progress, decision.padded)
             if ledger is not None:

@@ -85,6 +85,12 @@ class Moves:
 _NO_MOVES: dict[int, Moves] = {}
 
 
+def _int_sum(a: np.ndarray) -> int:
+    """The exact sum of a few integers (a boundary's finished or chunked sequences' pages): Python adds a short
+    list faster than numpy's reduction is called."""
+    return sum(a.tolist()) if a.size <= 32 else int(a.sum())
+
+
 class ClusterState:
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
@@ -106,6 +112,7 @@ class ClusterState:
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
         self.host_used = np.zeros(topo.num_nodes, np.int64)
+        self._host_any = False  # host_used.any(), kept by the methods that change host_used (has_host_copies)
         self.peak_host = np.zeros(topo.num_nodes, np.int64)
         self.pending = [IdQueue() for _ in range(topo.num_instances)]      # not yet pinned
         self.pinned = [IdQueue() for _ in range(topo.num_gpus)]            # pending, pinned to a GPU
@@ -214,7 +221,7 @@ class ClusterState:
         g = int(where[0])
         if g < 0 or not (where == g).all():
             return False
-        used = int(self.pages_used[g]) + (int(pages.sum()) - int(t.pages[ids].sum()))
+        used = int(self.pages_used[g]) + (_int_sum(pages) - _int_sum(t.pages[ids]))
         t.pages[ids] = pages
         self.pages_used[g] = used
         if used > self.gpu_pages[g]:
@@ -242,6 +249,7 @@ class ClusterState:
             raise InvariantError(f"node {n} host memory would hold {self.host_used[n]} KV tokens, "
                                  f"capacity {self.host_kv_tokens[n]}")
         np.maximum(self.peak_host, self.host_used, out=self.peak_host)
+        self._host_any = bool(self.host_used.any())
 
     def _host_drop(self, ids: np.ndarray) -> None:
         t = self.table
@@ -250,6 +258,7 @@ class ClusterState:
         keep = t.host_node[ids] >= 0
         if keep.any():
             np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))
+            self._host_any = bool(self.host_used.any())
             t.host_node[ids[keep]] = -1
 
     # ---- primitives -----------------------------------------------------------------------------------
@@ -460,6 +469,8 @@ class ClusterState:
 
     def has_host_copies(self) -> bool:
         """Whether any sequence has a KV copy in host memory (each holds at least one token there)."""
+        if fastpath.ENABLED:  # kept in step by every method that changes host_used (`check` verifies it)
+            return self._host_any
         return bool(self.host_used.any())
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
@@ -495,13 +506,18 @@ class ClusterState:
         t = self.table
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
         new = starts == 0
-        self._require(ids[new], t.where[ids[new]] == PENDING, "pending (a first chunk starts a prompt)")
-        old = ids[~new]
-        self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
-                      "part-way through a chunked prefill on that GPU at that position")
         end = starts + lengths
         ctx = t.context(ids)
-        self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
+        where = t.where[ids]
+        # every precondition in one pass (a boundary chunks a few sequences); the one that fails is named below
+        ok = np.where(new, where == PENDING, (where == gpus) & (t.prefilled[ids] == starts)) & (lengths >= 1) & (
+            end <= ctx)
+        if not ok.all():
+            self._require(ids[new], where[new] == PENDING, "pending (a first chunk starts a prompt)")
+            old = ids[~new]
+            self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
+                          "part-way through a chunked prefill on that GPU at that position")
+            self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
         if new.any():
             self._join_gpu(instance, ids[new], gpus[new], lookahead_tokens=0, reserve=False)
         need = self.pages_needed(ids, end + (end == ctx))
@@ -557,6 +573,8 @@ class ClusterState:
             raise InvariantError("host KV accounting drifted from the per-sequence host copies")
         if np.any(self.host_used > self.host_kv_tokens):
             raise InvariantError("a node's host memory holds more KV than its capacity")
+        if not self._host_any and self.host_used.any():
+            raise InvariantError("host KV in use although has_host_copies() says there is none")
         places = np.zeros(len(t), np.int64)
         for q in [*self.pending, *self.pinned]:
             ids = q.to_array()

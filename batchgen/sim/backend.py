@@ -124,11 +124,13 @@ class SimBackend:
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
+            # without a host copy anywhere none is host-resident; without a partition ever, every degree is 1
+            plain = fastpath.ENABLED and not self.state.has_host_copies() and not self.state.partitioned_ever
             kv_split = self.state.kv_split_by_heads
             calls = None
             # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
             join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
-                    if plan.ffn_schedule == "combined" or not fastpath.ENABLED else 0.0)
+                    if not plain and (plan.ffn_schedule == "combined" or not fastpath.ENABLED) else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
@@ -140,7 +142,7 @@ class SimBackend:
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
-            elif hosted.any() or self._prefetch_per_layer > 0:
+            elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context, kv_split)
                 load.tp_join = join
@@ -155,7 +157,7 @@ class SimBackend:
                 cost = None
                 if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
                         and type(join) is float and join == 0.0 and not self._similar_calls
-                        and not plan.pad_rows.any() and int(plan.decode_tp.max()) == 1):
+                        and not plan.pad_rows.any() and (plain or int(plan.decode_tp.max()) == 1)):
                     sp = scalar_pricer(self.lat)
                     if sp is not None:  # one rank, a short run: load and price on Python floats
                         rows = decode_rows(context, alive, iterations, plan.micro_batch)

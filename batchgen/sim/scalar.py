@@ -67,6 +67,8 @@ class ScalarRoofline:
                              for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
                              for k, n in shapes)
         self._gemm: dict = {}  # (module, launches, tokens) -> seconds read from the roofline's curve
+        self._head: dict = {}  # rows -> lm_head seconds, and tokens -> dense_ffn seconds: pure functions of a
+        self._ffn: dict = {}   # whole number that recurs from forward to forward, so each is priced once
 
     def gemm(self, module: str, tokens: float, shapes: tuple, launches: float) -> float:
         """`Roofline._gemm_lookup` for one cell: the curve's value at `tokens` rows in `launches` launches."""
@@ -104,6 +106,12 @@ class ScalarRoofline:
         return proj + self._streaming("attention_prefill", self.flops_prefill * pairs, kv, 1.0)
 
     def lm_head(self, t: float) -> float:
+        out = self._head.get(t)
+        if out is None:
+            out = self._head[t] = self._lm_head(t)
+        return out
+
+    def _lm_head(self, t: float) -> float:
         if not t > 0:
             return 0.0
         proj = self.gemm("lm_head", t, self.head_shapes, 1.0)
@@ -113,9 +121,11 @@ class ScalarRoofline:
         return self.step_s + self.step_seq_s * n if n > 0 else 0.0
 
     def dense_ffn(self, t: float) -> float:
-        if self.ffn_shapes is None or not t > 0:
-            return 0.0
-        return self.gemm("dense_ffn", t, self.ffn_shapes, 1.0)
+        out = self._ffn.get(t)
+        if out is None:
+            out = self._ffn[t] = (0.0 if self.ffn_shapes is None or not t > 0
+                                  else self.gemm("dense_ffn", t, self.ffn_shapes, 1.0))
+        return out
 
 
 def scalar_pricer(lat) -> ScalarRoofline | None:
