@@ -207,8 +207,11 @@ class _SharedViews:
     @classmethod
     def of(cls, state: ClusterState) -> "_SharedViews":
         views = _VIEWS.get(state)
-        if views is None or any(a is not b for a, b in zip(views.sources, (state.table, state.pending, state.pinned,
-                                                                         state.suspended))):
+        if views is None:
+            views = _VIEWS[state] = cls(state)
+        table, pending, pinned, suspended = views.sources
+        if not (table is state.table and pending is state.pending and pinned is state.pinned
+                and suspended is state.suspended):
             views = _VIEWS[state] = cls(state)
         return views
 

@@ -217,9 +217,9 @@ class ClusterState:
         t = self.table
         if self.partitioned_ever and t.tp[ids].max() != 1:
             return False
-        where = t.where[ids]
-        g = int(where[0])
-        if g < 0 or not (where == g).all():
+        where = t.where[ids].tolist()  # a few ids, or one rank's: Python counts them faster than numpy is called
+        g = where[0]
+        if g < 0 or where.count(g) != len(where):
             return False
         used = int(self.pages_used[g]) + (_int_sum(pages) - _int_sum(t.pages[ids]))
         t.pages[ids] = pages
@@ -272,6 +272,9 @@ class ClusterState:
         active, leaving = self.active[instance], self._leaving
         if not fastpath.ENABLED:
             self.active[instance] = np.setdiff1d(active, ids, assume_unique=True)
+            return
+        if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
+            self.active[instance] = active[active != ids[0]]
             return
         leaving[ids] = True
         self.active[instance] = active[~leaving[active]]

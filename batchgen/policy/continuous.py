@@ -196,15 +196,18 @@ class ContinuousPolicy(PolicyDefaults):
         queue = snap.pinned[0]
         n_wait = len(queue)
         prefilled = snap.active_prefilled
-        partial = prefilled > 0
-        any_partial = bool(partial.any())
-        context = snap.active_context
-        need = pages_for(context + self.page_lookahead, P)
-        if any_partial:
-            need = np.where(partial, pages_for(prefilled, P), need)
+        going_at = np.flatnonzero(prefilled)  # part-way through a chunked prefill (a few): they continue first
+        any_partial = going_at.size > 0
+        going_prefilled = prefilled[going_at].tolist()
+        # pages_for(context + lookahead): (x + P - 1) // P is the ceiling of x / P for x >= 0, in two operations
+        need = (snap.active_context + (self.page_lookahead + P - 1)) // P
         used = int(need.sum())
+        if any_partial:  # a part-prefilled prompt holds the pages of what it has written instead
+            used += sum(-(-p // P) for p in going_prefilled) - sum(need[going_at].tolist())
         capacity = snap.pages_capacity
         if used > int(capacity[0]):  # preemption: the general rule (rare)
+            partial = prefilled > 0
+            need = np.where(partial, pages_for(prefilled, P), need)
             drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), capacity)
             keep = np.ones(snap.active_ids.size, bool)
             keep[drop] = False
@@ -215,40 +218,40 @@ class ContinuousPolicy(PolicyDefaults):
         else:
             drop, keep = _NO_DROP, None
             count = snap.active_ids.size
-            decoding = count - int(partial.sum()) if any_partial else count
+            decoding = count - going_at.size
         free = float(capacity[0] * (1 - self.admit_watermark) - used)
         budget = self.token_budget - decoding
         room = None
-        waiting = None
         if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
-            room, d.carry = self._admit_room_one_rank(snap, n_wait, partial, free)
+            room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0, free)
         elif self.admission == "conservative":
-            waiting = np.array([n_wait])
-            room, d.carry = self._admit_room(snap, waiting, drop, keep, np.array([free]))
-            room = float(room[0])
-        going_mask = partial if keep is None else keep & partial
-        if budget > 0 and (n_wait > 0 or bool(going_mask.any())) and not drop.size:
-            going = snap.active_ids[going_mask]
+            room, d.carry = self._admit_room(snap, np.array([n_wait]), drop, keep, np.array([free]))
+        # with a sequence preempted nothing is prefilled (memory is short: decode to make room first)
+        if budget > 0 and (n_wait > 0 or any_partial) and not drop.size:
+            going = snap.active_ids[going_at].tolist()
+            going_context = snap.active_context[going_at].tolist()
             slots = max(self.max_running - count, 0)
             look = min(slots, n_wait)
             head = min(look, _HEAD)
             while True:
                 queued = queue.peek(head)
                 final = head == look  # the candidates are the reference's (else a prefix of them)
+                queued_context = snap.lengths.context(queued).tolist()
                 if room is not None and queued.size:
-                    n = _fitting(snap.lengths.context(queued).tolist(), self._max_tokens(snap, queued).tolist(),
-                                 self.clip_max_new_tokens, room, not count)
+                    n = _fitting(queued_context, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
+                                 room, not count)
                     if n < queued.size:  # cut inside the prefix: the whole queue is cut at the same place
-                        queued = queued[:n]
+                        queued, queued_context = queued[:n], queued_context[:n]
                         final = True
-                cand = np.concatenate([going, queued])
-                start = np.concatenate([prefilled[going_mask], np.zeros(queued.size, np.int64)])
-                ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), budget, free, P)
-                if ids.size < cand.size or final:
+                cand = going + queued.tolist()
+                ids, lens = _fill(cand, going_prefilled + [0] * queued.size, going_context + queued_context,
+                                  budget, free, P)
+                if len(ids) < len(cand) or final:
                     break
                 head = look  # every candidate looked at moved: the rest of the queue may too
-            if ids.size:
-                d.chunk_ids, d.chunk_ranks, d.chunk_lens = ids, np.zeros(ids.size, np.int64), lens
+            if ids:
+                d.chunk_ids, d.chunk_lens = np.array(ids, np.int64), np.array(lens, np.int64)
+                d.chunk_ranks = np.zeros(len(ids), np.int64)
                 d.prefill_pinned = True
         if not n_wait and not any_partial and not drop.size:
             d.stop = "none"
@@ -366,8 +369,15 @@ def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budge
     each takes what is left of its context or of the budget, cut to the pages it can still get (a chunk that
     completes its context also needs room for the first token). Stops at the first candidate that cannot move,
     so FIFO order holds. Returns (ids, chunk lengths)."""
+    ids, lens = _fill(cand.tolist(), start.tolist(), context.tolist(), budget, free_pages, page_tokens)
+    return np.array(ids, np.int64), np.array(lens, np.int64)
+
+
+def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int
+          ) -> tuple[list[int], list[int]]:
+    """`_fill_budget` on Python lists."""
     ids, lens = [], []
-    for sid, s, c in zip(cand.tolist(), start.tolist(), context.tolist()):
+    for sid, s, c in zip(cand, start, context):
         if budget <= 0:
             break
         held = -(-s // page_tokens)
@@ -381,4 +391,4 @@ def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budge
         lens.append(end - s)
         budget -= end - s
         free_pages -= -(-(end + (end == c)) // page_tokens) - held
-    return np.array(ids, np.int64), np.array(lens, np.int64)
+    return ids, lens
