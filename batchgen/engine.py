@@ -100,6 +100,7 @@ class StepResult:
 
 
 _EMPTY = np.empty(0, np.int64)
+_FEW_CHUNKS = 8  # chunks up to which _take_chunks reads their flags as Python lists
 FFN_SCHEDULES = ("combined", "micro_batch", "pipelined")  # Decision.ffn_schedule
 
 
@@ -371,17 +372,30 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
     if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
-    first = t.where[ids] == PENDING
-    if (first & (starts != 0)).any():
-        raise InvariantError("a pending sequence has no prefill under way")
-    if first.any():
-        new, new_ranks = ids[first], ranks[first]
-        if d.prefill_pinned:
-            for r in _distinct(new_ranks):
-                state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
-        else:
-            state.take_pending(instance, new)
-    completes = starts + lens == t.context(ids)
+    if fastpath.ENABLED and ids.size <= _FEW_CHUNKS:  # the few chunks of a forward: their flags as Python lists
+        start, first = starts.tolist(), [w == PENDING for w in t.where[ids].tolist()]
+        if any(f and s0 != 0 for f, s0 in zip(first, start)):
+            raise InvariantError("a pending sequence has no prefill under way")
+        if any(first):
+            new = [(i, r) for i, r, f in zip(ids.tolist(), ranks.tolist(), first) if f]
+            if d.prefill_pinned:
+                for r in sorted({r for _, r in new}):
+                    state.take_pending(instance, np.array([i for i, q in new if q == r], np.int64), int(gpus[r]))
+            else:
+                state.take_pending(instance, np.array([i for i, _ in new], np.int64))
+        completes = np.array([s0 + n == c for s0, n, c in zip(start, lens.tolist(), t.context(ids).tolist())], bool)
+    else:
+        first = t.where[ids] == PENDING
+        if (first & (starts != 0)).any():
+            raise InvariantError("a pending sequence has no prefill under way")
+        if first.any():
+            new, new_ranks = ids[first], ranks[first]
+            if d.prefill_pinned:
+                for r in _distinct(new_ranks):
+                    state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
+            else:
+                state.take_pending(instance, new)
+        completes = starts + lens == t.context(ids)
     state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
     return dict(chunk_ids=ids, chunk_rank=ranks, chunk_start=starts, chunk_len=lens, chunk_completes=completes)
 

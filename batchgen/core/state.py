@@ -85,6 +85,9 @@ class Moves:
 _NO_MOVES: dict[int, Moves] = {}
 
 
+_FEW = 8  # ids up to which a primitive's fast path works on Python scalars (a boundary's chunks, its finishes)
+
+
 def _int_sum(a: np.ndarray) -> int:
     """The exact sum of a few integers (a boundary's finished or chunked sequences' pages): Python adds a short
     list faster than numpy's reduction is called."""
@@ -508,6 +511,9 @@ class ClusterState:
         sequence whose chunk completes its context is an ordinary running one (prefilled 0) from here on."""
         t = self.table
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        if fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and self._prefill_chunks_few(
+                instance, ids, gpus, starts, lengths):
+            return
         new = starts == 0
         end = starts + lengths
         ctx = t.context(ids)
@@ -529,6 +535,44 @@ class ClusterState:
             self._set_pages(ids[grow], need[grow])
         t.prefilled[ids] = np.where(end == ctx, 0, end)
 
+    def _prefill_chunks_few(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
+                            lengths: np.ndarray) -> bool:
+        """`prefill_chunks` of a few chunks, nothing partitioned, on Python scalars (a fast path of
+        batchgen.fastpath: the same checks, the same state after). False, having changed nothing, where a
+        precondition fails: the array code then names it."""
+        t, P = self.table, self.page_tokens
+        rows = []
+        for sid, g, s, n in zip(ids.tolist(), gpus.tolist(), starts.tolist(), lengths.tolist()):
+            w, c, e = int(t.where[sid]), int(t.input_len[sid]) + int(t.decoded[sid]), s + n
+            if not ((w == PENDING if s == 0 else w == g and int(t.prefilled[sid]) == s) and n >= 1 and e <= c):
+                return False
+            rows.append((sid, g, s, e, c))
+        new = [(sid, g) for sid, g, s, _, _ in rows if s == 0]
+        if new:  # _join_gpu without its reserve
+            if any(int(self.topo.gpu_instance[g]) != instance for _, g in new):
+                raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
+            new_ids = np.array([sid for sid, _ in new], np.int64)
+            t.where[new_ids] = [g for _, g in new]
+            t.host_resident[new_ids] = False
+            t.instance[new_ids] = instance
+            self.active[instance] = np.concatenate([self.active[instance], new_ids])
+        grown: dict[int, int] = {}  # GPU -> pages its chunks add
+        for sid, g, s, e, c in rows:
+            need, held = -(-(e + (e == c)) // P), int(t.pages[sid])
+            if need > held:
+                t.pages[sid] = need
+                grown[g] = grown.get(g, 0) + need - held
+            t.prefilled[sid] = 0 if e == c else e
+        for g, added in grown.items():
+            used = int(self.pages_used[g]) + added
+            self.pages_used[g] = used
+            if used > self.gpu_pages[g]:
+                raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
+                                     "the policy must yield or evict before it grows")
+            if used > self.peak_pages[g]:
+                self.peak_pages[g] = used
+        return True
+
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
         """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync).
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
@@ -542,6 +586,9 @@ class ClusterState:
 
     def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
         t = self.table
+        if (fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and not self._host_any
+                and not self.prefilling[instance].size and self._finish_few(instance, ids, times)):
+            return
         self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")
         running = t.where[ids] >= 0
         self._host_drop(ids)
@@ -552,6 +599,39 @@ class ClusterState:
         t.where[ids] = FINISHED
         t.finish_time[ids] = times
         self.num_finished += ids.size
+
+    def _finish_few(self, instance: int, ids: np.ndarray, times: np.ndarray) -> bool:
+        """`finish` of a few sequences, nothing partitioned, no host copy, nothing prefilling to host, on Python
+        scalars (a fast path of batchgen.fastpath: the same check, the same state after). False, having changed
+        nothing, where a sequence is not done: the array code then names it."""
+        t = self.table
+        freed: dict[int, int] = {}  # GPU -> pages the finished sequences held
+        running = []
+        for sid in ids.tolist():
+            if int(t.decoded[sid]) != int(t.output_len[sid]):
+                return False
+            g = int(t.where[sid])
+            if g >= 0:
+                running.append(sid)
+                freed[g] = freed.get(g, 0) + int(t.pages[sid])
+        for sid in running:  # _leave_gpu
+            t.pages[sid] = 0
+            t.host_resident[sid] = False
+            t.prefilled[sid] = 0
+        for g, pages in freed.items():
+            self.pages_used[g] -= pages
+        if running:
+            active = self.active[instance]
+            if len(running) == 1:
+                self.active[instance] = active[active != running[0]]
+            else:
+                self._leaving[running] = True
+                self.active[instance] = active[~self._leaving[active]]
+                self._leaving[running] = False
+        t.where[ids] = FINISHED
+        t.finish_time[ids] = times
+        self.num_finished += ids.size
+        return True
 
     # ---- invariants ----------------------------------------------------------------------------------
     def check(self) -> None:
