@@ -9,6 +9,7 @@ and in core/.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol
@@ -161,10 +162,19 @@ class InstanceProgress:
     carry: Any = None
     pad_rows: np.ndarray = field(init=False)
     pad_context: np.ndarray = field(init=False)
+    padding: bool = False  # pad_rows may hold rows (False: both are zeros, which a plan may share read-only)
 
     def __post_init__(self):
         self.pad_rows = np.zeros(self.num_ranks, np.int64)
         self.pad_context = np.zeros(self.num_ranks, np.int64)
+        self._zeros = np.zeros(self.num_ranks, np.int64)
+        self._zeros.flags.writeable = False
+
+    def pads(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pad_rows, pad_context) for a snapshot or a plan: copies, or one shared read-only zeros array."""
+        if self.padding or not fastpath.ENABLED:
+            return self.pad_rows.copy(), self.pad_context.copy()
+        return self._zeros, self._zeros
 
 
 class _ReadOnlyPool:
@@ -230,7 +240,7 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
-        pad_rows=progress.pad_rows.copy(),
+        pad_rows=progress.pads()[0],
         active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
         active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
         active_host_resident=t.host_resident[ids],
@@ -287,16 +297,19 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         chunk = _take_chunks(state, instance, d, gpus)
     state.reserve(decode_ids, steps)
     _reserve_host(state, instance, d, decode_ids, steps)
-    if not d.padded:
+    if not d.padded and (progress.padding or not fastpath.ENABLED):
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
+        progress.padding = False
+    pad_rows, pad_context = progress.pads()
+    one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
     ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
-        instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
+        instance=instance, gpus=gpus, decode_ids=decode_ids,
+        decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
         decode_tp=t.tp[decode_ids], prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids],
-        cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
-        pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
+        cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
         **chunk,
     )
@@ -414,6 +427,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
                 ranks = plan.decode_rank[res.finished]
                 np.add.at(progress.pad_rows, ranks, 1)
                 np.add.at(progress.pad_context, ranks, t.context(done))
+                progress.padding = True
             state.finish(inst, done, start + res.finish_offset[res.finished])
     if plan.prefill_ids.size:
         ids = plan.prefill_ids
@@ -430,7 +444,13 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     if plan.chunk_ids.size:
         ids = plan.chunk_ids
         done_prompt = ids[plan.chunk_completes]
-        if done_prompt.size:
+        if fastpath.ENABLED and 0 < done_prompt.size <= _FEW_CHUNKS and not state.has_host_copies():
+            at = start + res.duration  # `advance` of one token each and the first-token times, on scalars
+            for sid in done_prompt.tolist():
+                t.decoded[sid] += 1
+                if math.isnan(t.first_token_time[sid]):
+                    t.first_token_time[sid] = at
+        elif done_prompt.size:
             state.advance(done_prompt, np.ones(done_prompt.size, np.int64), host_sync=False)  # the first token
             t.first_token_time[done_prompt] = np.where(np.isnan(t.first_token_time[done_prompt]),
                                                        start + res.duration, t.first_token_time[done_prompt])

@@ -239,7 +239,10 @@ class ClusterState:
         (host-resident ones hold no pages)."""
         if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
             ids = ids[~self.table.host_resident[ids]]
-        need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
+        if fastpath.ENABLED and not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
+            need = (self.table.context(ids) + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
+        else:
+            need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
