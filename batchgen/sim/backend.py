@@ -84,7 +84,9 @@ class SimBackend:
         t = self.state.table
         R = plan.gpus.size
         ids = plan.decode_ids
-        remaining = t.remaining(ids)
+        decoded = t.decoded[ids]
+        remaining = t.output_len[ids] - decoded  # t.remaining(ids) and t.context(ids), sharing the gather
+        decode_context = t.input_len[ids] + decoded
         if plan.padded and not self.capabilities.padded_batches:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
@@ -94,7 +96,7 @@ class SimBackend:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
                 prompts = _padded(prompts, plan.prefill_rank, R)
-            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
+            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = self._price(load, self.weight_stream_s)
@@ -106,20 +108,20 @@ class SimBackend:
             sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
             cost = None
             if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
-                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, t.context(ids),
+                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, decode_context,
                                   plan.micro_batch)
                 cost = price_row(sp, rows, True, self.weight_stream_s, self.tbo)
                 gate_total = rows[2][0]
             if cost is None:
                 load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                                  plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
+                                  plan.decode_rank, decode_context, R, plan.micro_batch, self._similar_calls)
                 cost = self._price(load, self.weight_stream_s)
                 gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
-            context = t.context(ids)
+            context = decode_context
             if plan.padded:  # a static batch: every row runs every iteration over the longest row's context
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
@@ -190,10 +192,14 @@ class SimBackend:
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
-        offsets = np.full(ids.size, np.nan)
-        if finished.any():
-            clock = boundary + np.cumsum(cost.iteration_s) * scale
-            offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
+        if fastpath.ENABLED and cost.iteration_s.size == 1:  # one iteration: every finish at its one end
+            end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
+            offsets = np.where(finished, end, np.nan)
+        else:
+            offsets = np.full(ids.size, np.nan)
+            if finished.any():
+                clock = boundary + np.cumsum(cost.iteration_s) * scale
+                offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
         fast = fastpath.ENABLED
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
         chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size or not fast

@@ -69,6 +69,7 @@ class ScalarRoofline:
         self._gemm: dict = {}  # (module, launches, tokens) -> seconds read from the roofline's curve
         self._head: dict = {}  # rows -> lm_head seconds, and tokens -> dense_ffn seconds: pure functions of a
         self._ffn: dict = {}   # whole number that recurs from forward to forward, so each is priced once
+        self._tbo_batches: dict = {}  # `_tbo_halves`
 
     def gemm(self, module: str, tokens: float, shapes: tuple, launches: float) -> float:
         """`Roofline._gemm_lookup` for one cell: the curve's value at `tokens` rows in `launches` launches."""
@@ -211,21 +212,9 @@ def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
     iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
     batch = halves = share = None
     for k in range(len(gate)):
-        s = seqs[k]
-        if batch != (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k], p_sq[k], p_max[k]):
-            batch = (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k], p_sq[k], p_max[k])
-            share = math.ceil(s / 2.0) / s if s > 0 else 0.0
-            split = []
-            for total in (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k]):
-                first = float(round(total * share))
-                split.append((first, total - first))
-            sq_halves = (p_sq[k] * share, p_sq[k] * (1.0 - share))
-            halves = []
-            for i in (0, 1):
-                h_tok, h_gate, h_ptok, h_pseq, h_seqs, h_head = (pair[i] for pair in split)
-                halves.append((h_tok, sp.attention_prefill(h_ptok, sq_halves[i], p_max[k], h_pseq),
-                               sp.lm_head(h_head if head_rows_given else h_seqs), sp.step_overhead(h_seqs),
-                               sp.dense_ffn(h_gate) if n_dense else 0.0))
+        if batch != (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k]):
+            batch = (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k])
+            share, halves = _tbo_halves(sp, batch, head_rows_given)
         ctx_halves = (a_ctx[k] * share, a_ctx[k] * (1.0 - share))
         it = b = hs = at = f = 0.0
         for i in (0, 1):
@@ -247,6 +236,35 @@ def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
         head_s.append(hs if on else 0.0)
         active.append(on)
     return _cost(RunCost, iteration, busy, gate, active, 0.0, attention, ffn, head_s)
+
+
+def _tbo_halves(sp: ScalarRoofline, batch: tuple, head_rows_given: bool) -> tuple[float, tuple]:
+    """A TBO forward's share of sequences in its first half and, per half, its decode queries and the parts of its
+    chain that do not depend on the context (prefill attention, LM head, overhead, dense FFN): a pure function of
+    the batch, kept per batch (a decode batch recurs from run to run; the table is emptied when it grows large)."""
+    key = (batch, head_rows_given)
+    out = sp._tbo_batches.get(key)
+    if out is None:
+        a_tok, gate, p_tok, p_seq, s, head_rows, p_sq, p_max = batch
+        share = math.ceil(s / 2.0) / s if s > 0 else 0.0
+        t, g, pt, ps, ss, h = (_halve(x, share) for x in (a_tok, gate, p_tok, p_seq, s, head_rows))
+        sq = (p_sq * share, p_sq * (1.0 - share))
+        halves = tuple((t[i], sp.attention_prefill(pt[i], sq[i], p_max, ps[i]),
+                        sp.lm_head(h[i] if head_rows_given else ss[i]), sp.step_overhead(ss[i]),
+                        sp.dense_ffn(g[i]) if sp.n_dense else 0.0) for i in (0, 1))
+        if len(sp._tbo_batches) >= _TBO_BATCHES:
+            sp._tbo_batches.clear()
+        out = sp._tbo_batches[key] = (share, halves)
+    return out
+
+
+def _halve(total: float, share: float) -> tuple[float, float]:
+    """A total split as `tbo.split` splits it: the first half's rounded share, the rest to the second."""
+    first = float(round(total * share))
+    return first, total - first
+
+
+_TBO_BATCHES = 4096  # batches whose TBO halves a pricer keeps
 
 
 def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s):
