@@ -213,6 +213,7 @@ class _SharedViews:
         self.lengths = Lengths(_frozen(t.input_len), _frozen(t.decoded))
         self.node_instance = _frozen(state.node_instance)
         self.rank_node = [_frozen(topo.gpu_node[state.instance_gpus(i)]) for i in range(topo.num_instances)]
+        self.one_gpu = [state.instance_gpus(i).size == 1 for i in range(topo.num_instances)]
         self.instance_pinned = [[self.pinned[g] for g in state.instance_gpus(i)] for i in range(topo.num_instances)]
 
     @classmethod
@@ -241,7 +242,10 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
         pad_rows=progress.pads()[0],
-        active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
+        active_ids=_frozen(ids), active_context=t.context(ids),
+        # every running sequence of a one-GPU instance is on its rank 0
+        active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance] and fastpath.ENABLED
+        else state.gpu_rank[t.where[ids]],
         active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
         active_host_resident=t.host_resident[ids],
         pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,

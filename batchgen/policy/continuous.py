@@ -36,6 +36,7 @@ Decisions are taken at every sequence finish (iteration granularity) while promp
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,9 +288,22 @@ class ContinuousPolicy(PolicyDefaults):
         cap, else the model's context minus the prompt; unknown (a huge number) when neither is set."""
         if self.reserve_max_tokens:
             return np.full(ids.size, self.reserve_max_tokens, np.int64)
+        if self.model_context and fastpath.ENABLED:  # the same values, read from a column computed once
+            return self._context_caps(snap.lengths.input_len)[ids]
         if self.model_context:
             return np.maximum(self.model_context - snap.lengths.input_len[ids], 1).astype(np.int64)
         return np.full(ids.size, _UNKNOWN, np.int64)
+
+    def _context_caps(self, input_len: np.ndarray) -> np.ndarray:
+        """The model's context minus the prompt, at least 1, for every sequence of the job: computed once per
+        prompt-length column (the snapshots of a run share one read-only view of it), not at every decision."""
+        cached = _CONTEXT_CAPS.get(id(input_len))
+        if cached is None or cached[0]() is not input_len or cached[1] != self.model_context:
+            if len(_CONTEXT_CAPS) >= 8:
+                _CONTEXT_CAPS.clear()
+            cached = _CONTEXT_CAPS[id(input_len)] = (weakref.ref(input_len), self.model_context, np.maximum(
+                self.model_context - input_len, 1).astype(np.int64))
+        return cached[2]
 
     def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray
                 ) -> tuple[np.ndarray, dict]:
@@ -345,6 +359,9 @@ class ContinuousPolicy(PolicyDefaults):
 
 
 _NO_DROP = np.empty(0, np.int64)
+# id of a prompt-length column -> (a weak reference to it, model_context, the caps): outside the policy, which
+# stays a plain picklable value
+_CONTEXT_CAPS: dict[int, tuple] = {}
 _HEAD = 16                     # queue entries the one-rank fast path looks at first
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
 _RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS

@@ -202,8 +202,12 @@ class SimBackend:
                 offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
         fast = fastpath.ENABLED
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
-        chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size or not fast
-                          else _NONE)
+        if fast and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
+            chunk_finished = np.array([done and int(t.output_len[sid]) - int(t.decoded[sid]) == 1 for sid, done in
+                                       zip(plan.chunk_ids.tolist(), plan.chunk_completes.tolist())], bool)
+        else:
+            chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
+                              if plan.chunk_ids.size or not fast else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
         # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
