@@ -591,7 +591,8 @@ class Engine:
             decision = policy.decide(snap)
             progress.carry = decision.carry
             plan = apply_decision(state, instance, decision, progress, now, ledger)
-            if plan.phase == "idle":
+            phase = plan.phase
+            if phase == "idle":
                 if plan.ops is not None and backend.kv_ops and not plan.ops.empty():
                     backend.move_kv(plan.ops)  # yields, evictions of a decision that runs nothing
                 change = BoundaryDecision.of(decision, plan, folded)
@@ -617,8 +618,8 @@ class Engine:
             if on_step is not None:
                 on_step(plan, result)
             liveness.changed(backend)
-            progress.last_phase = plan.phase
-            records.append(StepRecord(instance, now, result.duration, plan.phase, result.iterations, result.tokens,
+            progress.last_phase = phase
+            records.append(StepRecord(instance, now, result.duration, phase, result.iterations, result.tokens,
                                       int(plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size),
                                       result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm,
                                       summary, result.modules))

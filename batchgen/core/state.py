@@ -124,6 +124,7 @@ class ClusterState:
         # host KV that instances' in-flight runs will add (decode growth, prefill output), per instance and
         # node: instances sharing a node see each other's reservations, so they cannot overfill it together
         self.host_reserved = np.zeros((topo.num_instances, topo.num_nodes), np.int64)
+        self._reserving = [False] * topo.num_instances  # host_reserved[i] may be nonzero (reserve_host)
         # prompts being prefilled straight to host: between their queue and the host pool for one step
         self.prefilling = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
         self.num_finished = 0
@@ -463,8 +464,11 @@ class ClusterState:
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
         if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
-            self.host_reserved[instance] = 0
+            if self._reserving[instance]:
+                self.host_reserved[instance] = 0
+                self._reserving[instance] = False
             return
+        self._reserving[instance] = True
         self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
 
     def host_committed(self, except_instance: int) -> np.ndarray:

@@ -180,7 +180,8 @@ class SimBackend:
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
-        compute = cost.compute_s
+        # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
+        compute = float(cost.iteration_s[0]) if fastpath.ENABLED and cost.iteration_s.size == 1 else cost.compute_s
         still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
@@ -213,7 +214,8 @@ class SimBackend:
         # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
         rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
-                          rank_comm, float(cost.expert_tokens.sum()),
+                          rank_comm, float(cost.expert_tokens[0] if fast and cost.expert_tokens.size == 1
+                                           else cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
                           int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
