@@ -224,7 +224,7 @@ class ContinuousPolicy(PolicyDefaults):
         budget = self.token_budget - decoding
         room = None
         if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
-            room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0, free)
+            room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0 if any_partial else None, free)
         elif self.admission == "conservative":
             room, d.carry = self._admit_room(snap, np.array([n_wait]), drop, keep, np.array([free]))
         # with a sequence preempted nothing is prefilled (memory is short: decode to make room first)
@@ -258,10 +258,11 @@ class ContinuousPolicy(PolicyDefaults):
             d.stop = "none"
         return d
 
-    def _admit_room_one_rank(self, snap: Snapshot, n_wait: int, partial: np.ndarray, free: float
+    def _admit_room_one_rank(self, snap: Snapshot, n_wait: int, partial: np.ndarray | None, free: float
                              ) -> tuple[float, dict]:
         """`_admit_room` of one rank that preempts nothing (`_decide_chunked_one_rank`): the same room and carry,
-        with the rank's new_token_ratio a Python float (the same IEEE operations as the one-element arrays)."""
+        with the rank's new_token_ratio a Python float (the same IEEE operations as the one-element arrays).
+        `partial`: which running sequences are part-way through a chunked prefill; None: none is."""
         st = snap.carry
         ids = snap.active_ids
         if st is None or st["ratio"].size != 1 or not ids.size:
@@ -277,8 +278,9 @@ class ContinuousPolicy(PolicyDefaults):
         decoded = snap.active_decoded
         left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
         est = left * ratio
-        reserve = np.where(partial, snap.active_context - snap.active_prefilled + est,
-                           np.maximum(est - self.page_lookahead, 0))
+        reserve = np.maximum(est - self.page_lookahead, 0)
+        if partial is not None:
+            reserve = np.where(partial, snap.active_context - snap.active_prefilled + est, reserve)
         room = free * snap.page_tokens - np.bincount(snap.active_rank, weights=reserve, minlength=1)
         return float(room[0]), {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
                                 "dec": decoded}
