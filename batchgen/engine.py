@@ -293,9 +293,10 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     decode_ids = state.active[instance]
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
-    partial = t.prefilled[decode_ids] > 0
-    if partial.any():  # part-way through a chunked prefill: no token to decode yet
-        decode_ids = decode_ids[~partial]
+    if state.num_part_prefilled or not fastpath.ENABLED:
+        partial = t.prefilled[decode_ids] > 0
+        if partial.any():  # part-way through a chunked prefill: no token to decode yet
+            decode_ids = decode_ids[~partial]
     chunk = {}
     if chunked:
         chunk = _take_chunks(state, instance, d, gpus)

@@ -411,8 +411,8 @@ def test_scalar_paths_refuse_what_the_array_code_refuses(fast):
 
 
 def test_state_check_catches_fast_path_flags_out_of_step():
-    """`partitioned_ever` and the host-copy flag let the fast paths skip per-sequence scans; `check` fails when
-    either says "none" while the table holds one."""
+    """`partitioned_ever`, the host-copy flag and the count of chunked prefills under way let the fast paths skip
+    per-sequence scans; `check` fails when one says "none" while the table holds one."""
     from batchgen.core.sequences import InvariantError
     from batchgen.core.state import Moves
 
@@ -422,6 +422,15 @@ def test_state_check_catches_fast_path_flags_out_of_step():
     with pytest.raises(InvariantError, match="never partitioned"):
         state.check()
     state.table.tp[0] = 1
+    part = state.pinned[0].peek(1).copy()  # a chunked prefill under way, counted
+    state.take_pending(0, part, 0)
+    state.prefill_chunks(0, part, np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([3]))
+    assert state.num_part_prefilled == 1
+    state.check()
+    state.num_part_prefilled = 0  # out of step
+    with pytest.raises(InvariantError, match="num_part_prefilled"):
+        state.check()
+    state.num_part_prefilled = 1
     ids = state.pinned[0].peek(1).copy()  # one sequence prefilled, then yielded: a host copy
     state.host_kv_tokens = np.full_like(state.host_kv_tokens, 10**6)  # continuous plans no host KV: give it some
     state.take_pending(0, ids, 0)

@@ -131,6 +131,9 @@ class ClusterState:
         # whether any sequence was ever PARTITIONed (tp > 1): until then every running sequence holds its pages on
         # one GPU, and the page arithmetic skips the per-sequence degrees (a fast path; `check` verifies it)
         self.partitioned_ever = False
+        # running sequences part-way through a chunked prefill (prefilled > 0), kept by the methods that write
+        # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
+        self.num_part_prefilled = 0
 
     # ---- placement at the start -------------------------------------------------------------------
     def assign_instances(self, instance_of_seq: np.ndarray) -> None:
@@ -274,6 +277,8 @@ class ClusterState:
         if not fastpath.ENABLED or self.partitioned_ever:
             self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
+        if self.num_part_prefilled:
+            self.num_part_prefilled -= int(np.count_nonzero(self.table.prefilled[ids]))
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
         # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
         active, leaving = self.active[instance], self._leaving
@@ -540,7 +545,9 @@ class ClusterState:
         grow = need > t.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
-        t.prefilled[ids] = np.where(end == ctx, 0, end)
+        now = np.where(end == ctx, 0, end)
+        self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(t.prefilled[ids]))
+        t.prefilled[ids] = now
 
     def _prefill_chunks_few(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                             lengths: np.ndarray) -> bool:
@@ -570,6 +577,7 @@ class ClusterState:
                 t.pages[sid] = need
                 grown[g] = grown.get(g, 0) + need - held
             t.prefilled[sid] = 0 if e == c else e
+            self.num_part_prefilled += (e != c) - (s != 0)  # s != 0: it was part-way (prefilled == s)
         for g, added in grown.items():
             used = int(self.pages_used[g]) + added
             self.pages_used[g] = used
@@ -624,7 +632,9 @@ class ClusterState:
         for sid in running:  # _leave_gpu
             t.pages[sid] = 0
             t.host_resident[sid] = False
-            t.prefilled[sid] = 0
+            if t.prefilled[sid]:
+                self.num_part_prefilled -= 1
+                t.prefilled[sid] = 0
         for g, pages in freed.items():
             self.pages_used[g] -= pages
         if running:
@@ -647,6 +657,8 @@ class ClusterState:
         t.check()
         if not self.partitioned_ever and np.any(t.tp != 1):
             raise InvariantError("a sequence is partitioned although the state never partitioned one")
+        if not self.num_part_prefilled and t.prefilled.any():
+            raise InvariantError("a chunked prefill is under way although num_part_prefilled says none is")
         running = np.flatnonzero(t.where >= 0)
         rep, gpus = self.group_gpus(running)
         if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)
