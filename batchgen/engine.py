@@ -231,12 +231,40 @@ class _SharedViews:
 _VIEWS: "weakref.WeakKeyDictionary[ClusterState, _SharedViews]" = weakref.WeakKeyDictionary()
 
 
+def filled(n: int, value, dtype) -> np.ndarray:
+    """n copies of `value`, read-only and shared: a column every running sequence has the same value in (degree 1
+    when nothing was ever partitioned, not host-resident without host copies, one token in a forward)."""
+    key = (n, value, dtype)
+    out = _FILLED.get(key)
+    if out is None:
+        if len(_FILLED) >= 4096:
+            _FILLED.clear()
+        out = _FILLED[key] = np.full(n, value, dtype)
+        out.flags.writeable = False
+    return out
+
+
+_FILLED: dict[tuple, np.ndarray] = {}
+
+
+def _tp_and_hosted(state: ClusterState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Running sequences' partition degrees and host-residency flags; shared constants where the state has no
+    partition and no host copy (a fast path: `ClusterState.check` verifies the flags it reads)."""
+    t = state.table
+    if not fastpath.ENABLED:
+        return t.tp[ids], t.host_resident[ids]
+    tp = t.tp[ids] if state.partitioned_ever else filled(ids.size, 1, t.tp.dtype)
+    hosted = t.host_resident[ids] if state.has_host_copies() else filled(ids.size, False, t.host_resident.dtype)
+    return tp, hosted
+
+
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
     t = state.table
     gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
     views = _SharedViews.of(state)
+    tp, hosted = _tp_and_hosted(state, ids)
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
@@ -246,8 +274,7 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         # every running sequence of a one-GPU instance is on its rank 0
         active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance] and fastpath.ENABLED
         else state.gpu_rank[t.where[ids]],
-        active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
-        active_host_resident=t.host_resident[ids],
+        active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=tp, active_host_resident=hosted,
         pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,
         node_instance=views.node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
@@ -307,13 +334,14 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         progress.pad_context[:] = 0
         progress.padding = False
     pad_rows, pad_context = progress.pads()
+    decode_tp, decode_hosted = _tp_and_hosted(state, decode_ids)
     one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
     ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
         decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
-        decode_tp=t.tp[decode_ids], prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
-        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids],
+        decode_tp=decode_tp, prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
         cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
         **chunk,

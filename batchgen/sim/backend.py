@@ -15,7 +15,7 @@ import simpy
 
 from batchgen import fastpath
 from batchgen.core.state import ClusterState
-from batchgen.engine import StepPlan, StepResult
+from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim.offload_costs import price_offload
@@ -104,7 +104,8 @@ class SimBackend:
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
-            iterations, produced = 1, np.ones(ids.size, np.int64)
+            iterations = 1
+            produced = filled(ids.size, 1, np.int64) if fastpath.ENABLED else np.ones(ids.size, np.int64)
             sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
             cost = None
             if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
