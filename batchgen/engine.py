@@ -429,7 +429,8 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
                     state.take_pending(instance, np.array([i for i, q in new if q == r], np.int64), int(gpus[r]))
             else:
                 state.take_pending(instance, np.array([i for i, _ in new], np.int64))
-        completes = np.array([s0 + n == c for s0, n, c in zip(start, lens.tolist(), t.context(ids).tolist())], bool)
+        completes = np.array([s0 + n == int(t.input_len[i]) + int(t.decoded[i])  # the chunk ends its context
+                              for i, s0, n in zip(ids.tolist(), start, lens.tolist())], bool)
     else:
         first = t.where[ids] == PENDING
         if (first & (starts != 0)).any():

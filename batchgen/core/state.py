@@ -565,11 +565,11 @@ class ClusterState:
         if new:  # _join_gpu without its reserve
             if any(int(self.topo.gpu_instance[g]) != instance for _, g in new):
                 raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
-            new_ids = np.array([sid for sid, _ in new], np.int64)
-            t.where[new_ids] = [g for _, g in new]
-            t.host_resident[new_ids] = False
-            t.instance[new_ids] = instance
-            self.active[instance] = np.concatenate([self.active[instance], new_ids])
+            for sid, g in new:
+                t.where[sid] = g
+                t.host_resident[sid] = False
+                t.instance[sid] = instance
+            self.active[instance] = np.concatenate([self.active[instance], np.array([sid for sid, _ in new], np.int64)])
         grown: dict[int, int] = {}  # GPU -> pages its chunks add
         for sid, g, s, e, c in rows:
             need, held = -(-(e + (e == c)) // P), int(t.pages[sid])

@@ -197,7 +197,7 @@ class ContinuousPolicy(PolicyDefaults):
         queue = snap.pinned[0]
         n_wait = len(queue)
         prefilled = snap.active_prefilled
-        going_at = np.flatnonzero(prefilled)  # part-way through a chunked prefill (a few): they continue first
+        going_at = prefilled.nonzero()[0]  # part-way through a chunked prefill (a few): they continue first
         any_partial = going_at.size > 0
         going_prefilled = prefilled[going_at].tolist()
         # pages_for(context + lookahead): (x + P - 1) // P is the ceiling of x / P for x >= 0, in two operations

@@ -63,6 +63,7 @@ class ScalarRoofline:
         for module in ("attention_decode", "attention_prefill"):
             e = lat._eff[module]
             self.stream[module] = (gpu.flops_bf16 * e.compute, gpu.hbm_bw * e.memory, e.kernel_s)
+        self._decode_stream = self.stream["attention_decode"]
         self.shapes_ok = all(type(k) is int and type(n) is int
                              for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
                              for k, n in shapes)
@@ -91,9 +92,12 @@ class ScalarRoofline:
             ctx = (1.0 - self.pad) * ctx + self.pad * max(t * longest, ctx)
         if not t > 0:
             return 0.0
-        proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
+        proj = self._gemm.get(("attention_decode", mb, t))  # `gemm`'s table read first (its key), then `gemm`
+        if proj is None:
+            proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
         kv = (ctx + t) * self.kvb + 2 * t * self.act_row
-        return proj + self._streaming("attention_decode", self.flops_decode * ctx, kv, mb)
+        rate, bw, kernel_s = self._decode_stream  # `_streaming` inlined: the same operations
+        return proj + (max(self.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
 
     def attention_prefill(self, t: float, sq: float, longest: float, seqs: float) -> float:
         """With one launch (as `costs.price` calls it)."""
