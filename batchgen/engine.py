@@ -163,6 +163,7 @@ class InstanceProgress:
     pad_rows: np.ndarray = field(init=False)
     pad_context: np.ndarray = field(init=False)
     padding: bool = False  # pad_rows may hold rows (False: both are zeros, which a plan may share read-only)
+    views: Any = None      # the state's _SharedViews, as the last snapshot found them
 
     def __post_init__(self):
         self.pad_rows = np.zeros(self.num_ranks, np.int64)
@@ -263,7 +264,10 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     t = state.table
     gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
-    views = _SharedViews.of(state)
+    views = progress.views
+    if views is None or views.sources[0] is not state.table or views.sources[1] is not state.pending \
+            or views.sources[2] is not state.pinned or views.sources[3] is not state.suspended:
+        views = progress.views = _SharedViews.of(state)
     tp, hosted = _tp_and_hosted(state, ids)
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(

@@ -160,7 +160,8 @@ class SimBackend:
                 cost = None
                 if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
                         and type(join) is float and join == 0.0 and not self._similar_calls
-                        and not plan.pad_rows.any() and (plain or int(plan.decode_tp.max()) == 1)):
+                        and not (plan.pad_rows.any() if plan.padded or not fastpath.ENABLED else False)
+                        and (plain or int(plan.decode_tp.max()) == 1)):
                     sp = scalar_pricer(self.lat)
                     if sp is not None:  # one rank, a short run: load and price on Python floats
                         rows = decode_rows(context, alive, iterations, plan.micro_batch)
@@ -219,7 +220,9 @@ class SimBackend:
                                            else cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
-                          int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
+                          # padding rows only in a padded plan (apply_decision zeroes them otherwise)
+                          int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
+                          modules=cost.modules,
                           chunk_finished=chunk_finished)
 
     def _price(self, load, weight_stream_s: float, join=0.0):
