@@ -219,19 +219,27 @@ def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
         if batch != (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k]):
             batch = (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k])
             share, halves = _tbo_halves(sp, batch, head_rows_given)
-        ctx_halves = (a_ctx[k] * share, a_ctx[k] * (1.0 - share))
-        it = b = hs = at = f = 0.0
-        for i in (0, 1):
-            h_tok, prefill, head, overhead, dense_ffn = halves[i]
-            attn = sp.attention_decode(h_tok, ctx_halves[i], mb[k], a_max[k]) + prefill
-            b += head
-            it += head + overhead
-            hs += head
-            at += n_dense * attn
-            if n_dense:
-                it += n_dense * (attn + dense_ffn + 0.0)
-                b += n_dense * (attn + dense_ffn)
-                f += n_dense * dense_ffn
+        (t0, pre0, head0, over0, ffn0), (t1, pre1, head1, over1, ffn1) = halves
+        attn0 = sp.attention_decode(t0, a_ctx[k] * share, mb[k], a_max[k]) + pre0
+        attn1 = sp.attention_decode(t1, a_ctx[k] * (1.0 - share), mb[k], a_max[k]) + pre1
+        # the first half's chain, then the second's (the two passes of tbo.price_tbo's loop, unrolled)
+        b = 0.0 + head0
+        it = 0.0 + (head0 + over0)
+        hs = 0.0 + head0
+        at = 0.0 + n_dense * attn0
+        f = 0.0
+        if n_dense:
+            it += n_dense * (attn0 + ffn0 + 0.0)
+            b += n_dense * (attn0 + ffn0)
+            f += n_dense * ffn0
+        b += head1
+        it += head1 + over1
+        hs += head1
+        at += n_dense * attn1
+        if n_dense:
+            it += n_dense * (attn1 + ffn1 + 0.0)
+            b += n_dense * (attn1 + ffn1)
+            f += n_dense * ffn1
         on = gate[k] > 0
         iteration.append(it if on else 0.0)
         busy.append(b)
@@ -251,21 +259,18 @@ def _tbo_halves(sp: ScalarRoofline, batch: tuple, head_rows_given: bool) -> tupl
     if out is None:
         a_tok, gate, p_tok, p_seq, s, head_rows, p_sq, p_max = batch
         share = math.ceil(s / 2.0) / s if s > 0 else 0.0
-        t, g, pt, ps, ss, h = (_halve(x, share) for x in (a_tok, gate, p_tok, p_seq, s, head_rows))
+        split = []
+        for total in (a_tok, gate, p_tok, p_seq, s, head_rows):  # as tbo.split: the first half's rounded share
+            first = float(round(total * share))
+            split.append((first, total - first))
         sq = (p_sq * share, p_sq * (1.0 - share))
-        halves = tuple((t[i], sp.attention_prefill(pt[i], sq[i], p_max, ps[i]),
-                        sp.lm_head(h[i] if head_rows_given else ss[i]), sp.step_overhead(ss[i]),
-                        sp.dense_ffn(g[i]) if sp.n_dense else 0.0) for i in (0, 1))
+        halves = tuple((split[0][i], sp.attention_prefill(split[2][i], sq[i], p_max, split[3][i]),
+                        sp.lm_head(split[5][i] if head_rows_given else split[4][i]), sp.step_overhead(split[4][i]),
+                        sp.dense_ffn(split[1][i]) if sp.n_dense else 0.0) for i in (0, 1))
         if len(sp._tbo_batches) >= _TBO_BATCHES:
             sp._tbo_batches.clear()
         out = sp._tbo_batches[key] = (share, halves)
     return out
-
-
-def _halve(total: float, share: float) -> tuple[float, float]:
-    """A total split as `tbo.split` splits it: the first half's rounded share, the rest to the second."""
-    first = float(round(total * share))
-    return first, total - first
 
 
 _TBO_BATCHES = 4096  # batches whose TBO halves a pricer keeps
