@@ -202,12 +202,13 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 class _SharedViews:
     """The parts of a state's snapshots that are the same at every boundary, built once: read-only views of its
-    pools and of its length columns, and each instance's GPUs' nodes and the nodes' owners (the topology does not
-    change). Built again if the state's table or pool lists are replaced (recovery swaps them)."""
+    pools and of its length columns, and each instance's GPUs' nodes, the nodes' owners and the GPUs' KV capacities
+    (neither the topology nor the capacities change). Built again if the state's table, pool lists or capacities
+    are replaced (recovery swaps them)."""
 
     def __init__(self, state: ClusterState):
         t, topo = state.table, state.topo
-        self.sources = (state.table, state.pending, state.pinned, state.suspended)
+        self.sources = (state.table, state.pending, state.pinned, state.suspended, state.gpu_pages)
         self.pending = [_ReadOnlyPool(q) for q in state.pending]
         self.pinned = [_ReadOnlyPool(q) for q in state.pinned]  # per global GPU
         self.suspended = [_ReadOnlyPool(q) for q in state.suspended]
@@ -215,16 +216,21 @@ class _SharedViews:
         self.node_instance = _frozen(state.node_instance)
         self.rank_node = [_frozen(topo.gpu_node[state.instance_gpus(i)]) for i in range(topo.num_instances)]
         self.one_gpu = [state.instance_gpus(i).size == 1 for i in range(topo.num_instances)]
+        # KV pages per rank: capacities, set when the state is built and never changed
+        self.pages_capacity = [_frozen(state.gpu_pages[state.instance_gpus(i)]) for i in range(topo.num_instances)]
         self.instance_pinned = [[self.pinned[g] for g in state.instance_gpus(i)] for i in range(topo.num_instances)]
+
+    def current(self, state: ClusterState) -> bool:
+        table, pending, pinned, suspended, gpu_pages = self.sources
+        return (table is state.table and pending is state.pending and pinned is state.pinned
+                and suspended is state.suspended and gpu_pages is state.gpu_pages)
 
     @classmethod
     def of(cls, state: ClusterState) -> "_SharedViews":
         views = _VIEWS.get(state)
         if views is None:
             views = _VIEWS[state] = cls(state)
-        table, pending, pinned, suspended = views.sources
-        if not (table is state.table and pending is state.pending and pinned is state.pinned
-                and suspended is state.suspended):
+        if not views.current(state):
             views = _VIEWS[state] = cls(state)
         return views
 
@@ -265,14 +271,14 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
     views = progress.views
-    if views is None or views.sources[0] is not state.table or views.sources[1] is not state.pending \
-            or views.sources[2] is not state.pinned or views.sources[3] is not state.suspended:
+    if views is None or not views.current(state):
         views = progress.views = _SharedViews.of(state)
     tp, hosted = _tp_and_hosted(state, ids)
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
-        rank_node=views.rank_node[instance], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
+        rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
+        pages_capacity=views.pages_capacity[instance] if fastpath.ENABLED else state.gpu_pages[gpus],
         pad_rows=progress.pads()[0],
         active_ids=_frozen(ids), active_context=t.context(ids),
         # every running sequence of a one-GPU instance is on its rank 0
