@@ -274,17 +274,18 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     if views is None or not views.current(state):
         views = progress.views = _SharedViews.of(state)
     tp, hosted = _tp_and_hosted(state, ids)
+    decoded = t.decoded[ids]  # read once: the context is the prompt plus it (Lengths.context)
     # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
         pages_capacity=views.pages_capacity[instance] if fastpath.ENABLED else state.gpu_pages[gpus],
         pad_rows=progress.pads()[0],
-        active_ids=_frozen(ids), active_context=t.context(ids),
+        active_ids=_frozen(ids), active_context=t.input_len[ids] + decoded,
         # every running sequence of a one-GPU instance is on its rank 0
         active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance] and fastpath.ENABLED
         else state.gpu_rank[t.where[ids]],
-        active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=tp, active_host_resident=hosted,
+        active_decoded=decoded, active_pages=t.pages[ids], active_tp=tp, active_host_resident=hosted,
         pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,
         node_instance=views.node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),

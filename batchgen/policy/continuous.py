@@ -281,8 +281,9 @@ class ContinuousPolicy(PolicyDefaults):
         reserve = np.maximum(est - self.page_lookahead, 0)
         if partial is not None:
             reserve = np.where(partial, snap.active_context - snap.active_prefilled + est, reserve)
-        room = free * snap.page_tokens - np.bincount(snap.active_rank, weights=reserve, minlength=1)
-        return float(room[0]), {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
+        # one rank: its bincount is the one element (free * P less it, as a float: the array's operation)
+        room = free * snap.page_tokens - float(np.bincount(snap.active_rank, weights=reserve, minlength=1)[0])
+        return room, {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
                                 "dec": decoded}
 
     def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
