@@ -106,7 +106,7 @@ class SimBackend:
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             iterations = 1
             produced = filled(ids.size, 1, np.int64) if fastpath.ENABLED else np.ones(ids.size, np.int64)
-            sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
+            sp = self._scalar() if R == 1 and not self._similar_calls else None
             cost = None
             if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
                 rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, decode_context,
@@ -162,7 +162,7 @@ class SimBackend:
                         and type(join) is float and join == 0.0 and not self._similar_calls
                         and not (plan.pad_rows.any() if plan.padded or not fastpath.ENABLED else False)
                         and (plain or int(plan.decode_tp.max()) == 1)):
-                    sp = scalar_pricer(self.lat)
+                    sp = self._scalar()
                     if sp is not None:  # one rank, a short run: load and price on Python floats
                         rows = decode_rows(context, alive, iterations, plan.micro_batch)
                         cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
@@ -224,6 +224,13 @@ class SimBackend:
                           int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def _scalar(self):
+        """`scalar_pricer(self.lat)`, looked up once per fast-path setting."""
+        cached = self.__dict__.get("_sp")
+        if cached is None or cached[0] is not fastpath.ENABLED:
+            cached = self._sp = (fastpath.ENABLED, scalar_pricer(self.lat))
+        return cached[1]
 
     def _price(self, load, weight_stream_s: float, join=0.0):
         """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the

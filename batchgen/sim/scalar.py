@@ -278,12 +278,16 @@ _TBO_BATCHES = 4096  # batches whose TBO halves a pricer keeps
 
 def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s):
     """The RunCost of per-iteration values, summed by numpy as the array paths sum them (pairwise)."""
-    if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
-        rank_comm = np.zeros(1)
     if len(iteration) == 1:  # numpy's sum of one element is 0.0 + it (its identity first): the same, cheaper
         modules = {"attention": 0.0 + attention[0], "ffn": 0.0 + ffn[0], "head": 0.0 + head_s[0]}
-        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]), rank_comm,
-                       np.array([gate[0] if active[0] else 0.0]), modules)
+        expert = gate[0] if active[0] else 0.0
+        if isinstance(rank_comm, float) and type(expert) is float:  # one array, four one-element views of it
+            v = np.array([iteration[0], 0.0 + busy[0], expert, 0.0])
+            return RunCost(v[0:1], v[1:2], v[3:4], v[2:3], modules)
+        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]),
+                       np.zeros(1) if isinstance(rank_comm, float) else rank_comm, np.array([expert]), modules)
+    if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
+        rank_comm = np.zeros(1)
     modules = {"attention": float(np.array(attention).sum()), "ffn": float(np.array(ffn).sum()),
                "head": float(np.array(head_s).sum())}
     expert = np.array([g if on else 0.0 for g, on in zip(gate, active)])
