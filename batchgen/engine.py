@@ -275,7 +275,9 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         views = progress.views = _SharedViews.of(state)
     tp, hosted = _tp_and_hosted(state, ids)
     decoded = t.decoded[ids]  # read once: the context is the prompt plus it (Lengths.context)
-    # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
+    # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own (but the
+    # shared read-only ones: views of the state, and columns of one value, such as degree 1 when nothing is
+    # partitioned)
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
