@@ -27,16 +27,16 @@ load 7-8.5, wall: continuous 20.1, sglang_opt 31.4, static 7.41, flexgen 10.4, z
 zero_inference reached 3.0-4.9 CPU s depending on the load, about the target; continuous and sglang_opt did not
 (their time is the engine's and the policy's bookkeeping at each boundary, spread over many small steps, with
 about one boundary per finish or prompt chunk).
-Then (same day, load average 0.8-1.5) the per-boundary cost cut at its source, events unchanged (one per
-finish or prompt chunk): scalar bookkeeping for a boundary's few chunks and finishes, counters and flags the
-state keeps in step instead of scans, one-rank decisions on Python numbers, TBO halves priced once per batch,
-the decision trace built when read. CPU seconds of `simulate` in one process per policy, 536bba6 against this,
-interleaved, least of three (load 1.1-1.2): continuous 4.63 -> 2.69, sglang_opt 6.76 -> 3.66; valgrind instructions per event (1,000 requests): continuous
-1.37M -> 0.83M, sglang_opt 1.82M -> 0.85M. This script back to back, wall seconds before -> after: continuous
-4.92 -> 2.77, sglang_opt 7.09 -> 3.43, static 1.74 -> 1.32, flexgen 2.35 -> 1.76, zero_inference 2.23 -> 1.60,
-coroutine 1.16 -> 1.05, moe_lightning 1.10 -> 0.97; slowest_policy=sglang_opt vs_vidur 5.0 -> 10.3 (an earlier
-run of the same code at load 0.7-0.9: 3.53 s, 10.0). Every policy now meets the target on an unloaded machine;
-sglang_opt only just (under load it falls below).
+Then (same day, load average 0.8-1.5) the per-boundary cost cut at its source, events unchanged (one per finish or
+prompt chunk): scalar bookkeeping for a boundary's few chunks and finishes, counters and flags the state keeps in
+step instead of scans, one-rank decisions on Python numbers, TBO halves priced once per batch, the decision trace
+built when read. CPU seconds of `simulate` in one process per policy, 536bba6 against this, interleaved, least of
+three (load 1.1-1.2): continuous 4.63 -> 2.69, sglang_opt 6.76 -> 3.66; valgrind instructions per event (1,000
+requests): continuous 1.37M -> 0.83M, sglang_opt 1.82M -> 0.85M. This script back to back, wall seconds before ->
+after: continuous 4.92 -> 2.77, sglang_opt 7.09 -> 3.43, static 1.74 -> 1.32, flexgen 2.35 -> 1.76, zero_inference
+2.23 -> 1.60, coroutine 1.16 -> 1.05, moe_lightning 1.10 -> 0.97; slowest_policy=sglang_opt vs_vidur 5.0 -> 10.3 (an
+earlier run of the same code at load 0.7-0.9: 3.53 s, 10.0). Every policy now meets the target on an unloaded
+machine; sglang_opt only just (under load it falls below).
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """
 
