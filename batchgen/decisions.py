@@ -19,8 +19,11 @@ IdTuple = tuple[int, ...]
 
 
 def _ids(a) -> IdTuple:
-    if fastpath.ENABLED and (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets are empty
-        return ()
+    if fastpath.ENABLED:
+        if (a.size if isinstance(a, np.ndarray) else len(a)) == 0:  # most id sets are empty
+            return ()
+        if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu":  # a few hundred ids: Python sorts
+            return tuple(sorted(a.tolist()))                                  # them faster than numpy's call
     return tuple(np.sort(np.asarray(a, dtype=np.int64).ravel()).tolist())
 
 
@@ -49,17 +52,7 @@ class BoundaryDecision:
     @classmethod
     def of(cls, decision, plan, folded: "BoundaryDecision | None" = None) -> "BoundaryDecision":
         """From a `Decision` and the `StepPlan` it became; `folded`: idle decisions' changes since the last run."""
-        admitted = np.concatenate([np.asarray(a.ids) for a in decision.admits]) if decision.admits else ()
-        flags = ",".join(n for n in ("prefill_to_host", "host_sync", "cpu_attention", "padded")
-                         if getattr(decision, n))
-        rec = cls(instance=int(plan.instance), phase=plan.phase, prefilled=_ids(plan.prefill_ids),
-                  chunked=_ids(plan.chunk_ids), decoded=_ids(plan.decode_ids),
-                  host_resident=_ids(plan.decode_ids[np.asarray(plan.decode_host_resident, bool)]),
-                  yielded=_ids(decision.yield_ids), offloaded=_ids(decision.offload_ids),
-                  evicted=_ids(decision.evict_ids), migrated=_ids(decision.move_ids), admitted=_ids(admitted),
-                  partitioned=_ids(decision.partition_ids), pinned=_ids(decision.pin_ids), steps=int(plan.steps),
-                  stop=str(plan.stop), micro_batch=int(plan.micro_batch), flags=flags)
-        return rec.merged(folded) if folded is not None else rec
+        return DeferredDecision(decision, plan, folded).resolve()
 
     def merged(self, earlier: "BoundaryDecision") -> "BoundaryDecision":
         """This decision with the id sets of an earlier (idle) one added."""
@@ -73,6 +66,38 @@ class BoundaryDecision:
     def row(self) -> dict[str, str | int]:
         """A CSV row: id sets as compact ranges ("0-15 18")."""
         return {f.name: (ranges(v) if isinstance(v, tuple) else v) for f, v in zip(fields(self), astuple(self))}
+
+
+class DeferredDecision:
+    """`BoundaryDecision.of(decision, plan, folded)`, built when first read (`resolve`). The engine records one per
+    run, and sorting a run's id sets into tuples cost the simulator a twentieth of its time, though only traces and
+    tests read them. It keeps just the arrays the summary reads, not the decision or the plan (a policy's carry
+    could be large): arrays nobody writes into after the boundary (the state replaces its active arrays rather than
+    writing into them; the policy's are its own). With the fast paths off the engine builds the summary at once, so
+    tests/test_sim_fastpath.py compares deferred traces with eager ones."""
+
+    __slots__ = ("_parts", "_folded")
+
+    def __init__(self, decision, plan, folded: "BoundaryDecision | None" = None):
+        self._parts = (plan.instance, plan.phase, plan.prefill_ids, plan.chunk_ids, plan.decode_ids,
+                       plan.decode_host_resident, plan.steps, plan.stop, plan.micro_batch, decision.yield_ids,
+                       decision.offload_ids, decision.evict_ids, decision.move_ids,
+                       [a.ids for a in decision.admits], decision.partition_ids, decision.pin_ids,
+                       (("prefill_to_host", decision.prefill_to_host), ("host_sync", decision.host_sync),
+                        ("cpu_attention", decision.cpu_attention), ("padded", decision.padded)))
+        self._folded = folded
+
+    def resolve(self) -> BoundaryDecision:
+        (instance, phase, prefill_ids, chunk_ids, decode_ids, decode_host_resident, steps, stop, micro_batch,
+         yield_ids, offload_ids, evict_ids, move_ids, admits, partition_ids, pin_ids, flags) = self._parts
+        admitted = np.concatenate([np.asarray(a) for a in admits]) if admits else ()
+        rec = BoundaryDecision(
+            instance=int(instance), phase=phase, prefilled=_ids(prefill_ids), chunked=_ids(chunk_ids),
+            decoded=_ids(decode_ids), host_resident=_ids(decode_ids[np.asarray(decode_host_resident, bool)]),
+            yielded=_ids(yield_ids), offloaded=_ids(offload_ids), evicted=_ids(evict_ids), migrated=_ids(move_ids),
+            admitted=_ids(admitted), partitioned=_ids(partition_ids), pinned=_ids(pin_ids), steps=int(steps),
+            stop=str(stop), micro_batch=int(micro_batch), flags=",".join(n for n, on in flags if on))
+        return rec.merged(self._folded) if self._folded is not None else rec
 
 
 ID_FIELDS = tuple(f.name for f in fields(BoundaryDecision) if f.type == "IdTuple")

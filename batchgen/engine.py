@@ -9,6 +9,8 @@ and in core/.
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol
 
@@ -18,7 +20,7 @@ from batchgen import fastpath, repeat
 from batchgen.core.ops import GpuOps, KVLedger, KVOps, plan_ops
 from batchgen.core.state import ClusterState, Moves
 from batchgen.core.sequences import PENDING, InvariantError
-from batchgen.decisions import BoundaryDecision
+from batchgen.decisions import BoundaryDecision, DeferredDecision
 from batchgen.policy.base import Capabilities, Decision, Lengths, Phase, Policy, Snapshot
 
 
@@ -99,6 +101,7 @@ class StepResult:
 
 
 _EMPTY = np.empty(0, np.int64)
+_FEW_CHUNKS = 8  # chunks up to which _take_chunks reads their flags as Python lists
 FFN_SCHEDULES = ("combined", "micro_batch", "pipelined")  # Decision.ffn_schedule
 
 
@@ -138,8 +141,15 @@ class StepRecord:
     expert_calls: int
     rank_busy: np.ndarray
     rank_comm: np.ndarray
-    decision: BoundaryDecision | None = None  # what was decided at the boundary that started this run
+    # what was decided at the boundary that started this run (`decision`; built when first read)
+    summary: BoundaryDecision | DeferredDecision | None = None
     modules: dict[str, float] = field(default_factory=dict)  # StepResult.modules
+
+    @property
+    def decision(self) -> BoundaryDecision | None:
+        if isinstance(self.summary, DeferredDecision):
+            self.summary = self.summary.resolve()
+        return self.summary
 
 
 @dataclass
@@ -152,10 +162,20 @@ class InstanceProgress:
     carry: Any = None
     pad_rows: np.ndarray = field(init=False)
     pad_context: np.ndarray = field(init=False)
+    padding: bool = False  # pad_rows may hold rows (False: both are zeros, which a plan may share read-only)
+    views: Any = None      # the state's _SharedViews, as the last snapshot found them
 
     def __post_init__(self):
         self.pad_rows = np.zeros(self.num_ranks, np.int64)
         self.pad_context = np.zeros(self.num_ranks, np.int64)
+        self._zeros = np.zeros(self.num_ranks, np.int64)
+        self._zeros.flags.writeable = False
+
+    def pads(self) -> tuple[np.ndarray, np.ndarray]:
+        """(pad_rows, pad_context) for a snapshot or a plan: copies, or one shared read-only zeros array."""
+        if self.padding or not fastpath.ENABLED:
+            return self.pad_rows.copy(), self.pad_context.copy()
+        return self._zeros, self._zeros
 
 
 class _ReadOnlyPool:
@@ -180,24 +200,98 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return view
 
 
+class _SharedViews:
+    """The parts of a state's snapshots that are the same at every boundary, built once: read-only views of its
+    pools and of its length columns, and each instance's GPUs' nodes, the nodes' owners and the GPUs' KV capacities
+    (neither the topology nor the capacities change). Built again if the state's table, pool lists or capacities
+    are replaced (recovery swaps them)."""
+
+    def __init__(self, state: ClusterState):
+        t, topo = state.table, state.topo
+        self.sources = (state.table, state.pending, state.pinned, state.suspended, state.gpu_pages)
+        self.pending = [_ReadOnlyPool(q) for q in state.pending]
+        self.pinned = [_ReadOnlyPool(q) for q in state.pinned]  # per global GPU
+        self.suspended = [_ReadOnlyPool(q) for q in state.suspended]
+        self.lengths = Lengths(_frozen(t.input_len), _frozen(t.decoded))
+        self.node_instance = _frozen(state.node_instance)
+        self.rank_node = [_frozen(topo.gpu_node[state.instance_gpus(i)]) for i in range(topo.num_instances)]
+        self.one_gpu = [state.instance_gpus(i).size == 1 for i in range(topo.num_instances)]
+        # KV pages per rank: capacities, set when the state is built and never changed
+        self.pages_capacity = [_frozen(state.gpu_pages[state.instance_gpus(i)]) for i in range(topo.num_instances)]
+        self.instance_pinned = [[self.pinned[g] for g in state.instance_gpus(i)] for i in range(topo.num_instances)]
+
+    def current(self, state: ClusterState) -> bool:
+        table, pending, pinned, suspended, gpu_pages = self.sources
+        return (table is state.table and pending is state.pending and pinned is state.pinned
+                and suspended is state.suspended and gpu_pages is state.gpu_pages)
+
+    @classmethod
+    def of(cls, state: ClusterState) -> "_SharedViews":
+        views = _VIEWS.get(state)
+        if views is None:
+            views = _VIEWS[state] = cls(state)
+        if not views.current(state):
+            views = _VIEWS[state] = cls(state)
+        return views
+
+
+_VIEWS: "weakref.WeakKeyDictionary[ClusterState, _SharedViews]" = weakref.WeakKeyDictionary()
+
+
+def filled(n: int, value, dtype) -> np.ndarray:
+    """n copies of `value`, read-only and shared: a column every running sequence has the same value in (degree 1
+    when nothing was ever partitioned, not host-resident without host copies, one token in a forward)."""
+    key = (n, value, dtype)
+    out = _FILLED.get(key)
+    if out is None:
+        if len(_FILLED) >= 4096:
+            _FILLED.clear()
+        out = _FILLED[key] = np.full(n, value, dtype)
+        out.flags.writeable = False
+    return out
+
+
+_FILLED: dict[tuple, np.ndarray] = {}
+
+
+def _tp_and_hosted(state: ClusterState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Running sequences' partition degrees and host-residency flags; shared constants where the state has no
+    partition and no host copy (a fast path: `ClusterState.check` verifies the flags it reads)."""
+    t = state.table
+    if not fastpath.ENABLED:
+        return t.tp[ids], t.host_resident[ids]
+    tp = t.tp[ids] if state.partitioned_ever else filled(ids.size, 1, t.tp.dtype)
+    hosted = t.host_resident[ids] if state.has_host_copies() else filled(ids.size, False, t.host_resident.dtype)
+    return tp, hosted
+
+
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
-    topo, t = state.topo, state.table
+    t = state.table
     gpus = state.instance_gpus(instance)  # read-only, shared
     ids = state.active[instance]
-    # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own
+    views = progress.views
+    if views is None or not views.current(state):
+        views = progress.views = _SharedViews.of(state)
+    tp, hosted = _tp_and_hosted(state, ids)
+    decoded = t.decoded[ids]  # read once: the context is the prompt plus it (Lengths.context)
+    # indexing with an id array already copies: the snapshot's per-sequence arrays are the policy's own (but the
+    # shared read-only ones: views of the state, and columns of one value, such as degree 1 when nothing is
+    # partitioned)
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
-        rank_node=topo.gpu_node[gpus], pages_capacity=state.gpu_pages[gpus], pages_used=state.pages_used[gpus],
-        pad_rows=progress.pad_rows.copy(),
-        active_ids=_frozen(ids), active_rank=state.gpu_rank[t.where[ids]], active_context=t.context(ids),
-        active_decoded=t.decoded[ids], active_pages=t.pages[ids], active_tp=t.tp[ids],
-        active_host_resident=t.host_resident[ids],
-        pending=_ReadOnlyPool(state.pending[instance]), pinned=[_ReadOnlyPool(state.pinned[g]) for g in gpus],
-        suspended=[_ReadOnlyPool(q) for q in state.suspended],
-        node_instance=state.node_instance.copy(), host_capacity_tokens=state.host_kv_tokens,
+        rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
+        pages_capacity=views.pages_capacity[instance] if fastpath.ENABLED else state.gpu_pages[gpus],
+        pad_rows=progress.pads()[0],
+        active_ids=_frozen(ids), active_context=t.input_len[ids] + decoded,
+        # every running sequence of a one-GPU instance is on its rank 0
+        active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance] and fastpath.ENABLED
+        else state.gpu_rank[t.where[ids]],
+        active_decoded=decoded, active_pages=t.pages[ids], active_tp=tp, active_host_resident=hosted,
+        pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,
+        node_instance=views.node_instance, host_capacity_tokens=state.host_kv_tokens,
         host_used_tokens=state.host_committed(except_instance=instance),
-        lengths=Lengths(_frozen(t.input_len), _frozen(t.decoded)), last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
+        lengths=views.lengths, last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
         capabilities=capabilities, active_prefilled=t.prefilled[ids], carry=progress.carry,
     )
 
@@ -209,7 +303,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     checked against the ledger and recorded there."""
     topo, t = state.topo, state.table
     gpus = state.instance_gpus(instance)
-    moves = Moves.zeros(topo.num_gpus)
+    moving = (d.yield_ids.size or d.offload_ids.size or d.move_ids.size or d.admits or d.partition_ids.size
+              or d.prefill_to_host)
+    moves = Moves.zeros(topo.num_gpus) if moving or not fastpath.ENABLED else Moves.none(topo.num_gpus)
     if d.pin_ids.size:
         state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
     if d.evict_ids.size:
@@ -237,24 +333,29 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     decode_ids = state.active[instance]
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
-    partial = t.prefilled[decode_ids] > 0
-    if partial.any():  # part-way through a chunked prefill: no token to decode yet
-        decode_ids = decode_ids[~partial]
+    if state.num_part_prefilled or not fastpath.ENABLED:
+        partial = t.prefilled[decode_ids] > 0
+        if partial.any():  # part-way through a chunked prefill: no token to decode yet
+            decode_ids = decode_ids[~partial]
     chunk = {}
     if chunked:
         chunk = _take_chunks(state, instance, d, gpus)
     state.reserve(decode_ids, steps)
     _reserve_host(state, instance, d, decode_ids, steps)
-    if not d.padded:
+    if not d.padded and (progress.padding or not fastpath.ENABLED):
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
+        progress.padding = False
+    pad_rows, pad_context = progress.pads()
+    decode_tp, decode_hosted = _tp_and_hosted(state, decode_ids)
+    one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
     ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
-        instance=instance, gpus=gpus, decode_ids=decode_ids, decode_rank=state.gpu_rank[t.where[decode_ids]],
-        decode_tp=t.tp[decode_ids].copy(), prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
-        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=t.host_resident[decode_ids].copy(),
-        cpu_attention=d.cpu_attention, pad_rows=progress.pad_rows.copy(),
-        pad_context=progress.pad_context.copy(), moves=moves, host_sync=d.host_sync,
+        instance=instance, gpus=gpus, decode_ids=decode_ids,
+        decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
+        decode_tp=decode_tp, prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
+        cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
         **chunk,
     )
@@ -330,17 +431,31 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
     if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
-    first = t.where[ids] == PENDING
-    if (first & (starts != 0)).any():
-        raise InvariantError("a pending sequence has no prefill under way")
-    if first.any():
-        new, new_ranks = ids[first], ranks[first]
-        if d.prefill_pinned:
-            for r in _distinct(new_ranks):
-                state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
-        else:
-            state.take_pending(instance, new)
-    completes = starts + lens == t.context(ids)
+    if fastpath.ENABLED and ids.size <= _FEW_CHUNKS:  # the few chunks of a forward: their flags as Python lists
+        start, first = starts.tolist(), [w == PENDING for w in t.where[ids].tolist()]
+        if any(f and s0 != 0 for f, s0 in zip(first, start)):
+            raise InvariantError("a pending sequence has no prefill under way")
+        if any(first):
+            new = [(i, r) for i, r, f in zip(ids.tolist(), ranks.tolist(), first) if f]
+            if d.prefill_pinned:
+                for r in sorted({r for _, r in new}):
+                    state.take_pending(instance, np.array([i for i, q in new if q == r], np.int64), int(gpus[r]))
+            else:
+                state.take_pending(instance, np.array([i for i, _ in new], np.int64))
+        completes = np.array([s0 + n == int(t.input_len[i]) + int(t.decoded[i])  # the chunk ends its context
+                              for i, s0, n in zip(ids.tolist(), start, lens.tolist())], bool)
+    else:
+        first = t.where[ids] == PENDING
+        if (first & (starts != 0)).any():
+            raise InvariantError("a pending sequence has no prefill under way")
+        if first.any():
+            new, new_ranks = ids[first], ranks[first]
+            if d.prefill_pinned:
+                for r in _distinct(new_ranks):
+                    state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
+            else:
+                state.take_pending(instance, new)
+        completes = starts + lens == t.context(ids)
     state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
     return dict(chunk_ids=ids, chunk_rank=ranks, chunk_start=starts, chunk_len=lens, chunk_completes=completes)
 
@@ -359,6 +474,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
                 ranks = plan.decode_rank[res.finished]
                 np.add.at(progress.pad_rows, ranks, 1)
                 np.add.at(progress.pad_context, ranks, t.context(done))
+                progress.padding = True
             state.finish(inst, done, start + res.finish_offset[res.finished])
     if plan.prefill_ids.size:
         ids = plan.prefill_ids
@@ -375,7 +491,13 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     if plan.chunk_ids.size:
         ids = plan.chunk_ids
         done_prompt = ids[plan.chunk_completes]
-        if done_prompt.size:
+        if fastpath.ENABLED and 0 < done_prompt.size <= _FEW_CHUNKS and not state.has_host_copies():
+            at = start + res.duration  # `advance` of one token each and the first-token times, on scalars
+            for sid in done_prompt.tolist():
+                t.decoded[sid] += 1
+                if math.isnan(t.first_token_time[sid]):
+                    t.first_token_time[sid] = at
+        elif done_prompt.size:
             state.advance(done_prompt, np.ones(done_prompt.size, np.int64), host_sync=False)  # the first token
             t.first_token_time[done_prompt] = np.where(np.isnan(t.first_token_time[done_prompt]),
                                                        start + res.duration, t.first_token_time[done_prompt])
@@ -512,7 +634,8 @@ class Engine:
             decision = policy.decide(snap)
             progress.carry = decision.carry
             plan = apply_decision(state, instance, decision, progress, now, ledger)
-            if plan.phase == "idle":
+            phase = plan.phase
+            if phase == "idle":
                 if plan.ops is not None and backend.kv_ops and not plan.ops.empty():
                     backend.move_kv(plan.ops)  # yields, evictions of a decision that runs nothing
                 change = BoundaryDecision.of(decision, plan, folded)
@@ -528,7 +651,9 @@ class Engine:
                 idle = 0
                 continue
             idle = 0
-            summary, folded = BoundaryDecision.of(decision, plan, folded), None
+            summary = (DeferredDecision(decision, plan, folded) if fastpath.ENABLED
+                       else BoundaryDecision.of(decision, plan, folded))
+            folded = None
             more = repeat.repeats(self, instance, snap, decision, plan)
             if more:  # the same decode at the next boundaries: one event, each boundary replayed
                 yield from repeat.run_repeated(self, instance, decision, plan, summary, progress, more)

@@ -1,6 +1,7 @@
 """The simulator's fast paths (batchgen.fastpath) change nothing: every job simulated with them and with the
 general code they skip takes the same decisions and ends with the same times, step by step, bit for bit."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -443,3 +444,126 @@ def test_where_no_one_delay_lands_the_runs_keep_their_own_timeouts(monkeypatch):
     ticked = outcome(job)
     assert_same(ticked, alone)
     assert ticked["events"] == alone["events"]
+# ---- the state's scalar paths for a boundary's few chunks and finishes (batchgen.core.state) --------------------
+
+def _one_gpu_state(n=12, seed=4):
+    from batchgen.job import prepare
+
+    rng = np.random.default_rng(seed)
+    job = make_job("continuous", "llama2_7b", "a100_8", rng.integers(100, 400, n), rng.integers(1, 4, n),
+                   cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
+    state = prepare(job).state
+    ids = state.pending[0].peek(n)
+    state.pin(0, ids, np.zeros(n, np.int64))
+    return state
+
+
+def _state_columns(state):
+    t = state.table
+    cols = {f: getattr(t, f).copy() for f in ("decoded", "where", "pages", "prefilled", "host_resident", "tp",
+                                             "instance", "finish_time", "first_token_time")}
+    cols.update(pages_used=state.pages_used.copy(), peak=state.peak_pages.copy(), active=state.active[0].copy(),
+                queue=state.pinned[0].to_array().copy(), finished=state.num_finished)
+    return cols
+
+
+def _chunk_and_finish(state):
+    """First chunks of three prompts (one completing), their continuation, decode tokens, and finishes of one and
+    of several sequences at once: the scalar paths' territory (a few ids, one GPU, nothing partitioned)."""
+    t, P = state.table, state.page_tokens
+    gpu = np.zeros(3, np.int64)
+    ids = state.pinned[0].peek(3).copy()
+    state.take_pending(0, ids, 0)
+    ctx = t.context(ids)
+    lens = np.array([ctx[0], P + 1, 5])  # the first completes its prompt, the others write part of it
+    state.prefill_chunks(0, ids, gpu, np.zeros(3, np.int64), lens)
+    state.advance(ids[:1], np.ones(1, np.int64), host_sync=False)
+    rest = ids[1:]
+    state.prefill_chunks(0, rest, gpu[:2], t.prefilled[rest].copy(), t.context(rest) - t.prefilled[rest])
+    state.advance(rest, np.ones(2, np.int64), host_sync=False)
+    for sid in ids.tolist():  # decode each to its end; finish one, then the other two together
+        left = int(t.output_len[sid] - t.decoded[sid])
+        if left:
+            state.reserve(np.array([sid]), left)
+            state.advance(np.array([sid]), np.array([left]), host_sync=False)
+    state.finish(0, ids[:1], np.array([1.0]))
+    state.finish(0, ids[1:], np.array([2.0, 3.0]))
+    state.check()
+
+
+def test_scalar_chunk_and_finish_paths_leave_the_array_codes_state():
+    import copy
+
+    fast_state = _one_gpu_state()
+    ref_state = copy.deepcopy(fast_state)
+    _chunk_and_finish(fast_state)
+    with fastpath.reference():
+        _chunk_and_finish(ref_state)
+    fast, ref = _state_columns(fast_state), _state_columns(ref_state)
+    assert fast["finished"] == 3
+    for key in fast:
+        assert np.array_equal(fast[key], ref[key], equal_nan=True), key
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_scalar_paths_refuse_what_the_array_code_refuses(fast):
+    """A chunk that does not continue where its prefill stands, and a finish before the last token, fail with
+    the array code's message, having changed nothing."""
+    from batchgen.core.sequences import InvariantError
+
+    state = _one_gpu_state()
+    ids = state.pinned[0].peek(2).copy()
+    state.take_pending(0, ids, 0)
+    state.prefill_chunks(0, ids, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([4, 4]))
+    before = _state_columns(state)
+    with (fastpath.reference() if not fast else contextlib.nullcontext()):
+        with pytest.raises(InvariantError, match="part-way through a chunked prefill"):
+            state.prefill_chunks(0, ids, np.zeros(2, np.int64), np.array([4, 3]), np.array([2, 2]))
+        with pytest.raises(InvariantError, match="done generating"):
+            state.finish(0, ids[:1], np.array([1.0]))
+    after = _state_columns(state)
+    for key in before:
+        assert np.array_equal(before[key], after[key], equal_nan=True), key
+
+
+def test_state_check_catches_fast_path_flags_out_of_step():
+    """`partitioned_ever`, the host-copy flag and the count of chunked prefills under way let the fast paths skip
+    per-sequence scans; `check` fails when one says "none" while the table holds one."""
+    from batchgen.core.sequences import InvariantError
+    from batchgen.core.state import Moves
+
+    state = _one_gpu_state()
+    state.check()
+    state.table.tp[0] = 2
+    with pytest.raises(InvariantError, match="never partitioned"):
+        state.check()
+    state.table.tp[0] = 1
+    part = state.pinned[0].peek(1).copy()  # a chunked prefill under way, counted
+    state.take_pending(0, part, 0)
+    state.prefill_chunks(0, part, np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([3]))
+    assert state.num_part_prefilled == 1
+    state.check()
+    state.num_part_prefilled = 0  # out of step
+    with pytest.raises(InvariantError, match="num_part_prefilled"):
+        state.check()
+    state.num_part_prefilled = 1
+    ids = state.pinned[0].peek(1).copy()  # one sequence prefilled, then yielded: a host copy
+    state.host_kv_tokens = np.full_like(state.host_kv_tokens, 10**6)  # continuous plans no host KV: give it some
+    state.take_pending(0, ids, 0)
+    state.prefill_chunks(0, ids, np.zeros(1, np.int64), np.zeros(1, np.int64), state.table.context(ids))
+    state.advance(ids, np.ones(1, np.int64), host_sync=False)
+    state.yield_(0, ids, Moves.zeros(1))
+    state.check()
+    assert state.has_host_copies()
+    state._host_any = False  # out of step
+    with pytest.raises(InvariantError, match="has_host_copies"):
+        state.check()
+
+
+def test_no_moves_is_shared_and_read_only():
+    from batchgen.core.state import Moves
+
+    none = Moves.none(2)
+    assert Moves.none(2) is none and not none.any()
+    with pytest.raises(ValueError):
+        none.d2h[0] = 1.0

@@ -94,7 +94,7 @@ class IdQueue:
         """Pop exactly these ids, which must be the queue's head in order (what peek returned)."""
         ids = np.asarray(ids, dtype=np.int64)
         popped = self.pop(ids.size)
-        if not np.array_equal(popped, ids):
+        if not (popped.tolist() == ids.tolist() if ids.size <= 64 else np.array_equal(popped, ids)):
             raise ValueError("ids taken from a queue must be its head, in FIFO order")
 
     def remove(self, ids: np.ndarray) -> None:

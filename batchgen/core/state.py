@@ -58,13 +58,40 @@ class Moves:
         moves._block = block
         return moves
 
+    @classmethod
+    def none(cls, num_gpus: int) -> "Moves":
+        """No byte moved: one shared, read-only instance per GPU count, for a boundary whose decision calls no
+        primitive that moves KV (most boundaries; a primitive that writes into it fails at the write)."""
+        moves = _NO_MOVES.get(num_gpus)
+        if moves is None:
+            moves = cls.zeros(num_gpus)
+            for a in (moves._block, moves.h2d, moves.d2h, moves.network, moves.peer):
+                a.flags.writeable = False
+            moves._nothing = True
+            _NO_MOVES[num_gpus] = moves
+        return moves
+
     def any(self) -> bool:
         """Whether any byte moved (a backend skips pricing copies when none did)."""
+        if fastpath.ENABLED and self.__dict__.get("_nothing"):
+            return False
         b = self.__dict__.get("_block")
         if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
                 and self.network.base is b and self.peer.base is b):
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
+
+
+_NO_MOVES: dict[int, Moves] = {}
+
+
+_FEW = 8  # ids up to which a primitive's fast path works on Python scalars (a boundary's chunks, its finishes)
+
+
+def _int_sum(a: np.ndarray) -> int:
+    """The exact sum of a few integers (a boundary's finished or chunked sequences' pages): Python adds a short
+    list faster than numpy's reduction is called."""
+    return sum(a.tolist()) if a.size <= 32 else int(a.sum())
 
 
 class ClusterState:
@@ -88,6 +115,7 @@ class ClusterState:
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
         self.host_used = np.zeros(topo.num_nodes, np.int64)
+        self._host_any = False  # host_used.any(), kept by the methods that change host_used (has_host_copies)
         self.peak_host = np.zeros(topo.num_nodes, np.int64)
         self.pending = [IdQueue() for _ in range(topo.num_instances)]      # not yet pinned
         self.pinned = [IdQueue() for _ in range(topo.num_gpus)]            # pending, pinned to a GPU
@@ -96,9 +124,16 @@ class ClusterState:
         # host KV that instances' in-flight runs will add (decode growth, prefill output), per instance and
         # node: instances sharing a node see each other's reservations, so they cannot overfill it together
         self.host_reserved = np.zeros((topo.num_instances, topo.num_nodes), np.int64)
+        self._reserving = [False] * topo.num_instances  # host_reserved[i] may be nonzero (reserve_host)
         # prompts being prefilled straight to host: between their queue and the host pool for one step
         self.prefilling = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
         self.num_finished = 0
+        # whether any sequence was ever PARTITIONed (tp > 1): until then every running sequence holds its pages on
+        # one GPU, and the page arithmetic skips the per-sequence degrees (a fast path; `check` verifies it)
+        self.partitioned_ever = False
+        # running sequences part-way through a chunked prefill (prefilled > 0), kept by the methods that write
+        # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
+        self.num_part_prefilled = 0
 
     # ---- placement at the start -------------------------------------------------------------------
     def assign_instances(self, instance_of_seq: np.ndarray) -> None:
@@ -140,8 +175,10 @@ class ClusterState:
         """(index into ids, GPU) for every GPU that holds part of a running sequence: its own GPU, and for a
         PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
         t = self.table
+        if fastpath.ENABLED and not self.partitioned_ever:  # nothing partitioned (usual): one GPU each
+            return np.arange(ids.size), t.where[ids].astype(np.int64)
         tp = t.tp[ids].astype(np.int64)
-        if fastpath.ENABLED and (not tp.size or tp.max() == 1):  # nothing partitioned (usual): one GPU each
+        if fastpath.ENABLED and (not tp.size or tp.max() == 1):
             return np.arange(ids.size), t.where[ids].astype(np.int64)
         rep = np.repeat(np.arange(ids.size), tp)
         if rep.size == ids.size:
@@ -160,6 +197,8 @@ class ClusterState:
     def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
         the tokens into a page (KV split by heads), a replicated latent does not."""
+        if fastpath.ENABLED and not self.partitioned_ever:  # every degree is 1
+            return -(-np.asarray(tokens, np.int64) // self.page_tokens)
         per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
         return -(-np.asarray(tokens, np.int64) // per_page)
 
@@ -183,13 +222,13 @@ class ClusterState:
         sums instead of a scatter: the same counts (integers), the same check (only that GPU's count changed,
         and every other one was within capacity already). False, having changed nothing, elsewhere."""
         t = self.table
-        if t.tp[ids].max() != 1:
+        if self.partitioned_ever and t.tp[ids].max() != 1:
             return False
-        where = t.where[ids]
-        g = int(where[0])
-        if g < 0 or not (where == g).all():
+        where = t.where[ids].tolist()  # a few ids, or one rank's: Python counts them faster than numpy is called
+        g = where[0]
+        if g < 0 or where.count(g) != len(where):
             return False
-        used = int(self.pages_used[g]) + (int(pages.sum()) - int(t.pages[ids].sum()))
+        used = int(self.pages_used[g]) + (_int_sum(pages) - _int_sum(t.pages[ids]))
         t.pages[ids] = pages
         self.pages_used[g] = used
         if used > self.gpu_pages[g]:
@@ -202,8 +241,12 @@ class ClusterState:
     def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
         (host-resident ones hold no pages)."""
-        ids = ids[~self.table.host_resident[ids]]
-        need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
+        if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
+            ids = ids[~self.table.host_resident[ids]]
+        if fastpath.ENABLED and not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
+            need = (self.table.context(ids) + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
+        else:
+            need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
@@ -216,6 +259,7 @@ class ClusterState:
             raise InvariantError(f"node {n} host memory would hold {self.host_used[n]} KV tokens, "
                                  f"capacity {self.host_kv_tokens[n]}")
         np.maximum(self.peak_host, self.host_used, out=self.peak_host)
+        self._host_any = bool(self.host_used.any())
 
     def _host_drop(self, ids: np.ndarray) -> None:
         t = self.table
@@ -224,18 +268,25 @@ class ClusterState:
         keep = t.host_node[ids] >= 0
         if keep.any():
             np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))
+            self._host_any = bool(self.host_used.any())
             t.host_node[ids[keep]] = -1
 
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
         self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
-        self.table.tp[ids] = 1
+        if not fastpath.ENABLED or self.partitioned_ever:
+            self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
+        if self.num_part_prefilled:
+            self.num_part_prefilled -= int(np.count_nonzero(self.table.prefilled[ids]))
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
         # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
         active, leaving = self.active[instance], self._leaving
         if not fastpath.ENABLED:
             self.active[instance] = np.setdiff1d(active, ids, assume_unique=True)
+            return
+        if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
+            self.active[instance] = active[active != ids[0]]
             return
         leaving[ids] = True
         self.active[instance] = active[~leaving[active]]
@@ -372,6 +423,7 @@ class ClusterState:
         if not ids.size:
             return
         t.partitions[ids] += 1
+        self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
         on_device = ~t.host_resident[ids]
         kv = t.context(ids) * self.kv_bytes_per_token
         old = t.tp[ids].astype(np.int64)
@@ -417,8 +469,11 @@ class ClusterState:
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
         if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
-            self.host_reserved[instance] = 0
+            if self._reserving[instance]:
+                self.host_reserved[instance] = 0
+                self._reserving[instance] = False
             return
+        self._reserving[instance] = True
         self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
 
     def host_committed(self, except_instance: int) -> np.ndarray:
@@ -432,6 +487,8 @@ class ClusterState:
 
     def has_host_copies(self) -> bool:
         """Whether any sequence has a KV copy in host memory (each holds at least one token there)."""
+        if fastpath.ENABLED:  # kept in step by every method that changes host_used (`check` verifies it)
+            return self._host_any
         return bool(self.host_used.any())
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
@@ -466,21 +523,70 @@ class ClusterState:
         sequence whose chunk completes its context is an ordinary running one (prefilled 0) from here on."""
         t = self.table
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        if fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and self._prefill_chunks_few(
+                instance, ids, gpus, starts, lengths):
+            return
         new = starts == 0
-        self._require(ids[new], t.where[ids[new]] == PENDING, "pending (a first chunk starts a prompt)")
-        old = ids[~new]
-        self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
-                      "part-way through a chunked prefill on that GPU at that position")
         end = starts + lengths
         ctx = t.context(ids)
-        self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
+        where = t.where[ids]
+        # every precondition in one pass (a boundary chunks a few sequences); the one that fails is named below
+        ok = np.where(new, where == PENDING, (where == gpus) & (t.prefilled[ids] == starts)) & (lengths >= 1) & (
+            end <= ctx)
+        if not ok.all():
+            self._require(ids[new], where[new] == PENDING, "pending (a first chunk starts a prompt)")
+            old = ids[~new]
+            self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
+                          "part-way through a chunked prefill on that GPU at that position")
+            self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
         if new.any():
             self._join_gpu(instance, ids[new], gpus[new], lookahead_tokens=0, reserve=False)
         need = self.pages_needed(ids, end + (end == ctx))
         grow = need > t.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
-        t.prefilled[ids] = np.where(end == ctx, 0, end)
+        now = np.where(end == ctx, 0, end)
+        self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(t.prefilled[ids]))
+        t.prefilled[ids] = now
+
+    def _prefill_chunks_few(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
+                            lengths: np.ndarray) -> bool:
+        """`prefill_chunks` of a few chunks, nothing partitioned, on Python scalars (a fast path of
+        batchgen.fastpath: the same checks, the same state after). False, having changed nothing, where a
+        precondition fails: the array code then names it."""
+        t, P = self.table, self.page_tokens
+        rows = []
+        for sid, g, s, n in zip(ids.tolist(), gpus.tolist(), starts.tolist(), lengths.tolist()):
+            w, c, e = int(t.where[sid]), int(t.input_len[sid]) + int(t.decoded[sid]), s + n
+            if not ((w == PENDING if s == 0 else w == g and int(t.prefilled[sid]) == s) and n >= 1 and e <= c):
+                return False
+            rows.append((sid, g, s, e, c))
+        new = [(sid, g) for sid, g, s, _, _ in rows if s == 0]
+        if new:  # _join_gpu without its reserve
+            if any(int(self.topo.gpu_instance[g]) != instance for _, g in new):
+                raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
+            for sid, g in new:
+                t.where[sid] = g
+                t.host_resident[sid] = False
+                t.instance[sid] = instance
+            self.active[instance] = np.concatenate([self.active[instance], np.array([sid for sid, _ in new], np.int64)])
+        grown: dict[int, int] = {}  # GPU -> pages its chunks add
+        for sid, g, s, e, c in rows:
+            need, held = -(-(e + (e == c)) // P), int(t.pages[sid])
+            if need > held:
+                t.pages[sid] = need
+                grown[g] = grown.get(g, 0) + need - held
+            t.prefilled[sid] = 0 if e == c else e
+            self.num_part_prefilled += (e != c) - (s != 0)  # s != 0: it was part-way (prefilled == s)
+        for g, added in grown.items():
+            used = int(self.pages_used[g]) + added
+            self.pages_used[g] = used
+            if used > self.gpu_pages[g]:
+                raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
+                                     "the policy must yield or evict before it grows")
+            if used > self.peak_pages[g]:
+                self.peak_pages[g] = used
+        return True
 
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
         """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync).
@@ -495,6 +601,9 @@ class ClusterState:
 
     def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
         t = self.table
+        if (fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and not self._host_any
+                and not self.prefilling[instance].size and self._finish_few(instance, ids, times)):
+            return
         self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")
         running = t.where[ids] >= 0
         self._host_drop(ids)
@@ -506,11 +615,50 @@ class ClusterState:
         t.finish_time[ids] = times
         self.num_finished += ids.size
 
+    def _finish_few(self, instance: int, ids: np.ndarray, times: np.ndarray) -> bool:
+        """`finish` of a few sequences, nothing partitioned, no host copy, nothing prefilling to host, on Python
+        scalars (a fast path of batchgen.fastpath: the same check, the same state after). False, having changed
+        nothing, where a sequence is not done: the array code then names it."""
+        t = self.table
+        freed: dict[int, int] = {}  # GPU -> pages the finished sequences held
+        running = []
+        for sid in ids.tolist():
+            if int(t.decoded[sid]) != int(t.output_len[sid]):
+                return False
+            g = int(t.where[sid])
+            if g >= 0:
+                running.append(sid)
+                freed[g] = freed.get(g, 0) + int(t.pages[sid])
+        for sid in running:  # _leave_gpu
+            t.pages[sid] = 0
+            t.host_resident[sid] = False
+            if t.prefilled[sid]:
+                self.num_part_prefilled -= 1
+                t.prefilled[sid] = 0
+        for g, pages in freed.items():
+            self.pages_used[g] -= pages
+        if running:
+            active = self.active[instance]
+            if len(running) == 1:
+                self.active[instance] = active[active != running[0]]
+            else:
+                self._leaving[running] = True
+                self.active[instance] = active[~self._leaving[active]]
+                self._leaving[running] = False
+        t.where[ids] = FINISHED
+        t.finish_time[ids] = times
+        self.num_finished += ids.size
+        return True
+
     # ---- invariants ----------------------------------------------------------------------------------
     def check(self) -> None:
         """Recount everything from the table and compare with the incremental bookkeeping."""
         t = self.table
         t.check()
+        if not self.partitioned_ever and np.any(t.tp != 1):
+            raise InvariantError("a sequence is partitioned although the state never partitioned one")
+        if not self.num_part_prefilled and t.prefilled.any():
+            raise InvariantError("a chunked prefill is under way although num_part_prefilled says none is")
         running = np.flatnonzero(t.where >= 0)
         rep, gpus = self.group_gpus(running)
         if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)
@@ -527,6 +675,8 @@ class ClusterState:
             raise InvariantError("host KV accounting drifted from the per-sequence host copies")
         if np.any(self.host_used > self.host_kv_tokens):
             raise InvariantError("a node's host memory holds more KV than its capacity")
+        if not self._host_any and self.host_used.any():
+            raise InvariantError("host KV in use although has_host_copies() says there is none")
         places = np.zeros(len(t), np.int64)
         for q in [*self.pending, *self.pinned]:
             ids = q.to_array()

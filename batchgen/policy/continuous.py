@@ -36,6 +36,7 @@ Decisions are taken at every sequence finish (iteration granularity) while promp
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,15 +197,18 @@ class ContinuousPolicy(PolicyDefaults):
         queue = snap.pinned[0]
         n_wait = len(queue)
         prefilled = snap.active_prefilled
-        partial = prefilled > 0
-        any_partial = bool(partial.any())
-        context = snap.active_context
-        need = pages_for(context + self.page_lookahead, P)
-        if any_partial:
-            need = np.where(partial, pages_for(prefilled, P), need)
+        going_at = prefilled.nonzero()[0]  # part-way through a chunked prefill (a few): they continue first
+        any_partial = going_at.size > 0
+        going_prefilled = prefilled[going_at].tolist()
+        # pages_for(context + lookahead): (x + P - 1) // P is the ceiling of x / P for x >= 0, in two operations
+        need = (snap.active_context + (self.page_lookahead + P - 1)) // P
         used = int(need.sum())
+        if any_partial:  # a part-prefilled prompt holds the pages of what it has written instead
+            used += sum(-(-p // P) for p in going_prefilled) - sum(need[going_at].tolist())
         capacity = snap.pages_capacity
         if used > int(capacity[0]):  # preemption: the general rule (rare)
+            partial = prefilled > 0
+            need = np.where(partial, pages_for(prefilled, P), need)
             drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), capacity)
             keep = np.ones(snap.active_ids.size, bool)
             keep[drop] = False
@@ -215,52 +219,94 @@ class ContinuousPolicy(PolicyDefaults):
         else:
             drop, keep = _NO_DROP, None
             count = snap.active_ids.size
-            decoding = count - int(partial.sum()) if any_partial else count
+            decoding = count - going_at.size
         free = float(capacity[0] * (1 - self.admit_watermark) - used)
         budget = self.token_budget - decoding
         room = None
-        waiting = None
-        if self.admission == "conservative":
-            waiting = np.array([n_wait])
-            keep_mask = keep if keep is not None else np.ones(snap.active_ids.size, bool)
-            room, d.carry = self._admit_room(snap, waiting, drop, keep_mask, np.array([free]))
-        going_mask = partial if keep is None else keep & partial
-        if budget > 0 and (n_wait > 0 or bool(going_mask.any())) and not drop.size:
-            going = snap.active_ids[going_mask]
+        if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
+            room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0 if any_partial else None, free)
+        elif self.admission == "conservative":
+            room, d.carry = self._admit_room(snap, np.array([n_wait]), drop, keep, np.array([free]))
+        # with a sequence preempted nothing is prefilled (memory is short: decode to make room first)
+        if budget > 0 and (n_wait > 0 or any_partial) and not drop.size:
+            going = snap.active_ids[going_at].tolist()
+            going_context = snap.active_context[going_at].tolist()
             slots = max(self.max_running - count, 0)
             look = min(slots, n_wait)
             head = min(look, _HEAD)
             while True:
                 queued = queue.peek(head)
                 final = head == look  # the candidates are the reference's (else a prefix of them)
+                queued_context = snap.lengths.context(queued).tolist()
                 if room is not None and queued.size:
-                    fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
-                                                                                self.clip_max_new_tokens)) < room[0]
-                    fits[0] |= not count
-                    if not fits.all():  # cut inside the prefix: the whole queue is cut at the same place
-                        queued = queued[: int(np.argmin(fits))]
+                    n = _fitting(queued_context, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
+                                 room, not count)
+                    if n < queued.size:  # cut inside the prefix: the whole queue is cut at the same place
+                        queued, queued_context = queued[:n], queued_context[:n]
                         final = True
-                cand = np.concatenate([going, queued])
-                start = np.concatenate([prefilled[going_mask], np.zeros(queued.size, np.int64)])
-                ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), budget, free, P)
-                if ids.size < cand.size or final:
+                cand = going + queued.tolist()
+                ids, lens = _fill(cand, going_prefilled + [0] * queued.size, going_context + queued_context,
+                                  budget, free, P)
+                if len(ids) < len(cand) or final:
                     break
                 head = look  # every candidate looked at moved: the rest of the queue may too
-            if ids.size:
-                d.chunk_ids, d.chunk_ranks, d.chunk_lens = ids, np.zeros(ids.size, np.int64), lens
+            if ids:
+                d.chunk_ids, d.chunk_lens = np.array(ids, np.int64), np.array(lens, np.int64)
+                d.chunk_ranks = np.zeros(len(ids), np.int64)
                 d.prefill_pinned = True
         if not n_wait and not any_partial and not drop.size:
             d.stop = "none"
         return d
+
+    def _admit_room_one_rank(self, snap: Snapshot, n_wait: int, partial: np.ndarray | None, free: float
+                             ) -> tuple[float, dict]:
+        """`_admit_room` of one rank that preempts nothing (`_decide_chunked_one_rank`): the same room and carry,
+        with the rank's new_token_ratio a Python float (the same IEEE operations as the one-element arrays).
+        `partial`: which running sequences are part-way through a chunked prefill; None: none is."""
+        st = snap.carry
+        ids = snap.active_ids
+        if st is None or st["ratio"].size != 1 or not ids.size:
+            ratio = self.init_new_token_ratio
+            st = None
+        else:
+            ratio = float(st["ratio"][0])
+        if st is not None and st["ids"].size:  # forwards run since: the most tokens any sequence decoded since
+            ran = max(int((snap.lengths.decoded[st["ids"]] - st["dec"]).max()), 0)
+            ratio = max(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
+        if not ids.size and not n_wait:
+            ratio = self.init_new_token_ratio
+        decoded = snap.active_decoded
+        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
+        est = left * ratio
+        reserve = np.maximum(est - self.page_lookahead, 0)
+        if partial is not None:
+            reserve = np.where(partial, snap.active_context - snap.active_prefilled + est, reserve)
+        # one rank: its bincount is the one element (free * P less it, as a float: the array's operation)
+        room = free * snap.page_tokens - float(np.bincount(snap.active_rank, weights=reserve, minlength=1)[0])
+        return room, {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
+                                "dec": decoded}
 
     def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
         """max_tokens of each request as the engine knows it (never the true output length): the configured
         cap, else the model's context minus the prompt; unknown (a huge number) when neither is set."""
         if self.reserve_max_tokens:
             return np.full(ids.size, self.reserve_max_tokens, np.int64)
+        if self.model_context and fastpath.ENABLED:  # the same values, read from a column computed once
+            return self._context_caps(snap.lengths.input_len)[ids]
         if self.model_context:
             return np.maximum(self.model_context - snap.lengths.input_len[ids], 1).astype(np.int64)
         return np.full(ids.size, _UNKNOWN, np.int64)
+
+    def _context_caps(self, input_len: np.ndarray) -> np.ndarray:
+        """The model's context minus the prompt, at least 1, for every sequence of the job: computed once per
+        prompt-length column (the snapshots of a run share one read-only view of it), not at every decision."""
+        cached = _CONTEXT_CAPS.get(id(input_len))
+        if cached is None or cached[0]() is not input_len or cached[1] != self.model_context:
+            if len(_CONTEXT_CAPS) >= 8:
+                _CONTEXT_CAPS.clear()
+            cached = _CONTEXT_CAPS[id(input_len)] = (weakref.ref(input_len), self.model_context, np.maximum(
+                self.model_context - input_len, 1).astype(np.int64))
+        return cached[2]
 
     def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray
                 ) -> tuple[np.ndarray, dict]:
@@ -316,9 +362,25 @@ class ContinuousPolicy(PolicyDefaults):
 
 
 _NO_DROP = np.empty(0, np.int64)
+# id of a prompt-length column -> (a weak reference to it, model_context, the caps): outside the policy, which
+# stays a plain picklable value
+_CONTEXT_CAPS: dict[int, tuple] = {}
 _HEAD = 16                     # queue entries the one-rank fast path looks at first
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
 _RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS
+
+
+def _fitting(context: list[int], max_tokens: list[int], clip: int, room: float, first_always: bool) -> int:
+    """How many FIFO candidates SGLang's conservative check admits: the running sum of each prompt plus its
+    clipped max_tokens stays below the room (the first always fits on an empty rank). Python integers compared
+    with a float exactly, as numpy's cumsum of int64 is below 2^53 here."""
+    total = n = 0
+    for c, m in zip(context, max_tokens):
+        total += c + min(m, clip)
+        if not (total < room or (n == 0 and first_always)):
+            break
+        n += 1
+    return n
 
 
 def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budget: int, free_pages: float,
@@ -327,8 +389,15 @@ def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budge
     each takes what is left of its context or of the budget, cut to the pages it can still get (a chunk that
     completes its context also needs room for the first token). Stops at the first candidate that cannot move,
     so FIFO order holds. Returns (ids, chunk lengths)."""
+    ids, lens = _fill(cand.tolist(), start.tolist(), context.tolist(), budget, free_pages, page_tokens)
+    return np.array(ids, np.int64), np.array(lens, np.int64)
+
+
+def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int
+          ) -> tuple[list[int], list[int]]:
+    """`_fill_budget` on Python lists."""
     ids, lens = [], []
-    for sid, s, c in zip(cand.tolist(), start.tolist(), context.tolist()):
+    for sid, s, c in zip(cand, start, context):
         if budget <= 0:
             break
         held = -(-s // page_tokens)
@@ -342,4 +411,4 @@ def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budge
         lens.append(end - s)
         budget -= end - s
         free_pages -= -(-(end + (end == c)) // page_tokens) - held
-    return np.array(ids, np.int64), np.array(lens, np.int64)
+    return ids, lens

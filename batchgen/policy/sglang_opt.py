@@ -55,7 +55,17 @@ class SGLangOptPolicy(ContinuousPolicy):
         (the conservative admission's reserve) binds before the cap, as in a tuned SGLang."""
         if self.max_running:
             return self
-        return _with_cap(self, max(1, min(self.running_cap, int(snap.pages_capacity.min()))))
+        cap = max(1, min(self.running_cap, int(snap.pages_capacity.min())))
+        capped = self._by_cap.get(cap)
+        if capped is None:
+            capped = self._by_cap[cap] = dataclasses.replace(self, max_running=cap)
+        return capped
+
+    @functools.cached_property
+    def _by_cap(self) -> dict[int, ContinuousPolicy]:
+        """The policy with its running cap fixed, per pool size: built once (decide runs at every forward; a
+        cache keyed by the policy itself would hash every field at every call)."""
+        return {}
 
     def decide(self, snap: Snapshot) -> Decision:
         capped = self._capped(snap)
@@ -65,9 +75,3 @@ class SGLangOptPolicy(ContinuousPolicy):
         if self.max_running:
             return super().batch_shape(max_context)
         return dataclasses.replace(self, max_running=self.running_cap).batch_shape(max_context)
-
-
-@functools.lru_cache(maxsize=64)
-def _with_cap(policy: SGLangOptPolicy, cap: int) -> ContinuousPolicy:
-    """The policy with its running cap fixed (built once per pool size: decide runs at every forward)."""
-    return dataclasses.replace(policy, max_running=cap)

@@ -15,7 +15,7 @@ import simpy
 
 from batchgen import fastpath
 from batchgen.core.state import ClusterState
-from batchgen.engine import StepPlan, StepResult
+from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim import repeated
@@ -85,7 +85,9 @@ class SimBackend:
         t = self.state.table
         R = plan.gpus.size
         ids = plan.decode_ids
-        remaining = t.remaining(ids)
+        decoded = t.decoded[ids]
+        remaining = t.output_len[ids] - decoded  # t.remaining(ids) and t.context(ids), sharing the gather
+        decode_context = t.input_len[ids] + decoded
         if plan.padded and not self.capabilities.padded_batches:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
@@ -95,7 +97,7 @@ class SimBackend:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
                 prompts = _padded(prompts, plan.prefill_rank, R)
-            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, t.context(ids), R, plan.micro_batch,
+            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
                                 self._similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = self._price(load, self.weight_stream_s)
@@ -103,32 +105,35 @@ class SimBackend:
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
-            iterations, produced = 1, np.ones(ids.size, np.int64)
-            sp = scalar_pricer(self.lat) if R == 1 and not self._similar_calls else None
+            iterations = 1
+            produced = filled(ids.size, 1, np.int64) if fastpath.ENABLED else np.ones(ids.size, np.int64)
+            sp = self._scalar() if R == 1 and not self._similar_calls else None
             cost = None
             if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
-                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, t.context(ids),
+                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, decode_context,
                                   plan.micro_batch)
                 cost = price_row(sp, rows, True, self.weight_stream_s, self.tbo)
                 gate_total = rows[2][0]
             if cost is None:
                 load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                                  plan.decode_rank, t.context(ids), R, plan.micro_batch, self._similar_calls)
+                                  plan.decode_rank, decode_context, R, plan.micro_batch, self._similar_calls)
                 cost = self._price(load, self.weight_stream_s)
                 gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
-            context = t.context(ids)
+            context = decode_context
             if plan.padded:  # a static batch: every row runs every iteration over the longest row's context
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
+            # without a host copy anywhere none is host-resident; without a partition ever, every degree is 1
+            plain = fastpath.ENABLED and not self.state.has_host_copies() and not self.state.partitioned_ever
             calls = None
             # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
             join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
-                    if plan.ffn_schedule == "combined" or not fastpath.ENABLED else 0.0)
+                    if not plain and (plan.ffn_schedule == "combined" or not fastpath.ENABLED) else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context)
@@ -140,7 +145,7 @@ class SimBackend:
                 self.decode_host_bytes += h2d + d2h
                 self.host_bytes += h2d + d2h
                 self.h2d_bytes += h2d
-            elif hosted.any() or self._prefetch_per_layer > 0:
+            elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context)
                 load.tp_join = join
@@ -155,8 +160,9 @@ class SimBackend:
                 cost = None
                 if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
                         and type(join) is float and join == 0.0 and not self._similar_calls
-                        and not plan.pad_rows.any() and int(plan.decode_tp.max()) == 1):
-                    sp = scalar_pricer(self.lat)
+                        and not (plan.pad_rows.any() if plan.padded or not fastpath.ENABLED else False)
+                        and (plain or int(plan.decode_tp.max()) == 1)):
+                    sp = self._scalar()
                     if sp is not None:  # one rank, a short run: load and price on Python floats
                         rows = decode_rows(context, alive, iterations, plan.micro_batch)
                         cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
@@ -176,7 +182,8 @@ class SimBackend:
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
-        compute = cost.compute_s
+        # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
+        compute = float(cost.iteration_s[0]) if fastpath.ENABLED and cost.iteration_s.size == 1 else cost.compute_s
         still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
@@ -188,23 +195,34 @@ class SimBackend:
         duration = boundary + run
         scale = run / compute if compute > 0 else 0.0
         finished = produced == remaining
-        offsets = np.full(ids.size, np.nan)
-        if finished.any():
-            clock = boundary + np.cumsum(cost.iteration_s) * scale
-            offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
+        if fastpath.ENABLED and cost.iteration_s.size == 1:  # one iteration: every finish at its one end
+            end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
+            offsets = np.where(finished, end, np.nan)
+        else:
+            offsets = np.full(ids.size, np.nan)
+            if finished.any():
+                clock = boundary + np.cumsum(cost.iteration_s) * scale
+                offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
         fast = fastpath.ENABLED
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
-        chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1) if plan.chunk_ids.size or not fast
-                          else _NONE)
+        if fast and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
+            chunk_finished = np.array([done and int(t.output_len[sid]) - int(t.decoded[sid]) == 1 for sid, done in
+                                       zip(plan.chunk_ids.tolist(), plan.chunk_completes.tolist())], bool)
+        else:
+            chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
+                              if plan.chunk_ids.size or not fast else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
         # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
         rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
-                          rank_comm, float(cost.expert_tokens.sum()),
+                          rank_comm, float(cost.expert_tokens[0] if fast and cost.expert_tokens.size == 1
+                                           else cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
-                          int(gate_total - plan.pad_rows.sum() * iterations), modules=cost.modules,
+                          # padding rows only in a padded plan (apply_decision zeroes them otherwise)
+                          int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
+                          modules=cost.modules,
                           chunk_finished=chunk_finished)
 
     def can_repeat(self, plan: StepPlan) -> bool:
@@ -214,6 +232,13 @@ class SimBackend:
     def execute_repeated(self, plan: StepPlan, n: int):
         """`plan`'s run and the n identical runs after it, one event ((ids, result) per run; batchgen.repeat)."""
         return repeated.execute_repeated(self, plan, n)
+
+    def _scalar(self):
+        """`scalar_pricer(self.lat)`, looked up once per fast-path setting."""
+        cached = self.__dict__.get("_sp")
+        if cached is None or cached[0] is not fastpath.ENABLED:
+            cached = self._sp = (fastpath.ENABLED, scalar_pricer(self.lat))
+        return cached[1]
 
     def _price(self, load, weight_stream_s: float, join=0.0):
         """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the

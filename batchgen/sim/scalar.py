@@ -43,6 +43,7 @@ class ScalarRoofline:
     def __init__(self, lat: Roofline):
         m, gpu = lat.model, lat.gpu
         self.lat = lat
+        self.n_dense = lat.layer_counts()[0]
         self.kvb = m.kv_bytes_per_token_per_layer
         self.act_row = lat._act_row
         self.pad = lat.eff.attention_padding
@@ -62,10 +63,14 @@ class ScalarRoofline:
         for module in ("attention_decode", "attention_prefill"):
             e = lat._eff[module]
             self.stream[module] = (gpu.flops_bf16 * e.compute, gpu.hbm_bw * e.memory, e.kernel_s)
+        self._decode_stream = self.stream["attention_decode"]
         self.shapes_ok = all(type(k) is int and type(n) is int
                              for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
                              for k, n in shapes)
         self._gemm: dict = {}  # (module, launches, tokens) -> seconds read from the roofline's curve
+        self._head: dict = {}  # rows -> lm_head seconds, and tokens -> dense_ffn seconds: pure functions of a
+        self._ffn: dict = {}   # whole number that recurs from forward to forward, so each is priced once
+        self._tbo_batches: dict = {}  # `_tbo_halves`
 
     def gemm(self, module: str, tokens: float, shapes: tuple, launches: float) -> float:
         """`Roofline._gemm_lookup` for one cell: the curve's value at `tokens` rows in `launches` launches."""
@@ -87,9 +92,12 @@ class ScalarRoofline:
             ctx = (1.0 - self.pad) * ctx + self.pad * max(t * longest, ctx)
         if not t > 0:
             return 0.0
-        proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
+        proj = self._gemm.get(("attention_decode", mb, t))  # `gemm`'s table read first (its key), then `gemm`
+        if proj is None:
+            proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
         kv = (ctx + t) * self.kvb + 2 * t * self.act_row
-        return proj + self._streaming("attention_decode", self.flops_decode * ctx, kv, mb)
+        rate, bw, kernel_s = self._decode_stream  # `_streaming` inlined: the same operations
+        return proj + (max(self.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
 
     def attention_prefill(self, t: float, sq: float, longest: float, seqs: float) -> float:
         """With one launch (as `costs.price` calls it)."""
@@ -103,6 +111,12 @@ class ScalarRoofline:
         return proj + self._streaming("attention_prefill", self.flops_prefill * pairs, kv, 1.0)
 
     def lm_head(self, t: float) -> float:
+        out = self._head.get(t)
+        if out is None:
+            out = self._head[t] = self._lm_head(t)
+        return out
+
+    def _lm_head(self, t: float) -> float:
         if not t > 0:
             return 0.0
         proj = self.gemm("lm_head", t, self.head_shapes, 1.0)
@@ -112,9 +126,11 @@ class ScalarRoofline:
         return self.step_s + self.step_seq_s * n if n > 0 else 0.0
 
     def dense_ffn(self, t: float) -> float:
-        if self.ffn_shapes is None or not t > 0:
-            return 0.0
-        return self.gemm("dense_ffn", t, self.ffn_shapes, 1.0)
+        out = self._ffn.get(t)
+        if out is None:
+            out = self._ffn[t] = (0.0 if self.ffn_shapes is None or not t > 0
+                                  else self.gemm("dense_ffn", t, self.ffn_shapes, 1.0))
+        return out
 
 
 def scalar_pricer(lat) -> ScalarRoofline | None:
@@ -161,7 +177,7 @@ def price_row(sp: ScalarRoofline, rows: list[list[float]], head_rows_given: bool
 
 
 def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = sp.n_dense
     (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
     iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
     batch = None
@@ -192,56 +208,86 @@ def _plain(sp: ScalarRoofline, rows, weight_stream_s: float, RunCost):
 
 
 def _tbo(sp: ScalarRoofline, rows, head_rows_given: bool, RunCost):
-    """`tbo.price_tbo` on one rank of a dense model (no all-to-all): each half's chain, one after the other."""
-    n_dense = sp.lat.layer_counts()[0]
+    """`tbo.price_tbo` on one rank of a dense model (no all-to-all, no join: nothing to communicate, so the
+    rank's comm is 0.0): each half's chain, one after the other. A half's parts that do not depend on the context
+    (its prefill attention, LM head, overhead, dense FFN) are priced once per batch, as in `_plain`."""
+    n_dense = sp.n_dense
     (a_tok, a_ctx, gate, p_sq, p_tok, mb, a_max, p_max, p_seq, seqs, head_rows) = rows
-    iteration, busy, attention, ffn, head_s, comm, active = [], [], [], [], [], [], []
+    iteration, busy, attention, ffn, head_s, active = [], [], [], [], [], []
+    batch = halves = share = None
     for k in range(len(gate)):
-        s = seqs[k]
-        share = math.ceil(s / 2.0) / s if s > 0 else 0.0
-        it = b = hs = at = f = c = 0.0
-        halves = []
-        for name_total in (a_tok[k], gate[k], p_tok[k], p_seq[k], s, head_rows[k]):
-            first = float(round(name_total * share))
-            halves.append((first, name_total - first))
-        ctx_halves = (a_ctx[k] * share, a_ctx[k] * (1.0 - share))
-        sq_halves = (p_sq[k] * share, p_sq[k] * (1.0 - share))
-        for i in (0, 1):
-            h_tok, h_gate, h_ptok, h_pseq, h_seqs, h_head = (pair[i] for pair in halves)
-            attn = (sp.attention_decode(h_tok, ctx_halves[i], mb[k], a_max[k])
-                    + sp.attention_prefill(h_ptok, sq_halves[i], p_max[k], h_pseq))
-            head = sp.lm_head(h_head if head_rows_given else h_seqs)
-            overhead = sp.step_overhead(h_seqs)
-            b += head
-            it += head + overhead
-            hs += head
-            at += n_dense * attn
-            if n_dense:
-                dense_ffn = sp.dense_ffn(h_gate)
-                it += n_dense * (attn + dense_ffn + 0.0)
-                b += n_dense * (attn + dense_ffn)
-                f += n_dense * dense_ffn
-                c += n_dense * 0.0
+        if batch != (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k]):
+            batch = (a_tok[k], gate[k], p_tok[k], p_seq[k], seqs[k], head_rows[k], p_sq[k], p_max[k])
+            share, halves = _tbo_halves(sp, batch, head_rows_given)
+        (t0, pre0, head0, over0, ffn0), (t1, pre1, head1, over1, ffn1) = halves
+        attn0 = sp.attention_decode(t0, a_ctx[k] * share, mb[k], a_max[k]) + pre0
+        attn1 = sp.attention_decode(t1, a_ctx[k] * (1.0 - share), mb[k], a_max[k]) + pre1
+        # the first half's chain, then the second's (the two passes of tbo.price_tbo's loop, unrolled)
+        b = 0.0 + head0
+        it = 0.0 + (head0 + over0)
+        hs = 0.0 + head0
+        at = 0.0 + n_dense * attn0
+        f = 0.0
+        if n_dense:
+            it += n_dense * (attn0 + ffn0 + 0.0)
+            b += n_dense * (attn0 + ffn0)
+            f += n_dense * ffn0
+        b += head1
+        it += head1 + over1
+        hs += head1
+        at += n_dense * attn1
+        if n_dense:
+            it += n_dense * (attn1 + ffn1 + 0.0)
+            b += n_dense * (attn1 + ffn1)
+            f += n_dense * ffn1
         on = gate[k] > 0
         iteration.append(it if on else 0.0)
         busy.append(b)
         attention.append(at if on else 0.0)
         ffn.append(f if on else 0.0)
         head_s.append(hs if on else 0.0)
-        comm.append(c if on else 0.0)
         active.append(on)
-    rank_comm = np.array([0.0 + comm[0]]) if len(comm) == 1 else np.full(1, float(np.array(comm).sum()))
-    return _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s)
+    return _cost(RunCost, iteration, busy, gate, active, 0.0, attention, ffn, head_s)
+
+
+def _tbo_halves(sp: ScalarRoofline, batch: tuple, head_rows_given: bool) -> tuple[float, tuple]:
+    """A TBO forward's share of sequences in its first half and, per half, its decode queries and the parts of its
+    chain that do not depend on the context (prefill attention, LM head, overhead, dense FFN): a pure function of
+    the batch, kept per batch (a decode batch recurs from run to run; the table is emptied when it grows large)."""
+    key = (batch, head_rows_given)
+    out = sp._tbo_batches.get(key)
+    if out is None:
+        a_tok, gate, p_tok, p_seq, s, head_rows, p_sq, p_max = batch
+        share = math.ceil(s / 2.0) / s if s > 0 else 0.0
+        split = []
+        for total in (a_tok, gate, p_tok, p_seq, s, head_rows):  # as tbo.split: the first half's rounded share
+            first = float(round(total * share))
+            split.append((first, total - first))
+        sq = (p_sq * share, p_sq * (1.0 - share))
+        halves = tuple((split[0][i], sp.attention_prefill(split[2][i], sq[i], p_max, split[3][i]),
+                        sp.lm_head(split[5][i] if head_rows_given else split[4][i]), sp.step_overhead(split[4][i]),
+                        sp.dense_ffn(split[1][i]) if sp.n_dense else 0.0) for i in (0, 1))
+        if len(sp._tbo_batches) >= _TBO_BATCHES:
+            sp._tbo_batches.clear()
+        out = sp._tbo_batches[key] = (share, halves)
+    return out
+
+
+_TBO_BATCHES = 4096  # batches whose TBO halves a pricer keeps
 
 
 def _cost(RunCost, iteration, busy, gate, active, rank_comm, attention, ffn, head_s):
     """The RunCost of per-iteration values, summed by numpy as the array paths sum them (pairwise)."""
-    if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
-        rank_comm = np.zeros(1)
     if len(iteration) == 1:  # numpy's sum of one element is 0.0 + it (its identity first): the same, cheaper
         modules = {"attention": 0.0 + attention[0], "ffn": 0.0 + ffn[0], "head": 0.0 + head_s[0]}
-        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]), rank_comm,
-                       np.array([gate[0] if active[0] else 0.0]), modules)
+        expert = gate[0] if active[0] else 0.0
+        if isinstance(rank_comm, float) and type(expert) is float:  # one array, four one-element views of it
+            v = np.array([iteration[0], 0.0 + busy[0], expert, 0.0])
+            return RunCost(v[0:1], v[1:2], v[3:4], v[2:3], modules)
+        return RunCost(np.array(iteration), np.array([0.0 + busy[0]]),
+                       np.zeros(1) if isinstance(rank_comm, float) else rank_comm, np.array([expert]), modules)
+    if isinstance(rank_comm, float):  # no join, no all-to-all: zero per rank, as the array path's sum gives
+        rank_comm = np.zeros(1)
     modules = {"attention": float(np.array(attention).sum()), "ffn": float(np.array(ffn).sum()),
                "head": float(np.array(head_s).sum())}
     expert = np.array([g if on else 0.0 for g, on in zip(gate, active)])
@@ -341,7 +387,7 @@ def _price_vector(sp: ScalarRoofline, fields: dict, h_rows: float, ctx: np.ndarr
     from batchgen.sim.costs import RunCost
 
     t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = sp.n_dense
     try:
         pre = sp.attention_prefill(fields["prefill_tokens"], fields["prefill_sq"], fields["prefill_max"],
                                    fields["prefill_seqs"])
