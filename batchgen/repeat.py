@@ -56,8 +56,10 @@ def forecast(remaining: np.ndarray, context: np.ndarray, steps: int, limit: int 
 def repeats(engine: "Engine", instance: int, snap: Snapshot, decision: Decision, plan: "StepPlan") -> int:
     """How many more runs of `plan` to run with it as one event (0: run it alone)."""
     backend, state = engine.backend, engine.state
-    ask = getattr(engine.policy, "repeats", None)
-    if (not fastpath.ENABLED or ask is None or state.topo.num_instances != 1 or backend.kv_ops
+    ask = getattr(engine.policy, "repeats", None)  # None: a policy that never declares repeats
+    if ask is None:
+        return 0
+    if (not fastpath.ENABLED or state.topo.num_instances != 1 or backend.kv_ops
             or not getattr(backend, "can_repeat", lambda plan: False)(plan) or plan.phase != "decode"
             or not pure_decode(decision) or plan.moves.any()
             or not np.array_equal(plan.decode_ids, snap.active_ids)):

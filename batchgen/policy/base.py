@@ -205,14 +205,16 @@ class Policy(Protocol):
     - `repeats(snap, decision, forecast) -> int`: at how many of the next boundaries (a prefix of the
       `Forecast`'s) `decide` would return this same decision again (a decode of every running sequence, nothing
       else), so that the simulator may run them as one event and replay their bookkeeping (batchgen.repeat);
-      default 0. A speed declaration only: decisions and results are the same either way, and a run with
-      `check_invariants` calls `decide` at every replayed boundary and fails if the declaration was wrong.
+      None (the default): never asked. A speed declaration only: decisions and results are the same either
+      way, and a run with `check_invariants` calls `decide` at every replayed boundary and fails if the
+      declaration was wrong.
     """
 
     name: str
     instance_gpus: Callable[[int, int], int] | None
     route: Callable[[int, int], np.ndarray] | None
     resolve_for_job: Callable[[Any], "Policy"] | None
+    repeats: Callable[[Snapshot, Decision, Forecast], int] | None
     two_batch_overlap: bool
     attention_tp: int | str
 
@@ -231,8 +233,7 @@ class PolicyDefaults:
     two_batch_overlap = False
     attention_tp = 1
 
+    repeats = None  # the engine asks a policy that declares repeats (block policies); None: it never does
+
     def receives_work(self, instance: int) -> bool:
         return False
-
-    def repeats(self, snap: Snapshot, decision: Decision, forecast: Forecast) -> int:
-        return 0
