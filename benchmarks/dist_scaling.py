@@ -30,13 +30,15 @@ median per-step time ratio to the first (synchronous) is printed: the A/B least 
 last line reads `speedup_2procs=<r>` for the default (`batchgen.dist.ep_moe.DEFAULT_PIPELINE`, what
 backend=dist runs); one process always runs synchronously.
 
-Measured December 1, 2026 on the 2-core development machine while idle (load average 0.6-1.3), `--rounds 5`
-(the default shapes): speedup_2procs 1.54, 1.69 and 1.51 in three runs (earlier that day, 3 rounds: 1.52, 1.63,
-1.43); the per-round ratios of the last run 1.33-1.85, median 1.52, because one process's own time varies by 20%
-between rounds on this machine. The no-communication ceiling was 1.83x and 1.80x one process; expert
-parallelism reached 92% and 84% of it, each rank 7-18% of its time in the all-to-alls (waiting for the other
-included: its experts get 66 rows each against the other's 62). So 1.6x is within reach of two idle cores here
-but not met reliably.
+Measured December 1, 2026 on the idle 2-core development machine, `--rounds 5 --pipelines 1 --ab-steps 0` (the
+default shapes), three runs back to back (load average 0.8-1.1): speedup_2procs 1.65, 1.66 and 1.64; the
+per-round ratios 1.32-1.78, 12 of 15 at or above 1.6 (a round pairs one 1-process and one 2-process run, and one
+process's own time varies by up to 20% between rounds here). The no-communication ceiling reached 1.87-1.89x one
+process; expert parallelism 87-88% of it, each rank 7-16% of its time in the all-to-alls in the rounds without
+interference (waiting for the other included: its experts get 66 rows each against the other's 62). Earlier
+that day, at the same commit's EP code, three runs gave 1.54, 1.69 and 1.51 (ceiling 1.80-1.83x).
+The pipelined exchange (`--pipelines 1,2`) measured 2-4% slower than the synchronous one in every A/B on this
+machine (gloo's all-to-all is CPU work in the process that waits for it: ep_moe.py), so the default stays 1.
 """
 
 from __future__ import annotations

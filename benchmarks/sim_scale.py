@@ -12,39 +12,12 @@ conversation trace, prompts clipped to 3,096 tokens) under every registered poli
 of this process, sequences per wall-second, events per sequence, simulated BCT, Vidur's wall time over the
 policy's wall and CPU time: on a shared machine wall time grows with the load, CPU time much less), and ends
 with `slowest_policy=<name> vs_vidur=<ratio>` (wall). The target (issue 7) is at least 10x for every policy.
-Measured December 1, 2026 on the shared 2-core machine under heavy load (load average 6-8), the commit before
-(38eb7d6) and the one-rank scalar pricing back to back, two runs each, wall seconds before -> after: continuous
-37.9 / 30.1 -> 18.3 / 9.62, sglang_opt 95.4 / 59.7 -> 18.1 / 15.5, static 13.2 / 9.68 -> 7.37 / 6.00, flexgen
-27.4 / 19.1 -> 18.5 / 11.4, zero_inference 22.6 / 13.2 -> 13.4 / 10.4, coroutine 4.26 / 4.30 -> 3.31 / 2.42,
-moe_lightning 5.20 / 3.22 -> 2.83 / 2.16; events unchanged (README, sim_scale, with CPU seconds).
-Then (same day, load average 7.2-7.7, CPU seconds of `simulate` in one process per policy, the commit before
-9dc6e84 and after the offloading systems' chain pricing (batchgen.sim.scalar_offload), the planner's float DAG
-and the closed-form all-alive runs, interleaved, least of three): flexgen 9.53 -> 4.88, zero_inference 9.07 ->
-4.09, static 3.59 -> 2.59, continuous 6.99 -> 7.61 and sglang_opt 12.23 -> 11.52 (unchanged: noise); an earlier
-pair at load 6: flexgen 8.83 -> 3.45, zero_inference 8.28 -> 3.01. Events and BCTs unchanged. This script at
-load 7-8.5, wall: continuous 20.1, sglang_opt 31.4, static 7.41, flexgen 10.4, zero_inference 8.99, coroutine
-5.28, moe_lightning 4.18. Coroutine, moe_lightning and (in CPU seconds) static met the target; flexgen and
-zero_inference reached 3.0-4.9 CPU s depending on the load, about the target; continuous and sglang_opt did not
-(their time is the engine's and the policy's bookkeeping at each boundary, spread over many small steps, with
-about one boundary per finish or prompt chunk).
-Then (same day, load average 5.2-5.8) a block policy's decode runs that its next decisions would repeat
-unchanged (`Policy.repeats`) run as one event, each boundary's bookkeeping replayed (batchgen/repeat.py,
-batchgen/sim/repeated.py): flexgen and zero_inference 5,817 -> 1,250 events, the same 5,817 step records, and
-finish times, records and decision trace bit for bit the same (a digest of them equal to main's). CPU seconds of
-`simulate` (main ce12f0e and the change, fresh processes in turn, least of three): zero_inference 2.40 -> 1.44,
-flexgen 2.61 -> 1.52. This script then, at load 5.2-5.5: flexgen 2.52 s wall / 1.67 s CPU (14.0x / 21.2x
-Vidur), zero_inference 2.69 / 1.72 (13.1x / 20.5x); static 2.92 / 1.99, coroutine 1.91 / 1.25, moe_lightning
-1.72 / 1.14; continuous 8.31 / 5.55 and sglang_opt 12.27 / 8.25 remain below 10x.
-Then (same day, load average 0.8-1.5) the per-boundary cost cut at its source, events unchanged (one per finish or
-prompt chunk): scalar bookkeeping for a boundary's few chunks and finishes, counters and flags the state keeps in
-step instead of scans, one-rank decisions on Python numbers, TBO halves priced once per batch, the decision trace
-built when read. CPU seconds of `simulate` in one process per policy, 536bba6 against this, interleaved, least of
-three (load 1.1-1.2): continuous 4.63 -> 2.69, sglang_opt 6.76 -> 3.66; valgrind instructions per event (1,000
-requests): continuous 1.37M -> 0.83M, sglang_opt 1.82M -> 0.85M. This script back to back, wall seconds before ->
-after: continuous 4.92 -> 2.77, sglang_opt 7.09 -> 3.43, static 1.74 -> 1.32, flexgen 2.35 -> 1.76, zero_inference
-2.23 -> 1.60, coroutine 1.16 -> 1.05, moe_lightning 1.10 -> 0.97; slowest_policy=sglang_opt vs_vidur 5.0 -> 10.3 (an
-earlier run of the same code at load 0.7-0.9: 3.53 s, 10.0). Every policy now meets the target on an unloaded
-machine; sglang_opt only just (under load it falls below).
+Measured December 1, 2026 on the idle 2-core machine (load average 1.1), wall seconds (CPU seconds the same
+within 0.01 s) and the ratio to Vidur: continuous 2.77 (12.7x), coroutine 1.04 (33.8x), flexgen 1.05 (33.7x),
+moe_lightning 0.96 (36.6x), sglang_opt 3.34 (10.6x), static 1.30 (27.2x), zero_inference 1.06 (33.4x); before
+sglang_opt stopped pricing two-batch overlap on this dense one-GPU job, it took 3.50-3.57 s in three runs
+(9.9-10.1x). At the first release continuous took 14.5 s, sglang_opt 27.6 s and flexgen 9.4 s on an idle machine;
+this file's git history keeps each step's before/after measurements, and the README says what each step was.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """
 

@@ -230,13 +230,17 @@ class ClusterState:
             return False
         used = int(self.pages_used[g]) + (_int_sum(pages) - _int_sum(t.pages[ids]))
         t.pages[ids] = pages
+        self._gpu_holds(g, used)
+        return True
+
+    def _gpu_holds(self, g: int, used: int) -> None:
+        """GPU g now holds `used` KV pages (a scalar path's count): within its capacity, its peak kept."""
         self.pages_used[g] = used
         if used > self.gpu_pages[g]:
             raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
                                  "the policy must yield or evict before it grows")
         if used > self.peak_pages[g]:
             self.peak_pages[g] = used
-        return True
 
     def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
@@ -579,13 +583,7 @@ class ClusterState:
             t.prefilled[sid] = 0 if e == c else e
             self.num_part_prefilled += (e != c) - (s != 0)  # s != 0: it was part-way (prefilled == s)
         for g, added in grown.items():
-            used = int(self.pages_used[g]) + added
-            self.pages_used[g] = used
-            if used > self.gpu_pages[g]:
-                raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
-                                     "the policy must yield or evict before it grows")
-            if used > self.peak_pages[g]:
-                self.peak_pages[g] = used
+            self._gpu_holds(g, int(self.pages_used[g]) + added)
         return True
 
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:

@@ -135,16 +135,8 @@ class SimBackend:
             join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
                     if not plain and (plan.ffn_schedule == "combined" or not fastpath.ENABLED) else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
-                load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
-                cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
-                                                      cpu_attention=bool(plan.cpu_attention and hosted.any()),
-                                                      pipelined=plan.ffn_schedule == "pipelined",
-                                                      prefetch_bytes=self._prefetch_per_layer)
-                gate_total = load.gate_tokens.sum()
-                self.decode_host_bytes += h2d + d2h
-                self.host_bytes += h2d + d2h
-                self.h2d_bytes += h2d
+                cost, calls, gate_total = self.offload_run(plan, plan.decode_rank, context, alive, plan.decode_tp,
+                                                           hosted, iterations)
             elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context)
@@ -153,9 +145,7 @@ class SimBackend:
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
                 gate_total = load.gate_tokens.sum()
-                self.decode_host_bytes += h2d + d2h
-                self.host_bytes += h2d + d2h
-                self.h2d_bytes += h2d
+                self.count_decode_traffic(h2d, d2h)
             else:
                 cost = None
                 if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
@@ -224,6 +214,23 @@ class SimBackend:
                           int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def offload_run(self, plan: StepPlan, rank, context, alive, tp, hosted, iterations: int):
+        """(cost, expert calls per iteration, gate tokens) of a decode run under an offloading system's schedule
+        (an FFN per micro-batch), priced on its DAG; its host traffic counted."""
+        load = decode_grid(rank, context, alive, tp, hosted, plan.gpus.size, iterations, plan.micro_batch,
+                           plan.pad_rows, plan.pad_context)
+        cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
+                                              cpu_attention=bool(plan.cpu_attention and hosted.any()),
+                                              pipelined=plan.ffn_schedule == "pipelined",
+                                              prefetch_bytes=self._prefetch_per_layer)
+        self.count_decode_traffic(h2d, d2h)
+        return cost, calls, load.gate_tokens.sum()
+
+    def count_decode_traffic(self, h2d: float, d2h: float) -> None:
+        self.decode_host_bytes += h2d + d2h
+        self.host_bytes += h2d + d2h
+        self.h2d_bytes += h2d
 
     def can_repeat(self, plan: StepPlan) -> bool:
         """Whether `execute_repeated` can run this plan's decode again and again as one event."""

@@ -25,7 +25,6 @@ import numpy as np
 
 from batchgen.engine import StepPlan, StepResult
 from batchgen.sim.costs import RunCost, decode_grid
-from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.scalar import scalar_pricer
 from batchgen.sim.scalar_offload import chain_vectors
 
@@ -48,7 +47,7 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
     t = backend.state.table
     ids0 = plan.decode_ids
     remaining0, context0 = t.remaining(ids0), t.context(ids0)
-    P, R = max(int(plan.steps), 1), plan.gpus.size
+    P = max(int(plan.steps), 1)
     costs = _priced_together(backend, plan, remaining0, context0, n, P)
     out, durations = [], []
     for j in range(n + 1):
@@ -58,16 +57,10 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
         produced = np.minimum(remaining, P)  # decode_participation with stop "none"
         if costs is not None:
             cost, h2d, d2h, calls, gate_total = costs(j)
+            backend.count_decode_traffic(h2d, d2h)
         else:  # priced alone, as execute prices it
-            grid = decode_grid(rank, context0[live] + j * P, produced, plan.decode_tp[live],
-                               np.zeros(ids.size, bool), R, P, plan.micro_batch, plan.pad_rows, plan.pad_context)
-            cost, h2d, d2h, calls = price_offload(backend.lat, grid, plan.micro_batch, cpu_attention=False,
-                                                  pipelined=plan.ffn_schedule == "pipelined",
-                                                  prefetch_bytes=backend._prefetch_per_layer)
-            gate_total = grid.gate_tokens.sum()
-        backend.decode_host_bytes += h2d + d2h
-        backend.host_bytes += h2d + d2h
-        backend.h2d_bytes += h2d
+            cost, calls, gate_total = backend.offload_run(plan, rank, context0[live] + j * P, produced,
+                                                          plan.decode_tp[live], np.zeros(ids.size, bool), P)
         backend.decode_iterations += int((cost.iteration_s > 0).sum())
         result = _result(backend, cost, calls, gate_total, ids.size, P, produced, remaining == produced)
         durations.append(result.duration)
