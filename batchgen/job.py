@@ -219,9 +219,9 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
     policy, plan = job.policy, None
     if degree > 1 or policy.attention_tp == "auto":
         policy = dataclasses.replace(policy, attention_tp=degree)
-    if policy.two_batch_overlap and not (m.is_moe and c.instance_size > 1):
-        # SGLang's two-batch overlap hides the expert all-to-all; without one (a dense model, or one GPU per
-        # instance) there is nothing to hide and the engine runs whole forwards
+    if policy.two_batch_overlap and not (m.is_moe and gpus.instance_size > 1):
+        # SGLang's two-batch overlap hides the expert all-to-all (over the instance's GPUs, whatever its TP
+        # groups); without one (a dense model, or one GPU per instance) the engine runs whole forwards
         policy = dataclasses.replace(policy, two_batch_overlap=False)
     if getattr(policy, "attention", None) == "cpu" and m.attention == "mla":
         raise ConfigError(f"policy.attention=cpu is not offered for {m.name}: its MLA latent KV must be "

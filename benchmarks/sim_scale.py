@@ -17,7 +17,8 @@ within 0.01 s) and the ratio to Vidur: continuous 2.77 (12.7x), coroutine 1.04 (
 moe_lightning 0.96 (36.6x), sglang_opt 3.34 (10.6x; 3.57 and 3.40 s, 9.9x and 10.4x, in two more runs), static
 1.30 (27.2x), zero_inference 1.06 (33.4x); before
 sglang_opt stopped pricing two-batch overlap on this dense one-GPU job, it took 3.50-3.57 s in three runs
-(9.9-10.1x). At the first release continuous took 14.5 s, sglang_opt 27.6 s and flexgen 9.4 s on an idle machine;
+(9.9-10.1x). When the baselines were added (November 30) continuous took 14.5 s, sglang_opt 27.6 s and flexgen
+9.4 s on an idle machine;
 this file's git history keeps each step's before/after measurements, and the README says what each step was.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 """

@@ -181,7 +181,10 @@ def test_planned_group_kv_matches_the_memory_budget():
 
 def test_two_batch_overlap_is_off_where_there_is_no_all_to_all_to_hide():
     """SGLang's TBO hides the expert all-to-all: a dense model (each GPU its own replica) or an MoE model on
-    one-GPU instances runs whole forwards; an MoE model over several GPUs keeps it."""
-    for model, gpus, kept in (("llama2_7b", 8, False), ("qwen3_30b_a3b", 1, False), ("qwen3_30b_a3b", 8, True)):
-        job = make_job("sglang_opt", model=model, n=8, cluster_overrides={"num_gpus": gpus})
-        assert prepare(job).policy.two_batch_overlap is kept, (model, gpus)
+    one-GPU instances runs whole forwards; an MoE model over several GPUs keeps it, also when one TP-attention
+    group spans them all (the experts' all-to-all is over the instance's GPUs)."""
+    for model, gpus, tp, kept in (("llama2_7b", 8, 1, False), ("qwen3_30b_a3b", 1, 1, False),
+                                  ("qwen3_30b_a3b", 8, 1, True), ("qwen3_30b_a3b", 4, 4, True)):
+        job = make_job("sglang_opt", model=model, n=8, cluster_overrides={"num_gpus": gpus},
+                       policy_overrides={"attention_tp": tp})
+        assert prepare(job).policy.two_batch_overlap is kept, (model, gpus, tp)

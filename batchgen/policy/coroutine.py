@@ -11,8 +11,9 @@ Per instance, at every page boundary (page_tokens decode iterations):
 4. with nothing left to refill: spread the remaining sequences evenly over ranks (MIGRATE running sequences,
    balancing summed context) and, when fewer sequences than `partition_below` x ranks remain, PARTITION each
    over several ranks (tensor-parallel attention, KV split by heads), once the longest of them has at least
-   `partition_min_context` tokens: below that the per-layer collective that joins the shards costs more than
-   the attention it splits.
+   `partition_min_context` tokens (the paper partitions its RL rollout's stragglers past 40K tokens: resharding
+   moves every straggler's KV, so it is kept for long tails; the simulator prices both the reshard and each
+   shard's share of the attention).
 With `attention_tp` t > 1 a rank is a group of t GPUs running attention tensor-parallel (as continuous's
 ranks can be, batchgen.latency.tp_attention): b_attn and b_moe are then per group, and PARTITION is off (the
 group already splits every sequence's heads). `auto` plans the degree with the other knobs.
