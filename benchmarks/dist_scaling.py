@@ -36,7 +36,7 @@ per-round ratios 1.32-1.78, 12 of 15 at or above 1.6 (a round pairs one 1-proces
 process's own time varies by up to 20% between rounds here). The no-communication ceiling reached 1.87-1.89x one
 process; expert parallelism 87-88% of it, each rank 7-16% of its time in the all-to-alls in the rounds without
 interference (waiting for the other included: its experts get 66 rows each against the other's 62). Earlier
-that day, at the same commit's EP code, three runs gave 1.54, 1.69 and 1.51 (ceiling 1.80-1.83x).
+that day, with the previous release's code (536bba6), three runs gave 1.54, 1.69 and 1.51 (ceiling 1.80-1.83x).
 The pipelined exchange (`--pipelines 1,2`) measured 2-4% slower than the synchronous one in every A/B on this
 machine (gloo's all-to-all is CPU work in the process that waits for it: ep_moe.py), so the default stays 1.
 """
