@@ -135,10 +135,19 @@ def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                           is_master=env.rank == 0 and not agent_store, timeout=timeout)
     backend = backend_for(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("batchgen/pg", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    join_group(backend, dist.PrefixStore("batchgen/pg", store), env.rank, env.world_size, timeout, device)
     return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store)
+
+
+def join_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
+               device: torch.device) -> None:
+    """init_process_group, then a barrier: gloo's mesh connects pair by pair, so a rank that returned from
+    init may still have peers mid-handshake; without the barrier a rank that finishes at once (rank 0 hosts
+    the store) can close its side and fail a peer's init with 'Connection closed by peer' instead of letting
+    that peer run and report its own outcome."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    dist.barrier()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

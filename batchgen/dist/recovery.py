@@ -75,7 +75,7 @@ from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED
 from batchgen.core.state import ClusterState
 from batchgen.dist.errors import WorkerLost
 from batchgen.dist.failure import Heartbeat
-from batchgen.dist.launch import DistContext, DistEnv
+from batchgen.dist.launch import DistContext, DistEnv, join_group
 from batchgen.dist.worker import Command
 
 KEY = "batchgen/recover/gen{}"
@@ -219,10 +219,8 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     old = gen.ctx
     new_rank = survivors.index(gen.rank)
     env = DistEnv(new_rank, len(survivors), old.env.local_rank, old.env.master_addr, old.env.master_port)
-    dist.init_process_group(old.backend, store=dist.PrefixStore(f"batchgen/pg/gen{number}", old.store),
-                            rank=new_rank, world_size=len(survivors),
-                            timeout=datetime.timedelta(seconds=old.timeout_s),
-                            device_id=old.device if old.device.type == "cuda" else None)
+    join_group(old.backend, dist.PrefixStore(f"batchgen/pg/gen{number}", old.store), new_rank, len(survivors),
+               datetime.timedelta(seconds=old.timeout_s), old.device)
     ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report)
     heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
                                       prefix=f"batchgen/hb/gen{number}").start()
