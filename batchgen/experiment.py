@@ -82,7 +82,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     print(format_table([summary]))
     if out.backend == "dist":
         for rec in out.recoveries:
-            print(f"recovered: lost rank {', '.join(map(str, rec.lost))} at {rec.at_s:.2f} s; {rec.finished_before} "
+            stalled = f" (stalled, not dead: killed rank {', '.join(map(str, rec.fenced))})" if rec.fenced else ""
+            print(f"recovered: lost rank {', '.join(map(str, rec.lost))} at {rec.at_s:.2f} s{stalled}; "
+                  f"{rec.finished_before} "
                   f"sequences had finished, {rec.kept} kept their KV on the survivors, {rec.restored} restored "
                   f"from its shared host copies, {rec.requeued} recomputed "
                   f"from prompt + generated tokens ({rec.on_lost_rank} held by the lost rank); went on over ranks "

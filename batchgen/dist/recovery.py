@@ -12,6 +12,9 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    dead rank 0 takes the store, the engine and the outputs with it: that is not recoverable). Rank 0 may
    instead publish a refusal (the survivors cannot hold the model, by the same memory plan the run was
    checked with): everyone then stops with that one line.
+   Before it goes on, rank 0 fences every lost rank (fence.py): a process still running on its machine
+   (stalled, not dead) is killed, so that it neither rewrites the host copies rank 0 is about to read nor
+   keeps the launcher waiting after the run; only a rank known dead (or released, below) is restored from.
 3. `regroup`: the old heartbeat stops, every old group is destroyed (gloo lets pending operations on it go),
    and the survivors, renumbered in launch-rank order (rank 0 stays 0), join a new default group over a
    `PrefixStore` of the same store with the generation in its prefix; a new heartbeat runs under its own prefix
@@ -44,7 +47,8 @@ the group the launcher (or torchrun) made; each recovery starts the next:
 
 8. Several instances (`instance_survivors`): the instance that lost a worker is dropped whole, so that the
    others keep their size, expert placement and KV; its live processes are released (`await_decision` returns
-   None and they leave the run), its sequences are requeued and dealt over the remaining instances' queues.
+   None and they leave the run, handing their shared host files over to rank 0: `SharedHostFiles.hand_over`),
+   its sequences are requeued and dealt over the remaining instances' queues.
    Every process of the run, not only the dead one's peers, abandons its step as soon as the heartbeat reports
    the loss (comm.Comm._check_lost): instance 0 may be mid-forward with rank 0, which stops to recover.
    A loss in rank 0's own instance stops the run (rank 0 holds the engine).
@@ -104,6 +108,8 @@ class Recovery:
                              # recompute + those the host room left out)
     released: list[int] = field(default_factory=list)  # live ranks that left with their instance (several
                                                         # instances: the one that lost a worker is dropped whole)
+    fenced: list[int] = field(default_factory=list)  # lost ranks still running (stalled, not dead): rank 0 killed
+                                                      # them before going on (fence.py)
 
 
 @dataclass

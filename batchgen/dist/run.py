@@ -8,18 +8,20 @@ backend.procs=N ...`: every process runs this; rank 0 returns the output, the ot
 processes itself (`launch`) and returns rank 0's output.
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
-`ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process holds
-its own `PagedKVCache`, and gloo groups per instance carry rank 0's commands and the replies (control.py). Rank 0 also runs the
-engine and the policy over a `DistBackend` (backend.py).
+`ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process
+holds its own `PagedKVCache`, and gloo groups per instance carry rank 0's commands and the replies
+(control.py). Rank 0 also runs the engine and the policy over a `DistBackend` (backend.py).
 
-A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, the survivors regroup, rebuild
-their parts over the new group, keep the KV their caches hold, and the engine goes on over the unfinished
-sequences (the lost rank's restored from its shared host copies or recomputed from prompt + generated tokens,
-whichever the latency model prices lower: `backend.shared_host_copies`, shared_host.py); the output records
-each recovery (`DistOutput.recoveries`) and the launcher accepts the dead rank's exit. Otherwise (recover=false, rank 0 lost, a refused smaller group) the run stops with one line saying
-who was lost and how many sequences had finished, their tokens in `DistRunFailed.partial` (one-machine launcher:
-rank 0 reports each finished sequence to its parent as it finishes, so they survive even rank 0). Under
-torchrun the elastic agent itself stops every worker when one exits, so recovery needs the one-machine launcher.
+A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, rank 0 first fences the lost
+ranks (a stalled process is killed: fence.py), then the survivors regroup, rebuild their parts over the new
+group, keep the KV their caches hold, and the engine goes on over the unfinished sequences (the lost rank's
+restored from its shared host copies or recomputed from prompt + generated tokens, whichever the latency model
+prices lower: `backend.shared_host_copies`, shared_host.py); the output records each recovery
+(`DistOutput.recoveries`) and the launcher accepts the dead rank's exit. Otherwise (recover=false, rank 0
+lost, a refused smaller group) the run stops with one line saying who was lost and how many sequences had
+finished, their tokens in `DistRunFailed.partial` (one-machine launcher: rank 0 reports each finished sequence
+to its parent as it finishes, so they survive even rank 0). Under torchrun the elastic agent itself stops
+every worker when one exits, so recovery needs the one-machine launcher.
 
 With several instances the instance that lost a worker is dropped whole: its other processes leave the run,
 and the intact instances go on (their groups rebuilt, their KV kept); the dropped instance's sequences are
@@ -48,6 +50,7 @@ from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE, check_pipeline
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
+from batchgen.dist.fence import fence, register
 from batchgen.dist.groups import control_groups, instance_groups
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
@@ -223,6 +226,8 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     if settings.shared_host_copies:  # torchrun: the elastic run id (and the store's port) name the files
         run_id = run_id or f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}"
         files = SharedHostFiles(run_id, ctx.rank)
+    if ctx.store is not None:
+        register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
     try:
         if ctx.rank != 0:
             return _serve(current, job, settings, params, files)
@@ -312,7 +317,9 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None) 
             if not settings.recover:
                 raise
             survivors = await_decision(gen, err, settings.timeout_s)
-            if survivors is None:  # its instance lost a member and was dropped: this process leaves the run
+            if survivors is None:  # its instance lost a member and was dropped: this process leaves the run,
+                if files is not None:  # its host copies left for rank 0 to restore from (it may be reading)
+                    files.hand_over()
                 return None
         gen = _regroup(current, survivors, settings)
         worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker, files)
@@ -366,7 +373,10 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 pieces.add(engine, backend, gen.members, world)
             done = np.array([st.finished for st in tokens.stops], bool)
             partial = PartialOutput.of(tokens, done, pieces.records)
-            if not settings.recover:
+            if not settings.recover:  # a stalled worker would keep the launcher waiting: make it dead first
+                peers = [r for r in range(gen.size) if r != gen.rank]
+                _fence([gen.members[r] for r in set(gen.heartbeat.lost(peers)) | {err.rank} if r in peers],
+                       gen.ctx.store)
                 stopped = WorkerLost(err.rank, err.cause)
                 stopped.args = (f"{stopped}; {partial.summary}",)
                 raise _with_partial(stopped, partial) from err
@@ -385,6 +395,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
                                     partial) from err
             lost_ranks = [r for r in range(gen.size) if r not in survivors]
+            dead, fenced = _fence([gen.members[r] for r in lost_ranks if r not in released], gen.ctx.store)
             before = gen
             gen = _regroup(current, survivors, settings)
             worker, _, kept = _build_rank(gen, job_next, settings, params, worker, files)
@@ -395,8 +406,11 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
             restored = restorable = 0
             if files is not None:
-                restored, restorable = _restore_lost(files, [before.members[r] for r in lost_ranks], worker,
-                                                     keep, next_prepared, table, tokens.generated, done, split)
+                # from processes known dead (fenced) or released (alive, done writing: they hand their files over)
+                readable = dead + [before.members[r] for r in released]
+                restored, restorable = _restore_lost(files, [before.members[r] for r in lost_ranks], readable,
+                                                     worker, keep, next_prepared, table, tokens.generated, done,
+                                                     split)
                 files.publish(worker.cache)
             finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
                                                         next_prepared.state, caught, lost_ranks, keep)
@@ -406,7 +420,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks if r not in released],
                                        list(gen.members), caught, str(err), finished, held - restored, requeued,
                                        on_lost, restored=restored, restorable=restorable,
-                                       released=[before.members[r] for r in released]))
+                                       released=[before.members[r] for r in released], fenced=fenced))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
@@ -427,13 +441,27 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                       recoveries=recoveries)
 
 
-def _restore_lost(files: SharedHostFiles, lost: list[int], worker: RankWorker, keep: list[dict], prepared,
-                  table, generated, done, split) -> tuple[int, int]:
-    """Rank 0: the lost (launch) ranks' published host copies, restored into its cache where cheaper than a
-    recompute (recovery.restore_lost), within its node's host room left by the kept copies; then their files
-    go. Returns (restored, restorable)."""
-    indexes = [i for i in (PublishedIndex.load(index_path(files.run_id, r, files.root)) for r in lost)
-               if i is not None and i.readable()]
+def _fence(lost: list[int], store) -> tuple[list[int], list[int]]:
+    """Rank 0: every lost (launch) rank's process made dead before the run goes on (fence.py). Returns the
+    ranks known dead, and those of them that were still running (stalled) and were killed."""
+    dead, killed = [], []
+    for r in lost:
+        is_dead, signalled = fence(store, r)
+        if is_dead:
+            dead.append(r)
+        if signalled:
+            killed.append(r)
+    return dead, killed
+
+
+def _restore_lost(files: SharedHostFiles, lost: list[int], readable: list[int], worker: RankWorker,
+                  keep: list[dict], prepared, table, generated, done, split) -> tuple[int, int]:
+    """Rank 0: the published host copies of the lost (launch) ranks in `readable` (known dead, or released
+    alive and done writing), restored into its cache where cheaper than a recompute (recovery.restore_lost),
+    within its node's host room left by the kept copies; then every lost rank's files go. Returns (restored,
+    restorable)."""
+    indexes = [i for i in (PublishedIndex.load(index_path(files.run_id, r, files.root)) for r in lost
+                           if r in readable) if i is not None and i.readable()]
     state = prepared.state
     node = state.topo.gpu_node
     kept_copies = sum(int(table.input_len[s]) + len(generated[s]) for r, mine in enumerate(keep)

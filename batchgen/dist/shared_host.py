@@ -103,6 +103,7 @@ class SharedHostFiles:
     fallback: str | None = None       # why the last pool is in ordinary memory (no room in root), if it is
     writes: int = 0                   # index files written
     publish_s: float = 0.0            # seconds inside publish (entries built, and written when they changed)
+    index_kept: bool = False          # handed over to rank 0 (`hand_over`): close leaves the files
 
     def __post_init__(self):
         if not self.run_id or os.sep in self.run_id:
@@ -205,8 +206,17 @@ class SharedHostFiles:
             return self.publish(cache, skip=released)
         return False
 
+    def hand_over(self) -> None:
+        """This process leaves the run alive (its instance was dropped by a recovery): its files stay for rank 0
+        to read and remove (`remove_rank`; the launcher's `sweep` takes what is left); `close` keeps them."""
+        self._retired.clear()
+        self.current = self._published = self._published_file = None
+        self.index_kept = True
+
     def close(self) -> None:
-        """Remove this process's files (at the end of its run)."""
+        """Remove this process's files (at the end of its run), unless it handed them over."""
+        if self.index_kept:
+            return
         for path in (*self._retired, self.current, self.index, self.index + ".tmp"):
             if path is not None:
                 _unlink(path)

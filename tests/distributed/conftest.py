@@ -41,8 +41,9 @@ def loop_kernel(monkeypatch):
 
 @pytest.fixture
 def kill_at(monkeypatch):
-    """kill_at(rank, n): the process of launch rank `rank` SIGKILLs itself at its n-th forward (the forked
-    workers inherit the patch; the launcher's RANK is the launch rank, whatever a recovery renumbers)."""
+    """kill_at(rank, n[, sig]): the process of launch rank `rank` sends itself `sig` (SIGKILL; SIGSTOP: a
+    stalled process, alive but silent) at its n-th forward (the forked workers inherit the patch; the
+    launcher's RANK is the launch rank, whatever a recovery renumbers)."""
     forward = worker_module.RankWorker._forward
     calls = {"n": 0}
     victim = {}
@@ -50,11 +51,11 @@ def kill_at(monkeypatch):
     def dying(self, part, cmd):
         calls["n"] += 1
         if int(os.environ.get("RANK", -1)) == victim["rank"] and calls["n"] == victim["n"]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), victim["sig"])
         return forward(self, part, cmd)
 
-    def arm(rank: int, n: int) -> None:
-        victim.update(rank=rank, n=n)
+    def arm(rank: int, n: int, sig: int = signal.SIGKILL) -> None:
+        victim.update(rank=rank, n=n, sig=sig)
         monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)
 
     return arm

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from batchgen.dist.recovery import choose, restore_lost
-from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, sweep
+from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.dist.run import DistRunFailed, execute_dist
 from batchgen.exec.run import ExecSettings, execute
@@ -91,6 +92,20 @@ def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, k
     json.dumps(summary)
 
 
+def test_a_stalled_worker_is_fenced_and_the_run_finishes(saved, loop_kernel, kill_at):
+    """Rank 1 stops (SIGSTOP) at its 30th forward: alive, silent, holding its files. The heartbeat declares it
+    lost; rank 0 kills it before reading its host copies (fence.py) and finishes on its own, as after a death.
+    Unfenced, the stopped process would outlive the run and the launcher would wait for it for 600 s."""
+    _, path = saved
+    kill_at(1, 30, signal.SIGSTOP)
+    t0 = time.monotonic()
+    out = execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=60.0))
+    assert time.monotonic() - t0 < 60
+    check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0])
+    rec = out.recoveries[0]
+    assert rec.fenced == [1] and rec.restored == rec.restorable == 1, rec
+
+
 @pytest.mark.slow  # three processes on a loaded 2-core machine
 def test_a_killed_worker_of_three_leaves_a_two_process_group(saved, loop_kernel, kill_at):
     """3 processes, rank 1 killed: ranks 0 and 2 form a new group (2 renumbered to 1), the experts re-placed
@@ -102,9 +117,12 @@ def test_a_killed_worker_of_three_leaves_a_two_process_group(saved, loop_kernel,
     assert all(c > 0 for c in out.rank_comm_s)  # both survivors joined all-to-alls (the new group's, too)
 
 
-def test_without_recovery_the_run_stops_saying_what_finished(saved, loop_kernel, kill_at):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_without_recovery_the_run_stops_saying_what_finished(saved, loop_kernel, kill_at, sig):
+    """Also when the lost worker is stalled, not dead: rank 0 kills it (fence.py) so that the launcher does not
+    wait for it."""
     _, path = saved
-    kill_at(1, 30)
+    kill_at(1, 30, sig)
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:
         execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=120.0, recover=False))
@@ -255,6 +273,20 @@ def test_the_index_never_names_a_released_sequence_whose_pages_may_be_reused(tmp
     files.publish(cache)
     assert set(PublishedIndex.load(files.index).seqs) == {2}
     files.close()
+    assert not os.listdir(tmp_path)
+
+
+def test_a_released_process_hands_its_files_over_to_rank_0(tmp_path):
+    """A process whose instance a recovery dropped leaves alive while rank 0 may be reading its host copies:
+    its close must not remove them; rank 0's remove_rank does, once read."""
+    files = SharedHostFiles("unit", 2, root=str(tmp_path))
+    cache = _cache_with_copies(files, {4: 8})
+    files.publish(cache)
+    files.hand_over()
+    files.close()
+    index = PublishedIndex.load(index_path("unit", 2, str(tmp_path)))
+    assert index.readable() and index.read(4).length == 8
+    remove_rank("unit", 2, str(tmp_path))
     assert not os.listdir(tmp_path)
 
 
