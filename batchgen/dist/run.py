@@ -374,9 +374,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             done = np.array([st.finished for st in tokens.stops], bool)
             partial = PartialOutput.of(tokens, done, pieces.records)
             if not settings.recover:  # a stalled worker would keep the launcher waiting: make it dead first
-                peers = [r for r in range(gen.size) if r != gen.rank]
-                _fence([gen.members[r] for r in set(gen.heartbeat.lost(peers)) | {err.rank} if r in peers],
-                       gen.ctx.store)
+                _fence_found_lost(gen, err)
                 stopped = WorkerLost(err.rank, err.cause)
                 stopped.args = (f"{stopped}; {partial.summary}",)
                 raise _with_partial(stopped, partial) from err
@@ -392,6 +390,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 refusal = str(e).splitlines()[0]
             publish(gen, None if refusal else survivors, refusal, [] if refusal else released)
             if refusal:
+                _fence_found_lost(gen, err)
                 raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
                                     partial) from err
             lost_ranks = [r for r in range(gen.size) if r not in survivors]
@@ -452,6 +451,12 @@ def _fence(lost: list[int], store) -> tuple[list[int], list[int]]:
         if signalled:
             killed.append(r)
     return dead, killed
+
+
+def _fence_found_lost(gen: Generation, err: WorkerLost) -> None:
+    """Rank 0, stopping the run: fence the rank the error named and every rank the heartbeat calls lost."""
+    peers = [r for r in range(gen.size) if r != gen.rank]
+    _fence([gen.members[r] for r in set(gen.heartbeat.lost(peers)) | {err.rank} if r in peers], gen.ctx.store)
 
 
 def _restore_lost(files: SharedHostFiles, lost: list[int], readable: list[int], worker: RankWorker,
