@@ -259,3 +259,22 @@ def test_from_spec_builds_mla_configs():
     toks = [torch.arange(5), torch.arange(3, 10)]
     logits = prefill(model, new_cache(model), toks)
     assert logits.shape == (12, 64) and torch.isfinite(logits).all()
+
+
+def test_routing_a_rows_split_gives_the_whole_batchs_bits():
+    """Expert parallelism routes each rank's rows alone: a split of a batch must route each row as the whole
+    batch does, bit for bit (the elementwise sigmoid's scalar tail on a CPU changed some rows' last bits: on
+    AVX-512, 9 of the 30 splits below). Parts of 1-3 rows are left out: the BLAS runs so few rows through
+    other GEMM kernels (one row: a matrix-vector product), which the router's logits cannot avoid."""
+    cfg = ExecModelConfig(architecture="deepseek_v3", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                          num_kv_heads=4, head_dim=8, num_experts=8, top_k=3, moe_intermediate_size=16,
+                          q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                          n_shared_experts=1, n_group=4, topk_group=2, max_position_embeddings=64)
+    moe = init_random(cfg, seed=3, std=0.3).moe(0)
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+        for n in range(4, len(x) - 3):
+            parts = [moe.route(part) for part in (x[:n], x[n:])]
+            assert torch.equal(torch.cat([p[0] for p in parts]), ids)
+            assert torch.equal(torch.cat([p[1] for p in parts]), weights), f"split at {n}"

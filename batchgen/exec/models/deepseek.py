@@ -12,6 +12,9 @@ score: the sum of its two best biased scores), then the top_k experts of those g
 unbiased scores of the chosen experts, renormalised (norm_topk_prob, + 1e-20) and multiplied by
 routed_scaling_factor. The router weight and the bias are created in fp32 whatever the model dtype, as
 transformers keeps them (`_keep_in_fp32_modules_strict`): in bf16 the bias would round away.
+
+The scores' sigmoid is taken so that a row's bits do not depend on the rows beside it (`row_stable_sigmoid`):
+expert parallelism routes each rank's rows alone, and the single-process layer all of them at once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,28 @@ from torch import nn
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import SwiGLUMLP
 from batchgen.exec.models.moe import SparseMoE
+
+# A multiple of every CPU's unrolled vector loop (2 x 512-bit SVE or AVX-512 registers hold 32 to 128 fp32).
+_CPU_LANES = 128
+
+
+def row_stable_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x), each element computed by the same kernel path wherever its row sits in the batch.
+
+    PyTorch's CPU elementwise loop runs whole vector blocks with its vectorised (Sleef) sigmoid and the last
+    partial block with the scalar one, which differ in the last bit: on AVX-512, a [15, 8] tensor's rows 12-14
+    come out differently from the same rows inside a [30, 8] one. Padding the buffer to a multiple of the
+    widest block puts every element on the vector path (one torch thread, or a tensor below the elementwise
+    grain of 32K elements, as router scores are; threads split larger ones at other offsets). CUDA has no
+    scalar tail.
+    """
+    if x.device.type != "cpu":
+        return x.sigmoid()
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % _CPU_LANES
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.sigmoid()[:x.numel()].view_as(x)
 
 
 class DeepseekRouter(nn.Module):
@@ -47,7 +72,7 @@ class DeepseekMoE(SparseMoE):
         """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32), transformers' order of operations."""
         E, G = self.num_experts, self.n_group
         logits = F.linear(hidden.float(), self.gate.weight.float())
-        scores = logits.sigmoid()
+        scores = row_stable_sigmoid(logits)
         choice = scores + self.gate.e_score_correction_bias.float()
         group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
