@@ -12,7 +12,7 @@ starts its groups at other offsets than the whole layer), measured here as 1 row
 4 processes); hence rtol=atol=1e-6 there, and a summation order that differed would still fail the exact test.
 The router and the shared experts run on a rank's rows only, which changes no bit as long as each rank's part
 holds a few rows (one row alone runs the BLAS's matrix-vector kernel) and the router's sigmoid is row-stable
-(`deepseek.row_stable_sigmoid`: without it, on AVX-512, deepseek_v3's second instance came out 1 ulp off).
+(`deepseek.row_stable_sigmoid`: without it, on AVX-512, one of deepseek_v3's two instances came out 1 ulp off).
 """
 
 import pytest
