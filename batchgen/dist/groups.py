@@ -11,6 +11,22 @@ import torch.distributed as dist
 
 from batchgen.dist.errors import DistConfigError
 
+# Process groups (and the workers holding them) of a recovery's earlier generations, kept until the process
+# ends. A step abandoned on a loss can leave gloo's worker thread inside a collective whose peer never posts its
+# half (rank 0 stopped between two all-to-alls of a forward that rank 1 went on with): freeing that group joins
+# the thread, which waits for the collective's whole timeout, and the survivor stalled that long (60 s of a 62 s
+# test). A process that retired any ends with os._exit (launch._worker), which runs no destructor.
+_RETIRED: list = []
+
+
+def retire(*objects) -> None:
+    """Keep `objects` (a previous generation's groups, or a worker holding them) alive until the process ends."""
+    _RETIRED.extend(objects)
+
+
+def retired() -> bool:
+    return bool(_RETIRED)
+
 
 def instance_ranks(world_size: int, sizes: list[int]) -> list[tuple[int, ...]]:
     """Consecutive blocks of ranks, one per instance: sizes [2, 2] over 4 ranks -> [(0, 1), (2, 3)]."""

@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.dist.errors import DistConfigError
+from batchgen.dist.groups import retired
 
 _PROGRESS = "progress"  # tags a progress message on the results queue (rank, _PROGRESS, pickled payload)
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -181,7 +183,7 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
         torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    ctx = None
+    ctx, code = None, 0
     try:
         ctx = init_distributed(DistEnv.from_env(), device, timeout_s)
         ctx.report = lambda payload: results.put((rank, _PROGRESS, pickle.dumps(payload)))
@@ -193,13 +195,21 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
         partial = getattr(e, "partial", None)
         results.put((rank, None if partial is None else pickle.dumps(partial),
                      f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+        code = 1
     finally:
         if ctx is not None:
             try:
                 ctx.close()
             except Exception:  # a group whose peer died may refuse a clean shutdown; the process ends anyway
                 pass
+    if retired():  # freeing a recovery's old groups could wait out a collective's timeout (groups.retire)
+        results.close()
+        results.join_thread()  # the result is sent before the process ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", timeout_s: float = 60.0,

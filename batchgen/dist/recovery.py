@@ -15,10 +15,10 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    Before it goes on, rank 0 fences every lost rank (fence.py): a process still running on its machine
    (stalled, not dead) is killed, so that it neither rewrites the host copies rank 0 is about to read nor
    keeps the launcher waiting after the run; only a rank known dead (or released, below) is restored from.
-3. `regroup`: the old heartbeat stops, every old group is destroyed (gloo lets pending operations on it go),
-   and the survivors, renumbered in launch-rank order (rank 0 stays 0), join a new default group over a
-   `PrefixStore` of the same store with the generation in its prefix; a new heartbeat runs under its own prefix
-   with the new numbering.
+3. `regroup`: the old heartbeat stops, every old group is destroyed (gloo lets pending operations on it go)
+   but its objects are retired, not freed (`groups.retire`), and the survivors, renumbered in launch-rank
+   order (rank 0 stays 0), join a new default group over a `PrefixStore` of the same store with the generation
+   in its prefix; a new heartbeat runs under its own prefix with the new numbering.
 4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
    the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
@@ -79,6 +79,7 @@ from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED
 from batchgen.core.state import ClusterState
 from batchgen.dist.errors import WorkerLost
 from batchgen.dist.failure import Heartbeat
+from batchgen.dist.groups import retire
 from batchgen.dist.launch import DistContext, DistEnv, join_group
 from batchgen.dist.worker import Command
 
@@ -220,6 +221,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
         if abort is not None:
             abort()
     if dist.is_initialized():
+        retire(dist.distributed_c10d._get_default_group())
         dist.destroy_process_group()
     number = gen.number + 1
     old = gen.ctx

@@ -51,7 +51,7 @@ from batchgen.dist.ep_moe import ExpertParallelMoE, check_pipeline
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.fence import fence, register
-from batchgen.dist.groups import control_groups, instance_groups
+from batchgen.dist.groups import control_groups, instance_groups, retire
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
@@ -294,6 +294,7 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     worker.host_files = files
     if before is not None:
         carry_totals(before, worker)
+        retire(before)  # its groups may hold a thread inside an abandoned collective: never freed (recovery.py)
     return worker, is_moe, kept
 
 

@@ -116,3 +116,39 @@ def test_launcher_reports_each_ranks_outcome():
     ok, failed = run_procs(_fail_on_rank_1, 2, expect_ok=False)
     assert ok.ok and ok.value == "fine"
     assert not failed.ok and failed.exitcode == 1 and "ValueError: bad plan on rank 1" in failed.error
+
+
+def _retire_a_stuck_collective(ctx):
+    """Rank 1 leaves a broadcast pending on a group (its source, rank 0, never sends: a step abandoned on a loss)
+    and retires the group, as a recovery does; rank 0 waits, up to 15 s, for rank 1's process to end."""
+    import torch.distributed as dist
+
+    from batchgen.dist.groups import retire
+
+    group = dist.new_group([0, 1])
+    if ctx.rank == 1:
+        ctx.store.set("pid1", str(os.getpid()))
+        retire(group, dist.broadcast(torch.empty(1), src=0, group=group, async_op=True))
+        return "left"
+    stat, t0 = f"/proc/{int(ctx.store.get('pid1'))}/stat", time.monotonic()
+    while time.monotonic() - t0 < 15:
+        try:
+            with open(stat) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # ended (the launcher reaps it later)
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process's state from /proc")
+def test_a_process_that_retired_a_stuck_group_ends_at_once():
+    """Freeing a group whose collective is stuck waits until its peer goes (or its timeout): a process that
+    retired one ends without freeing it, and its result still arrives (spawn: the interpreter would free it)."""
+    from batchgen.dist import launch
+
+    results = launch(_retire_a_stuck_collective, 2, start_method="spawn", join_timeout_s=60)
+    assert all(r.ok for r in results), [r.error for r in results]
+    waited, left = [r.value for r in results]
+    assert left == "left" and waited < 5, f"rank 1 ended {waited:.1f} s after returning"
