@@ -50,7 +50,8 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    None and they leave the run, handing their shared host files over to rank 0: `SharedHostFiles.hand_over`),
    its sequences are requeued and dealt over the remaining instances' queues.
    Every process of the run, not only the dead one's peers, abandons its step as soon as the heartbeat reports
-   the loss (comm.Comm._check_lost): instance 0 may be mid-forward with rank 0, which stops to recover.
+   the loss (comm.Comm._check_lost): instance 0 may be mid-forward with rank 0, which stops to recover (the
+   groups of an abandoned step are retired with their generation, never freed: step 3).
    A loss in rank 0's own instance stops the run (rank 0 holds the engine).
 
 What this does NOT do, said plainly:
