@@ -222,7 +222,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
         if abort is not None:
             abort()
     if dist.is_initialized():
-        retire(dist.distributed_c10d._get_default_group())
+        retire(dist.group.WORLD)
         dist.destroy_process_group()
     number = gen.number + 1
     old = gen.ctx

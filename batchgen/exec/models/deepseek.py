@@ -27,7 +27,7 @@ from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import SwiGLUMLP
 from batchgen.exec.models.moe import SparseMoE
 
-# A multiple of every CPU's unrolled vector loop (2 x 512-bit SVE or AVX-512 registers hold 32 to 128 fp32).
+# A multiple of every CPU's unrolled vector loop (two vector registers: 32 fp32 with AVX-512, up to 128 with SVE).
 _CPU_LANES = 128
 
 
