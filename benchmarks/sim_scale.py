@@ -35,8 +35,8 @@ flexgen 0.70-0.82 s (11.8-14.0x), moe_lightning 0.66-0.74 s (13.1-14.8x) and zer
 Then with Vidur in the same process's rounds (`--vidur-dir`, 3 rounds, best of each): Vidur 10.02 s, continuous
 1.73 s (5.8x), sglang_opt 2.03 s (4.9x), coroutine 0.57 s (17.7x), static 0.80 s (12.5x), flexgen and
 zero_inference 0.66 s (15.1x), moe_lightning 0.61 s (16.5x).
-batchgen ran 1.4-1.5x faster on that machine than on the earlier one, Vidur 3.6x; the earlier Vidur run's library
-versions were not recorded, so the rest of the difference is not attributed.
+continuous and sglang_opt ran 1.2-1.7x faster on that machine than on the earlier one, Vidur 3.5-3.6x; the
+earlier Vidur run's library versions were not recorded, so the rest of the difference is not attributed.
 """
 
 from __future__ import annotations
