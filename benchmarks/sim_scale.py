@@ -91,7 +91,7 @@ def vs_vidur(args: argparse.Namespace) -> None:
     wcfg.max_input, wcfg.max_output = 3096, 1000  # within Llama-2's 4,096 (Vidur clips prompt + output to 4,096)
     workload = build_workload(wcfg, seed=0)
     side_by_side = args.vidur_dir is not None
-    source = ("run beside it, best of each over the rounds" if side_by_side else "measured on another day"
+    source = ("run beside it, best of each over the rounds" if side_by_side else "measured separately, not in this run"
               if args.vidur_s > 0 else "derived: 13.5 x coroutine's wall (the issue's 12-15x)")
     print(f"every policy on llama2_7b, 1 x {cluster.gpu.name}, azure_conv, {args.requests:,} sequences; "
           f"Vidur: {'%.1f s, ' % args.vidur_s if args.vidur_s > 0 and not side_by_side else ''}{source}")
