@@ -11,7 +11,8 @@ The last line reads `wall_s_1M=<seconds> events_per_seq=<n>` (for the largest si
 runs Vidur's comparison workload instead (Llama-2-7B, one A100 80GB, the first 10K requests of the Azure
 conversation trace, prompts clipped to 3,096 tokens) under every registered policy, one row each (wall s, CPU s
 of this process, sequences per wall-second, events per sequence, simulated BCT, Vidur's wall time over the
-policy's wall and CPU time: on a shared machine wall time grows with the load, CPU time much less), and ends
+policy's wall and CPU time: on a shared machine wall time grows with the load, CPU time much less; then what
+the events are: forwards that prefill, decode runs and a decode run's mean iterations), and ends
 with `slowest_policy=<name> vs_vidur=<ratio>` (wall). The target (issue 7) is at least 10x for every policy.
 With --vidur-dir, Vidur runs in this process's rounds on the very same requests (benchmarks/vidur_run.py: each
 round runs Vidur, then every policy), and the best of each is compared: the ratio measured side by side; without
@@ -78,6 +79,14 @@ def _load_policy(name: str, model):
     return make_policy(OmegaConf.to_container(root.policy, resolve=True))
 
 
+def run_kinds(records) -> tuple[int, int, float]:
+    """(runs that prefill, whole prompts or chunks beside decodes; decode runs; mean iterations of a decode run):
+    what a policy's events are made of (a run is one event unless batchgen.repeat merged identical ones)."""
+    decodes = [r.iterations for r in records if r.phase == "decode"]
+    forwards = sum(r.phase in ("prefill", "mixed") for r in records)
+    return forwards, len(decodes), sum(decodes) / len(decodes) if decodes else 0.0
+
+
 def vs_vidur(args: argparse.Namespace) -> None:
     """Every registered policy on Vidur's comparison workload, against Vidur's wall time: Vidur run in this
     process's rounds (`--vidur-dir`: each round runs Vidur, then every policy; the best of each is compared), or
@@ -95,7 +104,7 @@ def vs_vidur(args: argparse.Namespace) -> None:
               if args.vidur_s > 0 else "derived: 13.5 x coroutine's wall (the issue's 12-15x)")
     print(f"every policy on llama2_7b, 1 x {cluster.gpu.name}, azure_conv, {args.requests:,} sequences; "
           f"Vidur: {'%.1f s, ' % args.vidur_s if args.vidur_s > 0 and not side_by_side else ''}{source}")
-    best: dict[str, tuple[float, float, int, float]] = {}  # policy -> (wall, cpu, events, bct) of its best run
+    best: dict[str, tuple] = {}  # policy -> (wall, cpu, events, bct, runs by kind) of its best run
     vidur_runs = []
     with tempfile.TemporaryDirectory() as work:
         for round_ in range(args.rounds if side_by_side else 1):
@@ -116,16 +125,19 @@ def vs_vidur(args: argparse.Namespace) -> None:
                 wall = time.perf_counter() - start
                 cpu = time.process_time() - cpu_start  # this process's CPU s: what a loaded machine inflates less
                 if name not in best or wall < best[name][0]:
-                    best[name] = (wall, cpu, out.events, float(out.prepared.state.table.finish_time.max()))
+                    best[name] = (wall, cpu, out.events, float(out.prepared.state.table.finish_time.max()),
+                                  run_kinds(out.records))
                 if side_by_side:
                     print(f"round {round_}: {name} {wall:.2f} s", flush=True)
     vidur = (min(vidur_runs) if side_by_side else args.vidur_s if args.vidur_s > 0
              else 13.5 * best["coroutine"][0])
     print(f"{'policy':>12} {'wall_s':>8} {'cpu_s':>7} {'seq/wall_s':>11} {'events':>8} {'events/seq':>10} "
-          f"{'bct_s':>10} {'vs_vidur':>9} {'cpu_vs':>7}   (Vidur {vidur:.2f} s)")
-    for name, (wall, cpu, events, bct) in best.items():
+          f"{'bct_s':>10} {'vs_vidur':>9} {'cpu_vs':>7} {'forwards':>9} {'decodes':>8} {'iters/dec':>9}"
+          f"   (Vidur {vidur:.2f} s)")
+    for name, (wall, cpu, events, bct, (forwards, decodes, iters)) in best.items():
         print(f"{name:>12} {wall:>8.2f} {cpu:>7.2f} {args.requests / wall:>11,.0f} {events:>8,} "
-              f"{events / args.requests:>10.4f} {bct:>10.0f} {vidur / wall:>9.1f} {vidur / cpu:>7.1f}")
+              f"{events / args.requests:>10.4f} {bct:>10.0f} {vidur / wall:>9.1f} {vidur / cpu:>7.1f} "
+              f"{forwards:>9,} {decodes:>8,} {iters:>9.2f}")
     slowest = max(best, key=lambda name: best[name][0])
     print(f"slowest_policy={slowest} vs_vidur={vidur / best[slowest][0]:.1f}")
 
