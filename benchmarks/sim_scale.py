@@ -17,27 +17,18 @@ with `slowest_policy=<name> vs_vidur=<ratio>` (wall). The target (issue 7) is at
 With --vidur-dir, Vidur runs in this process's rounds on the very same requests (benchmarks/vidur_run.py: each
 round runs Vidur, then every policy), and the best of each is compared: the ratio measured side by side; without
 it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S below).
-Measured December 1, 2026 on the idle 2-core machine (load average 1.1), wall seconds (CPU seconds the same
-within 0.01 s) and the ratio to Vidur: continuous 2.77 (12.7x), coroutine 1.04 (33.8x), flexgen 1.05 (33.7x),
-moe_lightning 0.96 (36.6x), sglang_opt 3.34 (10.6x; 3.57 and 3.40 s, 9.9x and 10.4x, in two more runs), static
-1.30 (27.2x), zero_inference 1.06 (33.4x); before
-sglang_opt stopped pricing two-batch overlap on this dense one-GPU job, it took 3.50-3.57 s in three runs
-(9.9-10.1x). When the baselines were added (November 30) continuous took 14.5 s, sglang_opt 27.6 s and flexgen
-9.4 s on an idle machine;
-this file's git history keeps each step's before/after measurements, and the README says what each step was.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 
-Those ratios are against Vidur's 35.3 s of an earlier measurement, not run beside them. On the evening of
-December 1 Vidur ran side by side on another 2-core machine of the same kind (AVX-512; VIDUR_RUN_S below): its
-event loop took 9.7 s, and in three runs of this script (load average 0.3-1.1) continuous took 1.89-2.28 s
-(4.2-5.1x), sglang_opt 2.16-2.44 s (4.0-4.5x), coroutine 0.75-1.05 s (9.3-12.9x), static 0.83-1.11 s (8.7-11.7x),
-flexgen 0.70-0.82 s (11.8-14.0x), moe_lightning 0.66-0.74 s (13.1-14.8x) and zero_inference 0.68-0.78 s
-(12.5-14.3x): the target is not met for continuous, sglang_opt and (in some runs) coroutine and static.
-Then with Vidur in the same process's rounds (`--vidur-dir`, 3 rounds, best of each): Vidur 10.02 s, continuous
-1.73 s (5.8x), sglang_opt 2.03 s (4.9x), coroutine 0.57 s (17.7x), static 0.80 s (12.5x), flexgen and
-zero_inference 0.66 s (15.1x), moe_lightning 0.61 s (16.5x).
-continuous and sglang_opt ran 1.2-1.7x faster on that machine than on the earlier one, Vidur 3.5-3.6x; the
-earlier Vidur run's library versions were not recorded, so the rest of the difference is not attributed.
+Measured side by side (`--vidur-dir`, 3 rounds, best of each) on an idle 2-core AVX-512 machine, December 1, 2026,
+22:21 (load average 1.1 at the start, left by the training of Vidur's predictors, which had just ended): Vidur
+10.00 s in its event loop (10.00, 10.26, 10.40 s; numpy 1.26.4, pandas 2.2.3, scikit-learn 1.9.1), continuous
+1.61 s (6.2x), sglang_opt 1.96 s (5.1x), static 0.77 s (12.9x), flexgen 0.67 s (15.0x), zero_inference 0.65 s (15.3x),
+moe_lightning 0.62 s (16.2x), coroutine 0.56 s (18.0x). Earlier that evening, with numpy 2.4.6 and pandas 3.1.1, on
+another machine of the same kind, Vidur took 10.02 s and continuous and sglang_opt 5.8x and 4.9x. The target is not
+met for continuous and sglang_opt; the README says what their events are made of and why no fast path is left to
+take. Ratios printed before that (9.9-36.6x) divided by 35.3 s, Vidur's loop as an earlier session measured it on
+another machine; Vidur ran 3.5x faster here, batchgen 1.2-1.7x, so they are withdrawn.
+This file's git history keeps each step's before/after measurements.
 """
 
 from __future__ import annotations
@@ -68,7 +59,8 @@ from vidur_run import checkout_problem, run_vidur  # beside this script
 # runs in the docstring. An earlier session measured 37.2 and 33.5 s (its simulated end 2,076 s, against 1,919 s
 # here; versions not recorded). Its attention profile (a Git LFS object) could not be had either time, so
 # attention times came from an analytic stand-in; the loop's cost does not depend on them (predictions are
-# looked up in a precomputed table).
+# looked up in a precomputed table). Run beside the docstring's side-by-side measurement (numpy 1.26.4, pandas
+# 2.2.3, a coarser stand-in grid; its simulated end 2,018 s): 10.00-10.40 s in three rounds.
 VIDUR_RUN_S = 9.7
 
 
