@@ -143,11 +143,9 @@ class SharedHostFiles:
 
     @staticmethod
     def entries(cache: PagedKVCache, skip=()) -> dict:
-        """{id: (its _Seq, synced, host pages held)} of every sequence with a host copy, less `skip`: what
-        decides whether the index changed (the objects are compared by identity)."""
+        """`PagedKVCache.host_copies` less `skip`: what decides whether the index changed."""
         skip = set(skip)
-        return {sid: (s, s.synced, len(s.host_pages)) for sid, s in cache._seqs.items()
-                if s.synced and sid not in skip}
+        return {sid: entry for sid, entry in cache.host_copies().items() if sid not in skip}
 
     def _same(self, entries: dict) -> bool:
         old = self._published

@@ -204,6 +204,12 @@ class PagedKVCache:
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
 
+    def host_copies(self) -> dict[int, tuple[object, int, int]]:
+        """{id: (its record, tokens synced to host, host pages held)} of every sequence with a host copy. The
+        record tells a sequence released and taken again (another record) from one that stayed (compare it by
+        identity)."""
+        return {sid: (s, s.synced, len(s.host_pages)) for sid, s in self._seqs.items() if s.synced}
+
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 

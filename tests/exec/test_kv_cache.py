@@ -198,6 +198,22 @@ def test_import_rejects_wrong_shapes_dtypes_and_duplicates():
 
 
 # ---- eviction and release ------------------------------------------------------------------------------
+def test_host_copies_name_each_copy_and_tell_a_retaken_sequence_from_one_that_stayed():
+    cache = make_cache(num_pages=16)
+    run_step(cache, [1, 2, 3], [5, 2, 3])
+    assert cache.host_copies() == {}
+    cache.sync_to_host([1, 3])
+    copies = cache.host_copies()
+    assert {sid: entry[1:] for sid, entry in copies.items()} == {1: (5, 2), 3: (3, 1)}  # synced tokens, host pages
+    assert cache.host_copies()[1][0] is copies[1][0]  # the same sequence: the same record
+    cache.release([1])
+    run_step(cache, [1], [5])
+    cache.sync_to_host([1])
+    again = cache.host_copies()
+    assert again[1][1:] == (5, 2) and again[1][0] is not copies[1][0]  # taken again: another record
+    cache.check()
+
+
 def test_evict_frees_everything_and_the_sequence_is_recomputed_from_zero():
     cache = make_cache(num_pages=6)
     run_step(cache, [1, 2], [9, 2])
