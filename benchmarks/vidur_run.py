@@ -2,14 +2,21 @@
 `python benchmarks/sim_scale.py --policies --vidur-dir DIR --vidur-python PY` that runs Vidur, so that the
 ratio it prints is measured beside batchgen's runs instead of against a number from another day.
 
-Vidur is no dependency of batchgen and none of its code is here. Point `--vidur-dir` at a checkout of it (its
-`data/profiling/` read relative to it; an attention profile that came as a Git LFS pointer needs a stand-in CSV
-with the same columns, since the loop's cost does not depend on the times: the README's run used, per layer,
-0.012 ms + 4 chunk (kv + chunk/2) 4096 FLOP / 200 TFLOP/s for prefill and 0.010 ms + batch kv 2 4096 x 2 bytes /
-1.5 TB/s for decode, over chunks 16-4,096, batches 1-128 and kv 0-4,096) and `--vidur-python` at an
-interpreter with its requirements (numpy, pandas, scikit-learn, ...; WANDB_MODE is set to disabled). Its
-random-forest predictors are trained on the first run (11 minutes on a 2-core machine) and cached in
-DIR/cache; later runs read them.
+Vidur is no dependency of batchgen and none of its code is here. To prepare it once (about 20 minutes, most of
+it Vidur training its predictors):
+
+    # a checkout of microsoft/vidur (the README's runs: 7d47513) in DIR, then
+    python3.11 -m venv VENV && VENV/bin/pip install numpy==1.26.4 pandas==2.2.3 scikit-learn==1.9.1 scipy wandb \
+        fasteners plotly plotly_express matplotlib seaborn kaleido ddsketch pyyaml tqdm
+    VENV/bin/pip install --no-deps -e DIR
+    python benchmarks/vidur_standin.py DIR   # its A100 Llama-2-7B attention profile, where a Git LFS pointer stands
+
+and pass `--vidur-dir DIR --vidur-python VENV/bin/python`. Vidur reads `data/profiling/` relative to DIR (the
+attention stand-in's formula and grid: benchmarks/vidur_standin.py); WANDB_MODE is set to disabled. Its
+random-forest predictors are trained on the first run (10-20 minutes on a 2-core machine) and cached in DIR/cache;
+later runs read them. The runs of December 1, evening, used numpy 2.4.6 and pandas 3.1.1 and a stand-in of the
+same formula on a grid that was not recorded; the one at 22:21, the versions above and vidur_standin's grid
+(Vidur's loop took 10.02 and 10.00 s).
 
 What runs: Llama-2-7B on one A100 (TP 1, one replica), Vidur's vLLM scheduler at its defaults (batch cap 128,
 4,096 tokens per batch), every request at t=0 (`static` intervals), the lengths from a trace CSV written from
@@ -26,6 +33,8 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+
+import vidur_standin  # beside this script
 
 # Builds Vidur's config from the command line, runs its simulator, prints the loop's seconds (our glue).
 _RUNNER = """
@@ -46,6 +55,11 @@ def checkout_problem(vidur_dir: str | Path) -> str | None:
     """What is wrong with `vidur_dir` as a Vidur checkout, or None."""
     if not (Path(vidur_dir) / "vidur" / "simulator.py").is_file():
         return f"{vidur_dir} is not a Vidur checkout (no vidur/simulator.py): pass --vidur-dir a clone of microsoft/vidur"
+    profile = Path(vidur_dir) / vidur_standin.PROFILE
+    if not profile.is_file() or vidur_standin.is_lfs_pointer(profile):
+        return (f"{profile} is {'missing' if not profile.is_file() else 'a Git LFS pointer'}: write the stand-in "
+                f"with `python benchmarks/vidur_standin.py {vidur_dir}` (and delete {vidur_dir}/cache/attn_* if "
+                "that exists)")
     return None
 
 
