@@ -10,8 +10,8 @@ sim_scale compares) does not depend on them; its simulated end does. The times h
     KV save  0.005 + tokens 2 4096 x 2 bytes / 1.5 TB/s   (tokens: the chunk, or the batch)
 
 on a grid coarse enough for the forests' grid search to train in minutes on one core (Vidur's own profiling grid
-has about 11K rows, an hour or more per forest there): prefill chunks 16-4,096 over KV 0, 256, ... (chunk + KV
-within 4,096), decode batches 1-128 over KV 16-4,096. The columns are those Vidur's attention profiler writes
+has about 11K rows; a first try with it was on course for an hour or more per forest and was stopped): prefill
+chunks 16-4,096 over KV 0, 256, ... (chunk + KV within 4,096), decode batches 1-128 over KV 16-4,096. The columns are those Vidur's attention profiler writes
 (vidur/profiling/attention), prefill rows leaving the decode times empty and decode rows the prefill ones.
 
     python benchmarks/vidur_standin.py DIR   # DIR: the Vidur checkout; then delete DIR/cache/attn_* if it exists
