@@ -21,8 +21,8 @@ Results are identical with and without the simulator's fast paths (batchgen/fast
 
 Measured side by side (`--vidur-dir`, 3 rounds, best of each) on an idle 2-core AVX-512 machine, December 1, 2026,
 22:21 (load average 1.1 at the start, left by the training of Vidur's predictors, which had just ended): Vidur
-10.00 s in its event loop (10.00, 10.26, 10.40 s; numpy 1.26.4, pandas 2.2.3, scikit-learn 1.9.1), continuous 1.61
-s (6.2x), sglang_opt 1.96 s (5.1x), static 0.77 s (12.9x), flexgen 0.67 s (15.0x), zero_inference 0.65 s (15.3x),
+10.00 s in its event loop (10.00, 10.26, 10.40 s; numpy 1.26.4, pandas 2.2.3, scikit-learn 1.9.1), continuous
+1.61 s (6.2x), sglang_opt 1.96 s (5.1x), static 0.77 s (12.9x), flexgen 0.67 s (15.0x), zero_inference 0.65 s (15.3x),
 moe_lightning 0.62 s (16.2x), coroutine 0.56 s (18.0x). Earlier that evening, with numpy 2.4.6 and pandas 3.1.1, on
 another machine of the same kind, Vidur took 10.02 s and continuous and sglang_opt 5.8x and 4.9x. The target is not
 met for continuous and sglang_opt; the README says what their events are made of and why the fast paths left are
