@@ -625,6 +625,10 @@ class Engine:
         # until the job is done, though nothing is queued for it yet
         receives = policy.receives_work
         folded = None  # what idle decisions changed since the last run: recorded with the next one
+        # a backend that runs a plain boundary in one pass (the simulator: batchgen.sim.fused), where no observer
+        # needs the plan and no repeat is declared
+        one_pass = (getattr(backend, "boundary", None) if fastpath.ENABLED and self.on_step is None
+                    and getattr(policy, "repeats", None) is None else None)
         while True:
             now = backend.now()
             if now < last:
@@ -633,6 +637,11 @@ class Engine:
             snap = make_snapshot(state, instance, now, progress, self.gpus_per_node, backend.capabilities)
             decision = policy.decide(snap)
             progress.carry = decision.carry
+            run = one_pass(self, instance, decision, progress, now, folded) if one_pass is not None else None
+            if run is not None:
+                idle, folded = 0, None
+                yield from run
+                continue
             plan = apply_decision(state, instance, decision, progress, now, ledger)
             phase = plan.phase
             if phase == "idle":

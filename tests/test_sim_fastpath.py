@@ -567,3 +567,43 @@ def test_no_moves_is_shared_and_read_only():
     assert Moves.none(2) is none and not none.any()
     with pytest.raises(ValueError):
         none.d2h[0] = 1.0
+
+
+# ---- one-pass boundaries of a one-GPU instance (batchgen.sim.fused) ---------------------------------------
+
+@pytest.mark.parametrize("policy,checked", [("continuous", False), ("sglang_opt", False), ("continuous", True)])
+def test_one_pass_boundaries_are_taken_and_change_no_result(policy, checked, monkeypatch):
+    """A serving engine's one-GPU job runs most boundaries in one pass (with and without the invariant checks' KV
+    ledger; not its first, which pins the prompts, nor the long decode runs once nothing waits), and ends as the
+    general code does, step for step."""
+    import batchgen.sim.fused as fused
+
+    taken = []
+    honest = fused.boundary
+
+    def counted(*args):
+        run = honest(*args)
+        taken.append(run is not None)
+        return run
+
+    monkeypatch.setattr(fused, "boundary", counted)
+    job = dataclasses.replace(vidur_like(policy, n=80), check_invariants=checked)
+    fast, ref = both_ways(job)
+    assert_same(fast, ref)
+    one_pass = sum(taken)
+    assert one_pass >= 0.6 * len(fast["steps"]), (one_pass, len(fast["steps"]))
+
+
+def test_one_pass_boundaries_leave_observed_and_multi_gpu_runs_to_the_general_code(monkeypatch):
+    """A step observer needs each run's plan and result, and an instance of several GPUs has ranks: neither
+    takes the one-pass path."""
+    import batchgen.sim.fused as fused
+
+    taken = []
+    honest = fused.boundary
+    monkeypatch.setattr(fused, "boundary", lambda *args: taken.append(honest(*args)) or taken[-1])
+    seen = []
+    simulate(vidur_like("continuous", n=30), progress=False, on_step=lambda plan, result: seen.append(plan))
+    assert seen and not taken  # never asked: the engine keeps the general path for an observed run
+    simulate(make_job("continuous", "tiny_moe", "h100_8", n=40), progress=False)
+    assert taken and all(run is None for run in taken)

@@ -18,7 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
-from batchgen.sim import repeated
+from batchgen.sim import fused, repeated
 from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
                                  rows_of, scalar_pricer)
@@ -172,18 +172,11 @@ class SimBackend:
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
-        # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
-        compute = float(cost.iteration_s[0]) if fastpath.ENABLED and cost.iteration_s.size == 1 else cost.compute_s
         still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
-        run = compute + exposed if self._serial else max(compute, exposed)
-        in_play = ids.size + plan.prefill_ids.size + plan.chunk_ids.size
-        boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
-        if boundary is None:  # a pure function of the count: priced once per count
-            boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
-        duration = boundary + run
-        scale = run / compute if compute > 0 else 0.0
+        compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
+                                                         + plan.chunk_ids.size, exposed)
         finished = produced == remaining
         if fastpath.ENABLED and cost.iteration_s.size == 1:  # one iteration: every finish at its one end
             end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
@@ -214,6 +207,28 @@ class SimBackend:
                           int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def timing(self, cost, in_play: int, exposed: float = 0.0) -> tuple[float, float, float, float]:
+        """(compute, boundary overhead, duration, scale) of a run: its iterations' compute, copies that `exposed`
+        seconds leave unhidden, the boundary's overhead for `in_play` sequences; `scale` stretches each
+        iteration's compute to the run's share of the duration (for the finish times within it)."""
+        # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
+        compute = float(cost.iteration_s[0]) if fastpath.ENABLED and cost.iteration_s.size == 1 else cost.compute_s
+        run = compute + exposed if self._serial else max(compute, exposed)
+        boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
+        if boundary is None:  # a pure function of the count: priced once per count
+            boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
+        return compute, boundary, boundary + run, run / compute if compute > 0 else 0.0
+
+    def fuses(self) -> bool:
+        """Whether a one-GPU instance's plain boundaries may run as one pass (batchgen.sim.fused): priced on the
+        scalar roofline, no similar-context calls, no weights streamed."""
+        return (self._scalar() is not None and not self._similar_calls and self.stream_bytes_per_iter == 0
+                and self._prefetch_per_layer == 0)
+
+    def boundary(self, engine, instance: int, decision, progress, now: float, folded):
+        """The boundary's run as one pass where batchgen.sim.fused applies (a generator), else None."""
+        return fused.boundary(self, engine, instance, decision, progress, now, folded)
 
     def offload_run(self, plan: StepPlan, rank, context, alive, tp, hosted, iterations: int):
         """(cost, expert calls per iteration, gate tokens) of a decode run under an offloading system's schedule
