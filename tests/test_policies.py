@@ -180,6 +180,29 @@ def test_conservative_admission_holds_back_prompts_greedy_would_admit():
         make_job("continuous", policy_overrides={"admission": "conservative", "chunked_prefill": False})
 
 
+def test_greedy_admission_waits_for_a_whole_chunks_pages_while_decodes_run():
+    """vLLM V1 allocates a chunk's slots whole or not at all: beside running decodes, a prompt whose pages are not
+    all free waits for finishes to free them (it is not cut to the free pages); on a rank where nothing decodes,
+    nothing would free them, so the chunk is cut to what is free."""
+    def job_with(inputs, running):
+        job = squeezed(make_job("continuous", n=len(inputs), inputs=np.array(inputs), outputs=np.full(len(inputs), 50),
+                                cluster_overrides={"num_gpus": 1, "gpus_per_node": 1}), 3000)
+        state = prepare(job).state
+        run_on_gpu(state, np.arange(running), 0)
+        return job, state
+
+    job, state = job_with([1000, 1000, 2500, 100], running=2)
+    snap = snapshot(state)
+    P = snap.page_tokens
+    free_tokens = (snap.pages_capacity[0] * 0.99 - (-(-(snap.active_context + 64) // P)).sum()) * P
+    assert 0 < free_tokens < 2500  # the head prompt does not fit whole
+    d = job.policy.decide(snap)
+    assert d.chunk_ids.size == 0 and d.evict_ids.size == 0  # it waits, and the prompt behind it too (FIFO)
+    job, state = job_with([1500, 1500], running=0)  # together more than the pool, nothing decoding
+    d = job.policy.decide(snapshot(state))
+    assert d.chunk_ids.tolist() == [0, 1] and d.chunk_lens[0] == 1500 and 0 < d.chunk_lens[1] < 1500
+
+
 def test_conservative_ratio_decays_per_forward_and_is_reestimated_after_a_preemption():
     """The ratio travels from one decision to the next in `Decision.carry` (the engine hands it to the next
     snapshot): the policy itself keeps nothing."""

@@ -12,7 +12,10 @@ prefill continues first in the next forward; preempted, it frees its pages and r
 a decision is taken at every forward; with none, once per page of decode.
 
 Admission (`admission`, chunked prefill only): `greedy` (vLLM V1's rule, the default) starts a waiting prompt whenever
-its chunk's pages are free and preempts the newest sequences when running decodes run short. `conservative` is
+its chunk's pages are free and preempts the newest sequences when running decodes run short. A chunk is what is
+left of the prompt or of the budget; beside running decodes it goes whole or waits for finishes to free its pages,
+as vLLM V1 allocates a chunk's slots (on a rank where nothing decodes, nothing would free them: it is cut to the
+free pages). `conservative` is
 SGLang's rule: a rank starts a new prompt only if the whole prompt plus its own clipped output reserve,
 min(max_tokens, clip_max_new_tokens), fits the free KV left after reserving, for every sequence already running
 there, min(max_tokens - generated, clip_max_new_tokens) x new_token_ratio tokens. Each rank (one SGLang scheduler
@@ -175,7 +178,9 @@ class ContinuousPolicy(PolicyDefaults):
                 queued = queued[: int(np.argmin(fits)) if not fits.all() else queued.size]
             cand = np.concatenate([going, queued])
             start = np.concatenate([prefilled[mine], np.zeros(queued.size, np.int64)])
-            ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), int(budget[r]), float(free[r]), P)
+            whole = self.admission == "greedy" and budget[r] < self.token_budget  # decodes run here
+            ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), int(budget[r]), float(free[r]), P,
+                                     whole)
             if ids.size:
                 ids_out.append(ids)
                 ranks_out.append(np.full(ids.size, r))
@@ -246,7 +251,7 @@ class ContinuousPolicy(PolicyDefaults):
                         final = True
                 cand = going + queued.tolist()
                 ids, lens = _fill(cand, going_prefilled + [0] * queued.size, going_context + queued_context,
-                                  budget, free, P)
+                                  budget, free, P, self.admission == "greedy" and decoding > 0)
                 if len(ids) < len(cand) or final:
                     break
                 head = look  # every candidate looked at moved: the rest of the queue may too
@@ -384,17 +389,19 @@ def _fitting(context: list[int], max_tokens: list[int], clip: int, room: float, 
 
 
 def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budget: int, free_pages: float,
-                 page_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+                 page_tokens: int, whole: bool) -> tuple[np.ndarray, np.ndarray]:
     """Chunks for FIFO candidates (those part-way through first) within a rank's token budget and free pages:
-    each takes what is left of its context or of the budget, cut to the pages it can still get (a chunk that
-    completes its context also needs room for the first token). Stops at the first candidate that cannot move,
-    so FIFO order holds. Returns (ids, chunk lengths)."""
-    ids, lens = _fill(cand.tolist(), start.tolist(), context.tolist(), budget, free_pages, page_tokens)
+    each takes what is left of its context or of the budget (a chunk that completes its context also needs room
+    for the first token). With `whole` (vLLM V1: a chunk's slots are allocated whole or not at all) a chunk whose
+    pages are not all free waits; otherwise it is cut to the pages it can still get (SGLang's chunked request,
+    and a rank where nothing decodes, so that nothing would free pages). Stops at the first candidate that cannot
+    move, so FIFO order holds. Returns (ids, chunk lengths)."""
+    ids, lens = _fill(cand.tolist(), start.tolist(), context.tolist(), budget, free_pages, page_tokens, whole)
     return np.array(ids, np.int64), np.array(lens, np.int64)
 
 
-def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int
-          ) -> tuple[list[int], list[int]]:
+def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int,
+          whole: bool) -> tuple[list[int], list[int]]:
     """`_fill_budget` on Python lists."""
     ids, lens = [], []
     for sid, s, c in zip(cand, start, context):
@@ -402,6 +409,8 @@ def _fill(cand: list[int], start: list[int], context: list[int], budget: int, fr
             break
         held = -(-s // page_tokens)
         end = min(c, s + budget)
+        if whole and -(-(end + (end == c)) // page_tokens) - held > free_pages:
+            break  # its pages are not free: it waits for finishes to free them
         if end == c and -(-(c + 1) // page_tokens) - held > free_pages:
             end = c - 1  # the whole rest does not fit with its first token: write what fits, finish later
         end = min(end, int((held + max(free_pages, 0)) // 1) * page_tokens)
