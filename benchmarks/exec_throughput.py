@@ -118,9 +118,11 @@ def hf_generate(model, prompts: list[np.ndarray], outputs: np.ndarray, batches) 
     return seconds, (sum(rows) / calls) * spec_k / spec_e if calls else 0.0
 
 
-def policy_config(name: str, **overrides) -> dict:
-    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml"))
-    return {**cfg, **overrides}
+def policy_config(name: str, model, **overrides) -> dict:
+    """The policy's config file as a run composes it for `model` (${model.max_context} resolved)."""
+    root = OmegaConf.create({"model": {"max_context": model.max_context}})
+    root.policy = OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")
+    return {**OmegaConf.to_container(root.policy, resolve=True), **overrides}
 
 
 def main() -> None:
@@ -167,10 +169,10 @@ def main() -> None:
                + ["continuous", "static", "hf_generate"])
     coroutine = dict(b_moe=args.b_moe, b_attn=args.b_attn, kv_residency=args.residency)
     policies = {
-        "coroutine": policy_config("coroutine", **coroutine, attention=attention),
-        "coroutine_staged": policy_config("coroutine", **coroutine, attention="gpu"),
-        "continuous": policy_config("continuous"),
-        "static": policy_config("static"),
+        "coroutine": policy_config("coroutine", spec, **coroutine, attention=attention),
+        "coroutine_staged": policy_config("coroutine", spec, **coroutine, attention="gpu"),
+        "continuous": policy_config("continuous", spec),
+        "static": policy_config("static", spec),
     }
     tokens = int(workload.output_lens.sum())
     seconds = {}
