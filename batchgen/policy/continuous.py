@@ -11,21 +11,20 @@ its pages allocated as chunks land), so decode never stalls while prompts wait. 
 prefill continues first in the next forward; preempted, it frees its pages and restarts. With prompts waiting
 a decision is taken at every forward; with none, once per page of decode.
 
-Admission (`admission`, chunked prefill only): `greedy` (vLLM V1's rule, the default) starts a waiting prompt whenever
-its chunk's pages are free and preempts the newest sequences when running decodes run short. A chunk is what is
-left of the prompt or of the budget; beside running decodes it goes whole or waits for finishes to free its pages,
-as vLLM V1 allocates a chunk's slots (on a rank where nothing decodes, nothing would free them: it is cut to the
-free pages). `conservative` is
-SGLang's rule: a rank starts a new prompt only if the whole prompt plus its own clipped output reserve,
-min(max_tokens, clip_max_new_tokens), fits the free KV left after reserving, for every sequence already running
-there, min(max_tokens - generated, clip_max_new_tokens) x new_token_ratio tokens. Each rank (one SGLang scheduler
-per DP-attention rank) keeps its own new_token_ratio: it starts at `init_new_token_ratio`, falls by
-`new_token_ratio_decay` per decode forward to `min_new_token_ratio`, returns to the start when the rank runs
-empty, and after a preemption on the rank is set to (generated + 20 per sequence) / max_tokens summed over the
+Admission (`admission`, chunked prefill only): `greedy` (vLLM V1's rule, the default) starts a waiting prompt
+whenever its chunk's pages are free and preempts the newest sequences when running decodes run short. A chunk is
+what is left of the prompt or of the budget; beside running decodes it goes whole or waits for finishes to free its
+pages, as vLLM V1 allocates a chunk's slots (on a rank where nothing decodes, nothing would free them: it is cut to
+the free pages). `conservative` is SGLang's rule: a rank starts a new prompt only if the whole prompt plus its own
+clipped output reserve, min(max_tokens, clip_max_new_tokens), fits the free KV left after reserving, for every
+sequence already running there, min(max_tokens - generated, clip_max_new_tokens) x new_token_ratio tokens. Each rank
+(one SGLang scheduler per DP-attention rank) keeps its own new_token_ratio: it starts at `init_new_token_ratio`,
+falls by `new_token_ratio_decay` per decode forward to `min_new_token_ratio`, returns to the start when the rank
+runs empty, and after a preemption on the rank is set to (generated + 20 per sequence) / max_tokens summed over the
 sequences kept (at most 1), as SGLang's retract does. A policy never sees true output lengths: max_tokens is
-`reserve_max_tokens` per request, or (0) the model's context (`model_context`) minus the prompt; with neither
-known only the clip bounds the reserve. A part-prefilled prompt continues without the check (as SGLang's chunked
-request does) but is reserved for like a running sequence, with what is left of its prompt on top.
+`reserve_max_tokens` per request, or (0) the model's context (`model_context`) minus the prompt; with neither known
+only the clip bounds the reserve. A part-prefilled prompt continues without the check (as SGLang's chunked request
+does) but is reserved for like a running sequence, with what is left of its prompt on top.
 
 Attention parallelism (`attention_tp`): with t > 1 a rank of this policy is a group of t GPUs running attention
 tensor-parallel (SGLang / vLLM without DP attention): the caps (max_running, token_budget) are per group, as
@@ -156,7 +155,8 @@ class ContinuousPolicy(PolicyDefaults):
         prefilled = snap.active_prefilled
         partial = prefilled > 0
         drop, keep, count, free = self._preempt(snap, d)
-        budget = self.token_budget - np.bincount(snap.active_rank[keep & ~partial], minlength=R)
+        decoding = np.bincount(snap.active_rank[keep & ~partial], minlength=R)
+        budget = self.token_budget - decoding
         room = None
         if self.admission == "conservative":
             room, d.carry = self._admit_room(snap, waiting, drop, keep, free)
@@ -178,9 +178,8 @@ class ContinuousPolicy(PolicyDefaults):
                 queued = queued[: int(np.argmin(fits)) if not fits.all() else queued.size]
             cand = np.concatenate([going, queued])
             start = np.concatenate([prefilled[mine], np.zeros(queued.size, np.int64)])
-            whole = self.admission == "greedy" and budget[r] < self.token_budget  # decodes run here
             ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), int(budget[r]), float(free[r]), P,
-                                     whole)
+                                     self.admission == "greedy" and decoding[r] > 0)
             if ids.size:
                 ids_out.append(ids)
                 ranks_out.append(np.full(ids.size, r))
