@@ -47,7 +47,8 @@ class BoundaryDecision:
     steps: int
     stop: str
     micro_batch: int
-    flags: str                # prefill_to_host, host_sync, cpu_attention, padded: the ones set, comma-joined
+    flags: str                # prefill_to_host, host_sync, cpu_attention, padded, chunks_only: the ones set,
+                              # comma-joined
 
     @classmethod
     def of(cls, decision, plan, folded: "BoundaryDecision | None" = None) -> "BoundaryDecision":
@@ -84,7 +85,8 @@ class DeferredDecision:
                        decision.offload_ids, decision.evict_ids, decision.move_ids,
                        [a.ids for a in decision.admits], decision.partition_ids, decision.pin_ids,
                        (("prefill_to_host", decision.prefill_to_host), ("host_sync", decision.host_sync),
-                        ("cpu_attention", decision.cpu_attention), ("padded", decision.padded)))
+                        ("cpu_attention", decision.cpu_attention), ("padded", decision.padded),
+                        ("chunks_only", decision.chunks_only)))
         self._folded = folded
 
     def resolve(self) -> BoundaryDecision:

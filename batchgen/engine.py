@@ -337,6 +337,8 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         partial = t.prefilled[decode_ids] > 0
         if partial.any():  # part-way through a chunked prefill: no token to decode yet
             decode_ids = decode_ids[~partial]
+    if chunked and d.chunks_only:
+        decode_ids = _EMPTY  # a prefill-only forward: the running sequences wait for it
     chunk = {}
     if chunked:
         chunk = _take_chunks(state, instance, d, gpus)

@@ -203,6 +203,21 @@ def test_greedy_admission_waits_for_a_whole_chunks_pages_while_decodes_run():
     assert d.chunk_ids.tolist() == [0, 1] and d.chunk_lens[0] == 1500 and 0 < d.chunk_lens[1] < 1500
 
 
+def test_unmixed_chunks_run_alone_with_the_whole_budget_while_decodes_wait():
+    """mixed_chunks=false (SGLang's default): a forward of chunks carries no decode, so the running sequences'
+    tokens take nothing from its budget, and they wait for it (the plan decodes nothing)."""
+    from batchgen.engine import InstanceProgress, apply_decision
+    lens = {}
+    for mixed in (True, False):
+        job, state = _one_gpu_with_running(4, "greedy", token_budget=250, mixed_chunks=mixed)
+        d = job.policy.decide(snapshot(state))
+        lens[mixed] = d.chunk_lens.tolist()
+        assert d.chunks_only is not mixed
+        plan = apply_decision(state, 0, d, InstanceProgress(1))
+        assert plan.phase == ("mixed" if mixed else "prefill") and plan.decode_ids.size == (4 if mixed else 0)
+    assert lens == {True: [100, 100, 46], False: [100, 100, 50]}
+
+
 def test_conservative_ratio_decays_per_forward_and_is_reestimated_after_a_preemption():
     """The ratio travels from one decision to the next in `Decision.carry` (the engine hands it to the next
     snapshot): the policy itself keeps nothing."""
@@ -329,7 +344,7 @@ def test_decisions_serialise_for_a_multi_process_backend():
                  partition_ids=arr(9), partition_degree=arr(2), prefill_ids=arr(10, 11), prefill_ranks=arr(0, 1),
                  prefill_pinned=True, prefill_to_host=True, host_sync=True, steps=17, stop="first_finish",
                  micro_batch=5, cpu_attention=True, padded=True, chunk_ids=arr(12), chunk_ranks=arr(1),
-                 chunk_lens=arr(300), ffn_schedule="pipelined", carry={"ratio": np.array([0.5])})
+                 chunk_lens=arr(300), chunks_only=True, ffn_schedule="pipelined", carry={"ratio": np.array([0.5])})
     back = pickle.loads(pickle.dumps(d))
     for f in dataclasses.fields(Decision):
         a, b = getattr(d, f.name), getattr(back, f.name)

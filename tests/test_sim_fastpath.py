@@ -78,6 +78,7 @@ CASES = {
     # one rank short of KV pages: preemption (greedy) and a tight reserve (conservative) on the one-rank paths
     "continuous-a100-preempting": lambda: vidur_like("continuous", n=120),
     "sglang_opt-a100-small-pool": lambda: vidur_like("sglang_opt", n=120),
+    "sglang_opt-a100-unmixed": lambda: vidur_like("sglang_opt", n=120, mixed_chunks=False),  # chunks alone
 }
 KV_PAGES = {"continuous-a100-preempting": 400, "sglang_opt-a100-small-pool": 400}  # pages per GPU
 

@@ -167,6 +167,8 @@ class Decision:
     chunk_ids: np.ndarray = field(default_factory=lambda: EMPTY)    # chunked prefill: these sequences ...
     chunk_ranks: np.ndarray = field(default_factory=lambda: EMPTY)  # ... on these ranks ...
     chunk_lens: np.ndarray = field(default_factory=lambda: EMPTY)   # ... write this many more context tokens
+    chunks_only: bool = False  # the chunks' forward carries no decode: running sequences wait for it to end (SGLang
+    #                            without --enable-mixed-chunk, its default: a prefill batch, then decode batches)
     carry: Any = None  # handed to this instance's next snapshot (`Snapshot.carry`), untouched by the engine
 
     @property

@@ -57,6 +57,9 @@ class ContinuousPolicy(PolicyDefaults):
     page_lookahead: int = 64         # decode iterations between memory checks when nothing waits
     chunked_prefill: bool = True     # forwards from a token budget: decodes first, then prompt chunks
     token_budget: int = 8192         # chunked prefill: tokens per rank per forward (decodes + prompt chunks)
+    mixed_chunks: bool = True        # chunked prefill: chunks ride in a forward with every decode (vLLM; SGLang with
+    #                                  --enable-mixed-chunk); false: a forward of chunks alone, decodes waiting for
+    #                                  it, the whole budget for the chunks (SGLang's default)
     admission: str = "greedy"        # chunked prefill: greedy (vLLM V1) | conservative (SGLang's reserve)
     init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
     min_new_token_ratio: float = 0.1      # ... floor (SGLang: 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098) ...
@@ -156,7 +159,7 @@ class ContinuousPolicy(PolicyDefaults):
         partial = prefilled > 0
         drop, keep, count, free = self._preempt(snap, d)
         decoding = np.bincount(snap.active_rank[keep & ~partial], minlength=R)
-        budget = self.token_budget - decoding
+        budget = self.token_budget - decoding if self.mixed_chunks else np.full(R, self.token_budget)
         room = None
         if self.admission == "conservative":
             room, d.carry = self._admit_room(snap, waiting, drop, keep, free)
@@ -187,7 +190,7 @@ class ContinuousPolicy(PolicyDefaults):
         if ids_out:
             d.chunk_ids, d.chunk_ranks = np.concatenate(ids_out), np.concatenate(ranks_out)
             d.chunk_lens = np.concatenate(lens_out)
-            d.prefill_pinned = True
+            d.prefill_pinned, d.chunks_only = True, not self.mixed_chunks
         if not waiting.sum() and not partial.any() and not drop.size:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
@@ -225,7 +228,7 @@ class ContinuousPolicy(PolicyDefaults):
             count = snap.active_ids.size
             decoding = count - going_at.size
         free = float(capacity[0] * (1 - self.admit_watermark) - used)
-        budget = self.token_budget - decoding
+        budget = self.token_budget - decoding if self.mixed_chunks else self.token_budget
         room = None
         if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
             room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0 if any_partial else None, free)
@@ -257,7 +260,7 @@ class ContinuousPolicy(PolicyDefaults):
             if ids:
                 d.chunk_ids, d.chunk_lens = np.array(ids, np.int64), np.array(lens, np.int64)
                 d.chunk_ranks = np.zeros(len(ids), np.int64)
-                d.prefill_pinned = True
+                d.prefill_pinned, d.chunks_only = True, not self.mixed_chunks
         if not n_wait and not any_partial and not drop.size:
             d.stop = "none"
         return d

@@ -75,7 +75,7 @@ def boundary(backend: "SimBackend", engine: "Engine", instance: int, d: Decision
         if partial.any():  # part-way through a chunked prefill: no token to decode yet
             ids = ids[~partial]
     if d.chunk_ids.size:
-        return _forward(backend, engine, instance, d, progress, now, folded, ids)
+        return _forward(backend, engine, instance, d, progress, now, folded, _EMPTY if d.chunks_only else ids)
     if not ids.size:
         return None  # nothing runs: the engine's idle handling
     decoded = t.decoded[ids]

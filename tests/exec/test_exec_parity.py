@@ -67,16 +67,17 @@ def test_greedy_matches_hf_generate(saved, policy, kv_tokens):
         assert out.kv_moves.get("migrate", 0) > 0 or out.kv_moves.get("restore", 0) > 0
 
 
-@pytest.mark.parametrize("chunked,token_budget,kv_tokens", [(True, 12, 80), (False, 0, 80)])
-def test_continuous_chunked_prefill_matches_hf_generate(saved, chunked, token_budget, kv_tokens):
+@pytest.mark.parametrize("chunked,mixed,token_budget,kv_tokens", [(True, True, 12, 80), (True, False, 12, 80),
+                                                                  (False, True, 0, 80)])
+def test_continuous_chunked_prefill_matches_hf_generate(saved, chunked, mixed, token_budget, kv_tokens):
     """Chunked prefill with a budget below most prompts: prompts are split over several forwards (each chunk
-    attends over the KV its earlier chunks left in the paged cache, beside the running sequences' decodes), and
-    greedy outputs still equal transformers'; with a small KV pool part-prefilled prompts are preempted too.
-    chunked_prefill=false keeps the whole-prompt rule."""
+    attends over the KV its earlier chunks left in the paged cache, beside the running sequences' decodes, or
+    alone while they wait with mixed_chunks=false), and greedy outputs still equal transformers'; with a small KV
+    pool part-prefilled prompts are preempted too. chunked_prefill=false keeps the whole-prompt rule."""
     model, path = saved
     rng = np.random.default_rng(3)
     inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
-    knobs = {"chunked_prefill": chunked, **({"token_budget": token_budget} if chunked else {})}
+    knobs = {"chunked_prefill": chunked, **({"token_budget": token_budget, "mixed_chunks": mixed} if chunked else {})}
     job = make_job("continuous", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
     out = execute(job, ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens)))
@@ -85,8 +86,11 @@ def test_continuous_chunked_prefill_matches_hf_generate(saved, chunked, token_bu
     forwards = [r.decision.chunked for r in out.records if r.decision is not None]
     split = [sid for sid in range(N) if sum(sid in c for c in forwards) > 1]
     phases = {r.phase for r in out.records}
-    if chunked:
+    if chunked and mixed:
         assert len(split) >= N // 2 and "mixed" in phases  # most prompts took several forwards, beside decodes
+    elif chunked:  # chunks alone: every forward that prefills carries no decode
+        assert len(split) >= N // 2 and phases == {"prefill", "decode"}
+        assert all(not r.decision.decoded for r in out.records if r.decision is not None and r.decision.chunked)
     else:
         assert not split and phases == {"prefill", "decode"}
     if kv_tokens < 1000:
