@@ -608,3 +608,13 @@ def test_one_pass_boundaries_leave_observed_and_multi_gpu_runs_to_the_general_co
     assert seen and not taken  # never asked: the engine keeps the general path for an observed run
     simulate(make_job("continuous", "tiny_moe", "h100_8", n=40), progress=False)
     assert taken and all(run is None for run in taken)
+
+
+def test_one_pass_boundaries_price_on_numpy_where_the_scalar_path_declines(monkeypatch):
+    """A run the scalar roofline declines (a token count beyond its curves) is priced by the numpy loads in the
+    one-pass path too, with the same result."""
+    import batchgen.sim.fused as fused
+
+    monkeypatch.setattr(fused, "price_row", lambda *args: None)
+    fast, ref = both_ways(dataclasses.replace(vidur_like("continuous", n=40), check_invariants=False))
+    assert_same(fast, ref)

@@ -19,6 +19,7 @@ from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim import fused, repeated
+from batchgen.sim.finishes import few_chunks_finished, finish_offsets
 from batchgen.sim.offload_costs import price_offload
 from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
                                  rows_of, scalar_pricer)
@@ -178,19 +179,11 @@ class SimBackend:
         compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
                                                          + plan.chunk_ids.size, exposed)
         finished = produced == remaining
-        if fastpath.ENABLED and cost.iteration_s.size == 1:  # one iteration: every finish at its one end
-            end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
-            offsets = np.where(finished, end, np.nan)
-        else:
-            offsets = np.full(ids.size, np.nan)
-            if finished.any():
-                clock = boundary + np.cumsum(cost.iteration_s) * scale
-                offsets[finished] = clock[produced[finished] - 1] if compute > 0 else duration
+        offsets = finish_offsets(cost, produced, finished, compute, boundary, duration, scale)
         fast = fastpath.ENABLED
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
         if fast and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
-            chunk_finished = np.array([done and int(t.output_len[sid]) - int(t.decoded[sid]) == 1 for sid, done in
-                                       zip(plan.chunk_ids.tolist(), plan.chunk_completes.tolist())], bool)
+            chunk_finished = few_chunks_finished(t, plan.chunk_ids, plan.chunk_completes)
         else:
             chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
                               if plan.chunk_ids.size or not fast else _NONE)

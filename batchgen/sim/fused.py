@@ -30,6 +30,7 @@ from batchgen.decisions import DeferredDecision
 from batchgen.engine import _FEW_CHUNKS, StepRecord, _kv_ops, _take_chunks, filled
 from batchgen.policy.base import Decision
 from batchgen.sim.costs import decode_load, mixed_load
+from batchgen.sim.finishes import few_chunks_finished, finish_offsets
 from batchgen.sim.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,11 +93,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     """A decode run of K iterations: `apply_decision`'s reserve, `execute`'s scalar price, `record_outcome`."""
     state, t = backend.state, backend.state.table
     context = t.input_len[ids] + decoded
-    P = state.page_tokens
-    need = (context + (steps + P - 1)) // P  # `ClusterState.reserve`: pages for the next `steps` tokens
-    grow = need > t.pages[ids]
-    if grow.any():
-        state._set_pages(ids[grow], need[grow])
+    state.reserve(ids, steps)  # pages for the next `steps` tokens
     state.reserve_host(instance, _EMPTY, _EMPTY)
     run = _Run(instance, "decode", d, _EMPTY, ids, steps)
     if engine.ledger is not None:
@@ -105,7 +102,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     rows = decode_rows(context, produced, K, d.micro_batch)
     cost = price_row(backend._scalar(), rows, False, backend.weight_stream_s, backend.tbo)
     if cost is None:
-        load = decode_load(_zeros(ids.size), context, produced, filled(ids.size, 1, t.tp.dtype), 1, K,
+        load = decode_load(np.zeros(ids.size, np.int64), context, produced, filled(ids.size, 1, t.tp.dtype), 1, K,
                            d.micro_batch, _ZERO_RANK, _ZERO_RANK, False)
         cost = backend._price(load, backend.weight_stream_s, 0.0)
         gate_total = load.gate_tokens.sum()
@@ -115,12 +112,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     compute, boundary, duration, scale = backend.timing(cost, ids.size)
     finished = produced == remaining
     if finished.any():
-        if K == 1:
-            end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
-            times = now + np.where(finished, end, np.nan)[finished]
-        else:
-            clock = boundary + np.cumsum(cost.iteration_s) * scale
-            times = now + (clock[produced[finished] - 1] if compute > 0 else np.full(int(finished.sum()), duration))
+        times = now + finish_offsets(cost, produced, finished, compute, boundary, duration, scale)[finished]
     backend.events += 1
     yield backend.env.timeout(duration)
     t.decoded[ids] += produced  # `ClusterState.advance`: no host copy to grow
@@ -138,11 +130,7 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
     chunk = _take_chunks(state, instance, d, gpus)
     decoded = t.decoded[ids]
     context = t.input_len[ids] + decoded
-    P = state.page_tokens
-    need = (context + P) // P  # `ClusterState.reserve` of one token
-    grow = need > t.pages[ids]
-    if grow.any():
-        state._set_pages(ids[grow], need[grow])
+    state.reserve(ids, 1)  # the page of the token each decode makes
     state.reserve_host(instance, _EMPTY, _EMPTY)
     chunk_ids, starts, lens, completes = (chunk["chunk_ids"], chunk["chunk_start"], chunk["chunk_len"],
                                           chunk["chunk_completes"])
@@ -152,7 +140,7 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
     rows = mixed_rows(starts, lens, completes, context, d.micro_batch)
     cost = price_row(backend._scalar(), rows, True, backend.weight_stream_s, backend.tbo)
     if cost is None:
-        load = mixed_load(chunk["chunk_rank"], starts, lens, completes, _zeros(ids.size), context, 1,
+        load = mixed_load(chunk["chunk_rank"], starts, lens, completes, np.zeros(ids.size, np.int64), context, 1,
                           d.micro_batch, False)
         cost = backend._price(load, backend.weight_stream_s)
         gate_total = load.gate_tokens.sum()
@@ -161,10 +149,8 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
     compute, boundary, duration, scale = backend.timing(cost, ids.size + chunk_ids.size)
     finished = t.output_len[ids] - decoded == 1
     if finished.any():
-        end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
-        times = now + np.where(finished, end, np.nan)[finished]
-    chunk_finished = [done and int(t.output_len[sid]) - int(t.decoded[sid]) == 1
-                      for sid, done in zip(chunk_ids.tolist(), completes.tolist())]
+        times = now + finish_offsets(cost, filled(ids.size, 1, np.int64), finished, compute, boundary, duration, scale)[finished]
+    chunk_finished = few_chunks_finished(t, chunk_ids, completes)
     backend.events += 1
     yield backend.env.timeout(duration)
     t.decoded[ids] += 1  # `ClusterState.advance`: no host copy to grow
@@ -177,7 +163,7 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
             t.decoded[sid] += 1
             if t.first_token_time[sid] != t.first_token_time[sid]:
                 t.first_token_time[sid] = at
-    ended = chunk_ids[np.array(chunk_finished, bool)] if any(chunk_finished) else _EMPTY
+    ended = chunk_ids[chunk_finished]
     if ended.size:
         state.finish(instance, ended, np.full(ended.size, at))
         done = np.concatenate([done, ended])
@@ -202,10 +188,6 @@ def _close(backend, engine, instance, d, progress, start, folded, run, duration,
         DeferredDecision(d, run, folded), cost.modules))
     if engine.check_invariants:
         state.check()
-
-
-def _zeros(n: int) -> np.ndarray:
-    return np.zeros(n, np.int64)
 
 
 _ZERO_RANK = np.zeros(1, np.int64)
