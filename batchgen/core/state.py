@@ -242,15 +242,18 @@ class ClusterState:
         if used > self.peak_pages[g]:
             self.peak_pages[g] = used
 
-    def reserve(self, ids: np.ndarray, lookahead_tokens: int) -> None:
+    def reserve(self, ids: np.ndarray, lookahead_tokens: int, context: np.ndarray | None = None) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
-        (host-resident ones hold no pages)."""
+        (host-resident ones hold no pages). `context`: the sequences' contexts where the caller has them."""
         if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
-            ids = ids[~self.table.host_resident[ids]]
+            keep = ~self.table.host_resident[ids]
+            ids, context = ids[keep], None
+        if context is None:
+            context = self.table.context(ids)
         if fastpath.ENABLED and not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
-            need = (self.table.context(ids) + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
+            need = (context + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
         else:
-            need = self.pages_needed(ids, self.table.context(ids) + lookahead_tokens)
+            need = self.pages_needed(ids, context + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])

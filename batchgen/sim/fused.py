@@ -93,7 +93,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     """A decode run of K iterations: `apply_decision`'s reserve, `execute`'s scalar price, `record_outcome`."""
     state, t = backend.state, backend.state.table
     context = t.input_len[ids] + decoded
-    state.reserve(ids, steps)  # pages for the next `steps` tokens
+    state.reserve(ids, steps, context)  # pages for the next `steps` tokens
     state.reserve_host(instance, _EMPTY, _EMPTY)
     run = _Run(instance, "decode", d, _EMPTY, ids, steps)
     if engine.ledger is not None:
@@ -130,7 +130,7 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
     chunk = _take_chunks(state, instance, d, gpus)
     decoded = t.decoded[ids]
     context = t.input_len[ids] + decoded
-    state.reserve(ids, 1)  # the page of the token each decode makes
+    state.reserve(ids, 1, context)  # the page of the token each decode makes
     state.reserve_host(instance, _EMPTY, _EMPTY)
     chunk_ids, starts, lens, completes = (chunk["chunk_ids"], chunk["chunk_start"], chunk["chunk_len"],
                                           chunk["chunk_completes"])
