@@ -58,6 +58,9 @@ class StepPlan:
     # the KV moves that come before the run (batchgen.core.ops), per GPU; None for a backend that prices the
     # bytes in `moves` instead of moving KV (the simulator) and does not ask for them
     ops: KVOps | None = None
+    # running sequences that wait beside this run without a token of it (a chunks-only forward's decodes): still
+    # running, and counted so in the step record
+    waiting: int = 0
 
     @property
     def phase(self) -> Phase:
@@ -337,8 +340,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         partial = t.prefilled[decode_ids] > 0
         if partial.any():  # part-way through a chunked prefill: no token to decode yet
             decode_ids = decode_ids[~partial]
+    waiting = 0
     if chunked and d.chunks_only:
-        decode_ids = _EMPTY  # a prefill-only forward: the running sequences wait for it
+        waiting, decode_ids = decode_ids.size, _EMPTY  # a prefill-only forward: the running sequences wait for it
     chunk = {}
     if chunked:
         chunk = _take_chunks(state, instance, d, gpus)
@@ -359,7 +363,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
         cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
-        **chunk,
+        waiting=waiting, **chunk,
     )
 
 
@@ -675,21 +679,27 @@ class Engine:
     def record(self, instance: int, plan: StepPlan, result: StepResult, start: float, progress: InstanceProgress,
                padded: bool, summary: BoundaryDecision) -> None:
         """Fold a run's outcome into the state and record it (its step record, observers, invariant checks)."""
-        state = self.state
-        record_outcome(state, plan, result, start, progress, padded)
-        if self.ledger is not None:
-            self.ledger.finished(instance, finished_ids(plan, result))
+        record_outcome(self.state, plan, result, start, progress, padded)
         if self.on_step is not None:
             self.on_step(plan, result)
+        running = plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size + plan.waiting
+        self.closed(instance, progress, StepRecord(
+            instance, start, result.duration, plan.phase, result.iterations, result.tokens, int(running),
+            result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm, summary, result.modules),
+            finished_ids(plan, result) if self.ledger is not None else None)
+
+    def closed(self, instance: int, progress: InstanceProgress, record: StepRecord,
+               finished: np.ndarray | None) -> None:
+        """The end of a run, whichever path ran it (`record`, or a backend's one-pass boundary): the KV ledger
+        forgets the sequences that `finished` (given where there is a ledger), waiting instances look again, and
+        the step record is kept."""
+        if self.ledger is not None:
+            self.ledger.finished(instance, finished)
         self.liveness.changed(self.backend)
-        progress.last_phase = plan.phase
-        self.records.append(StepRecord(instance, start, result.duration, plan.phase, result.iterations,
-                                       result.tokens, int(plan.decode_ids.size + plan.prefill_ids.size
-                                                          + plan.chunk_ids.size),
-                                       result.expert_tokens, result.expert_calls, result.rank_busy,
-                                       result.rank_comm, summary, result.modules))
+        progress.last_phase = record.phase
+        self.records.append(record)
         if self.check_invariants:
-            state.check()
+            self.state.check()
 
     def finish(self) -> None:
         """After every loop ended: every sequence finished, and the bookkeeping recounts."""

@@ -218,6 +218,36 @@ def test_unmixed_chunks_run_alone_with_the_whole_budget_while_decodes_wait():
     assert lens == {True: [100, 100, 46], False: [100, 100, 50]}
 
 
+def test_a_chunks_only_forward_counts_the_decodes_that_wait_for_it_as_running(monkeypatch):
+    """Beside a forward of chunks alone (mixed_chunks=false) the running sequences wait, but they still run (they hold
+    their KV and decode next): its step record counts them, so the time-weighted `running` metric does not fall when
+    the chunks run alone (tests/test_sim_fastpath.py's unmixed case holds the one-pass path to the same records)."""
+    from batchgen.engine import apply_decision
+    from test_sim_fastpath import vidur_like
+    job, state = _one_gpu_with_running(4, "greedy", token_budget=250, mixed_chunks=False)
+    plan = apply_decision(state, 0, job.policy.decide(snapshot(state)), InstanceProgress(1))
+    assert plan.phase == "prefill" and plan.waiting == 4 and plan.chunk_ids.size == 3
+    job = vidur_like("sglang_opt", n=60, mixed_chunks=False)
+    after = []  # per run: sequences running on the instance once it ended, and those that ended in it
+
+    def observe(plan, result):
+        state = observe.state
+        after.append((state.active[0].size, int(result.finished.sum() + result.chunk_finished.sum()), plan))
+    import batchgen.sim.run as run
+    real_prepare = run.prepare
+
+    def prepare_and_watch(*a, **k):  # the observer reads the run's state
+        prepared = real_prepare(*a, **k)
+        observe.state = prepared.state
+        return prepared
+    monkeypatch.setattr(run, "prepare", prepare_and_watch)
+    out = simulate(job, progress=False, on_step=observe)
+    alone = [(r, a) for r, a in zip(out.records, after) if "chunks_only" in r.decision.flags]
+    assert any(a[2].waiting for _, a in alone), "some forward of chunks alone ran while sequences decoded"
+    for r, (active, ended, plan) in alone:  # no decode ran, so every sequence of the forward is still there
+        assert r.running == plan.chunk_ids.size + plan.waiting == active + ended
+
+
 def test_conservative_ratio_decays_per_forward_and_is_reestimated_after_a_preemption():
     """The ratio travels from one decision to the next in `Decision.carry` (the engine hands it to the next
     snapshot): the policy itself keeps nothing."""

@@ -76,7 +76,9 @@ def boundary(backend: "SimBackend", engine: "Engine", instance: int, d: Decision
         if partial.any():  # part-way through a chunked prefill: no token to decode yet
             ids = ids[~partial]
     if d.chunk_ids.size:
-        return _forward(backend, engine, instance, d, progress, now, folded, _EMPTY if d.chunks_only else ids)
+        if d.chunks_only:  # the running sequences wait for this forward (counted as running in its record)
+            return _forward(backend, engine, instance, d, progress, now, folded, _EMPTY, ids.size)
+        return _forward(backend, engine, instance, d, progress, now, folded, ids, 0)
     if not ids.size:
         return None  # nothing runs: the engine's idle handling
     decoded = t.decoded[ids]
@@ -122,9 +124,9 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     _close(backend, engine, instance, d, progress, now, folded, run, duration, K, gate_total, ids.size, cost, done)
 
 
-def _forward(backend, engine, instance, d, progress, now, folded, ids):
-    """One forward of prompt chunks beside every decode: `apply_decision`'s chunks and reserve, `execute`'s scalar
-    price, `record_outcome`."""
+def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
+    """One forward of prompt chunks beside the decodes `ids`: `apply_decision`'s chunks and reserve, `execute`'s
+    scalar price, `record_outcome`. `waiting`: running sequences that wait for it (a chunks-only forward's)."""
     state, t = backend.state, backend.state.table
     gpus = state.instance_gpus(instance)
     chunk = _take_chunks(state, instance, d, gpus)
@@ -168,26 +170,19 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids):
         state.finish(instance, ended, np.full(ended.size, at))
         done = np.concatenate([done, ended])
     _close(backend, engine, instance, d, progress, now, folded, run, duration, 1, gate_total,
-           ids.size + chunk_ids.size, cost, done)
+           ids.size + chunk_ids.size + waiting, cost, done)
 
 
 def _close(backend, engine, instance, d, progress, start, folded, run, duration, K, gate_total, running, cost,
            done):
     """`record_outcome`'s end and `Engine.record`: the host reservation released, the run's step record."""
-    state = backend.state
-    state.reserve_host(instance, _EMPTY, _EMPTY)
-    if engine.ledger is not None:
-        engine.ledger.finished(instance, done)
-    engine.liveness.changed(backend)
-    progress.last_phase = run.phase
+    backend.state.reserve_host(instance, _EMPTY, _EMPTY)
     expert = cost.expert_tokens
-    engine.records.append(StepRecord(
+    engine.closed(instance, progress, StepRecord(
         instance, start, duration, run.phase, K, int(gate_total), running,
         float(expert[0] if expert.size == 1 else expert.sum()),
         int((expert > 0).sum()) if backend.lat.model.is_moe else 0, cost.rank_busy, cost.rank_comm + 0.0,
-        DeferredDecision(d, run, folded), cost.modules))
-    if engine.check_invariants:
-        state.check()
+        DeferredDecision(d, run, folded), cost.modules), done)
 
 
 _ZERO_RANK = np.zeros(1, np.int64)
