@@ -16,7 +16,7 @@ from pathlib import Path
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from batchgen.confdir import conf_dir
 from batchgen.memory import ConfigError
@@ -74,7 +74,7 @@ def estimate_job(cfg: DictConfig) -> None:
     from batchgen.batch.estimate import DEFAULT_OUTPUT, EstimateInput, estimate, format_estimate
     from batchgen.batch.job import model_dir
     from batchgen.batch.requests import ApproximateTokenizer, ModelInfo, read_requests
-    from batchgen.setup import build_setup, checked_calibration, model_path, model_spec
+    from batchgen.setup import build_setup, checked_calibration, model_path, model_spec, policy_config
     from batchgen.policy import policy_names
     from batchgen.progress import enabled
 
@@ -105,7 +105,7 @@ def estimate_job(cfg: DictConfig) -> None:
     if not names or unknown:
         raise ConfigError(f"job.estimate_policies={names}: give a list of policies from {', '.join(policy_names())}")
     chosen = _plain(cfg.policy) if cfg.get("policy") is not None else {}
-    policies = [chosen if chosen.get("name") == n else _policy_file(n) for n in names]
+    policies = [chosen if chosen.get("name") == n else policy_config(n, spec) for n in names]
     output = job.get("estimate_output") or DEFAULT_OUTPUT
     rows = estimate(spec, setup.cluster, inp, policies, output=output, seed=cfg.get("seed", 0),
                     efficiency=setup.efficiency, latency=setup.latency, memory=setup.memory,
@@ -119,10 +119,6 @@ def _share(value) -> bool | None:
     if value == "auto" or isinstance(value, bool):
         return None if value == "auto" else value
     raise ConfigError(f"job.estimate_share must be auto, true or false, got {value!r}")
-
-
-def _policy_file(name: str) -> dict:
-    return _plain(OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml"))
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="run")

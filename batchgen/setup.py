@@ -32,6 +32,18 @@ def plain(node: Any) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
 
 
+def policy_config(name: str, model: ModelSpec, **overrides) -> dict:
+    """Policy `name`'s config file as a run composes it for `model`, then `overrides`: its interpolations of the
+    model resolved (continuous and sglang_opt read ${model.max_context} for SGLang's output reserve; loaded
+    alone, the file would give 0, the reserve of a model whose context is unknown)."""
+    path = conf_dir() / "policy" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no policy {name!r}: choose one of {', '.join(policy_names())}")
+    root = OmegaConf.create({"model": {"max_context": model.max_context}})
+    root.policy = OmegaConf.load(path)
+    return {**OmegaConf.to_container(root.policy, resolve=True), **overrides}
+
+
 def model_path(cfg: DictConfig) -> str | None:
     """A model directory given as model.path (or, for the executor, backend.model_path)."""
     backend = cfg.get("backend") or {}

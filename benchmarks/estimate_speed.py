@@ -13,10 +13,9 @@ import argparse
 import time
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from batchgen.batch.estimate import DEFAULT_OUTPUT, EstimateInput, estimate, format_estimate
-from batchgen.confdir import conf_dir
+from batchgen.setup import policy_config
 from batchgen.specs import load_cluster, load_model
 
 
@@ -42,8 +41,7 @@ def main() -> None:
 
     start = time.perf_counter()
     model, cluster = load_model(args.model), load_cluster(args.cluster)
-    policies = [OmegaConf.to_container(OmegaConf.load(conf_dir() / "policy" / f"{p}.yaml"))
-                for p in args.policies.split(",")]
+    policies = [policy_config(p, model) for p in args.policies.split(",")]
     inp = build_input(args.requests)
     output = DEFAULT_OUTPUT if args.output == "default" else {"kind": "max_tokens"}
     share = {"auto": None, "yes": True, "no": False}[args.share]

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from batchgen.confdir import conf_dir
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.job import Job
 from batchgen.policy import make_policy
 from batchgen.results import summarize
+from batchgen.setup import policy_config
 from batchgen.specs import load_cluster, load_model
 from batchgen.workload import build_workload
 
@@ -116,13 +116,6 @@ def hf_generate(model, prompts: list[np.ndarray], outputs: np.ndarray, batches) 
         h.remove()
     calls = len(rows)
     return seconds, (sum(rows) / calls) * spec_k / spec_e if calls else 0.0
-
-
-def policy_config(name: str, model, **overrides) -> dict:
-    """The policy's config file as a run composes it for `model` (${model.max_context} resolved)."""
-    root = OmegaConf.create({"model": {"max_context": model.max_context}})
-    root.policy = OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")
-    return {**OmegaConf.to_container(root.policy, resolve=True), **overrides}
 
 
 def main() -> None:

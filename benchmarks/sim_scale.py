@@ -47,6 +47,7 @@ from batchgen.confdir import conf_dir
 from batchgen.job import Job
 from batchgen.memory import ConfigError
 from batchgen.policy import make_policy, policy_names
+from batchgen.setup import policy_config
 from batchgen.sim.run import simulate
 from batchgen.specs import ClusterSpec, load_cluster, load_model
 from batchgen.workload import build_workload
@@ -68,10 +69,8 @@ VIDUR_RUN_S = 9.7
 
 
 def _load_policy(name: str, model):
-    """The policy's config as a run composes it: interpolations such as ${model.max_context} resolved."""
-    root = OmegaConf.create({"model": {"max_context": model.max_context}})
-    root.policy = OmegaConf.load(conf_dir() / "policy" / f"{name}.yaml")
-    return make_policy(OmegaConf.to_container(root.policy, resolve=True))
+    """The policy as a run composes it for `model` (batchgen.setup.policy_config)."""
+    return make_policy(policy_config(name, model))
 
 
 def run_kinds(records) -> tuple[int, int, float]:

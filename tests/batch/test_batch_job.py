@@ -295,6 +295,27 @@ def test_estimate_reads_the_file_and_loads_no_weights(demo, tmp_path, capsys, mo
     assert "approximate" not in out  # the demo directory has a tokenizer
 
 
+def test_estimated_policies_read_the_models_context_as_a_run_does(tmp_path, capsys, monkeypatch):
+    """A policy the estimate loads from its file (not the job's +policy) is composed with the model: sglang_opt's
+    output reserve reads the model's context, as in a run (loaded alone, the file gives 0: context unknown)."""
+    import batchgen.batch.estimate as estimate_module
+    from batchgen.specs import load_model
+
+    class Seen(Exception):
+        pass
+
+    def capture(model, cluster, inp, policies, **kwargs):
+        raise Seen(policies)
+    monkeypatch.setattr(estimate_module, "estimate", capture)
+    requests = write_lines(tmp_path / "requests.jsonl", [completion(f"a{k}", "word " * 50, max_tokens=16)
+                                                         for k in range(5)])
+    with pytest.raises(Seen) as seen:
+        estimate_output(capsys, f"job.input={requests}", "model=qwen3_30b_a3b", "cluster=h100_8",
+                        "job.estimate_policies=[sglang_opt,continuous]")
+    contexts = [p["model_context"] for p in seen.value.args[0]]
+    assert contexts == [load_model("qwen3_30b_a3b").max_context] * 2
+
+
 def test_estimate_without_a_model_directory_guesses_prompt_lengths(tmp_path, capsys):
     requests = write_lines(tmp_path / "requests.jsonl",
                            [completion(f"a{k}", "word " * 200, max_tokens=128) for k in range(100)])
