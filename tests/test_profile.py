@@ -57,3 +57,30 @@ def test_in_run_stage_measures_each_module_inside_real_runs(tmp_path):
     assert set(stage["scales"]) == set(SCALED)
     assert all(0.2 < v < 20 for v in stage["scales"].values())  # same code, same machine: same order
     assert all(stage["measured_s"][k] > 0 and stage["predicted_s"][k] > 0 for k in SCALED)
+
+
+def test_the_calibration_check_tells_a_file_that_no_longer_describes_this_machine(tmp_path):
+    """The check times a few of a file's own points again: a file profiled here just now describes this machine;
+    the same file with every recorded time scaled by 4 (a machine four times slower) or by 1/4 is stale, and the
+    check's factor says by how much (noise on a shared machine is far below 4x)."""
+    import json
+
+    from batchgen.profile.probe import probe
+
+    out = tmp_path / "cal.json"
+    assert main(["model=tiny_moe", "backend.device=cpu", "backend.threads=1", "grid=test", "warmup=1",
+                 "repeats=5", f"out={out}", "in_run=false"]) == 0
+    data = json.loads(out.read_text())
+    spec = load_model("tiny_moe")
+    for scale in (4.0, 0.25):
+        scaled = tmp_path / f"x{scale}.json"
+        for points in data["modules"].values():
+            for p in points:
+                p["seconds"] *= scale
+        scaled.write_text(json.dumps(data))
+        drift = probe(scaled, spec)
+        assert drift.stale and drift.points >= 6 and "Profile this machine again" in drift.describe()
+        assert (drift.factor < 0.5) if scale > 1 else (drift.factor > 2.0)
+        for points in data["modules"].values():  # back to the measured times
+            for p in points:
+                p["seconds"] /= scale

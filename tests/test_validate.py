@@ -3,6 +3,7 @@ of the simulator's time, and `python -m batchgen.validate`'s cases, errors and l
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -137,6 +138,10 @@ def test_summary_line_is_median_and_worst_absolute_error():
                for i, p in enumerate((1.02, 0.9, 1.05))]
     assert summary_line(results) == "median_abs_error=5.0% worst_abs_error=10.0%"
     assert summary_line(results, cpu=True) == "median_abs_error=104.0% worst_abs_error=110.0%"  # 1.02 / 0.5
+    # a machine at 0.5x the calibration's times: the predictions, halved, are 49-55% low
+    results = [dataclasses.replace(r, drift=0.5) for r in results]
+    assert summary_line(results, drift=True) == "median_abs_error=49.0% worst_abs_error=55.0%"
+    assert summary_line(results) == "median_abs_error=5.0% worst_abs_error=10.0%"  # the last line: unscaled
 
 
 @pytest.mark.slow

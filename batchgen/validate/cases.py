@@ -37,7 +37,10 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
   policy=NAME[,NAME...]                     only these policies (default: all)
   backend.repeats=N  backend.threads=N      executor repeats (default 5) and threads (default 1)
-  any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case"""
+  any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case
+  Before and after the executor's runs, a few of the calibration's own points are timed again (a couple of
+  seconds): their factor says whether the calibration still describes this machine, and a line before the last
+  gives the errors with the predictions rescaled by it (the machine's change of speed taken out)."""
 
 
 @dataclass(frozen=True)

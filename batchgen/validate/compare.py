@@ -37,6 +37,7 @@ class CaseResult:
     cpu_share: float              # the median run's CPU seconds / (wall x threads): < 1 when the cores were taken
     difference: Difference | None  # where the decision traces part; None: equal
     boundaries: int
+    drift: float | None = None    # this machine's seconds per calibrated second during the run (profile.probe)
 
     @property
     def error(self) -> float:
@@ -50,6 +51,12 @@ class CaseResult:
         return self.predicted.bct_s / (self.measured.bct_s * self.cpu_share) - 1.0 if self.cpu_share else self.error
 
     @property
+    def drift_error(self) -> float:
+        """The error of the prediction rescaled by the calibration check's factor: an estimate of the error left
+        once the machine's change of speed since it was profiled is taken out (the model of time's own)."""
+        return self.predicted.bct_s * self.drift / self.measured.bct_s - 1.0 if self.drift else self.error
+
+    @property
     def spread(self) -> float:
         return (max(self.runs_s) - min(self.runs_s)) / statistics.median(self.runs_s)
 
@@ -61,6 +68,20 @@ class CaseResult:
 def compose_case(case: Case):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose(config_name="config", overrides=list(case.overrides))
+
+
+def calibrations(cases: list[Case]) -> dict[Path, object]:
+    """The calibration files the cases' predictions read (latency=table), each with its model's spec."""
+    from batchgen.latency import LatencySettings
+    from batchgen.setup import model_spec, plain
+
+    out = {}
+    for case in cases:
+        cfg = compose_case(case)
+        latency = LatencySettings(**plain(cfg.get("latency")))
+        if latency.name == "table":
+            out.setdefault(latency.calibration_path(), model_spec(cfg))
+    return out
 
 
 def module_totals(records, total: float) -> dict[str, float]:
@@ -94,7 +115,7 @@ def measure(cases: list[Case], progress=None) -> list:
     return [median_run(r) for r in runs]
 
 
-def compare(case: Case, measured) -> CaseResult:
+def compare(case: Case, measured, drift: float | None = None) -> CaseResult:
     """The simulator's prediction for the job the executor measured, with the executor's capabilities and the
     KV pool it allocated (the same snapshots, hence the same decisions)."""
     from batchgen.sim.run import simulate
@@ -105,4 +126,4 @@ def compare(case: Case, measured) -> CaseResult:
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
                       Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
-                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace))
+                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace), drift)

@@ -37,7 +37,8 @@ def differences(results: list[CaseResult]) -> list[str]:
             if r.difference is not None]
 
 
-def summary_line(results: list[CaseResult], cpu: bool = False) -> str:
-    """`cpu`: against the CPU-share-scaled measurement (err@cpu), for the line before the last."""
-    errors = [abs(r.cpu_error if cpu else r.error) for r in results]
+def summary_line(results: list[CaseResult], cpu: bool = False, drift: bool = False) -> str:
+    """`cpu`: against the CPU-share-scaled measurement (err@cpu); `drift`: the prediction rescaled by the calibration
+    check (`CaseResult.drift_error`); both for the lines before the last."""
+    errors = [abs(r.cpu_error if cpu else r.drift_error if drift else r.error) for r in results]
     return f"median_abs_error={100 * statistics.median(errors):.1f}% worst_abs_error={100 * max(errors):.1f}%"
