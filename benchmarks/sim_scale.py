@@ -19,7 +19,10 @@ round runs Vidur, then every policy), and the best of each is compared: the rati
 it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S below).
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 
-Measured side by side (`--vidur-dir`, 3 rounds, best of each) on a 2-core AVX-512 machine, December 1, 2026,
+Measured side by side (`--vidur-dir`, 3 rounds, best of each) on a 2-core AVX-512 machine, December 2, 2026, 01:21:
+Vidur 11.45 s, continuous 1.60 s (7.1x), sglang_opt 2.02 s (5.7x), static 13.6x, flexgen 15.5x, moe_lightning 15.8x,
+zero_inference 17.4x, coroutine 14.7x; a few minutes before, on a slower spell (Vidur 14.98 s), continuous 10.2x and
+sglang_opt 6.2x: the ratio moves by a fifth between runs. December 1, 2026,
 23:46 (Vidur's rounds 11.93, 11.22 and 10.08 s: the machine's speed moved), after continuous's chunks began to wait
 for whole pages (vLLM V1's rule): Vidur 10.08 s in its event loop (numpy 1.26.4, pandas 2.2.3, scikit-learn
 1.9.1), continuous 1.24 s (8.1x), sglang_opt 1.81 s (5.6x), static 0.85 s (11.8x), flexgen 0.71 s (14.2x),

@@ -1,6 +1,9 @@
-"""The profiler end to end on a tiny grid, and its one-line errors."""
+"""The profiler end to end on a tiny grid, and its one-line errors; the calibration check."""
+from pathlib import Path
+
 import pytest
 
+import batchgen
 from batchgen.calibrate.fileformat import read
 from batchgen.latency.roofline import Roofline
 from batchgen.latency.table import TablePredictor
@@ -84,3 +87,25 @@ def test_the_calibration_check_tells_a_file_that_no_longer_describes_this_machin
         for points in data["modules"].values():  # back to the measured times
             for p in points:
                 p["seconds"] /= scale
+
+
+def test_the_calibration_check_declines_a_file_it_cannot_time_again(tmp_path):
+    """A GEMM-only file (Vidur's, imported) has no module point to time; a CUDA file cannot be timed on a machine
+    without CUDA: the check says why instead of failing."""
+    import json
+
+    import torch
+
+    from batchgen.profile.probe import probe
+
+    shipped = json.loads((Path(batchgen.__file__).parent / "data" / "calibration" /
+                          "cpu_epyc_milan_2c-tiny_moe.json").read_text())
+    gemms = tmp_path / "gemms.json"
+    gemms.write_text(json.dumps({**shipped, "modules": {}}))
+    with pytest.raises(ValueError, match="no module points"):
+        probe(gemms, load_model("tiny_moe"))
+    if not torch.cuda.is_available():
+        cuda = tmp_path / "cuda.json"
+        cuda.write_text(json.dumps({**shipped, "key": {**shipped["key"], "device": "cuda", "device_name": "H200"}}))
+        with pytest.raises(ValueError, match="H200.*none"):
+            probe(cuda, load_model("tiny_moe"))

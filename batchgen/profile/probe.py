@@ -1,10 +1,11 @@
 """Whether a calibration still describes this machine: a few of its grid points timed again, now.
 
-Why. A calibration is one machine at one time. On a shared cloud VM of the same type, the whole grid ran about
-twice as fast on December 2 as when the shipped CPU calibration was profiled (November 30): every module, plain
-host copies included, so the machine and not the code had changed; validation's median error went from 3% to 64%
-with no change to the model of time. Timing a handful of the file's own points again takes a second or two and
-says, before anyone trusts a prediction, by what factor this machine differs from the one that was profiled.
+Why. A calibration is one machine at one time, and a shared cloud machine's speed moves: on December 2 the whole
+grid of the shipped CPU calibration (profiled November 30 on a machine of the same type) ran at 0.43x its recorded
+times, plain host copies included, and this check's own factor moved from 0.50x to 0.91x within ten minutes.
+Validation's median error went from 3% to 57% with no change to the model of time. Timing a handful of the
+file's own points again takes a couple of seconds and says, before anyone trusts a prediction, by what factor
+this machine differs now from the one that was profiled.
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from batchgen.profile.cases import Bench
-from batchgen.profile.grid import grid_named
-from batchgen.profile.timing import Clock
 from batchgen.specs import ModelSpec
 
 # modules probed: `step` is a difference of two wall times (noisy on its own), the router a few microseconds
@@ -41,13 +37,14 @@ class Drift:
 
     @property
     def stale(self) -> bool:
-        return _stale(self.factor)
+        return stale(self.factor)
 
     def describe(self) -> str:
         return describe([self])
 
 
-def _stale(factor: float) -> bool:
+def stale(factor: float) -> bool:
+    """A factor outside the tolerance: the calibration no longer describes this machine."""
     return not 1 / (1 + TOLERANCE) <= factor <= 1 + TOLERANCE
 
 
@@ -61,7 +58,7 @@ def describe(checks: list[Drift]) -> str:
     parts = ", ".join(f"{m} {r:.2f}x" for m, r in last.ratios.items())
     line = (f"calibration check: {last.points} of {last.path.name}'s points ran at {when} their recorded times on "
             f"this machine (per module, the last check: {parts})")
-    if not _stale(mean):
+    if not stale(mean):
         return line + ": it still describes this machine"
     return (line + ": it does not describe this machine now, and predictions from it are off by about that factor. "
             "Profile this machine again (README, 'The executor's own machine': python -m batchgen.profile ... "
@@ -74,11 +71,20 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
     of each module in `PROBED` at these quantiles of its recorded seconds: small calls drifted the most (per-call
     overheads), and a small job makes many of them; the slowest points (a second or more in all) are left out.
     A couple of seconds in all."""
+    import torch
+
+    from batchgen.profile.cases import Bench
+    from batchgen.profile.grid import grid_named
     from batchgen.profile.run import all_cases, build_profile_model, measure
+    from batchgen.profile.timing import Clock
 
     calibration = json.loads(Path(path).read_text())
     key, settings = calibration["key"], calibration["settings"]
+    if not calibration.get("modules"):
+        raise ValueError("it has no module points to time again (GEMMs only)")
     device, dtype = torch.device(key["device"]), getattr(torch, key["dtype"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"it was profiled on {key.get('device_name', 'a CUDA device')}, and this machine has none")
     before = torch.get_num_threads()
     torch.set_num_threads(int(key["threads"]))
     try:

@@ -38,9 +38,9 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   policy=NAME[,NAME...]                     only these policies (default: all)
   backend.repeats=N  backend.threads=N      executor repeats (default 5) and threads (default 1)
   any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case
-  Before and after the executor's runs, a few of the calibration's own points are timed again (a couple of
-  seconds): their factor says whether the calibration still describes this machine, and a line before the last
-  gives the errors with the predictions rescaled by it (the machine's change of speed taken out)."""
+  Before the executor's runs and after each round, a few of the calibration's own points are timed again (a
+  couple of seconds): their factor says whether the calibration still describes this machine; where it does not,
+  a line before the last gives the errors with the predictions rescaled by it (the machine's change taken out)."""
 
 
 @dataclass(frozen=True)
