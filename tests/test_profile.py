@@ -63,9 +63,9 @@ def test_in_run_stage_measures_each_module_inside_real_runs(tmp_path):
 
 
 def test_the_calibration_check_tells_a_file_that_no_longer_describes_this_machine(tmp_path):
-    """The check times a few of a file's own points again: a file profiled here just now describes this machine;
-    the same file with every recorded time scaled by 8 (as if profiled on a machine eight times slower) or by 1/8 is stale, and the
-    check's factor says which way (a shared machine's noise, up to 4x here, is far below that)."""
+    """The check times a few of a file's own points again. A file profiled here just now, with every recorded time
+    scaled by 8 (as if profiled on a machine eight times slower) or by 1/8, is stale, and the check's factor says
+    which way: a shared machine's noise (up to 4x here) is far below that."""
     import json
 
     from batchgen.profile.probe import probe
