@@ -16,13 +16,16 @@ the events are: forwards that prefill, decode runs and a decode run's mean itera
 with `slowest_policy=<name> vs_vidur=<ratio>` (wall). The target (issue 7) is at least 10x for every policy.
 With --vidur-dir, Vidur runs in this process's rounds on the very same requests (benchmarks/vidur_run.py: each
 round runs Vidur, then every policy), and the best of each is compared: the ratio measured side by side; without
-it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S below).
+it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S below). Side by side, `rounds` also
+gives the lowest and highest of each round's own ratio (that round's Vidur over that round's policy): how far a
+shared machine's changes of speed move the ratio.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 
 Measured side by side (`--vidur-dir`, 3 rounds, best of each) on a 2-core AVX-512 machine, December 2, 2026, 01:21:
 Vidur 11.45 s, continuous 1.60 s (7.1x), sglang_opt 2.02 s (5.7x), static 13.6x, flexgen 15.5x, moe_lightning 15.8x,
 zero_inference 17.4x, coroutine 14.7x; a few minutes before, on a slower spell (Vidur 14.98 s), continuous 10.2x and
-sglang_opt 6.2x: the ratio moves by a fifth between runs. December 1, 2026,
+sglang_opt 6.2x; at 02:12 (Vidur 10.94 s) continuous 6.7x (6.1-7.3x within rounds), sglang_opt 4.7x (4.1-5.1x),
+static 13.3x (9.6-14.3x), the others 11.4-18.5x: the ratio moves by a fifth or more between runs. December 1, 2026,
 23:46 (Vidur's rounds 11.93, 11.22 and 10.08 s: the machine's speed moved), after continuous's chunks began to wait
 for whole pages (vLLM V1's rule): Vidur 10.08 s in its event loop (numpy 1.26.4, pandas 2.2.3, scikit-learn
 1.9.1), continuous 1.24 s (8.1x), sglang_opt 1.81 s (5.6x), static 0.85 s (11.8x), flexgen 0.71 s (14.2x),
@@ -103,6 +106,7 @@ def vs_vidur(args: argparse.Namespace) -> None:
           f"Vidur: {'%.1f s, ' % args.vidur_s if args.vidur_s > 0 and not side_by_side else ''}{source}")
     best: dict[str, tuple] = {}  # policy -> (wall, cpu, events, bct, runs by kind) of its best run
     vidur_runs = []
+    paired: dict[str, list[float]] = {}  # policy -> Vidur's wall over the policy's, per round (side by side)
     with tempfile.TemporaryDirectory() as work:
         for round_ in range(args.rounds if side_by_side else 1):
             if side_by_side:
@@ -125,15 +129,18 @@ def vs_vidur(args: argparse.Namespace) -> None:
                     best[name] = (wall, cpu, out.events, float(out.prepared.state.table.finish_time.max()),
                                   run_kinds(out.records))
                 if side_by_side:
-                    print(f"round {round_}: {name} {wall:.2f} s", flush=True)
+                    paired.setdefault(name, []).append(vidur_runs[-1] / wall)
+                    print(f"round {round_}: {name} {wall:.2f} s ({paired[name][-1]:.1f}x this round's Vidur)",
+                          flush=True)
     vidur = (min(vidur_runs) if side_by_side else args.vidur_s if args.vidur_s > 0
              else 13.5 * best["coroutine"][0])
     print(f"{'policy':>12} {'wall_s':>8} {'cpu_s':>7} {'seq/wall_s':>11} {'events':>8} {'events/seq':>10} "
-          f"{'bct_s':>10} {'vs_vidur':>9} {'cpu_vs':>7} {'forwards':>9} {'decodes':>8} {'iters/dec':>9}"
-          f"   (Vidur {vidur:.2f} s)")
+          f"{'bct_s':>10} {'vs_vidur':>9} {'cpu_vs':>7} {'rounds':>10} {'forwards':>9} {'decodes':>8} "
+          f"{'iters/dec':>9}   (Vidur {vidur:.2f} s; rounds: the lowest-highest of the ratios within a round)")
     for name, (wall, cpu, events, bct, (forwards, decodes, iters)) in best.items():
+        within = f"{min(paired[name]):.1f}-{max(paired[name]):.1f}" if name in paired else "-"
         print(f"{name:>12} {wall:>8.2f} {cpu:>7.2f} {args.requests / wall:>11,.0f} {events:>8,} "
-              f"{events / args.requests:>10.4f} {bct:>10.0f} {vidur / wall:>9.1f} {vidur / cpu:>7.1f} "
+              f"{events / args.requests:>10.4f} {bct:>10.0f} {vidur / wall:>9.1f} {vidur / cpu:>7.1f} {within:>10} "
               f"{forwards:>9,} {decodes:>8,} {iters:>9.2f}")
     slowest = max(best, key=lambda name: best[name][0])
     print(f"slowest_policy={slowest} vs_vidur={vidur / best[slowest][0]:.1f}")
