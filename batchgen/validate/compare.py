@@ -70,14 +70,14 @@ def compose_case(case: Case):
         return compose(config_name="config", overrides=list(case.overrides))
 
 
-def calibrations(cases: list[Case]) -> dict[Path, object]:
-    """The calibration files the cases' predictions read (latency=table), each with its model's spec."""
+def calibrations(configs: list) -> dict[Path, object]:
+    """The calibration files the cases' predictions read (latency=table), each with its model's spec; from the
+    cases' composed configs (`compose_case`)."""
     from batchgen.latency import LatencySettings
     from batchgen.setup import model_spec, plain
 
     out = {}
-    for case in cases:
-        cfg = compose_case(case)
+    for cfg in configs:
         latency = LatencySettings(**plain(cfg.get("latency")))
         if latency.name == "table":
             out.setdefault(latency.calibration_path(), model_spec(cfg))
