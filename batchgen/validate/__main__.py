@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         print(f"executor: round {k} of every case done", file=sys.stderr, flush=True)
         checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
     try:
-        measured = measure(cases, round_done)
+        measured = measure(cases, round_done, configs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -91,15 +91,16 @@ def module_totals(records, total: float) -> dict[str, float]:
     return out
 
 
-def measure(cases: list[Case], progress=None) -> list:
+def measure(cases: list[Case], progress=None, configs: list | None = None) -> list:
     """Each case's executor repeats, taken in rounds over all cases (case 1 run 1, case 2 run 1, ..., case 1
     run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
-    instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run)."""
+    instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run).
+    `configs`: the cases' configs as `compose_case` made them (composed here where not given)."""
     from batchgen.exec.run import ExecSettings, execute, median_run
 
     jobs = []
-    for case in cases:
-        cfg = compose_case(case)
+    for case, cfg in zip(cases, configs if configs is not None else [compose_case(case) for case in cases],
+                         strict=True):
         settings = {k: v for k, v in OmegaConf.to_container(cfg.backend, resolve=True).items() if k != "name"}
         try:
             jobs.append((build_job(cfg, base_dir=Path.cwd()), ExecSettings(**settings)))
