@@ -60,7 +60,7 @@ worker other than rank 0 is recovered from (backend.recover=false: the run stops
 it, run.DistRunFailed).
 
 Not covered yet (refused before any process starts, or not built): tensor-parallel attention and two-batch
-overlap across processes, recovery with several instances (a lost worker stops such a run), weights streamed
+overlap across processes, an FFN per attention micro-batch (the offloading systems), weights streamed
 from host, NCCL (the code selects it on CUDA; no GPU was
 available to run it), loading only a rank's experts from a checkpoint (each rank builds the whole layer, then
 keeps its shard).

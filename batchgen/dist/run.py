@@ -28,7 +28,8 @@ and the intact instances go on (their groups rebuilt, their KV kept); the droppe
 requeued over them. If rank 0's own instance lost a worker the run stops (rank 0 holds the engine).
 
 Not supported yet (refused with a ConfigError naming it): tensor-parallel attention / two-batch overlap across
-processes, weights streamed from host, repeats > 1, dense models (nothing to spread over processes).
+processes, an FFN per attention micro-batch (the offloading systems), weights streamed from host, repeats > 1,
+dense models (nothing to spread over processes).
 """
 
 from __future__ import annotations
@@ -141,8 +142,12 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
                               f"process per GPU (set cluster.num_gpus={settings.procs})")
     # each instance spreads the experts over its own processes (cluster.gpus_per_instance of them)
     check_procs(cluster.instance_size, num_experts=config.num_experts)
-    policy = prepare(job).policy  # (an FFN per micro-batch, the offload systems' schedule, is chosen per
-    # decision: DistBackend.execute refuses it at the first step, and the run stops with that one line)
+    policy = prepare(job).policy
+    if policy.ffn_schedule != "combined":  # DistBackend.execute would refuse its first step
+        raise DistConfigError(f"policy {policy.name} runs an FFN per attention micro-batch (ffn_schedule="
+                              f"{policy.ffn_schedule}), which would give the processes different numbers of "
+                              "all-to-alls: backend=dist runs one expert batch per layer; use backend=exec for "
+                              "this policy")
     if policy.two_batch_overlap:
         raise DistConfigError(f"policy {policy.name} runs two-batch overlap, not supported under backend=dist yet:"
                               " set policy.two_batch_overlap=false")

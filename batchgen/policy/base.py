@@ -204,6 +204,9 @@ class Policy(Protocol):
       systems); None: nothing to resolve.
     - `two_batch_overlap`: every forward as two micro-batches (SGLang's TBO; sglang_opt); default False.
     - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
+    - `ffn_schedule`: how its decisions run the experts beside the attention micro-batches (`Decision.
+      ffn_schedule`: `combined`, one expert batch per layer; the offloading systems' `micro_batch` or
+      `pipelined`), so that a backend that runs only one can refuse the policy before the run; default combined.
     - `repeats(snap, decision, forecast) -> int`: at how many of the next boundaries (a prefix of the
       `Forecast`'s) `decide` would return this same decision again (a decode of every running sequence, nothing
       else), so that the simulator may run them as one event and replay their bookkeeping (batchgen.repeat);
@@ -219,6 +222,7 @@ class Policy(Protocol):
     repeats: Callable[[Snapshot, Decision, Forecast], int] | None
     two_batch_overlap: bool
     attention_tp: int | str
+    ffn_schedule: str
 
     def decide(self, snap: Snapshot) -> Decision: ...
     def receives_work(self, instance: int) -> bool: ...
@@ -234,6 +238,7 @@ class PolicyDefaults:
     resolve_for_job = None
     two_batch_overlap = False
     attention_tp = 1
+    ffn_schedule = "combined"
 
     repeats = None  # the engine asks a policy that declares repeats (block policies); None: it never does
 

@@ -74,6 +74,9 @@ def test_refused_before_any_process_starts(saved):
         execute_dist(job, dist_settings(path, 3))
     with pytest.raises(DistConfigError, match="at most 8 processes"):
         execute_dist(job_for(16)[0], dist_settings(path, 16))
+    for policy, schedule in (("flexgen", "micro_batch"), ("moe_lightning", "pipelined")):  # an FFN per micro-batch
+        with pytest.raises(DistConfigError, match=f"ffn_schedule={schedule}.*use backend=exec"):
+            execute_dist(job_for(2, policy)[0], dist_settings(path, 2))
 
 
 @pytest.mark.slow  # about 10 s idle, 27 s on the loaded 2-core machine

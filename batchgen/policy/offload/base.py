@@ -36,6 +36,11 @@ class OffloadPolicy(PolicyDefaults):
     def candidates(self, rig):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @property
+    def ffn_schedule(self) -> str:
+        """The schedule of every decision (`decide_block`): the system's, whatever its knobs."""
+        return self.block_plan().ffn_schedule
+
     def batch_shape(self, max_context: int) -> BatchShape:
         """One micro-batch's activations (prefill: its prompts; decode: its tokens at the FFN), and with host KV
         attended on the GPU its two staging buffers. The block's other micro-batches wait elsewhere."""
