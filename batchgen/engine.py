@@ -576,8 +576,8 @@ class RunOutput:
 
 
 def check_supported(policy: Policy, capabilities: Capabilities) -> None:
-    """A policy that asks for a way of running forwards (two-batch overlap, tensor-parallel attention) the
-    backend has not declared is refused before the run, with the knob to change."""
+    """A policy that asks for a way of running forwards (two-batch overlap, tensor-parallel attention, an FFN per
+    micro-batch) the backend has not declared is refused before the run, with the knob to change."""
     from batchgen.memory import ConfigError
 
     if policy.two_batch_overlap and not capabilities.two_batch_overlap:
@@ -586,6 +586,10 @@ def check_supported(policy: Policy, capabilities: Capabilities) -> None:
     if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
         raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
                           f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")
+    if policy.ffn_schedule != "combined" and not capabilities.micro_batch_ffn:
+        raise ConfigError(f"policy {policy.name} runs an FFN per attention micro-batch (ffn_schedule="
+                          f"{policy.ffn_schedule}), which this backend does not: choose a policy with one expert "
+                          "batch per layer")
 
 
 class Engine:

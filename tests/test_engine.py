@@ -63,3 +63,8 @@ def test_a_way_of_running_the_backend_has_not_declared_is_refused():
     with pytest.raises(ConfigError, match="attention_tp=1"):
         sim_engine(dataclasses.replace(SGLangOptPolicy(), two_batch_overlap=False, attention_tp=2),
                    capabilities=no_tp)
+    from batchgen.policy.offload.flexgen import FlexGenPolicy
+
+    one_ffn = dataclasses.replace(Capabilities(), micro_batch_ffn=False)
+    with pytest.raises(ConfigError, match="ffn_schedule=micro_batch"):
+        sim_engine(FlexGenPolicy(), capabilities=one_ffn)

@@ -70,12 +70,13 @@ class DistBackend(ExecBackend):
         self.channel = channel
         self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
-        # not built across processes: two-batch overlap, TP attention (declared so that the engine refuses a
-        # policy that needs them before the run). PARTITION: over at most the instance's processes (dist/partition)
+        # not built across processes: two-batch overlap, TP attention, an FFN per micro-batch (declared so that
+        # the engine refuses a policy that needs them before the run; check_dist refuses them before the processes
+        # start). PARTITION: over at most the instance's processes (dist/partition)
         size = min(len(r) for r in self.instance_ranks)
         degrees = tuple(d for d in self.capabilities.partition_degrees if d <= size)
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
-                                                two_batch_overlap=False, attention_tp=False)
+                                                two_batch_overlap=False, attention_tp=False, micro_batch_ffn=False)
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]

@@ -58,6 +58,8 @@ class Capabilities:
     two_batch_overlap: bool = True
     # a rank may be a group of GPUs running attention tensor-parallel (a policy's attention_tp > 1)
     attention_tp: bool = True
+    # an FFN per attention micro-batch, or pipelined against it (a policy's ffn_schedule other than combined)
+    micro_batch_ffn: bool = True
 
 
 @dataclass(frozen=True)
