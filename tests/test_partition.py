@@ -157,3 +157,23 @@ def test_a_host_resident_sequence_cannot_be_priced_partitioned():
     with pytest.raises(ValueError, match="host-resident"):
         decode_grid(np.array([0, 1]), np.array([100, 100]), np.array([2, 2]), np.array([2, 1]),
                     np.array([True, False]), 4, 2, 0, np.zeros(4), np.zeros(4))
+
+
+def test_the_state_refuses_to_partition_a_host_resident_sequence():
+    """A host-resident sequence has no device KV to shard: the state refuses it (it used to accept it and charge
+    0 bytes, while an executor built the shards from the host copy)."""
+    from batchgen.core.sequences import InvariantError
+
+    state, ids = running_state("qwen3_30b_a3b")
+    state.offload(0, ids[:1], Moves.zeros(state.topo.num_gpus))
+    with pytest.raises(InvariantError, match="host-resident sequence cannot be PARTITIONed"):
+        state.partition(0, ids[:1], np.array([2]), Moves.zeros(state.topo.num_gpus))
+
+
+def test_the_state_refuses_to_offload_a_partitioned_sequence():
+    from batchgen.core.sequences import InvariantError
+
+    state, ids = running_state("qwen3_30b_a3b")
+    state.partition(0, ids[:1], np.array([2]), Moves.zeros(state.topo.num_gpus))
+    with pytest.raises(InvariantError, match="unpartitioned"):
+        state.offload(0, ids[:1], Moves.zeros(state.topo.num_gpus))

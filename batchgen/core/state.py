@@ -402,6 +402,8 @@ class ClusterState:
         self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance)
                       & ~t.host_resident[ids] & (t.prefilled[ids] == 0),
                       f"running device-resident on instance {instance}, done prefilling")
+        self._require(ids, t.tp[ids] == 1, "unpartitioned (a PARTITIONed sequence is joined back before it is "
+                      "offloaded)")
         ctx = t.context(ids)
         fresh = t.host_node[ids] < 0
         np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
@@ -416,11 +418,13 @@ class ClusterState:
 
         Resharding is a copy over the GPUs' links: a device-resident sequence's shards (or, for MLA, whole
         replicas) go from the lead to the new group members; going back to fewer ranks gathers them to the lead.
-        A host-resident sequence has nothing on device to reshard.
+        Only device-resident sequences: a host-resident one has no device KV to shard, and the executors would
+        have to build its shards from the host copy, a move this account does not price.
         """
         t = self.table
         gpus = t.where[ids]
         self._require(ids, (gpus >= 0) & (t.prefilled[ids] == 0), "running, done prefilling")
+        self._require(ids, ~t.host_resident[ids], "device-resident (a host-resident sequence cannot be PARTITIONed)")
         degree = np.asarray(degree, np.int64)
         n_gpus = self.topo.instance_gpus(instance).size
         if np.any(degree < 1) or np.any(degree > n_gpus):
@@ -431,7 +435,6 @@ class ClusterState:
             return
         t.partitions[ids] += 1
         self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
-        on_device = ~t.host_resident[ids]
         kv = t.context(ids) * self.kv_bytes_per_token
         old = t.tp[ids].astype(np.int64)
         # bytes that land on ranks other than the lead: a shard per new member (or a replica for MLA), or the
@@ -441,10 +444,9 @@ class ClusterState:
         moved = np.where(grow, share(degree) - share(old), 0.0) + np.where(shrink, kv * (old - 1) / old, 0.0)
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.tp[ids] = degree
-        np.add.at(moves.peer, t.where[ids[on_device]], moved[on_device])  # priced on the lead's link
-        dev = ids[on_device]
-        if dev.size:  # each member's pages for the context; the run's lookahead is reserved after this
-            self._set_pages(dev, self.pages_needed(dev, t.context(dev)))
+        np.add.at(moves.peer, t.where[ids], moved)  # priced on the lead's link
+        # each member's pages for the context; the run's lookahead is reserved after this
+        self._set_pages(ids, self.pages_needed(ids, t.context(ids)))
 
     def evict(self, instance: int, ids: np.ndarray) -> None:
         """Drop sequences' KV (running or suspended); they go back to the head of their queue and will be
