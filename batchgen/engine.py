@@ -597,15 +597,18 @@ class Engine:
     cluster state, the KV ledger (where the backend's KV is, for the explicit KV ops of a backend that moves
     real KV, or for invariant checks) and the deadlock check; `finish` checks that every sequence ended.
 
-    `on_step(plan, result)` is called after each run's outcome is folded into the state: progress bars, and
-    batch jobs that write each result the moment its sequence finishes (`finished_ids`)."""
+    `on_step(plan, result)` is called after each run's outcome is folded into the state: batch jobs that write
+    each result the moment its sequence finishes (`finished_ids`); it needs every run's plan, so a backend's
+    one-pass boundaries are off while it is set. `watch()` is called after every run on every path, plans
+    unseen: a progress bar reads the state from it, so watching a run costs no more than a quiet run."""
 
     def __init__(self, policy: Policy, backend: Backend, *, gpus_per_node: int, check_invariants: bool = False,
-                 max_idle_decisions: int = 3, on_step: StepObserver | None = None):
+                 max_idle_decisions: int = 3, on_step: StepObserver | None = None,
+                 watch: Callable[[], None] | None = None):
         check_supported(policy, backend.capabilities)
         self.policy, self.backend, self.state = policy, backend, backend.state
         self.gpus_per_node, self.check_invariants = gpus_per_node, check_invariants
-        self.max_idle_decisions, self.on_step = max_idle_decisions, on_step
+        self.max_idle_decisions, self.on_step, self.watch = max_idle_decisions, on_step, watch
         self.records: list[StepRecord] = []
         self.liveness = Liveness(self.state.topo.num_instances)
         # built only where someone reads it: the simulator prices bytes, and its hot loop stays as it was
@@ -702,6 +705,8 @@ class Engine:
         self.liveness.changed(self.backend)
         progress.last_phase = record.phase
         self.records.append(record)
+        if self.watch is not None:
+            self.watch()
         if self.check_invariants:
             self.state.check()
 

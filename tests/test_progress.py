@@ -94,6 +94,31 @@ def test_simulation_with_a_bar_gives_the_same_result(job_factory, capsys, shown_
         [(r.instance, r.start, r.duration, r.phase, r.tokens) for r in off.records]
 
 
+def test_watching_a_run_keeps_its_one_pass_boundaries(monkeypatch, capsys, shown_at_once):
+    """A bar reads the state after each run (Engine.watch), so the simulator's one-pass boundaries stay on: a
+    watched run does the same work as a quiet one (it used to fall back to the general path)."""
+    from batchgen.sim import fused
+    from conftest import make_job
+
+    honest, calls = fused.boundary, []
+
+    def counted(*args, **kwargs):
+        out = honest(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "boundary", counted)
+    rng = np.random.default_rng(1)
+    job = make_job("continuous", "llama2_7b", "a100_8", rng.integers(8, 3000, 60), rng.integers(1, 600, 60),
+                   cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
+    quiet = simulate(job, progress=False)
+    quiet_calls, calls[:] = sum(calls), []
+    shown = simulate(job, progress=True)
+    assert quiet_calls > 0 and sum(calls) == quiet_calls
+    assert "/60" in capsys.readouterr().err
+    assert bct(shown) == bct(quiet)
+
+
 class Counter:
     """A bar's interface as the distributions use it."""
 

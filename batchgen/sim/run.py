@@ -9,7 +9,7 @@ from typing import Iterator
 
 import simpy
 
-from batchgen.engine import Engine, RunOutput, StepObserver, finished_ids  # noqa: F401 (RunOutput: re-exported)
+from batchgen.engine import Engine, RunOutput, StepObserver  # noqa: F401 (RunOutput: re-exported)
 from batchgen.job import Job, prepare
 from batchgen.policy.base import Capabilities
 from batchgen.progress import Throttle, bar
@@ -17,21 +17,20 @@ from batchgen.sim.backend import SimBackend
 
 
 class SimProgress:
-    """A step observer that shows sequences finished / total and the simulated clock (batchgen.progress); it
-    counts every step but touches the bar at most twice a second."""
+    """Sequences finished / total and the simulated clock (batchgen.progress), read from the state after every
+    run (`Engine.watch`, on every path); the bar is touched at most twice a second."""
 
-    def __init__(self, env: simpy.Environment, total: int, desc: str, setting="auto"):
-        self.env, self.done, self.throttle = env, 0, Throttle()
+    def __init__(self, env: simpy.Environment, state, total: int, desc: str, setting="auto"):
+        self.env, self.state, self.throttle = env, state, Throttle()
         self.bar = bar(total, desc, unit="seq", setting=setting)
 
-    def __call__(self, plan, result) -> None:
-        self.done += finished_ids(plan, result).size
+    def __call__(self) -> None:
         if self.throttle.due():
             self.show()
 
     def show(self) -> None:
         self.bar.set_postfix_str(f"simulated {self.env.now:,.1f} s", refresh=False)
-        self.bar.update(self.done - self.bar.n)
+        self.bar.update(self.state.num_finished - self.bar.n)
 
     def close(self) -> None:
         self.show()
@@ -53,12 +52,6 @@ def rare_collections(young: int = 100_000) -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def _both(first: StepObserver | None, second: StepObserver | None) -> StepObserver | None:
-    if first is None or second is None:
-        return first or second
-    return lambda plan, result: (first(plan, result), second(plan, result))
-
-
 def simulate(job: Job, *, capabilities: Capabilities | None = None,
              kv_pages_per_gpu: int | None = None, on_step: StepObserver | None = None,
              progress="auto") -> RunOutput:
@@ -73,9 +66,10 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner
     backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
                          capabilities=capabilities, two_batch_overlap=policy.two_batch_overlap)
-    shown = SimProgress(env, len(job.workload), f"simulate {policy.name}", progress)
+    shown = SimProgress(env, state, len(job.workload), f"simulate {policy.name}", progress)
     engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
-                    check_invariants=job.check_invariants, on_step=_both(on_step, None if shown.bar.disable else shown))
+                    check_invariants=job.check_invariants, on_step=on_step,
+                    watch=None if shown.bar.disable else shown)
     for loop in engine.loops():
         env.process(loop)
     try:
