@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
 from batchgen.engine import Engine, RunOutput, finished_ids
 from batchgen.exec.backend import ExecBackend

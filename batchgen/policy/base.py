@@ -211,7 +211,7 @@ class Policy(Protocol):
       `pipelined`), so that a backend that runs only one can refuse the policy before the run; default combined.
     - `repeats(snap, decision, forecast) -> int`: at how many of the next boundaries (a prefix of the
       `Forecast`'s) `decide` would return this same decision again (a decode of every running sequence, nothing
-      else), so that the simulator may run them as one event and replay their bookkeeping (batchgen.repeat);
+      else), so that the simulator may run them as one event and replay their bookkeeping (batchgen.engine.repeat);
       None (the default): never asked. A speed declaration only: decisions and results are the same either
       way, and a run with `check_invariants` calls `decide` at every replayed boundary and fails if the
       declaration was wrong.

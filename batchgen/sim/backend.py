@@ -245,7 +245,7 @@ class SimBackend:
         return repeated.can_repeat(self, plan)
 
     def execute_repeated(self, plan: StepPlan, n: int):
-        """`plan`'s run and the n identical runs after it, one event ((ids, result) per run; batchgen.repeat)."""
+        """`plan`'s run and the n identical runs after it, one event ((ids, result) per run; batchgen.engine.repeat)."""
         return repeated.execute_repeated(self, plan, n)
 
     def _scalar(self):

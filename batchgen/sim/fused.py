@@ -27,7 +27,9 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.decisions import DeferredDecision
-from batchgen.engine import _FEW_CHUNKS, StepRecord, _kv_ops, _take_chunks, filled
+from batchgen.engine.apply import _FEW_CHUNKS, _kv_ops, _take_chunks
+from batchgen.engine.loop import StepRecord
+from batchgen.engine.plan import filled
 from batchgen.policy.base import Decision
 from batchgen.sim.costs import decode_load, mixed_load
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets

@@ -1,4 +1,4 @@
-"""Identical decode runs back to back as one event: the simulator's side (the engine's: batchgen.repeat).
+"""Identical decode runs back to back as one event: the simulator's side (the engine's: batchgen.engine.repeat).
 
 `execute_repeated(backend, plan, n)` is `SimBackend.execute` of `plan` and of the n runs of the same decision
 after it, as the engine would have planned them (each running sequence decodes `plan.steps` tokens per run until

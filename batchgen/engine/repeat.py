@@ -30,8 +30,12 @@ from batchgen.core.sequences import InvariantError
 from batchgen.decisions import BoundaryDecision
 from batchgen.policy.base import Decision, Forecast, Snapshot
 
+from batchgen.engine.apply import apply_decision
+from batchgen.engine.plan import StepPlan
+from batchgen.engine.snapshot import InstanceProgress, make_snapshot
+
 if TYPE_CHECKING:  # pragma: no cover
-    from batchgen.engine import Engine, InstanceProgress, StepPlan
+    from batchgen.engine.loop import Engine
 
 MAX_REPEATS = 1024  # runs merged into one event at most (bounds the priced grid: (MAX_REPEATS + 1) x steps)
 
@@ -53,7 +57,7 @@ def forecast(remaining: np.ndarray, context: np.ndarray, steps: int, limit: int 
     return Forecast(remaining[None, :] > done, context[None, :] + done)
 
 
-def repeats(engine: "Engine", instance: int, snap: Snapshot, decision: Decision, plan: "StepPlan") -> int:
+def repeats(engine: "Engine", instance: int, snap: Snapshot, decision: Decision, plan: StepPlan) -> int:
     """How many more runs of `plan` to run with it as one event (0: run it alone)."""
     backend, state = engine.backend, engine.state
     ask = getattr(engine.policy, "repeats", None)  # None: a policy that never declares repeats
@@ -76,13 +80,11 @@ def repeats(engine: "Engine", instance: int, snap: Snapshot, decision: Decision,
     return n
 
 
-def run_repeated(engine: "Engine", instance: int, decision: Decision, plan: "StepPlan", summary: BoundaryDecision,
-                 progress: "InstanceProgress", n: int) -> Generator[Any, Any, None]:
+def run_repeated(engine: "Engine", instance: int, decision: Decision, plan: StepPlan, summary: BoundaryDecision,
+                 progress: InstanceProgress, n: int) -> Generator[Any, Any, None]:
     """Run `plan` and the n identical runs after it as one event, then record each as `Engine.loop` would have:
     at each later boundary the decision is applied again to the state as it then is (and, with invariant
     checks, the policy asked again), and its run must be the one the backend priced."""
-    from batchgen.engine import apply_decision, make_snapshot
-
     state, backend, policy = engine.state, engine.backend, engine.policy
     start = plan.start
     runs = yield from backend.execute_repeated(plan, n)

@@ -1,0 +1,237 @@
+"""A policy's decision carried out through the coroutine primitives (`apply_decision`), and a run's outcome
+folded back into the state (`record_outcome`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from batchgen import fastpath
+from batchgen.core.ops import KVLedger, KVOps, plan_ops
+from batchgen.core.sequences import PENDING, InvariantError
+from batchgen.core.state import ClusterState, Moves
+from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult
+from batchgen.engine.snapshot import InstanceProgress, tp_and_hosted
+from batchgen.policy.base import Decision
+
+_FEW_CHUNKS = 8  # chunks up to which _take_chunks reads their flags as Python lists
+
+
+def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress,
+                   now: float = 0.0, ledger: KVLedger | None = None) -> StepPlan:
+    """Carry out a decision through the coroutine primitives and describe the run that follows. With a
+    `ledger` (a backend that moves real KV, or invariant checks) the plan carries the explicit KV ops too,
+    checked against the ledger and recorded there."""
+    topo, t = state.topo, state.table
+    gpus = state.instance_gpus(instance)
+    moving = (d.yield_ids.size or d.offload_ids.size or d.move_ids.size or d.admits or d.partition_ids.size
+              or d.prefill_to_host)
+    moves = Moves.zeros(topo.num_gpus) if moving or not fastpath.ENABLED else Moves.none(topo.num_gpus)
+    if d.pin_ids.size:
+        state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
+    if d.evict_ids.size:
+        state.evict(instance, d.evict_ids)
+    if d.yield_ids.size:
+        state.yield_(instance, d.yield_ids, moves)
+    if d.offload_ids.size:
+        state.offload(instance, d.offload_ids, moves)
+    if d.move_ids.size:
+        state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+    if d.ffn_schedule not in FFN_SCHEDULES:
+        raise InvariantError(f"Decision.ffn_schedule must be one of {', '.join(FFN_SCHEDULES)}, got {d.ffn_schedule!r}")
+    prefill = d.prefill_ids.size > 0
+    chunked = d.chunk_ids.size > 0
+    if prefill and chunked:
+        raise InvariantError("a decision prefills whole prompts or chunks of them, not both")
+    steps = 1 if prefill or chunked else max(int(d.steps), 1)
+    for admit in d.admits:
+        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
+                      host_resident=admit.host_resident, keep_host_copy=admit.keep_host_copy)
+    if d.partition_ids.size:
+        state.partition(instance, d.partition_ids, d.partition_degree, moves)
+    if prefill:
+        _take_prefill(state, instance, d, gpus)
+    decode_ids = state.active[instance]
+    if prefill and not d.prefill_to_host:
+        decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
+    if state.num_part_prefilled or not fastpath.ENABLED:
+        partial = t.prefilled[decode_ids] > 0
+        if partial.any():  # part-way through a chunked prefill: no token to decode yet
+            decode_ids = decode_ids[~partial]
+    waiting = 0
+    if chunked and d.chunks_only:
+        waiting, decode_ids = decode_ids.size, _EMPTY  # a prefill-only forward: the running sequences wait for it
+    chunk = {}
+    if chunked:
+        chunk = _take_chunks(state, instance, d, gpus)
+    state.reserve(decode_ids, steps)
+    _reserve_host(state, instance, d, decode_ids, steps)
+    if not d.padded and (progress.padding or not fastpath.ENABLED):
+        progress.pad_rows[:] = 0
+        progress.pad_context[:] = 0
+        progress.padding = False
+    pad_rows, pad_context = progress.pads()
+    decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
+    one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
+    ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
+    return StepPlan(
+        instance=instance, gpus=gpus, decode_ids=decode_ids,
+        decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
+        decode_tp=decode_tp, prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
+        steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
+        cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
+        prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
+        waiting=waiting, **chunk,
+    )
+
+
+def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, gpus: np.ndarray, chunk: dict,
+            decode_ids: np.ndarray) -> KVOps:
+    """The decision's KV ops: for every sequence it touched (and those that finished in the instance's last
+    run), from where the ledger has its KV to where the state now keeps it; checked and recorded."""
+    fresh_ids, fresh_gpu = d.prefill_ids, gpus[d.prefill_ranks]
+    to_host = np.full(fresh_ids.size, bool(d.prefill_to_host))
+    if chunk:
+        first = chunk["chunk_start"] == 0
+        fresh_ids = np.concatenate([fresh_ids, chunk["chunk_ids"][first]])
+        fresh_gpu = np.concatenate([fresh_gpu, gpus[chunk["chunk_rank"][first]]])
+        to_host = np.concatenate([to_host, np.zeros(int(first.sum()), bool)])
+    touched = [ledger.take_finished(instance), d.evict_ids, d.yield_ids, d.offload_ids, d.move_ids,
+               d.partition_ids, fresh_ids, *(a.ids for a in d.admits)]
+    ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids)
+    ledger.apply(ops, fresh_ids, fresh_gpu, to_host)
+    t = state.table
+    ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids] & (t.tp[decode_ids] == 1),
+                         t.tp[decode_ids])
+    return ops
+
+
+def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
+    """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
+    t, node = state.table, state.topo.gpu_node
+    if fastpath.ENABLED and not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
+        state.reserve_host(instance, _EMPTY, _EMPTY)  # no host copy to grow, no prefill to host
+        return
+    parts_nodes, parts_tokens = [], []
+    if decode_ids.size:  # copies kept in sync grow: all of them with host_sync, host-resident ones always
+        synced = decode_ids[(t.host_node[decode_ids] >= 0) & (d.host_sync | t.host_resident[decode_ids])]
+        parts_nodes.append(t.host_node[synced])
+        parts_tokens.append(np.full(synced.size, steps))
+    if d.prefill_to_host and d.prefill_ids.size:
+        gpus = state.instance_gpus(instance)
+        parts_nodes.append(node[gpus[d.prefill_ranks]])
+        parts_tokens.append(t.context(d.prefill_ids) + 1)
+    empty = np.empty(0, np.int64)
+    state.reserve_host(instance, np.concatenate(parts_nodes) if parts_nodes else empty,
+                       np.concatenate(parts_tokens) if parts_tokens else empty)
+
+
+def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
+    ids, ranks = d.prefill_ids, d.prefill_ranks
+    if d.prefill_pinned:
+        for r in _distinct(ranks):
+            state.take_pending(instance, ids[ranks == r], int(gpus[r]))
+    else:
+        state.take_pending(instance, ids)
+    if d.prefill_to_host:
+        state.start_prefill_to_host(instance, ids)
+    else:
+        # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
+        state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
+
+
+def _distinct(ranks: np.ndarray) -> list[int]:
+    """np.unique of a boundary's few ranks (ascending), without its sort machinery."""
+    return sorted(set(ranks.tolist())) if fastpath.ENABLED else np.unique(ranks)
+
+
+def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
+    """First chunks leave their queue (in order: each rank's are the head of its queue); every chunk's pages are
+    allocated. Returns the plan's chunk fields."""
+    t = state.table
+    ids, ranks = np.asarray(d.chunk_ids, np.int64), np.asarray(d.chunk_ranks, np.int64)
+    lens = np.asarray(d.chunk_lens, np.int64)
+    distinct = len(set(ids.tolist())) if fastpath.ENABLED else np.unique(ids).size
+    if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
+        raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
+    starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
+    if fastpath.ENABLED and ids.size <= _FEW_CHUNKS:  # the few chunks of a forward: their flags as Python lists
+        start, first = starts.tolist(), [w == PENDING for w in t.where[ids].tolist()]
+        if any(f and s0 != 0 for f, s0 in zip(first, start)):
+            raise InvariantError("a pending sequence has no prefill under way")
+        if any(first):
+            new = [(i, r) for i, r, f in zip(ids.tolist(), ranks.tolist(), first) if f]
+            if d.prefill_pinned:
+                for r in sorted({r for _, r in new}):
+                    state.take_pending(instance, np.array([i for i, q in new if q == r], np.int64), int(gpus[r]))
+            else:
+                state.take_pending(instance, np.array([i for i, _ in new], np.int64))
+        completes = np.array([s0 + n == int(t.input_len[i]) + int(t.decoded[i])  # the chunk ends its context
+                              for i, s0, n in zip(ids.tolist(), start, lens.tolist())], bool)
+    else:
+        first = t.where[ids] == PENDING
+        if (first & (starts != 0)).any():
+            raise InvariantError("a pending sequence has no prefill under way")
+        if first.any():
+            new, new_ranks = ids[first], ranks[first]
+            if d.prefill_pinned:
+                for r in _distinct(new_ranks):
+                    state.take_pending(instance, new[new_ranks == r], int(gpus[r]))
+            else:
+                state.take_pending(instance, new)
+        completes = starts + lens == t.context(ids)
+    state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
+    return dict(chunk_ids=ids, chunk_rank=ranks, chunk_start=starts, chunk_len=lens, chunk_completes=completes)
+
+
+def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: float,
+                   progress: InstanceProgress, padded: bool) -> None:
+    """Fold what the run produced back into the state: tokens, finishes, prefilled sequences."""
+    t = state.table
+    inst = plan.instance
+    if plan.decode_ids.size:
+        ids = plan.decode_ids
+        state.advance(ids, res.produced, plan.host_sync)
+        done = ids[res.finished]
+        if done.size:
+            if padded:
+                ranks = plan.decode_rank[res.finished]
+                np.add.at(progress.pad_rows, ranks, 1)
+                np.add.at(progress.pad_context, ranks, t.context(done))
+                progress.padding = True
+            state.finish(inst, done, start + res.finish_offset[res.finished])
+    if plan.prefill_ids.size:
+        ids = plan.prefill_ids
+        gpus = plan.gpus[plan.prefill_rank]
+        state.advance(ids, np.ones(ids.size, np.int64), host_sync=False)  # prefill makes the first token
+        t.first_token_time[ids] = np.where(np.isnan(t.first_token_time[ids]), start + res.duration,
+                                           t.first_token_time[ids])
+        done = ids[res.prefill_finished]
+        if plan.prefill_to_host:
+            live = ~res.prefill_finished
+            state.prefilled_to_host(inst, ids[live], gpus[live], plan.moves)
+        if done.size:
+            state.finish(inst, done, np.full(done.size, start + res.duration))
+    if plan.chunk_ids.size:
+        ids = plan.chunk_ids
+        done_prompt = ids[plan.chunk_completes]
+        if fastpath.ENABLED and 0 < done_prompt.size <= _FEW_CHUNKS and not state.has_host_copies():
+            at = start + res.duration  # `advance` of one token each and the first-token times, on scalars
+            for sid in done_prompt.tolist():
+                t.decoded[sid] += 1
+                if math.isnan(t.first_token_time[sid]):
+                    t.first_token_time[sid] = at
+        elif done_prompt.size:
+            state.advance(done_prompt, np.ones(done_prompt.size, np.int64), host_sync=False)  # the first token
+            t.first_token_time[done_prompt] = np.where(np.isnan(t.first_token_time[done_prompt]),
+                                                       start + res.duration, t.first_token_time[done_prompt])
+        done = ids[res.chunk_finished]
+        if done.size:
+            state.finish(inst, done, np.full(done.size, start + res.duration))
+    state.reserve_host(inst, _EMPTY, _EMPTY)  # the run's additions are real now
+    if padded:
+        running = state.gpu_rank[t.where[state.active[inst]]]
+        drained = np.bincount(running, minlength=plan.gpus.size) == 0
+        progress.pad_rows[drained] = 0
+        progress.pad_context[drained] = 0
