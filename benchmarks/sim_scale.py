@@ -81,7 +81,7 @@ def _load_policy(name: str, model):
 
 def run_kinds(records) -> tuple[int, int, float]:
     """(runs that prefill, whole prompts or chunks beside decodes; decode runs; mean iterations of a decode run):
-    what a policy's events are made of (a run is one event unless batchgen.repeat merged identical ones)."""
+    what a policy's events are made of (a run is one event unless batchgen.engine.repeat merged identical ones)."""
     decodes = [r.iterations for r in records if r.phase == "decode"]
     forwards = sum(r.phase in ("prefill", "mixed") for r in records)
     return forwards, len(decodes), sum(decodes) / len(decodes) if decodes else 0.0

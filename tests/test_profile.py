@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 import batchgen
-from batchgen.calibrate.fileformat import read
+from batchgen.latency.calibration_file import read
 from batchgen.latency.roofline import Roofline
 from batchgen.latency.table import TablePredictor
 from batchgen.profile.__main__ import main
@@ -49,7 +49,7 @@ def test_in_run_stage_measures_each_module_inside_real_runs(tmp_path):
     with the same decisions, and keeps measured / predicted per module kind."""
     import dataclasses
 
-    from batchgen.profile.in_run import SCALED, calibration_cases, in_run_scales
+    from batchgen.validate.in_run import SCALED, calibration_cases, in_run_scales
 
     out = tmp_path / "cal.json"
     assert main(["model=tiny_moe", "backend.device=cpu", "backend.threads=1", "grid=test", "warmup=0",

@@ -40,7 +40,7 @@ def assert_same(fast, ref):
         assert a == b, f"step {k}: {a} != {b}"
     for key in ("steps", "host_bytes", "host_bytes_per_iteration"):
         assert fast[key] == ref[key], key
-    assert fast["events"] <= ref["events"], "events"  # repeated runs as one event (batchgen.repeat): fewer
+    assert fast["events"] <= ref["events"], "events"  # repeated runs as one event (batchgen.engine.repeat): fewer
 
 
 def both_ways(job, kv_pages=None):
@@ -332,7 +332,7 @@ def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
                 assert np.array_equal(fast_calls, ref_calls)
 
 
-# ---- repeated decode runs as one event (batchgen.repeat, batchgen.sim.repeated) ----------------------------
+# ---- repeated decode runs as one event (batchgen.engine.repeat, batchgen.sim.repeated) ----------------------------
 
 def run_by_run(job, kv_pages=None):
     """`outcome` of the job with every run its own event (the block policies declare no repeats)."""
@@ -405,7 +405,7 @@ def test_a_wrong_repeat_declaration_fails_the_checked_run(monkeypatch):
 
 
 def test_forecast_of_the_next_boundaries():
-    from batchgen.repeat import forecast
+    from batchgen.engine.repeat import forecast
 
     ahead = forecast(np.array([5, 16, 17, 40]), np.array([100, 10, 7, 1]), steps=16)
     # boundaries 1 and 2 after this one (at 16 and 32 tokens made): the last one still runs at both

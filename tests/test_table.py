@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from batchgen.calibrate.fileformat import FORMAT, CalibrationError, read, validate, write
+from batchgen.latency.calibration_file import FORMAT, CalibrationError, read, validate, write
 from batchgen.calibrate.modules import fit_calibration, fit_calibration_file
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.roofline import Roofline

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from batchgen.calibrate.fileformat import read
+from batchgen.latency.calibration_file import read
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.roofline import Roofline
 from batchgen.specs import HardwareSpec, ModelSpec

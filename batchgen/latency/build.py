@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.latency.base import LatencyModel
+from batchgen.latency.calibration_file import check_model, read
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.roofline import Roofline
 
@@ -45,8 +46,6 @@ def check_calibration(settings: LatencySettings, model) -> None:
     shape (raises FileNotFoundError or ValueError naming the fix)."""
     if settings.name != "table":
         return
-    from batchgen.calibrate.fileformat import check_model, read
-
     path = settings.calibration_path()
     check_model(read(path), model, str(path))
 

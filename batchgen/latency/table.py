@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from batchgen.calibrate.fileformat import check_model, read, validate
+from batchgen.latency.calibration_file import check_model, read, validate
 from batchgen.latency.base import LatencyModel
 
 
@@ -103,7 +103,7 @@ class Surface:
         return self.y[near] + ((q - p[near]) * self._grad).sum(axis=1)
 
 
-# which in-run ratio (batchgen.profile.in_run) scales each measured curve
+# which in-run ratio (batchgen.validate.in_run) scales each measured curve
 _KIND = {"dense_ffn": "ffn", "shared_experts": "ffn", "router": "ffn", "lm_head": "head", "step": "step",
          "boundary": "step", "h2d": "copy", "d2h": "copy"}
 
@@ -125,7 +125,7 @@ class TablePredictor:
         mods = data["modules"]
         sec = lambda p: p.get(statistic, p["seconds"])  # noqa: E731
         self.statistic = statistic
-        # measured inside real runs / predicted from the grid, per module kind (batchgen.profile.in_run)
+        # measured inside real runs / predicted from the grid, per module kind (batchgen.validate.in_run)
         self.scales = {k: float(v) for k, v in (data.get("in_run") or {}).get("scales", {}).items()}
         self._curves: dict[str, Curve] = {}
         self._surfaces: dict[str, Surface] = {}

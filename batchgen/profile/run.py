@@ -1,4 +1,4 @@
-"""Profile a model's modules on this device and assemble the calibration file (see calibrate.fileformat)."""
+"""Profile a model's modules on this device and assemble the calibration file (see batchgen.latency.calibration_file)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import batchgen
-from batchgen.calibrate.fileformat import FORMAT
+from batchgen.latency.calibration_file import FORMAT
 from batchgen.exec.models import ExecModelConfig, MoEDecoder, init_random
 from batchgen.profile.cases import Bench, Case, attention_cases, copy_cases, ffn_cases, lm_head_cases, step_cases
 from batchgen.profile.grid import Grid

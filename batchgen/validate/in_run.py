@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from batchgen.validate.cases import Case
+from batchgen.validate.compare import compare, measure
+
 SCALED = ("attention", "ffn", "head", "step")
 POLICIES = ("continuous", "coroutine", "static")
 
 
 def calibration_cases(model: str, device: str, threads: int | None, hardware: str, table: Path, repeats: int):
     """The executor jobs of the stage, as validation cases (same composition, same comparison)."""
-    from batchgen.validate.cases import Case
-
     base = (f"model={model}", "backend=exec", f"backend.device={device}", f"backend.repeats={repeats}",
             f"backend.threads={threads if threads is not None else 'auto'}", f"cluster.gpu={hardware}",
             "output.plot=false", "efficiency=auto", "latency=table", f"latency.calibration={table.resolve()}",
@@ -31,8 +32,6 @@ def calibration_cases(model: str, device: str, threads: int | None, hardware: st
 def in_run_scales(cases, log=None) -> dict:
     """Run the cases on the executor and the simulator; per module kind, measured / predicted seconds summed
     over the cases, with what they were computed from."""
-    from batchgen.validate.compare import compare, measure
-
     results = [compare(case, run) for case, run in zip(cases, measure(cases))]
     measured = {k: sum(r.measured.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
     predicted = {k: sum(r.predicted.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
