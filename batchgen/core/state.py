@@ -7,94 +7,18 @@ impossible (admit a sequence that is not suspended, overfill a GPU) fails loudly
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from batchgen import fastpath
+from batchgen.core.accounts import _FEW, Accounts, Moves
 from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
+from batchgen.core.topology import Topology, node_instance
+
+__all__ = ["ClusterState", "Moves", "Topology"]
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Which node and which expert-parallel instance each GPU belongs to."""
-
-    gpu_node: np.ndarray      # node of each global GPU index
-    gpu_instance: np.ndarray  # instance of each global GPU index
-    num_nodes: int
-    num_instances: int
-
-    @property
-    def gpu_rank(self) -> np.ndarray:
-        """Rank of each GPU within its instance (GPUs of an instance in increasing order)."""
-        rank = np.empty(self.gpu_instance.size, np.int64)
-        for inst in range(self.num_instances):
-            gpus = self.instance_gpus(inst)
-            rank[gpus] = np.arange(gpus.size)
-        return rank
-
-    @property
-    def num_gpus(self) -> int:
-        return self.gpu_node.size
-
-    def instance_gpus(self, instance: int) -> np.ndarray:
-        return np.flatnonzero(self.gpu_instance == instance)
-
-
-@dataclass
-class Moves:
-    """Bytes a batch of primitives moved, per GPU, for the backend to turn into time."""
-
-    h2d: np.ndarray       # host -> device (restore KV on COMBINE)
-    d2h: np.ndarray       # device -> host (checkpoint KV)
-    network: np.ndarray   # node -> node (MIGRATE), charged to the receiving GPU
-    peer: np.ndarray      # GPU -> GPU inside a node (NVLink), charged to the receiving GPU
-
-    @classmethod
-    def zeros(cls, num_gpus: int) -> "Moves":
-        block = np.zeros((4, num_gpus))
-        moves = cls(*block)  # one allocation, four rows (one per kind)
-        moves._block = block
-        return moves
-
-    @classmethod
-    def none(cls, num_gpus: int) -> "Moves":
-        """No byte moved: one shared, read-only instance per GPU count, for a boundary whose decision calls no
-        primitive that moves KV (most boundaries; a primitive that writes into it fails at the write)."""
-        moves = _NO_MOVES.get(num_gpus)
-        if moves is None:
-            moves = cls.zeros(num_gpus)
-            for a in (moves._block, moves.h2d, moves.d2h, moves.network, moves.peer):
-                a.flags.writeable = False
-            moves._nothing = True
-            _NO_MOVES[num_gpus] = moves
-        return moves
-
-    def any(self) -> bool:
-        """Whether any byte moved (a backend skips pricing copies when none did)."""
-        if fastpath.ENABLED and self.__dict__.get("_nothing"):
-            return False
-        b = self.__dict__.get("_block")
-        if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
-                and self.network.base is b and self.peer.base is b):
-            return bool(b.any())  # the four rows are still the block's: one pass over it
-        return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
-
-
-_NO_MOVES: dict[int, Moves] = {}
-
-
-_FEW = 8  # ids up to which a primitive's fast path works on Python scalars (a boundary's chunks, its finishes)
-
-
-def _int_sum(a: np.ndarray) -> int:
-    """The exact sum of a few integers (a boundary's finished or chunked sequences' pages): Python adds a short
-    list faster than numpy's reduction is called."""
-    return sum(a.tolist()) if a.size <= 32 else int(a.sum())
-
-
-class ClusterState:
+class ClusterState(Accounts):
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
@@ -111,7 +35,7 @@ class ClusterState:
         for gpus in self._instance_gpus:
             gpus.flags.writeable = False  # shared by every boundary's snapshot and plan (instance_gpus)
         self._leaving = np.zeros(len(table), bool)  # scratch mask of _leave_gpu (all False between calls)
-        self.node_instance = _node_instance(topo)  # computed once: every snapshot carries it
+        self.node_instance = node_instance(topo)  # computed once: every snapshot carries it
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
         self.host_used = np.zeros(topo.num_nodes, np.int64)
@@ -169,114 +93,6 @@ class ClusterState:
 
     def all_finished(self) -> bool:
         return self.num_finished == len(self.table)
-
-    # ---- memory ------------------------------------------------------------------------------------
-    def group_gpus(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(index into ids, GPU) for every GPU that holds part of a running sequence: its own GPU, and for a
-        PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
-        t = self.table
-        if fastpath.ENABLED and not self.partitioned_ever:  # nothing partitioned (usual): one GPU each
-            return np.arange(ids.size), t.where[ids].astype(np.int64)
-        tp = t.tp[ids].astype(np.int64)
-        if fastpath.ENABLED and (not tp.size or tp.max() == 1):
-            return np.arange(ids.size), t.where[ids].astype(np.int64)
-        rep = np.repeat(np.arange(ids.size), tp)
-        if rep.size == ids.size:
-            return rep, t.where[ids].astype(np.int64)
-        offset = np.arange(rep.size) - np.repeat(np.cumsum(tp) - tp, tp)
-        lead = t.where[ids[rep]]
-        inst = self.topo.gpu_instance[lead]
-        rank = self.gpu_rank[lead]
-        gpus = np.empty(rep.size, np.int64)
-        for i in np.unique(inst):
-            mine = inst == i
-            members = self._instance_gpus[int(i)]
-            gpus[mine] = members[(rank[mine] + offset[mine]) % members.size]
-        return rep, gpus
-
-    def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
-        the tokens into a page (KV split by heads), a replicated latent does not."""
-        if fastpath.ENABLED and not self.partitioned_ever:  # every degree is 1
-            return -(-np.asarray(tokens, np.int64) // self.page_tokens)
-        per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
-        return -(-np.asarray(tokens, np.int64) // per_page)
-
-    def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
-        t = self.table
-        if fastpath.ENABLED and ids.size and self._one_gpu_pages(ids, pages):
-            return
-        delta = pages - t.pages[ids]
-        t.pages[ids] = pages
-        rep, gpus = self.group_gpus(ids)
-        np.add.at(self.pages_used, gpus, delta[rep])
-        over = self.pages_used > self.gpu_pages
-        if over.any():
-            g = int(np.flatnonzero(over)[0])
-            raise InvariantError(f"GPU {g} would hold {self.pages_used[g]} KV pages, capacity {self.gpu_pages[g]}: "
-                                 "the policy must yield or evict before it grows")
-        np.maximum(self.peak_pages, self.pages_used, out=self.peak_pages)
-
-    def _one_gpu_pages(self, ids: np.ndarray, pages: np.ndarray) -> bool:
-        """`_set_pages` where every sequence runs unpartitioned on one GPU (one rank's sequences: the usual), as
-        sums instead of a scatter: the same counts (integers), the same check (only that GPU's count changed,
-        and every other one was within capacity already). False, having changed nothing, elsewhere."""
-        t = self.table
-        if self.partitioned_ever and t.tp[ids].max() != 1:
-            return False
-        where = t.where[ids].tolist()  # a few ids, or one rank's: Python counts them faster than numpy is called
-        g = where[0]
-        if g < 0 or where.count(g) != len(where):
-            return False
-        used = int(self.pages_used[g]) + (_int_sum(pages) - _int_sum(t.pages[ids]))
-        t.pages[ids] = pages
-        self._gpu_holds(g, used)
-        return True
-
-    def _gpu_holds(self, g: int, used: int) -> None:
-        """GPU g now holds `used` KV pages (a scalar path's count): within its capacity, its peak kept."""
-        self.pages_used[g] = used
-        if used > self.gpu_pages[g]:
-            raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
-                                 "the policy must yield or evict before it grows")
-        if used > self.peak_pages[g]:
-            self.peak_pages[g] = used
-
-    def reserve(self, ids: np.ndarray, lookahead_tokens: int, context: np.ndarray | None = None) -> None:
-        """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
-        (host-resident ones hold no pages). `context`: the sequences' contexts where the caller has them."""
-        if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
-            keep = ~self.table.host_resident[ids]
-            ids, context = ids[keep], None
-        if context is None:
-            context = self.table.context(ids)
-        if fastpath.ENABLED and not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
-            need = (context + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
-        else:
-            need = self.pages_needed(ids, context + lookahead_tokens)
-        grow = need > self.table.pages[ids]
-        if grow.any():
-            self._set_pages(ids[grow], need[grow])
-
-    def _host_add(self, nodes: np.ndarray, tokens: np.ndarray) -> None:
-        np.add.at(self.host_used, nodes, tokens)
-        over = self.host_used > self.host_kv_tokens
-        if over.any():
-            n = int(np.flatnonzero(over)[0])
-            raise InvariantError(f"node {n} host memory would hold {self.host_used[n]} KV tokens, "
-                                 f"capacity {self.host_kv_tokens[n]}")
-        np.maximum(self.peak_host, self.host_used, out=self.peak_host)
-        self._host_any = bool(self.host_used.any())
-
-    def _host_drop(self, ids: np.ndarray) -> None:
-        t = self.table
-        if fastpath.ENABLED and not self.has_host_copies():
-            return  # no host copy anywhere: none to drop
-        keep = t.host_node[ids] >= 0
-        if keep.any():
-            np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))
-            self._host_any = bool(self.host_used.any())
-            t.host_node[ids[keep]] = -1
 
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
@@ -476,30 +292,6 @@ class ClusterState:
         queue = self.pending[instance] if gpu is None else self.pinned[gpu]
         queue.take_head_ids(ids)
 
-    def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
-        if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
-            if self._reserving[instance]:
-                self.host_reserved[instance] = 0
-                self._reserving[instance] = False
-            return
-        self._reserving[instance] = True
-        self.host_reserved[instance] = np.bincount(nodes, weights=tokens, minlength=self.topo.num_nodes)
-
-    def host_committed(self, except_instance: int) -> np.ndarray:
-        """Host KV in use plus what other instances' runs in flight will add."""
-        if not fastpath.ENABLED:
-            return self.host_used + np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
-        if self.topo.num_instances == 1:
-            return self.host_used.copy()
-        others = self.host_reserved.sum(axis=0) - self.host_reserved[except_instance]  # integers: exact
-        return self.host_used + others
-
-    def has_host_copies(self) -> bool:
-        """Whether any sequence has a KV copy in host memory (each holds at least one token there)."""
-        if fastpath.ENABLED:  # kept in step by every method that changes host_used (`check` verifies it)
-            return self._host_any
-        return bool(self.host_used.any())
-
     def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
         self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
 
@@ -652,69 +444,3 @@ class ClusterState:
         t.finish_time[ids] = times
         self.num_finished += ids.size
         return True
-
-    # ---- invariants ----------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Recount everything from the table and compare with the incremental bookkeeping."""
-        t = self.table
-        t.check()
-        if not self.partitioned_ever and np.any(t.tp != 1):
-            raise InvariantError("a sequence is partitioned although the state never partitioned one")
-        if not self.num_part_prefilled and t.prefilled.any():
-            raise InvariantError("a chunked prefill is under way although num_part_prefilled says none is")
-        running = np.flatnonzero(t.where >= 0)
-        rep, gpus = self.group_gpus(running)
-        if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)
-                              .astype(np.int64), self.pages_used):
-            raise InvariantError("GPU page counts drifted from the per-sequence pages")
-        if np.any(self.pages_used > self.gpu_pages):
-            raise InvariantError("a GPU holds more KV pages than its capacity")
-        partial = np.flatnonzero(t.prefilled)
-        if partial.size and np.any(t.pages[partial] != self.pages_needed(partial, t.prefilled[partial])):
-            raise InvariantError("a part-prefilled sequence must hold exactly the pages of the chunks it has written")
-        host = t.host_node >= 0
-        recount = np.bincount(t.host_node[host], t.context(np.flatnonzero(host)), self.topo.num_nodes)
-        if not np.array_equal(recount.astype(np.int64), self.host_used):
-            raise InvariantError("host KV accounting drifted from the per-sequence host copies")
-        if np.any(self.host_used > self.host_kv_tokens):
-            raise InvariantError("a node's host memory holds more KV than its capacity")
-        if not self._host_any and self.host_used.any():
-            raise InvariantError("host KV in use although has_host_copies() says there is none")
-        places = np.zeros(len(t), np.int64)
-        for q in [*self.pending, *self.pinned]:
-            ids = q.to_array()
-            places[ids] += 1
-            if np.any(t.where[ids] != PENDING):
-                raise InvariantError("a queued sequence is not marked pending")
-        for node, q in enumerate(self.suspended):
-            ids = q.to_array()
-            places[ids] += 1
-            if np.any(t.where[ids] != SUSPENDED) or np.any(t.host_node[ids] != node):
-                raise InvariantError(f"node {node}'s pool holds a sequence that is not suspended there")
-        for inst, ids in enumerate(self.active):
-            places[ids] += 1
-            if np.any(t.where[ids] < 0) or np.any(self.topo.gpu_instance[t.where[ids]] != inst):
-                raise InvariantError(f"instance {inst}'s active set holds a sequence not running on it")
-            hr = ids[t.host_resident[ids]]
-            if np.any(t.host_node[hr] != self.topo.gpu_node[t.where[hr]]):
-                raise InvariantError(f"instance {inst}: a host-resident sequence's KV is not on its GPU's node")
-        for ids in self.prefilling:
-            places[ids] += 1
-            if np.any(t.where[ids] != PENDING):
-                raise InvariantError("a sequence being prefilled to host is not marked pending")
-        places[t.where == FINISHED] += 1
-        if np.any(places != 1):
-            bad = np.flatnonzero(places != 1)[:5]
-            raise InvariantError(f"sequences {bad.tolist()} are in {places[bad].tolist()} places, not exactly one")
-        if self.num_finished != int((t.where == FINISHED).sum()):
-            raise InvariantError("finished count drifted")
-
-
-def _node_instance(topo: Topology) -> np.ndarray:
-    """The instance whose GPUs fill each node, or -1 where the node's GPUs serve several instances."""
-    node_instance = np.full(topo.num_nodes, -1, np.int64)
-    node_instance[topo.gpu_node] = topo.gpu_instance
-    shared = np.bincount(topo.gpu_node, minlength=topo.num_nodes) != np.bincount(
-        topo.gpu_node, weights=(topo.gpu_instance == node_instance[topo.gpu_node]), minlength=topo.num_nodes)
-    node_instance[shared] = -1
-    return node_instance

@@ -100,7 +100,7 @@ class ContinuousPolicy(PolicyDefaults):
     def decide(self, snap: Snapshot) -> Decision:
         if self.chunked_prefill:
             return self._decide_chunked(snap)
-        R, P = snap.num_ranks, snap.page_tokens
+        P = snap.page_tokens
         d, waiting = self._pin(snap)
         drop, keep, count, free = self._preempt(snap, d)
         prefill_ids, prefill_ranks = [], []

@@ -116,7 +116,7 @@ class PDDisaggPolicy(PolicyDefaults):
     def _prefill(self, snap: Snapshot) -> Decision:
         """Whole prompts per rank within the token budget, KV to the node's pool, while the unit's held KV (its
         pools) stays within hold_share x its GPUs' KV pool and the nodes' host memory takes it."""
-        R, P = snap.num_ranks, snap.page_tokens
+        P = snap.page_tokens
         d, waiting = self._decode._pin(snap)
         d.steps, d.stop, d.micro_batch = 1, "none", 0
         own = snap.own_nodes()

@@ -40,7 +40,7 @@ class BlockPlan:
 
 
 def decide_block(snap: Snapshot, plan: BlockPlan) -> Decision:
-    P, R = snap.page_tokens, snap.num_ranks
+    P = snap.page_tokens
     host = plan.kv_on_host and snap.capabilities.host_resident_decode
     cpu = host and plan.cpu_attention and snap.capabilities.cpu_attention
     d = Decision(steps=P, stop="none", micro_batch=plan.micro_batch, cpu_attention=cpu,
