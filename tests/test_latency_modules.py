@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from batchgen.latency import Efficiency, LatencyModel, Roofline, load_efficiency
-from batchgen.sim.costs import decode_load, price
+from batchgen.pricing.costs import decode_load, price
 from batchgen.specs.catalog import load_efficiency_dict, load_hardware, load_model
 from conftest import make_job
 
@@ -85,7 +85,7 @@ def test_efficiency_round_trips_through_its_file_format():
 
 
 def test_padded_kernels_are_priced_per_run_of_similar_contexts():
-    from batchgen.sim.costs import similar_runs
+    from batchgen.pricing.costs import similar_runs
 
     rank = np.array([0, 0, 0, 0, 1, 1])
     ctx = np.array([100, 110, 1000, 1100, 50, 5000])

@@ -9,7 +9,7 @@ from batchgen.job import prepare
 from batchgen.latency import LatencySettings, build_latency
 from batchgen.memory import ConfigError
 from batchgen.plan.decode import DecodeGrid, price_decode
-from batchgen.plan.microbatch import price_microbatched
+from batchgen.pricing.microbatch import price_microbatched
 from batchgen.policy import make_policy
 from batchgen.results.metrics import summarize
 from batchgen.sim.run import simulate

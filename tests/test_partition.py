@@ -88,7 +88,7 @@ def test_tp_attention_groups_do_not_partition_their_stragglers():
 
 
 def test_partition_join_is_an_all_reduce_per_layer_over_the_group():
-    from batchgen.sim.costs import partition_join
+    from batchgen.pricing.costs import partition_join
     lat = prepare(make_job("coroutine", model="qwen3_30b_a3b")).latency
     rank, alive = np.array([0, 5]), np.array([3, 1])
     assert partition_join(lat, rank, alive, np.array([1, 1]), 8, 3) == 0.0
@@ -107,7 +107,7 @@ def test_a_partitioned_sequence_attends_with_a_head_shard_of_the_weights_on_each
     """A shard projects and attends for 1/degree of the heads (exec.models.tensor_parallel), so each rank of
     the group reads that share of the head-indexed weights: at one query the shard's attention is cheaper than
     the whole sequence's on one rank, and it is what the shard's shapes price, on every rank of the group."""
-    from batchgen.sim.costs import decode_load, price
+    from batchgen.pricing.costs import decode_load, price
 
     for model in ("qwen3_30b_a3b", "deepseek_r1"):
         lat = prepare(make_job("coroutine", model=model)).latency
@@ -152,7 +152,7 @@ def test_a_measured_latency_model_scales_its_attention_by_the_rooflines_shard_sh
 
 
 def test_a_host_resident_sequence_cannot_be_priced_partitioned():
-    from batchgen.sim.costs import decode_grid
+    from batchgen.pricing.costs import decode_grid
 
     with pytest.raises(ValueError, match="host-resident"):
         decode_grid(np.array([0, 1]), np.array([100, 100]), np.array([2, 2]), np.array([2, 1]),

@@ -118,11 +118,11 @@ def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
     assert_same(fast, ref)
 
 
-# ---- the one-rank scalar path (batchgen.sim.scalar) against the numpy code it mirrors, bit for bit ----------
+# ---- the one-rank scalar path (batchgen.pricing.scalar) against the numpy code it mirrors, bit for bit ----------
 
 def _scalar_setup(model="llama2_7b"):
     from batchgen.job import prepare
-    from batchgen.sim.scalar import scalar_pricer
+    from batchgen.pricing.scalar import scalar_pricer
 
     rng = np.random.default_rng(0)
     job = make_job("continuous", model, "a100_8", rng.integers(8, 3000, 4), rng.integers(1, 600, 4),
@@ -140,8 +140,8 @@ def _same_cost(a, b):
 
 @pytest.mark.parametrize("tbo", [False, True])
 def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
-    from batchgen.sim.costs import decode_load, mixed_load, price
-    from batchgen.sim.scalar import decode_rows, mixed_rows, price_row, rows_of
+    from batchgen.pricing.costs import decode_load, mixed_load, price
+    from batchgen.pricing.scalar import decode_rows, mixed_rows, price_row, rows_of
 
     lat, sp = _scalar_setup()
     assert sp is not None
@@ -170,7 +170,7 @@ def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
 
 
 def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
-    from batchgen.sim.scalar import scalar_pricer
+    from batchgen.pricing.scalar import scalar_pricer
 
     lat, _ = _scalar_setup("tiny_moe")
     assert scalar_pricer(lat) is None  # an MoE model: the expert all-to-all is numpy's
@@ -183,8 +183,8 @@ def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
 def test_vector_price_of_long_one_rank_runs_is_numpys():
     """Runs of many iterations in which only the context changes (a run to the first finish, a static batch with
     padding rows): `price_vector` equals `costs.price` bit for bit, and declines a run whose batch changes."""
-    from batchgen.sim.costs import decode_load, price
-    from batchgen.sim.scalar import price_vector
+    from batchgen.pricing.costs import decode_load, price
+    from batchgen.pricing.scalar import price_vector
 
     lat, sp = _scalar_setup()
     rng = np.random.default_rng(3)
@@ -207,9 +207,9 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
     """`sim.scalar_offload` (an offloading system's run on one rank with device KV, priced as a chain) equals
     `price_offload` on the per-layer DAG bit for bit: one micro-batch or several, sequences ending part-way,
     iterations without queries; and it declines host-resident KV (the DAG's territory)."""
-    from batchgen.sim.costs import decode_grid
-    from batchgen.sim.offload_costs import price_offload
-    from batchgen.sim.scalar_offload import price_offload_one_rank
+    from batchgen.pricing.costs import decode_grid
+    from batchgen.pricing.offload import price_offload
+    from batchgen.pricing.scalar_offload import price_offload_one_rank
 
     lat, sp = _scalar_setup()
     rng = np.random.default_rng(11)
@@ -242,9 +242,9 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
     the DAG on Python floats for host KV: restored, or attended by the CPU), bit for bit, up to more
     micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
     from batchgen.plan.decode import DecodeGrid
-    from batchgen.plan.microbatch import price_microbatched
-    from batchgen.sim.costs import decode_grid
-    from batchgen.sim.scalar_offload import microbatched_one_rank
+    from batchgen.pricing.microbatch import price_microbatched
+    from batchgen.pricing.costs import decode_grid
+    from batchgen.pricing.scalar_offload import microbatched_one_rank
 
     lat, sp = _scalar_setup()
     rng = np.random.default_rng(5)
@@ -279,8 +279,8 @@ def test_all_alive_price_is_the_grids():
     """`price_all_alive` (every row through the whole run: a static batch with its padding rows, a run to the
     first finish) equals `price_vector` of the grid `costs.decode_load` builds, bit for bit, with the same
     gate-token total."""
-    from batchgen.sim.costs import decode_load
-    from batchgen.sim.scalar import price_all_alive, price_vector, scalar_pricer
+    from batchgen.pricing.costs import decode_load
+    from batchgen.pricing.scalar import price_all_alive, price_vector, scalar_pricer
 
     lat, sp = _scalar_setup()
     padded = Roofline(lat.model, lat.gpu, dataclasses.replace(lat.eff, attention_padding=0.4),
@@ -309,7 +309,7 @@ def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
     """DeepSeek-V2's dense first layer in the planner's one-row iteration (host KV restored per layer): the
     float DAG of `_float_costs` gives the general DAG's price bit for bit beside the MoE layers' own path."""
     from batchgen.plan.decode import DecodeGrid
-    from batchgen.plan.microbatch import price_microbatched
+    from batchgen.pricing.microbatch import price_microbatched
     from batchgen.specs import load_model
 
     lat, _ = _scalar_setup()

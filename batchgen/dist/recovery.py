@@ -83,6 +83,7 @@ from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import retire
 from batchgen.dist.launch import DistContext, DistEnv, join_group
 from batchgen.dist.worker import Command
+from batchgen.pricing.costs import prefill_load, price
 
 KEY = "batchgen/recover/gen{}"
 
@@ -511,8 +512,6 @@ class RestoreChoice:
 def choose(latency, tokens: int) -> RestoreChoice:
     """Restore (host link) or recompute (prefill) a sequence whose host copy holds `tokens` tokens, priced by
     the job's latency model as the simulator prices a host restore and a one-sequence prefill forward."""
-    from batchgen.sim.costs import price, prefill_load
-
     n_dense, n_moe = latency.layer_counts()
     restore_s = float(latency.kv_restore(tokens)) * (n_dense + n_moe)
     none = np.empty(0, np.int64)

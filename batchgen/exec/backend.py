@@ -50,7 +50,7 @@ class ExecBackend:
         """One runner per instance (its device's copy of the model), one KV cache per GPU rank.
         `two_batch_overlap` (sglang_opt): every forward runs as two micro-batches, one after the other (each rank's
         sequences split in halves); the overlap of one's all-to-all with the other's compute needs two streams
-        and several processes, so it is priced by the simulator only (batchgen.sim.tbo), never performed here.
+        and several processes, so it is priced by the simulator only (batchgen.pricing.tbo), never performed here.
         `check`: after each plan's KV ops, check the caches against the state (`check_placement`)."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
@@ -389,7 +389,7 @@ class ExecBackend:
 def _halves(batch: RankBatch) -> tuple[RankBatch, RankBatch]:
     """A rank's batch split by sequences into two micro-batches (two-batch overlap): the first half of its
     sequences and the rest, each with its tokens and per-sequence flags."""
-    k = (len(batch.seq_ids) + 1) // 2  # ceil, as the simulator's split (batchgen.sim.tbo.split)
+    k = (len(batch.seq_ids) + 1) // 2  # ceil, as the simulator's split (batchgen.pricing.tbo.split)
     cut = sum(batch.new_counts[:k])
 
     def part(lo, hi, t_lo, t_hi):

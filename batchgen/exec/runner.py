@@ -33,7 +33,7 @@ from batchgen.exec.models.decoder import MoEDecoder
 from batchgen.exec.models.tensor_parallel import group_attention, shard_attention
 from batchgen.exec.shards import ShardStore, shards_of
 from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
-from batchgen.sim.costs import SIMILAR, SIMILAR_SLACK  # one rule: the simulator prices the calls made here
+from batchgen.pricing.costs import SIMILAR, SIMILAR_SLACK  # one rule: the simulator prices the calls made here
 
 
 @dataclass

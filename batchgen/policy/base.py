@@ -164,7 +164,7 @@ class Decision:
     # decode FFN schedule: "combined" (module-based batching: every micro-batch's tokens form one expert batch),
     # "micro_batch" (each attention micro-batch runs its own FFN with the layer's weights, loaded once per layer:
     # FlexGen / ZeRO-Inference), "pipelined" (the same, with the next micro-batch's attention overlapping this
-    # one's FFN: MoE-Lightning's CGOPipe); see batchgen.plan.microbatch
+    # one's FFN: MoE-Lightning's CGOPipe); see batchgen.pricing.microbatch
     ffn_schedule: str = "combined"
     chunk_ids: np.ndarray = field(default_factory=lambda: EMPTY)    # chunked prefill: these sequences ...
     chunk_ranks: np.ndarray = field(default_factory=lambda: EMPTY)  # ... on these ranks ...

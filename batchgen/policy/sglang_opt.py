@@ -11,7 +11,7 @@ the batch caps that implies, two-batch overlap):
   sequences as its KV pool admits, up to `running_cap` (SGLang's largest request pool, 4096), which also sizes
   the activations;
 - `two_batch_overlap`: each forward split in two micro-batches so one's all-to-all overlaps the other's
-  compute; priced by the simulator (batchgen.sim.tbo), where it only hides communication (so it is off where
+  compute; priced by the simulator (batchgen.pricing.tbo), where it only hides communication (so it is off where
   there is no all-to-all: a dense model or one GPU per instance, `batchgen.job.prepare`). The decision is the
   same; the executor runs every forward as the two micro-batches one after the other (same tokens: the overlap
   itself needs two streams and several processes, so it is not performed on one process).

@@ -1,7 +1,7 @@
 """The SimPy backend: each expert-parallel instance is one process that jumps from boundary to boundary.
 
 Events are scheduling decisions, not tokens: a run of up to `steps` iterations is priced in one vectorised
-call (sim/costs.py) and becomes one timeout. Instances share the clock, the host pools and the links' owners,
+call (pricing/costs.py) and becomes one timeout. Instances share the clock, the host pools and the links' owners,
 so migration between instances sees a consistent state.
 """
 
@@ -20,10 +20,10 @@ from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
 from batchgen.sim import fused, repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
-from batchgen.sim.offload_costs import price_offload
-from batchgen.sim.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
+from batchgen.pricing.offload import price_offload
+from batchgen.pricing.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
                                  rows_of, scalar_pricer)
-from batchgen.sim.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
+from batchgen.pricing.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
                                 prefill_load, price, price_host)
 
 
@@ -39,7 +39,7 @@ class SimBackend:
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
                  capabilities: Capabilities | None = None, two_batch_overlap: bool = False):
-        """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.sim.tbo), the
+        """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.pricing.tbo), the
         policy's choice (sglang_opt). `capabilities`: what the simulated engine can do; default everything the simulator prices
         (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
         degree the heads allow). A validation run passes the executor's, so both see the same snapshots."""
@@ -256,7 +256,7 @@ class SimBackend:
         return cached[1]
 
     def _price(self, load, weight_stream_s: float, join=0.0):
-        """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.sim.scalar, the
+        """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.pricing.scalar, the
         same values bit for bit) where that path applies."""
         sp = scalar_pricer(self.lat)
         if sp is not None and type(join) is float and join == 0.0 and load.gate_tokens.shape[0] == 1:

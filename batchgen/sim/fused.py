@@ -10,7 +10,7 @@ three functions do it, on the few arrays it needs (measured: 1.09-1.10x on those
 the numbers).
 
 Where. Only where each step is the general code's own operation on the same operands: a simulated instance of
-one GPU (its sequences all on rank 0), priced by the scalar roofline (batchgen.sim.scalar: a dense model, no
+one GPU (its sequences all on rank 0), priced by the scalar roofline (batchgen.pricing.scalar: a dense model, no
 similar-context calls, no weights streamed), nothing on host, never partitioned, no padding; a decision that
 runs up to `_FEW_CHUNKS` prompt chunks beside every decode, or decodes for at most `MAX_ITERATIONS` iterations
 until the first finish or its steps, and calls no other primitive; a policy that declares no repeats and no
@@ -31,9 +31,9 @@ from batchgen.engine.apply import _FEW_CHUNKS, _kv_ops, _take_chunks
 from batchgen.engine.loop import StepRecord
 from batchgen.engine.plan import filled
 from batchgen.policy.base import Decision
-from batchgen.sim.costs import decode_load, mixed_load
+from batchgen.pricing.costs import decode_load, mixed_load
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
-from batchgen.sim.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row
+from batchgen.pricing.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from batchgen.engine import Engine, InstanceProgress

@@ -6,7 +6,7 @@ it ends), returning each run's sequences and `StepResult` and making time pass o
 `execute` gives that run alone, bit for bit: the runs' loads are the first run's load over (n + 1) x steps
 iterations cut into consecutive ranges (a sequence's context at a later run's start is its context now plus
 the tokens made since, whole numbers summed exactly); an offloading system's one-rank chain
-(batchgen.sim.scalar_offload.Chain) is priced once over all of them and reduced per range, any other offloading
+(batchgen.pricing.scalar_offload.Chain) is priced once over all of them and reduced per range, any other offloading
 run is priced run by run on its own grid as `execute` prices it; each run's duration, finish offsets and
 counters follow `execute`'s arithmetic. The clock lands where n + 1 timeouts would have left it (the running
 sum of the durations, added in order: one timeout of the delay that lands there, or, where rounding leaves no
@@ -24,9 +24,9 @@ from typing import Any, Generator
 import numpy as np
 
 from batchgen.engine import StepPlan, StepResult
-from batchgen.sim.costs import RunCost, decode_grid
-from batchgen.sim.scalar import scalar_pricer
-from batchgen.sim.scalar_offload import chain_vectors
+from batchgen.pricing.costs import RunCost, decode_grid
+from batchgen.pricing.scalar import scalar_pricer
+from batchgen.pricing.scalar_offload import chain_vectors
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False

@@ -6,8 +6,8 @@ keeps the candidate of highest predicted throughput that fits memory. What a can
 way the simulator will price it: the device budget of `plan_memory` for its batch shape (the weight ring, the
 activations of one micro-batch, staging buffers), device pages for the whole block's KV at the workload's longest
 sequence when KV stays on the GPU (these systems reserve prompt + generation length up front), host memory for
-it otherwise; one decode iteration at the typical context on `batchgen.plan.microbatch`'s DAG, and the block's
-prefill with the layer weights streamed once (`batchgen.sim.costs.price`). Throughput = block x mean output /
+it otherwise; one decode iteration at the typical context on `batchgen.pricing.microbatch`'s DAG, and the block's
+prefill with the layer weights streamed once (`batchgen.pricing.costs.price`). Throughput = block x mean output /
 (prefill + mean output x iteration). This stands in for FlexGen's LP over its cost model and MoE-Lightning's
 hierarchical roofline: the same terms (weight, KV and activation transfers, CPU and GPU compute per layer,
 memory constraints), computed by one model here so that the search agrees with the simulator.
@@ -23,7 +23,8 @@ import numpy as np
 
 from batchgen.memory import ConfigError, plan_memory
 from batchgen.plan.decode import DecodeGrid
-from batchgen.plan.microbatch import price_microbatched
+from batchgen.pricing.costs import prefill_load, price
+from batchgen.pricing.microbatch import price_microbatched
 
 TIE = 0.01
 POW2 = tuple(1 << k for k in range(0, 11))          # micro-batch sizes 1 .. 1024
@@ -119,7 +120,6 @@ def score(rig: Rig, policy, memo: dict | None = None) -> Scored | None:
 
 def _prefill_s(rig: Rig, n: int, micro_batch: int, stream_s: float) -> float:
     """A block of n typical prompts prefilled, the layer weights streamed once."""
-    from batchgen.sim.costs import prefill_load, price
 
     empty = np.empty(0, np.int64)
     load = prefill_load(np.zeros(n, np.int64), np.full(n, int(round(rig.mean_input))), empty, empty, 1, micro_batch)

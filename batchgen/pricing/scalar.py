@@ -27,6 +27,7 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
+from batchgen.pricing.cost import RunCost
 
 # decode runs longer than this stay on numpy (a Python loop per iteration would cost more than the arrays)
 MAX_ITERATIONS = 12
@@ -166,7 +167,6 @@ def price_row(sp: ScalarRoofline, rows: list[list[float]], head_rows_given: bool
     """`costs.price` (or, with `tbo`, `tbo.price_tbo`) of a one-rank run of a dense model without a join, from
     `rows_of`; None where a value is outside what the scalar path mirrors. `head_rows_given`: the load's
     head_rows was set (TBO splits them; otherwise they are the sequences, split alike)."""
-    from batchgen.sim.costs import RunCost
 
     try:
         if tbo and weight_stream_s <= 0:
@@ -384,7 +384,6 @@ def _price_vector(sp: ScalarRoofline, fields: dict, h_rows: float, ctx: np.ndarr
                   weight_stream_s: float):
     """`price_vector` from the run's constant amounts (`fields`, the LM head's rows), its context and longest
     context per iteration."""
-    from batchgen.sim.costs import RunCost
 
     t, g, mb = fields["attn_tokens"], fields["gate_tokens"], fields["micro_batches"]
     n_dense = sp.n_dense

@@ -1,5 +1,5 @@
 """A decode run under an offloading system's schedule (an FFN per attention micro-batch, weights loaded once
-per layer and reused by the block's micro-batches), priced on `batchgen.plan.microbatch`'s DAG."""
+per layer and reused by the block's micro-batches), priced on `batchgen.pricing.microbatch`'s DAG."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import numpy as np
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
-from batchgen.plan.microbatch import price_microbatched
-from batchgen.sim.costs import RunCost, _module_split
-from batchgen.sim.scalar import scalar_pricer
-from batchgen.sim.scalar_offload import price_offload_one_rank
+from batchgen.pricing.microbatch import price_microbatched
+from batchgen.pricing.cost import RunCost, module_split
+from batchgen.pricing.scalar import scalar_pricer
+from batchgen.pricing.scalar_offload import price_offload_one_rank
 
 
 def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, pipelined: bool,
                   prefetch_bytes: float) -> tuple[RunCost, float, float, np.ndarray]:
     """(cost, h2d bytes, d2h bytes, expert calls per iteration) of the run; `rank_comm` holds the all-to-all
     and the host traffic / CPU time the GPU could not hide. One rank with device KV, a dense model: priced as a
-    chain without the DAG object (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    chain without the DAG object (batchgen.pricing.scalar_offload, the same values bit for bit)."""
     if grid.shards:
         raise ValueError("an offloading system's schedule with PARTITIONed sequences is not priced")
     if grid.gate_tokens.shape[0] == 1:
@@ -36,6 +36,6 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     if grid.host_tokens.any() or not fastpath.ENABLED:  # else the host part is 0 everywhere: adding it changes nothing
         attn = attn + lat.attention_decode(grid.host_tokens, grid.host_context,
                                            np.ceil(grid.host_tokens / max(micro_batch, 1)))
-    modules = _module_split(lat, attn, gate, gate, active)
+    modules = module_split(lat, attn, gate, gate, active)
     cost = RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules)
     return cost, p.h2d_bytes, p.d2h_bytes, calls

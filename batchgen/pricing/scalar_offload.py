@@ -24,7 +24,8 @@ import numpy as np
 
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
 from batchgen.plan.decode import DecodeGrid, _host_micro_batches
-from batchgen.sim.scalar import ScalarRoofline
+from batchgen.pricing.cost import RunCost
+from batchgen.pricing.scalar import ScalarRoofline
 
 
 class _NotHere(Exception):
@@ -80,7 +81,6 @@ def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
 def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
     """`sim.offload_costs.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
     calls per iteration), or None where this path does not mirror it (see the module docstring)."""
-    from batchgen.sim.costs import RunCost
 
     gate2 = grid.gate_tokens
     if gate2.shape[0] != 1 or grid.host_tokens.any():

@@ -14,27 +14,15 @@ of modules and keeps the plain sum (`price`), which the DAG reduces to when noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
-
-
-@dataclass
-class RunCost:
-    iteration_s: np.ndarray      # duration of each iteration (compute, lockstep), length K
-    rank_busy: np.ndarray        # compute seconds of each rank over the run
-    rank_comm: np.ndarray        # collective seconds of each rank over the run
-    expert_tokens: np.ndarray    # tokens at the gate per iteration (whole instance)
-    modules: dict[str, float] = field(default_factory=dict)  # seconds of attention, ffn, head over the run
-                                 # (slowest rank per iteration), to set beside the executor's module timers
-
-    @property
-    def compute_s(self) -> float:
-        return float(self.iteration_s.sum())
+from batchgen.pricing.cost import RunCost, module_split, module_totals
+from batchgen.pricing.tbo import price_tbo
 
 
 @dataclass
@@ -365,12 +353,11 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
     that layer's FFN and counts as communication. A latency model whose rank is a TP-attention group
     (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
-    forward split in two overlapped micro-batches (batchgen.sim.tbo; not with streamed weights)."""
+    forward split in two overlapped micro-batches (batchgen.pricing.tbo; not with streamed weights)."""
     if tbo and weight_stream_s <= 0:
         if load.shards:
             raise ValueError("two-batch overlap with PARTITIONed sequences is not priced: a policy runs one or "
                              "the other")
-        from batchgen.sim.tbo import price_tbo
         return price_tbo(lat, load, join)
     n_dense, n_moe = lat.layer_counts()
     if getattr(lat, "attention_tp", 1) > 1:
@@ -413,34 +400,10 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
     per_rank_attn = attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
     attention = (n_dense + n_moe) * per_rank_attn.max(axis=0)
-    modules = _module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
+    modules = module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
                              None if every else active)
     return RunCost(iteration, busy.sum(axis=1), rank_comm, gate_sum if every else np.where(active, gate_sum, 0.0),
                    modules)
-
-
-def _module_totals(per_iteration: dict[str, np.ndarray], active: np.ndarray | None) -> dict[str, float]:
-    """Seconds of each module kind over the run's iterations (each the slowest rank's): attention (every
-    layer), ffn (dense FFN, router, shared and routed experts, all-to-all) and head (LM head and sampling,
-    once per forward). What else a run lasts (engine overheads, exposed copies) is the rest. `active`: the
-    iterations that ran (None: all of them)."""
-    if active is None:
-        return {k: float(v.sum()) for k, v in per_iteration.items()}
-    return {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
-
-
-def _module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str, float]:
-    """`_module_totals` of a run priced elsewhere (the DAG of `price_host`), from the same latency model."""
-    n_dense, n_moe = lat.layer_counts()
-    ffn = np.zeros(gate.shape[1])
-    if n_dense:
-        ffn = ffn + n_dense * np.max(lat.dense_ffn(gate), axis=0)
-    if n_moe:
-        total = gate.sum(axis=0)
-        local = lat.shared_experts(gate) + lat.router(gate)
-        ffn = ffn + n_moe * (np.max(local, axis=0) + lat.all_to_all(total) + lat.experts(total)[0])
-    return _module_totals({"attention": (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0),
-                           "ffn": ffn, "head": np.max(lat.lm_head(sequences), axis=0)}, active)
 
 
 def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
@@ -458,6 +421,6 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
             + lat.attention_decode(grid.host_tokens, grid.host_context, np.ceil(grid.host_tokens / max(micro_batch, 1))))
     if grid.shards:
         attn = attn + shard_attention(lat, grid.shards)
-    modules = _module_split(lat, attn, gate, gate, active)
+    modules = module_split(lat, attn, gate, gate, active)
     return (RunCost(p.iteration_s, p.rank_busy, rank_comm, np.where(active, gate.sum(axis=0), 0.0), modules),
             p.h2d_bytes, p.d2h_bytes)

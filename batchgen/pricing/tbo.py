@@ -26,6 +26,7 @@ import dataclasses
 import numpy as np
 
 from batchgen.latency import LatencyModel
+from batchgen.pricing.cost import RunCost, module_totals
 
 
 def split(load):
@@ -63,7 +64,6 @@ def _half_parts(lat: LatencyModel, h, join_h):
 
 def price_tbo(lat: LatencyModel, load, join=0.0):
     """RunCost of a run whose every forward is split in two overlapped micro-batches (see module docstring)."""
-    from batchgen.sim.costs import RunCost, _module_totals
 
     n_dense, n_moe = lat.layer_counts()
     shape = load.gate_tokens.shape
@@ -103,6 +103,6 @@ def price_tbo(lat: LatencyModel, load, join=0.0):
     active = load.gate_tokens.sum(axis=0) > 0
     iteration = np.where(active, iteration, 0.0)
     rank_comm = np.full(shape[0], float(comm[active].sum()))
-    modules = _module_totals({"attention": attention, "ffn": ffn, "head": head_s}, active)
+    modules = module_totals({"attention": attention, "ffn": ffn, "head": head_s}, active)
     return RunCost(iteration, busy.sum(axis=1), rank_comm,
                    np.where(active, load.gate_tokens.sum(axis=0), 0.0), modules)

@@ -38,6 +38,8 @@ from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
+from batchgen.pricing.scalar import scalar_pricer
+from batchgen.pricing.scalar_offload import microbatched_one_rank
 
 GPU, H2D, D2H, CPU, WEIGHTS = "gpu", "h2d", "d2h", "cpu", "weights"
 
@@ -206,11 +208,8 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     whole rank's batch as one). Sequences are all device-resident or all host-resident (the offloading
     systems place the whole block's KV one way). Returns the price and the expert calls per MoE layer in each
     iteration (K,), which the per-expert batch is measured by. One row of a dense model with device KV: priced
-    as the chain this DAG reduces to (batchgen.sim.scalar_offload, the same values bit for bit)."""
+    as the chain this DAG reduces to (batchgen.pricing.scalar_offload, the same values bit for bit)."""
     if fastpath.ENABLED and np.shape(grid.gate_tokens)[0] == 1:
-        from batchgen.sim.scalar import scalar_pricer
-        from batchgen.sim.scalar_offload import microbatched_one_rank
-
         sp = scalar_pricer(lat)
         out = microbatched_one_rank(sp, grid, micro_batch, pipelined, replicas) if sp is not None else None
         if out is not None:
