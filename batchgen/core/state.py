@@ -59,6 +59,12 @@ class ClusterState(Accounts):
         # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
         self.num_part_prefilled = 0
 
+    def kv_bytes(self, ids: np.ndarray) -> np.ndarray:
+        """Bytes of the KV the sequences hold: every context token's but the newest generated one's, whose KV the
+        next forward writes (a sequence done prefilling). What a move of their KV copies, on any tier."""
+        t = self.table
+        return (t.context(ids) - (t.decoded[ids] > 0)) * self.kv_bytes_per_token
+
     # ---- placement at the start -------------------------------------------------------------------
     def assign_instances(self, instance_of_seq: np.ndarray) -> None:
         """The upper-level split of the input over instances; each instance's pool keeps input order."""
@@ -140,7 +146,7 @@ class ClusterState(Accounts):
         ctx = t.context(ids)
         nodes = self.topo.gpu_node[gpus]
         fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
-        np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
+        np.add.at(moves.d2h, gpus[fresh], self.kv_bytes(ids[fresh]))
         self._host_add(nodes[fresh], ctx[fresh])
         t.host_node[ids[fresh]] = nodes[fresh]
         self._leave_gpu(instance, ids)
@@ -166,7 +172,7 @@ class ClusterState(Accounts):
         # one flag for the whole admit (the usual case): a plain array is cheaper to index than a broadcast view
         host_resident = np.full(ids.shape, bool(host_resident)) if host_resident.ndim == 0 else \
             np.broadcast_to(host_resident, ids.shape)
-        bytes_ = t.context(ids) * self.kv_bytes_per_token
+        bytes_ = self.kv_bytes(ids)
         remote = self.topo.gpu_node[gpus] != node
         local = ~remote & ~host_resident
         np.add.at(moves.h2d, gpus[local], bytes_[local])
@@ -196,7 +202,7 @@ class ClusterState(Accounts):
         self._require(ids, (src >= 0) & (self.topo.gpu_instance[np.maximum(src, 0)] == instance),
                       f"running on instance {instance}")
         # a host-resident sequence's KV stays in its node's host memory: only a move to another node carries it
-        bytes_ = t.context(ids) * self.kv_bytes_per_token
+        bytes_ = self.kv_bytes(ids)
         cross = self.topo.gpu_node[src] != self.topo.gpu_node[gpus]
         np.add.at(moves.network, gpus[cross], bytes_[cross])
         peer = ~cross & ~t.host_resident[ids]
@@ -222,7 +228,7 @@ class ClusterState(Accounts):
                       "offloaded)")
         ctx = t.context(ids)
         fresh = t.host_node[ids] < 0
-        np.add.at(moves.d2h, gpus[fresh], ctx[fresh] * self.kv_bytes_per_token)
+        np.add.at(moves.d2h, gpus[fresh], self.kv_bytes(ids[fresh]))
         self._host_add(self.topo.gpu_node[gpus[fresh]], ctx[fresh])
         t.host_node[ids[fresh]] = self.topo.gpu_node[gpus[fresh]]
         self._set_pages(ids, np.zeros(ids.size, np.int64))
@@ -251,7 +257,7 @@ class ClusterState(Accounts):
             return
         t.partitions[ids] += 1
         self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
-        kv = t.context(ids) * self.kv_bytes_per_token
+        kv = self.kv_bytes(ids)
         old = t.tp[ids].astype(np.int64)
         # bytes that land on ranks other than the lead: a shard per new member (or a replica for MLA), or the
         # lead gathering what other members held
@@ -303,7 +309,7 @@ class ClusterState(Accounts):
         self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         nodes = self.topo.gpu_node[gpus]
         ctx = t.context(ids)
-        np.add.at(moves.d2h, gpus, ctx * self.kv_bytes_per_token)
+        np.add.at(moves.d2h, gpus, self.kv_bytes(ids))
         self._host_add(nodes, ctx)
         t.host_node[ids] = nodes
         t.where[ids] = SUSPENDED
