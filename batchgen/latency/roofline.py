@@ -99,6 +99,7 @@ class Roofline:
         self.host_flops = host.flops * cpu.host_compute / self.gpus_per_node    # achieved, this GPU's share
         self.host_link_bw = min(gpu.pcie_bw * copy.link, host.dram_bw * copy.host_memory / self.gpus_per_node)
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
+        self._ranks_alike = model.is_moe and bool((self._rank_p == self._rank_p[:1]).all())
         self._attention_gemms = tuple(self._attention_shapes_of_model())
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
         self._head_shards: dict[int, Roofline] = {}  # degree -> head_shard(degree)
@@ -315,8 +316,12 @@ class Roofline:
         return padded.reshape(slots, self.ep_ranks).T
 
     def _expert_rank_times(self, total_tokens: np.ndarray) -> np.ndarray:
-        """(n, ep_ranks) expected expert time of each rank for a 1-D array of global gate batches."""
+        """(n, ep_ranks) expected expert time of each rank for a 1-D array of global gate batches. Where every
+        rank holds the same shares (uniform routing, experts divisible by ranks: the usual), one rank's times
+        are every rank's: computed once and broadcast (the same values, ep_ranks times less work)."""
         m, p = self.model, self._rank_p
+        if self._ranks_alike:
+            p = p[:1]
         assignments = total_tokens[:, None, None] * m.top_k  # (n, 1, 1)
         tokens = assignments[..., 0] * p.sum(axis=1)  # (n, R) expected token-expert pairs per rank
         if self.routing_skew == 0:  # uniform shares: one power per batch size instead of one per expert
@@ -330,7 +335,7 @@ class Roofline:
         h, inter = m.hidden_size, m.moe_intermediate_size
         t = (self._weight_gemms("experts", rows, [(h, 2 * inter * touched), (inter, h * touched)])
              + 2 * np.maximum(tokens - rows, 0) * self._act_row / (self.gpu.hbm_bw * self._eff["experts"].memory))
-        return np.asarray(np.where(tokens > 0, t, 0.0))
+        return np.broadcast_to(np.where(tokens > 0, t, 0.0), (total_tokens.size, self._rank_p.shape[0]))
 
     def experts(self, total_tokens):
         """Routed experts of one MoE layer for `total_tokens` entering the gate across the instance.
