@@ -1,7 +1,7 @@
 """A run's results as files: one JSON summary and CSV tables that any tool (pandas, a spreadsheet) can read.
 
-The tables are written with numpy.savetxt from whole columns, never one Python dict per row, because a job
-can hold a million sequences.
+A job can hold a million sequences and 100K+ boundaries with thousands of ids each, so every table is written
+from whole columns (batchgen.results.csvtext), never one Python object per row.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.decisions import COLUMNS as DECISION_COLUMNS, trace_of
+from batchgen.decisions import COLUMNS as DECISION_COLUMNS, ID_FIELDS, DecisionColumns
+from batchgen.results import csvtext
 from batchgen.results.metrics import StepArrays, device_table, step_arrays
 
 SEQUENCE_COLUMNS = ("id", "input_len", "output_len", "first_token_s", "finish_s", "instance", "yields",
@@ -37,8 +38,8 @@ def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str,
     _write_steps(paths["steps.csv"], steps)
     _write_devices(paths["devices.csv"], device_table(out, steps))
     _write_device_timeline(paths["device_timeline.csv"], out, steps)
-    trace = trace_of(out.records)
-    if trace:  # the same in both backends given the same lengths: diff two runs' files to see where they part
+    trace = DecisionColumns.of(out.records)
+    if len(trace):  # the same in both backends given the same lengths: diff two runs' files to see where they part
         paths["decisions.csv"] = run_dir / "decisions.csv"
         _write_decisions(paths["decisions.csv"], trace)
     if getattr(out, "tokens", None) is not None:  # the executor's generated tokens, in input order
@@ -60,8 +61,7 @@ def _write_sequences(path: Path, out) -> None:
     cols = (np.arange(len(t)), t.input_len, t.output_len, t.first_token_time, t.finish_time, t.instance,
             t.yields, t.migrations, t.recomputes)
     fmt = ["%d", "%d", "%d", "%.6f", "%.6f", "%d", "%d", "%d", "%d"]
-    np.savetxt(path, np.column_stack(cols), fmt=fmt, delimiter=",", header=",".join(SEQUENCE_COLUMNS),
-               comments="")
+    _write_table(path, SEQUENCE_COLUMNS, fmt, [np.asarray(c, float) for c in cols])
 
 
 def _write_steps(path: Path, s: StepArrays) -> None:
@@ -70,11 +70,14 @@ def _write_steps(path: Path, s: StepArrays) -> None:
     busy_max = s.busy.max(axis=1, initial=0.0)
     cols = (s.instance, s.start, s.duration, s.phase, s.iterations, s.tokens, s.running, s.expert_tokens,
             s.expert_calls, busy_mean, busy_max)
-    table = np.empty((len(s), len(cols)), dtype=object)
-    for j, c in enumerate(cols):
-        table[:, j] = c
     fmt = ["%d", "%.6f", "%.6f", "%s", "%d", "%d", "%d", "%.1f", "%d", "%.6f", "%.6f"]
-    np.savetxt(path, table, fmt=fmt, delimiter=",", header=",".join(STEP_COLUMNS), comments="")
+    _write_table(path, STEP_COLUMNS, fmt, cols)
+
+
+def _write_table(path: Path, header, fmt, cols) -> None:
+    with path.open("w", newline="") as fh:
+        fh.write(",".join(header) + "\n")
+        csvtext.formatted(fh, fmt, cols)
 
 
 def _write_devices(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -109,12 +112,17 @@ def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
                header="bin,start_s,gpu,busy_frac,comm_frac", comments="")
 
 
-def _write_decisions(path: Path, trace) -> None:
-    """One row per boundary (a few thousand at most: boundaries, not tokens), ids as ranges."""
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["boundary", *DECISION_COLUMNS])
-        w.writeheader()
-        w.writerows({"boundary": k, **d.row()} for k, d in enumerate(trace))
+def _write_decisions(path: Path, trace: DecisionColumns) -> None:
+    """One row per boundary, id sets as ranges ("0-15 18"): the rows csv.DictWriter made of `trace_of`'s
+    decisions (`BoundaryDecision.row`), byte for byte, from the columns."""
+    k = len(trace)
+    cells: dict[str, csvtext.Cells] = {"boundary": csvtext.Numbers(np.arange(k))}
+    for f, values in trace.scalars.items():
+        cells[f] = csvtext.Numbers(values) if values.dtype.kind in "iu" else csvtext.Strings(values.tolist())
+    for f in ID_FIELDS:
+        cells[f] = csvtext.Ranges(*trace.ids[f])
+    names = ["boundary", *DECISION_COLUMNS]
+    csvtext.write(path, names, [cells[n] for n in names])
 
 
 def _write_outputs(path: Path, out) -> None:
