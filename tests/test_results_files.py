@@ -1,4 +1,5 @@
-"""The result tables written from columns are the files the row-by-row writer made, byte for byte.
+"""The result tables written from columns are the files the row-by-row writer made, byte for byte, and each
+file can be turned off.
 
 The reference writer below is the one the columns replaced (csv.DictWriter over `BoundaryDecision.row()`,
 numpy.savetxt), kept here as the oracle.
@@ -17,8 +18,7 @@ import pytest
 
 from batchgen.decisions import (COLUMNS, BoundaryDecision, DecisionColumns, DeferredDecision, ranges, sorted_within,
                                 trace_of)
-from batchgen.results import csvtext, write_results
-from batchgen.results import writer
+from batchgen.results import csvtext, write_results, writer
 from batchgen.results.metrics import step_arrays
 from batchgen.sim.run import simulate
 from test_sim_fastpath import CASES, KV_PAGES
@@ -176,3 +176,49 @@ def test_formatted_rows_are_savetxts(monkeypatch):
     got = io.StringIO()
     csvtext.formatted(got, fmt, cols)
     assert got.getvalue() == expected.getvalue()
+
+
+# ---- switches -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_run():
+    return simulate(dataclasses.replace(CASES["continuous-tiny-8"](), check_invariants=False), progress=False)
+
+
+@pytest.mark.parametrize("name", writer.TABLES)
+def test_each_table_can_be_turned_off(small_run, name, tmp_path):
+    paths = write_results(small_run, tmp_path, {}, skip={name})
+    written = {p.name for p in tmp_path.iterdir()}
+    assert name not in paths and name not in written
+    assert written == {"results.json", *writer.TABLES} - {name} == set(paths)
+
+
+def test_an_unknown_table_is_refused(small_run, tmp_path):
+    with pytest.raises(ValueError, match="decision.csv"):
+        write_results(small_run, tmp_path, {}, skip={"decision.csv"})
+
+
+def _composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from batchgen.confdir import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=["+policy=coroutine", *overrides])
+
+
+def test_output_switches_name_the_files_they_turn_off():
+    from batchgen.config import OUTPUT_FILES, skipped_outputs
+
+    assert skipped_outputs(_composed()) == set()
+    for key, name in OUTPUT_FILES.items():
+        assert skipped_outputs(_composed(f"output.{key}=false")) == {name}
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", "null"])
+def test_a_switch_that_is_not_a_bool_is_a_config_error(value):
+    from batchgen.config import skipped_outputs
+    from batchgen.memory import ConfigError
+
+    with pytest.raises(ConfigError, match=r"output\.decisions_csv must be true or false"):
+        skipped_outputs(_composed(f"output.decisions_csv={value}"))

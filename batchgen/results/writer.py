@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -21,27 +21,37 @@ SEQUENCE_COLUMNS = ("id", "input_len", "output_len", "first_token_s", "finish_s"
                     "migrations", "recomputes")
 STEP_COLUMNS = ("instance", "start_s", "duration_s", "phase", "iterations", "tokens", "running", "expert_tokens",
                 "expert_calls", "busy_mean_s", "busy_max_s")
+TABLES = ("sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv", "decisions.csv")
 
 
 def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str, Any] | None = None,
-                  sequences_csv: bool = True) -> dict[str, Path]:
-    """The step arrays are built once here and shared by steps.csv and devices.csv (100K+ records).
-    sequences_csv=False skips the one-row-per-sequence file (large at millions of sequences)."""
+                  skip: Collection[str] = ()) -> dict[str, Path]:
+    """results.json and every table of `TABLES` but those in `skip` (conf/config.yaml's output.*_csv switches);
+    decisions.csv only where the run recorded decisions, outputs.jsonl only where it generated tokens. The step
+    arrays are built once and shared by steps.csv and devices.csv (100K+ records)."""
+    unknown = set(skip) - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown result tables {sorted(unknown)}: the tables are {', '.join(TABLES)}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    steps = step_arrays(out)
-    names = ("results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv")
-    paths = {name: run_dir / name for name in names if sequences_csv or name != "sequences.csv"}
+    wanted = [name for name in TABLES if name not in skip]
+    paths = {name: run_dir / name for name in ("results.json", *wanted)}
     _write_json(paths["results.json"], summary, config)
-    if sequences_csv:
+    steps = step_arrays(out) if {"steps.csv", "devices.csv", "device_timeline.csv"} & set(wanted) else None
+    if "sequences.csv" in paths:
         _write_sequences(paths["sequences.csv"], out)
-    _write_steps(paths["steps.csv"], steps)
-    _write_devices(paths["devices.csv"], device_table(out, steps))
-    _write_device_timeline(paths["device_timeline.csv"], out, steps)
-    trace = DecisionColumns.of(out.records)
-    if len(trace):  # the same in both backends given the same lengths: diff two runs' files to see where they part
-        paths["decisions.csv"] = run_dir / "decisions.csv"
-        _write_decisions(paths["decisions.csv"], trace)
+    if "steps.csv" in paths:
+        _write_steps(paths["steps.csv"], steps)
+    if "devices.csv" in paths:
+        _write_devices(paths["devices.csv"], device_table(out, steps))
+    if "device_timeline.csv" in paths:
+        _write_device_timeline(paths["device_timeline.csv"], out, steps)
+    if "decisions.csv" in paths:
+        trace = DecisionColumns.of(out.records)
+        if len(trace):  # the same in both backends given the same lengths: diff two runs' files to see where they part
+            _write_decisions(paths["decisions.csv"], trace)
+        else:
+            del paths["decisions.csv"]
     if getattr(out, "tokens", None) is not None:  # the executor's generated tokens, in input order
         paths["outputs.jsonl"] = run_dir / "outputs.jsonl"
         _write_outputs(paths["outputs.jsonl"], out)
