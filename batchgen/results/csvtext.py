@@ -24,6 +24,7 @@ import numpy as np
 GROUP = 10**4           # digits per word: 4
 BLOCK_TOKENS = 1 << 18  # rows rendered at once: about this many tokens (a few MB of scratch per array)
 BLOCK_ROWS = 1 << 16    # rows formatted at once by `formatted`
+TABLE_VALUES = 1 << 22  # numbers rendered once and looked up: at most this many values (tens of MB)
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,15 @@ def write(path: Path, header: Sequence[str], columns: Sequence[Cells], line_end:
 
 class Digits:
     """Numbers up to `largest` as text: `groups` words of 4 digits each, NUL where a number has fewer. With fewer
-    values than tokens (ids recur at every boundary) every value is rendered once and looked up."""
+    values than tokens (ids recur at every boundary) and not too many, every value is rendered once and looked
+    up."""
 
     def __init__(self, largest: int, tokens: int):
         self.groups = 1
         while largest >= GROUP**self.groups:
             self.groups += 1
-        self.table = self.render(np.arange(largest + 1, dtype=np.int64)) if largest < tokens else None
+        few = largest < min(tokens, TABLE_VALUES)
+        self.table = self.render(np.arange(largest + 1, dtype=np.int64)) if few else None
 
     def __call__(self, number: np.ndarray) -> list[np.ndarray] | np.ndarray:
         """Each group's words (the most significant first), a word per number."""
