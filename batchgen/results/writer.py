@@ -1,7 +1,8 @@
 """A run's results as files: one JSON summary and CSV tables that any tool (pandas, a spreadsheet) can read.
 
-A job can hold a million sequences and 100K+ boundaries with thousands of ids each, so every table is written
-from whole columns (batchgen.results.csvtext), never one Python object per row.
+A job can hold a million sequences and 100K+ boundaries with thousands of ids each, so the tables that grow with
+it (sequences, steps, decisions) are written from whole columns (batchgen.results.csvtext), never one Python
+object per row; the per-GPU ones (devices, device_timeline) have a fixed size.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _write_sequences(path: Path, out) -> None:
     cols = (np.arange(len(t)), t.input_len, t.output_len, t.first_token_time, t.finish_time, t.instance,
             t.yields, t.migrations, t.recomputes)
     fmt = ["%d", "%d", "%d", "%.6f", "%.6f", "%d", "%d", "%d", "%d"]
-    _write_table(path, SEQUENCE_COLUMNS, fmt, [np.asarray(c, float) for c in cols])
+    _write_table(path, SEQUENCE_COLUMNS, fmt, cols)
 
 
 def _write_steps(path: Path, s: StepArrays) -> None:
