@@ -14,6 +14,10 @@ from batchgen.setup import build_setup, checked_calibration, model_path, model_s
 from batchgen.workload import build_workload
 
 BACKENDS = ("sim", "exec", "dist")
+# output.<switch>: false turns that file of a run off (conf/config.yaml); results.json is always written
+OUTPUT_FILES = {"sequences_csv": "sequences.csv", "decisions_csv": "decisions.csv", "steps_csv": "steps.csv",
+                "devices_csv": "devices.csv", "device_timeline_csv": "device_timeline.csv",
+                "plot": "timeline.png"}
 
 
 def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | None = "batchgen.experiment") -> Job:
@@ -58,3 +62,17 @@ def progress_setting(cfg: DictConfig) -> Any:
     if not (isinstance(value, bool) or value is None or value == "auto"):
         raise ConfigError(f"output.progress must be auto, true or false, got {value!r}")
     return value
+
+
+def skipped_outputs(cfg: DictConfig) -> set[str]:
+    """The files of a run that the config turns off (`OUTPUT_FILES`), checked: each switch is true or false (a
+    missing one is true), so that a typo such as output.steps_csv=flase is an error, not a file written anyway."""
+    output = cfg.get("output") or {}
+    skipped = set()
+    for key, name in OUTPUT_FILES.items():
+        value = output.get(key, True)
+        if not isinstance(value, bool):
+            raise ConfigError(f"output.{key} must be true or false (write {name} or not), got {value!r}")
+        if not value:
+            skipped.add(name)
+    return skipped

@@ -57,8 +57,7 @@ class BoundaryDecision:
 
     def merged(self, earlier: "BoundaryDecision") -> "BoundaryDecision":
         """This decision with the id sets of an earlier (idle) one added."""
-        sets = {f: tuple(sorted(set(getattr(self, f)) | set(getattr(earlier, f)))) for f in ID_FIELDS
-                if f not in ("prefilled", "chunked", "decoded", "host_resident")}
+        sets = {f: tuple(sorted(set(getattr(self, f)) | set(getattr(earlier, f)))) for f in FOLDED_FIELDS}
         return replace(self, **sets)
 
     def changes_something(self) -> bool:
@@ -89,21 +88,33 @@ class DeferredDecision:
                         ("chunks_only", decision.chunks_only)))
         self._folded = folded
 
-    def resolve(self) -> BoundaryDecision:
+    def unsorted(self) -> tuple[tuple, tuple]:
+        """The id sets as arrays in the engine's order (`ID_FIELDS` order), and the other fields (`SCALAR_FIELDS`
+        order), without the folded idle changes: `resolve` sorts each set into a tuple, `DecisionColumns` sorts
+        every boundary's at once."""
         (instance, phase, prefill_ids, chunk_ids, decode_ids, decode_host_resident, steps, stop, micro_batch,
          yield_ids, offload_ids, evict_ids, move_ids, admits, partition_ids, pin_ids, flags) = self._parts
         admitted = np.concatenate([np.asarray(a) for a in admits]) if admits else ()
-        rec = BoundaryDecision(
-            instance=int(instance), phase=phase, prefilled=_ids(prefill_ids), chunked=_ids(chunk_ids),
-            decoded=_ids(decode_ids), host_resident=_ids(decode_ids[np.asarray(decode_host_resident, bool)]),
-            yielded=_ids(yield_ids), offloaded=_ids(offload_ids), evicted=_ids(evict_ids), migrated=_ids(move_ids),
-            admitted=_ids(admitted), partitioned=_ids(partition_ids), pinned=_ids(pin_ids), steps=int(steps),
-            stop=str(stop), micro_batch=int(micro_batch), flags=",".join(n for n, on in flags if on))
+        ids = (prefill_ids, chunk_ids, decode_ids, decode_ids[np.asarray(decode_host_resident, bool)], yield_ids,
+               offload_ids, evict_ids, move_ids, admitted, partition_ids, pin_ids)
+        return ids, (int(instance), phase, int(steps), str(stop), int(micro_batch),
+                     ",".join(n for n, on in flags if on))
+
+    @property
+    def folded(self) -> "BoundaryDecision | None":
+        return self._folded
+
+    def resolve(self) -> BoundaryDecision:
+        ids, scalars = self.unsorted()
+        rec = BoundaryDecision(**dict(zip(SCALAR_FIELDS, scalars)), **{f: _ids(a) for f, a in zip(ID_FIELDS, ids)})
         return rec.merged(self._folded) if self._folded is not None else rec
 
 
 ID_FIELDS = tuple(f.name for f in fields(BoundaryDecision) if f.type == "IdTuple")
 COLUMNS = tuple(f.name for f in fields(BoundaryDecision))
+SCALAR_FIELDS = tuple(f for f in COLUMNS if f not in ID_FIELDS)
+RUN_FIELDS = ("prefilled", "chunked", "decoded", "host_resident")  # what ran: never folded from idle decisions
+FOLDED_FIELDS = tuple(f for f in ID_FIELDS if f not in RUN_FIELDS)
 
 
 def ranges(ids: Iterable[int]) -> str:
@@ -122,6 +133,83 @@ def ranges(ids: Iterable[int]) -> str:
 def trace_of(records) -> list[BoundaryDecision]:
     """The decision trace of a run's step records (engine.StepRecord), in the order they ran."""
     return [r.decision for r in records if getattr(r, "decision", None) is not None]
+
+
+@dataclass
+class DecisionColumns:
+    """A decision trace as columns: what `trace_of` returns, without a `BoundaryDecision` per boundary (the running
+    set is listed at every boundary: 9M ids for 20K sequences, which took a quarter of the simulation to sort into
+    tuples one boundary at a time). Boundary k's ids of `field` are `ids[field][0][offsets[k]:offsets[k + 1]]`,
+    `offsets = ids[field][1]`, sorted as the trace's tuple holds them; the writer reads these columns."""
+
+    ids: dict[str, tuple[np.ndarray, np.ndarray]]   # field -> (every boundary's ids, int64; offsets, one more)
+    scalars: dict[str, np.ndarray]                  # instance, steps, micro_batch: int64; phase, stop, flags: str
+
+    @classmethod
+    def of(cls, records) -> "DecisionColumns":
+        """From a run's step records (engine.StepRecord), in the order they ran, as `trace_of(records)`."""
+        sets: list[list] = [[] for _ in ID_FIELDS]
+        sizes: list[list[int]] = [[] for _ in ID_FIELDS]
+        scalars: list[tuple] = []
+        for r in records:
+            summary = r.summary if hasattr(r, "summary") else getattr(r, "decision", None)  # not resolved
+            if summary is None:
+                continue
+            ids, values = _unsorted(summary)
+            scalars.append(values)
+            for held, n, a in zip(sets, sizes, ids):
+                k = len(a)
+                n.append(k)
+                if k:
+                    held.append(a)
+        columns = {}
+        for f, held, n in zip(ID_FIELDS, sets, sizes):
+            offsets = np.zeros(len(n) + 1, np.int64)
+            np.cumsum(n, out=offsets[1:])
+            flat = np.concatenate([np.asarray(a, np.int64).ravel() for a in held]) if held else np.empty(0, np.int64)
+            columns[f] = (sorted_within(flat, offsets), offsets)
+        values = list(zip(*scalars)) if scalars else [()] * len(SCALAR_FIELDS)
+        return cls(columns, {f: np.array(v, dtype=np.int64 if f in ("instance", "steps", "micro_batch") else object)
+                             for f, v in zip(SCALAR_FIELDS, values)})
+
+    def __len__(self) -> int:
+        return len(self.scalars["instance"])
+
+    def decision(self, k: int) -> BoundaryDecision:
+        """Boundary k as the trace holds it (for reading a few; the writer never builds these)."""
+        sets = {f: tuple(ids[offsets[k]:offsets[k + 1]].tolist()) for f, (ids, offsets) in self.ids.items()}
+        values = {f: (v[k].item() if isinstance(v[k], np.generic) else v[k]) for f, v in self.scalars.items()}
+        return BoundaryDecision(**values, **sets)
+
+
+def _unsorted(summary) -> tuple[tuple, tuple]:
+    """A record's decision as `DeferredDecision.unsorted`, its folded idle changes added (the union, sorted, as
+    `BoundaryDecision.merged` makes it); an already built `BoundaryDecision` as its tuples."""
+    if isinstance(summary, DeferredDecision):
+        ids, values = summary.unsorted()
+        folded = summary.folded
+        if folded is not None:
+            ids = tuple(np.union1d(np.asarray(a, np.int64).ravel(), np.asarray(getattr(folded, f), np.int64))
+                        if f in FOLDED_FIELDS else a for f, a in zip(ID_FIELDS, ids))
+        return ids, values
+    return tuple(getattr(summary, f) for f in ID_FIELDS), tuple(getattr(summary, f) for f in SCALAR_FIELDS)
+
+
+def sorted_within(ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each row's ids (`ids[offsets[k]:offsets[k + 1]]`) sorted, in place. The rows out of order are found at
+    once, then each is sorted by one call: the engine keeps its sets in admission order, so nearly every decode
+    set is out of order, and numpy's vectorised sort of each row took a fifth of one stable sort of (row, id)
+    keys."""
+    rows = np.flatnonzero(np.diff(offsets) > 1)  # rows with a pair of ids
+    if not rows.size:
+        return ids
+    down = ids[1:] < ids[:-1]
+    starts = offsets[1:-1]
+    down[starts[(starts > 0) & (starts < ids.size)] - 1] = False  # pairs that straddle two rows
+    rows = rows[np.logical_or.reduceat(down, offsets[rows])]  # a row's pairs, and straddling ones up to the next
+    for lo, hi in zip(offsets[rows].tolist(), offsets[rows + 1].tolist()):
+        ids[lo:hi].sort()
+    return ids
 
 
 @dataclass(frozen=True)

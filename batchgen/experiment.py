@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from batchgen.confdir import conf_dir
-from batchgen.config import build_job, progress_setting
+from batchgen.config import build_job, progress_setting, skipped_outputs
 from batchgen.setup import model_path
 from batchgen.memory import ConfigError
 
@@ -35,6 +35,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 
     job = build_job(cfg, base_dir=Path.cwd())
     progress = progress_setting(cfg)
+    skipped = skipped_outputs(cfg)
     if cfg.backend.name == "exec":
         from batchgen.exec.run import ExecSettings, execute
         from batchgen.progress import FinishProgress
@@ -76,8 +77,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
               + out.prepared.budget.describe(job.model))
     summary = summarize(out)
     write_results(out, run_dir, summary, config=OmegaConf.to_container(cfg, resolve=True),
-                  sequences_csv=bool(cfg.output.get("sequences_csv", True)))
-    if cfg.output.get("plot", True):
+                  skip=skipped - {"timeline.png"})
+    if "timeline.png" not in skipped:
         plot_timeline(out, run_dir / "timeline.png")
     print(format_table([summary]))
     if out.backend == "dist":

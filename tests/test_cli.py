@@ -92,12 +92,16 @@ def test_same_seed_same_results(tmp_path):
 
 
 def test_output_switches(tmp_path):
+    from batchgen.config import OUTPUT_FILES
+
     run_dir = tmp_path / "run"
-    ok(run_cli(tmp_path, "+policy=coroutine", SMALL, "output.sequences_csv=false", "output.plot=false",
+    ok(run_cli(tmp_path, "+policy=coroutine", SMALL, *(f"output.{key}=false" for key in OUTPUT_FILES),
                f"hydra.run.dir={run_dir}"))
     assert (run_dir / "results.json").is_file()
-    assert not (run_dir / "sequences.csv").exists()
-    assert not (run_dir / "timeline.png").exists()
+    for name in OUTPUT_FILES.values():
+        assert not (run_dir / name).exists(), name
+    bad = run_cli(tmp_path, "+policy=coroutine", SMALL, "output.steps_csv=no", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2 and "output.steps_csv must be true or false" in bad.stderr, bad.stderr
 
 
 def test_sweep_two_policies_two_gpu_counts(tmp_path):

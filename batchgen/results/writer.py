@@ -1,7 +1,8 @@
 """A run's results as files: one JSON summary and CSV tables that any tool (pandas, a spreadsheet) can read.
 
-The tables are written with numpy.savetxt from whole columns, never one Python dict per row, because a job
-can hold a million sequences.
+A job can hold a million sequences and 100K+ boundaries with thousands of ids each, so the tables that grow with
+it (sequences, steps, decisions) are written from whole columns (batchgen.results.csvtext), never one Python
+object per row; the per-GPU ones (devices, device_timeline) have a fixed size.
 """
 
 from __future__ import annotations
@@ -9,38 +10,49 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
-from batchgen.decisions import COLUMNS as DECISION_COLUMNS, trace_of
+from batchgen.decisions import COLUMNS as DECISION_COLUMNS, ID_FIELDS, DecisionColumns
+from batchgen.results import csvtext
 from batchgen.results.metrics import StepArrays, device_table, step_arrays
 
 SEQUENCE_COLUMNS = ("id", "input_len", "output_len", "first_token_s", "finish_s", "instance", "yields",
                     "migrations", "recomputes")
 STEP_COLUMNS = ("instance", "start_s", "duration_s", "phase", "iterations", "tokens", "running", "expert_tokens",
                 "expert_calls", "busy_mean_s", "busy_max_s")
+TABLES = ("sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv", "decisions.csv")
 
 
 def write_results(out, run_dir: Path, summary: dict[str, Any], config: dict[str, Any] | None = None,
-                  sequences_csv: bool = True) -> dict[str, Path]:
-    """The step arrays are built once here and shared by steps.csv and devices.csv (100K+ records).
-    sequences_csv=False skips the one-row-per-sequence file (large at millions of sequences)."""
+                  skip: Collection[str] = ()) -> dict[str, Path]:
+    """results.json and every table of `TABLES` but those in `skip` (conf/config.yaml's output.*_csv switches);
+    decisions.csv only where the run recorded decisions, outputs.jsonl only where it generated tokens. The step
+    arrays are built once and shared by steps.csv and devices.csv (100K+ records)."""
+    unknown = set(skip) - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown result tables {sorted(unknown)}: the tables are {', '.join(TABLES)}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    steps = step_arrays(out)
-    names = ("results.json", "sequences.csv", "steps.csv", "devices.csv", "device_timeline.csv")
-    paths = {name: run_dir / name for name in names if sequences_csv or name != "sequences.csv"}
+    wanted = [name for name in TABLES if name not in skip]
+    paths = {name: run_dir / name for name in ("results.json", *wanted)}
     _write_json(paths["results.json"], summary, config)
-    if sequences_csv:
+    steps = step_arrays(out) if {"steps.csv", "devices.csv", "device_timeline.csv"} & set(wanted) else None
+    if "sequences.csv" in paths:
         _write_sequences(paths["sequences.csv"], out)
-    _write_steps(paths["steps.csv"], steps)
-    _write_devices(paths["devices.csv"], device_table(out, steps))
-    _write_device_timeline(paths["device_timeline.csv"], out, steps)
-    trace = trace_of(out.records)
-    if trace:  # the same in both backends given the same lengths: diff two runs' files to see where they part
-        paths["decisions.csv"] = run_dir / "decisions.csv"
-        _write_decisions(paths["decisions.csv"], trace)
+    if "steps.csv" in paths:
+        _write_steps(paths["steps.csv"], steps)
+    if "devices.csv" in paths:
+        _write_devices(paths["devices.csv"], device_table(out, steps))
+    if "device_timeline.csv" in paths:
+        _write_device_timeline(paths["device_timeline.csv"], out, steps)
+    if "decisions.csv" in paths:
+        trace = DecisionColumns.of(out.records)
+        if len(trace):  # the same in both backends given the same lengths: diff two runs' files to see where they part
+            _write_decisions(paths["decisions.csv"], trace)
+        else:
+            del paths["decisions.csv"]
     if getattr(out, "tokens", None) is not None:  # the executor's generated tokens, in input order
         paths["outputs.jsonl"] = run_dir / "outputs.jsonl"
         _write_outputs(paths["outputs.jsonl"], out)
@@ -60,8 +72,7 @@ def _write_sequences(path: Path, out) -> None:
     cols = (np.arange(len(t)), t.input_len, t.output_len, t.first_token_time, t.finish_time, t.instance,
             t.yields, t.migrations, t.recomputes)
     fmt = ["%d", "%d", "%d", "%.6f", "%.6f", "%d", "%d", "%d", "%d"]
-    np.savetxt(path, np.column_stack(cols), fmt=fmt, delimiter=",", header=",".join(SEQUENCE_COLUMNS),
-               comments="")
+    _write_table(path, SEQUENCE_COLUMNS, fmt, cols)
 
 
 def _write_steps(path: Path, s: StepArrays) -> None:
@@ -70,11 +81,14 @@ def _write_steps(path: Path, s: StepArrays) -> None:
     busy_max = s.busy.max(axis=1, initial=0.0)
     cols = (s.instance, s.start, s.duration, s.phase, s.iterations, s.tokens, s.running, s.expert_tokens,
             s.expert_calls, busy_mean, busy_max)
-    table = np.empty((len(s), len(cols)), dtype=object)
-    for j, c in enumerate(cols):
-        table[:, j] = c
     fmt = ["%d", "%.6f", "%.6f", "%s", "%d", "%d", "%d", "%.1f", "%d", "%.6f", "%.6f"]
-    np.savetxt(path, table, fmt=fmt, delimiter=",", header=",".join(STEP_COLUMNS), comments="")
+    _write_table(path, STEP_COLUMNS, fmt, cols)
+
+
+def _write_table(path: Path, header, fmt, cols) -> None:
+    with path.open("w", newline="") as fh:
+        fh.write(",".join(header) + "\n")
+        csvtext.formatted(fh, fmt, cols)
 
 
 def _write_devices(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -109,12 +123,17 @@ def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
                header="bin,start_s,gpu,busy_frac,comm_frac", comments="")
 
 
-def _write_decisions(path: Path, trace) -> None:
-    """One row per boundary (a few thousand at most: boundaries, not tokens), ids as ranges."""
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["boundary", *DECISION_COLUMNS])
-        w.writeheader()
-        w.writerows({"boundary": k, **d.row()} for k, d in enumerate(trace))
+def _write_decisions(path: Path, trace: DecisionColumns) -> None:
+    """One row per boundary, id sets as ranges ("0-15 18"): the rows csv.DictWriter made of `trace_of`'s
+    decisions (`BoundaryDecision.row`), byte for byte, from the columns."""
+    k = len(trace)
+    cells: dict[str, csvtext.Cells] = {"boundary": csvtext.Numbers(np.arange(k))}
+    for f, values in trace.scalars.items():
+        cells[f] = csvtext.Numbers(values) if values.dtype.kind in "iu" else csvtext.Strings(values.tolist())
+    for f in ID_FIELDS:
+        cells[f] = csvtext.Ranges(*trace.ids[f])
+    names = ["boundary", *DECISION_COLUMNS]
+    csvtext.write(path, names, [cells[n] for n in names])
 
 
 def _write_outputs(path: Path, out) -> None:
