@@ -13,6 +13,7 @@ from batchgen.latency.gemm import gemm_seconds
 _LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token count from a cached curve
 _GEMM_LOOKUP_MAX = 1 << 16  # ... and so do smaller ones up to this many tokens (a serving engine's forwards)
 _EXPERT_CHUNK = 4096
+_LARGE_EXPERT_MEMO = 1 << 16  # prefill batch sizes whose expert times `experts` keeps
 _EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 
 
@@ -102,6 +103,7 @@ class Roofline:
         self._ranks_alike = model.is_moe and bool((self._rank_p == self._rank_p[:1]).all())
         self._attention_gemms = tuple(self._attention_shapes_of_model())
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
+        self._large_experts: dict[float, tuple[float, float]] = {}  # gate batch -> (worst, mean): experts
         self._head_shards: dict[int, Roofline] = {}  # degree -> head_shard(degree)
 
     @property
@@ -355,8 +357,22 @@ class Roofline:
             index = t.astype(np.int64)
             return _out(curve[0][index]), _out(curve[1][index])
         values, inverse = np.unique(t, return_inverse=True)  # a grid repeats few distinct batch sizes
-        worst, mean = self._expert_times(values)
+        worst, mean = self._large_expert_times(values)
         return _out(worst[inverse].reshape(t.shape)), _out(mean[inverse].reshape(t.shape))
+
+    def _large_expert_times(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_expert_times` of batch sizes past the curve (prefill forwards), each computed once: a job's prefills
+        repeat a few sizes (every rank's full token budget) far more often than they bring a new one."""
+        known = self._large_experts
+        keys = values.tolist()
+        new = [v for v in keys if v not in known]
+        if new:
+            if len(known) + len(new) > _LARGE_EXPERT_MEMO:
+                known.clear()
+            for v, w, m in zip(new, *(a.tolist() for a in self._expert_times(np.asarray(new, float)))):
+                known[v] = (w, m)
+        worst, mean = zip(*(known[v] for v in keys))
+        return np.array(worst), np.array(mean)
 
     def _expert_times(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slowest rank, mean rank) seconds for each global gate batch in the 1-D `values`."""
