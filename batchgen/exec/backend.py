@@ -12,11 +12,12 @@ each a module-batched forward over every rank, in which host-resident sequences 
 into staging buffers (or attend on the host CPU with `plan.cpu_attention`); or, with chunked prefill, one
 forward of prompt chunks (each written into the paged cache after the KV its earlier chunks wrote) beside every
 decode, sampling only for the decodes and for the chunks that end their context.
+
+Every forward runs whole: one process has no all-to-all for a second micro-batch to hide, so the executor
+declares no two-batch overlap (`exec_capabilities`) and the engine refuses a policy that asks for it.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import time
 from collections import Counter
@@ -49,10 +50,10 @@ def exec_capabilities(config) -> Capabilities:
     """What the executor performs for a model (`ExecModelConfig`): host-resident decode; attention on the host CPU
     for GQA/MHA models (MLA expands its latents on the device); PARTITION over degrees that divide the heads;
     tensor-parallel attention and an FFN per micro-batch. Not: layer-by-layer prefill offload (prefill KV needs
-    device pages, which policies budget for), padded batches."""
+    device pages, which policies budget for), padded batches, two-batch overlap (every forward runs whole)."""
     heads = (config.num_heads,) if config.is_mla else (config.num_heads, config.num_kv_heads)
     return Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
-                        cpu_attention=not config.is_mla,
+                        cpu_attention=not config.is_mla, two_batch_overlap=False,
                         partition_degrees=tuple(d for d in range(1, 9) if all(h % d == 0 for h in heads)))
 
 
@@ -71,11 +72,8 @@ class ExecBackend:
     kv_ops = True  # executes each plan's explicit KV ops (batchgen.core.ops)
 
     def __init__(self, state: ClusterState, runners: list[InstanceRunner], caches: list[PagedKVCache],
-                 tokens: SequenceTokens, job_seed: int = 0, two_batch_overlap: bool = False, check: bool = False):
+                 tokens: SequenceTokens, job_seed: int = 0, check: bool = False):
         """One runner per instance (its device's copy of the model), one KV cache per GPU rank.
-        `two_batch_overlap` (sglang_opt): every forward runs as two micro-batches, one after the other (each rank's
-        sequences split in halves); the overlap of one's all-to-all with the other's compute needs two streams
-        and several processes, so it is priced by the simulator only (batchgen.sim.tbo), never performed here.
         `check`: after each plan's KV ops, check the caches against the state (`check_placement`)."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
@@ -83,7 +81,6 @@ class ExecBackend:
             raise ValueError(f"one runner per instance: {state.topo.num_instances} instances, {len(runners)}")
         self.state, self.runners, self.caches, self.tokens = state, runners, caches, tokens
         self.job_seed = job_seed
-        self.two_batch_overlap = two_batch_overlap
         self.events = 0
         self.check = check
         self.moves = Counter()  # KV operations carried out: yield, offload, restore, migrate, evict, partition
@@ -236,17 +233,6 @@ class ExecBackend:
         """One forward over every rank of the instance, as a generator the run methods `yield from`: here it runs
         at once and yields nothing; backend=dist posts it to the instance's processes, yields (the next
         instance's loop posts its own, so instances run concurrently), then collects the replies."""
-        if self.two_batch_overlap and any(len(b.seq_ids) > 1 for b in batches):
-            halves = [_halves(b) for b in batches]
-            first = yield from self._forward_once(plan, [a for a, _ in halves])
-            second = yield from self._forward_once(plan, [b for _, b in halves])
-            self.traffic["tbo_forwards"] += 1
-            stats = first[2]
-            stats.rank_attention_s = [x + y for x, y in zip(stats.rank_attention_s, second[2].rank_attention_s)]
-            stats.ffn_s += second[2].ffn_s
-            stats.head_s += second[2].head_s
-            stats.gate_tokens += second[2].gate_tokens
-            return first[0] + second[0], torch.cat([first[1], second[1]]), stats
         return (yield from self._forward_once(plan, batches))
 
     def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> Generator[Any, Any, tuple]:
@@ -428,16 +414,3 @@ class ExecBackend:
                                                           for s in plan.prefill_ids)),
                           modules=dict(modules or {}))
 
-def _halves(batch: RankBatch) -> tuple[RankBatch, RankBatch]:
-    """A rank's batch split by sequences into two micro-batches (two-batch overlap): the first half of its
-    sequences and the rest, each with its tokens and per-sequence flags."""
-    k = (len(batch.seq_ids) + 1) // 2  # ceil, as the simulator's split (batchgen.sim.tbo.split)
-    cut = sum(batch.new_counts[:k])
-
-    def part(lo, hi, t_lo, t_hi):
-        pick = lambda xs: xs[lo:hi] if xs else []  # noqa: E731
-        return dataclasses.replace(batch, seq_ids=batch.seq_ids[lo:hi], token_ids=batch.token_ids[t_lo:t_hi],
-                                   new_counts=batch.new_counts[lo:hi], start_positions=batch.start_positions[lo:hi],
-                                   host_resident=pick(batch.host_resident), tp=pick(batch.tp),
-                                   sample=pick(batch.sample))
-    return part(0, k, 0, cut), part(k, len(batch.seq_ids), cut, len(batch.token_ids))

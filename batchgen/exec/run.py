@@ -2,9 +2,10 @@
 on its node's pool), then drive every instance's engine loop round-robin (one process; each instance runs on one
 device).
 
-Before any weight is built, a job is refused with one line when this backend cannot run it: a machine that
-cannot hold the weights, the KV budgets or the host KV pools (batchgen.exec.fits), a sequence longer than the
-device KV pool or the host KV a node's pool holds. The host pools' budget is `backend.host_kv_gb` per node, or what the
+Before any weight is built, a job is refused with one line when this backend cannot run it: a policy that asks
+for what the executor does not perform (`exec_capabilities`: two-batch overlap), a machine that cannot hold the
+weights, the KV budgets or the host KV pools (batchgen.exec.fits), a sequence longer than the device KV pool
+or the host KV a node's pool holds. The host pools' budget is `backend.host_kv_gb` per node, or what the
 machine's free memory leaves for them; the state's host accounting is given what a pool surely holds
 (`HostPools`), so a policy plans within what the executor can hold."""
 
@@ -22,9 +23,9 @@ import torch
 
 from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
-from batchgen.engine import Engine, RunOutput, finished_ids
+from batchgen.engine import Engine, RunOutput, check_supported, finished_ids
 from batchgen.exec.account import KVAccount
-from batchgen.exec.backend import ExecBackend
+from batchgen.exec.backend import ExecBackend, exec_capabilities
 from batchgen.exec.fits import check_fits, free_bytes, host_kv_room
 from batchgen.exec.host_pool import HostPool, tokens_within
 from batchgen.exec.kv_cache import PagedKVCache
@@ -301,6 +302,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         dtype = settings.torch_dtype(devices)
         config = model_config(job, settings)
         _check_lengths(job, config)
+        check_runs_here(prepare(job).policy, exec_capabilities(config))
         pools = kv_pools(job, settings, config, dtype)
         stream = stream_spec_of(pools.budget, job.model)  # the weights the memory plan keeps on the host
         streamed = footprint(meta_model(config, dtype), stream)
@@ -429,7 +431,7 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     runners = [InstanceRunner(models[dev], attention_tp=policy.attention_tp, streamer=streamers.get(dev))
                for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed,
-                          two_batch_overlap=policy.two_batch_overlap, check=job.check_invariants)
+                          check=job.check_invariants)
 
     def on_step(plan, result) -> None:
         ended = finished_ids(plan, result)
@@ -453,3 +455,13 @@ def pool_use(pool: HostPool) -> dict:
     return {"budget_pages": pool.budget_pages, "capacity_pages": pool.capacity_pages(), "peak_pages": pool.peak_used,
             "page_bytes": pool.page_bytes}
 
+
+def check_runs_here(policy, capabilities) -> None:
+    """The engine's `check_supported`, before any weight is built, its refusal naming this backend (and, for
+    two-batch overlap, why it has none)."""
+    try:
+        check_supported(policy, capabilities)
+    except ConfigError as e:
+        why = (" runs every forward whole (one process has no all-to-all for a second micro-batch to hide, so "
+               "the overlap would only be priced, never performed)" if "two-batch" in str(e) else "")
+        raise ConfigError(f"backend=exec{why}: {e}") from None
