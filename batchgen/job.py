@@ -186,7 +186,7 @@ def memory_of(job: Job, policy) -> MemorySettings:
 
 
 def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers=None, kv_pages=None,
-            pool_fix=None) -> MemoryBudget:
+            pool_fix=None, host_kv_tokens=None, host_fix=None) -> MemoryBudget:
     """The memory budget as the scheduler sees it (per rank, a TP group's pages for TP attention), with the
     workload's longest sequence checked against it."""
     m, w = job.model, job.workload
@@ -197,16 +197,23 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
                                       max_context=max_context, streamed_layers=streamed_layers), lat)
     if kv_pages is not None:
         budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages))
+    if host_kv_tokens is not None:
+        budget = dataclasses.replace(budget, host_kv_tokens_per_node=min(budget.host_kv_tokens_per_node,
+                                                                          int(host_kv_tokens)))
     if len(w):
         check_prompts_fit(m, w.input_lens, w.output_lens, budget, policy.uses_host_kv,
                           host_resident=getattr(policy, "kv_residency", "device") in ("host", "mixed"),
-                          **({"pool_fix": pool_fix} if pool_fix else {}))
+                          **({"pool_fix": pool_fix} if pool_fix else {}),
+                          **({"host_fix": host_fix} if host_fix else {}))
     return budget
 
 
-def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None) -> Prepared:
+def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
+            host_kv_tokens: int | None = None, host_fix: str | None = None) -> Prepared:
     """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of the one planned from the specs
-    (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit it).
+    (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit it). host_kv_tokens: the
+    host KV a real backend's pool of a node surely holds; the state's per node is the smaller of it and the
+    cluster spec's (`host_fix`: the setting that enlarges it, for the same error).
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
@@ -240,7 +247,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                         policy_name=policy.name)
             raise
         policy = plan.resolve(policy)
-    budget = _budget(job, lat, gpus, policy, plan.streamed_layers if plan else None, kv_pages_per_gpu, pool_fix)
+    budget = _budget(job, lat, gpus, policy, plan.streamed_layers if plan else None, kv_pages_per_gpu, pool_fix,
+                     host_kv_tokens, host_fix)
     topo = topology(c)
     state = ClusterState(SequenceTable(w.input_lens, w.output_lens), topo, page_tokens=job.page_tokens,
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),

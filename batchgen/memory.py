@@ -262,10 +262,12 @@ def _non_expert_bytes(model: ModelSpec, lat: LatencyModel) -> float:
 
 def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.ndarray,
                       budget: MemoryBudget, uses_host_kv: bool, host_resident: bool = False,
-                      pool_fix: str = "clip the workload or use a GPU with more memory") -> None:
-    """A sequence longer than the model's context, or than one GPU's KV pool (`pool_fix`: what to change), can
-    never run. With `host_resident` decode (its KV restored per layer into staging buffers sized for the longest
-    sequence) a sequence need not fit the device KV pool, only host memory."""
+                      pool_fix: str = "clip the workload or use a GPU with more memory",
+                      host_fix: str = "raise cluster.host_mem_gb_per_node or memory.host_memory_fraction") -> None:
+    """A sequence longer than the model's context, or than one GPU's KV pool (`pool_fix`: what to change), or
+    than a node's host KV (`host_fix`), can never run. With `host_resident` decode (its KV restored per layer into
+    staging buffers sized for the longest sequence) a sequence need not fit the device KV pool, only host
+    memory."""
     total = input_lens + output_lens
     worst = int(np.argmax(total))
     if total[worst] > model.max_context:
@@ -280,5 +282,4 @@ def check_prompts_fit(model: ModelSpec, input_lens: np.ndarray, output_lens: np.
     host = budget.host_kv_tokens_per_node
     if uses_host_kv and total[worst] + budget.page_tokens > host:
         raise ConfigError(f"sequence {worst} needs {int(total[worst]):,} tokens of KV but a node's host memory "
-                          f"holds {host:,} after the weights: raise cluster.host_mem_gb_per_node or "
-                          "memory.host_memory_fraction")
+                          f"holds {host:,} after the weights: {host_fix}")

@@ -53,7 +53,7 @@ def test_scripted_decisions_give_exactly_the_expected_per_rank_ops():
     assert kv(plan, 0) == {"yield_": [0], "send": [(1, 3, True)]}
     assert kv(plan, 1) == {"offload": [2], "split": [(2, (1, 2))], "decode": [2]}
     assert kv(plan, 2) == {"split": [(2, (1, 2))], "decode": [3]}
-    assert kv(plan, 3) == {"receive": [(1, 0, True, True)], "decode": [1]}
+    assert kv(plan, 3) == {"receive": [(1, 0, True, True, False)], "decode": [1]}  # no host copy: none kept
 
     # COMBINE 0 where it was yielded (a restore); un-PARTITION 2 (shards back, then its KV back on device);
     # evict 3 (recompute)
@@ -70,7 +70,8 @@ def test_scripted_decisions_give_exactly_the_expected_per_rank_ops():
     plan = step(state, ledger, progress, admits=[Admit(1, np.array([1], I), np.array([0], I))],
                 prefill_ids=[3], prefill_ranks=[1], steps=1)
     assert kv(plan, 3) == {"send": [(1, 0, True)]}
-    assert kv(plan, 0) == {"receive": [(1, 3, True, True)], "decode": [0, 1]}  # a prefill forward decodes too
+    # a prefill forward decodes too; 1 keeps a host copy (on node 0 now)
+    assert kv(plan, 0) == {"receive": [(1, 3, True, True, True)], "decode": [0, 1]}
     assert kv(plan, 1) == {"prefill": [3], "decode": [2]}
 
     # a sequence that finished is freed at the instance's next boundary, where its KV is

@@ -204,7 +204,7 @@ def test_vector_price_of_long_one_rank_runs_is_numpys():
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_one_rank_offload_price_is_the_dags(pipelined):
-    """`sim.scalar_offload` (an offloading system's run on one rank with device KV, priced as a chain) equals
+    """`pricing.scalar_offload` (an offloading system's run on one rank with device KV, priced as a chain) equals
     `price_offload` on the per-layer DAG bit for bit: one micro-batch or several, sequences ending part-way,
     iterations without queries; and it declines host-resident KV (the DAG's territory)."""
     from batchgen.pricing.costs import decode_grid

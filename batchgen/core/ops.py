@@ -5,7 +5,9 @@ what that decision touched into the moves of KV a backend must make so that its 
 and evict (dropped for recompute), yield (device -> host copy, suspended), offload (device -> host copy, runs on
 host-resident), migrate (from one GPU's cache to another's, device or host copy, across nodes or not), restore
 (host copy -> device, same cache), and the partition groups: join (a PARTITIONed sequence's head shards gathered
-back into the lead's host copy) and split (the lead's host copy scattered over the group as head shards).
+back into the lead's host copy) and split (the lead's host copy scattered over the group as head shards). A
+migration says whether the destination keeps a host copy: exactly when the state counts one for the sequence after
+the decision (its `host_node`), so that the caches hold the host copies the state's host accounting counts.
 
 GPUs are global indices (the world rank of its worker under a one-process-per-GPU backend): a migration's
 source can be a GPU of another instance (a suspended sequence another instance yielded on a shared node).
@@ -68,6 +70,7 @@ class KVOps:
     migrate_dst: np.ndarray = _ints()
     migrate_cross: np.ndarray = _flags()   # ... over the network (another node) or within the node
     migrate_to_device: np.ndarray = _flags()  # loaded into dst's device pages, or kept as a host copy there
+    migrate_host_copy: np.ndarray = _flags()  # dst keeps a host copy (the state counts one: its host_node >= 0)
     restore_ids: np.ndarray = _ints()     # COMBINE: host copy -> device pages in the same cache
     restore_gpu: np.ndarray = _ints()
     split_ids: np.ndarray = _ints()       # PARTITION: the lead's host copy scattered as head shards over the group
@@ -77,6 +80,18 @@ class KVOps:
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
                     or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size or self.split_ids.size)
+
+    def _host_copy(self) -> np.ndarray:
+        """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
+        return self.migrate_host_copy if self.migrate_host_copy.size == self.migrate_ids.size else \
+            ~self.migrate_to_device
+
+    def migrations(self) -> list[tuple[int, int, int, bool, bool, bool]]:
+        """(id, source GPU, destination GPU, to device, host copy kept, across nodes) of each migration, in plan
+        order."""
+        return list(zip(self.migrate_ids.tolist(), self.migrate_src.tolist(), self.migrate_dst.tolist(),
+                        self.migrate_to_device.tolist(), self._host_copy().tolist(), self.migrate_cross.tolist(),
+                        strict=True))
 
     def group(self, lead: int, degree: int) -> list[int]:
         """A partition group's GPUs: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
@@ -106,7 +121,8 @@ class KVOps:
             send=list(zip(self.migrate_ids[send].tolist(), self.migrate_dst[send].tolist(),
                           self.migrate_cross[send].tolist())),
             receive=list(zip(self.migrate_ids[recv].tolist(), self.migrate_src[recv].tolist(),
-                             self.migrate_cross[recv].tolist(), self.migrate_to_device[recv].tolist())),
+                             self.migrate_cross[recv].tolist(), self.migrate_to_device[recv].tolist(),
+                             self._host_copy()[recv].tolist())),
             restore=mine(self.restore_ids, self.restore_gpu),
             split=groups(self.split_ids, self.split_lead, self.split_degree))
 
@@ -122,7 +138,7 @@ class GpuOps:
     yield_: list = field(default_factory=list)
     offload: list = field(default_factory=list)
     send: list = field(default_factory=list)     # (id, destination GPU, across nodes)
-    receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device)
+    receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     split: list = field(default_factory=list)    # (id, group GPUs)
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)
@@ -279,5 +295,6 @@ def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_
         evict_gpu=h[drop & evicted], yield_ids=ids[yields], yield_gpu=h[yields], offload_ids=ids[offload],
         offload_gpu=h[offload], migrate_ids=ids[migrate], migrate_src=src, migrate_dst=dst,
         migrate_cross=ledger.gpu_node[src] != ledger.gpu_node[dst], migrate_to_device=want_dev[migrate],
+        migrate_host_copy=t.host_node[ids[migrate]] >= 0,
         restore_ids=ids[restore], restore_gpu=h[restore], split_ids=ids[split], split_lead=where[split],
         split_degree=want_split[split])

@@ -30,16 +30,18 @@ engine's backend on rank 0, `worker.RankWorker` each process's share) drives the
    the policy: it is a worker of instance 0 as well, so no process idles. The cluster's instances are
    consecutive blocks of ranks (GPU g is rank g), each with its own process group.
 2. Each step: rank 0 turns the policy's decision into a plan of per-rank operation lists (yield, restore,
-   evict ids; migrations (id, source rank, destination rank); partition groups; prefill and decode ids) and
+   evict ids; migrations (id, source rank, destination rank, to device, host copy kept, across nodes); partition
+   groups; prefill and decode ids) and
    broadcasts it to the instance's processes (pickled, through a `Comm` on the instance's gloo command group,
    even when the data moves over NCCL, so that a dead peer is noticed there too). A forward is posted, then
    the instance's engine loop yields and the next instance's loop posts its own: the instances compute at the
    same time (control.py). A migration of a sequence one instance yielded and another resumes (a shared
    node's pool) goes to both instances as one ordered step, over the world group. Every worker then runs its
-   own list in a fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`, the
-   destination `recv_sequence`; both walk the same list, so sends and receives pair up without a global
-   view); its sequences' attention; then every MoE layer through `ExpertParallelMoE` (a rank with no tokens
-   this step still takes part: the all-to-alls are collective); sampling for its sequences.
+   own list in a fixed order: cache operations on its cache; migrations in plan order (the source `send_sequence`
+   from its device pages or host copy, the destination `recv_sequence` into its device pages or host copy; both
+   walk the same list, so sends and receives pair up without a global view); its sequences' attention; then
+   every MoE layer through `ExpertParallelMoE` (a rank with no tokens this step still takes part: the
+   all-to-alls are collective); sampling for its sequences.
 3. Reports: each worker returns its sampled tokens and its timings (busy time, `Comm.comm_s` spent in
    collectives, idle: waiting for a command is idle) to rank 0 (gathered on the instance's reply group when
    rank 0 collects that forward); rank 0 updates the state and the metrics (tokens/s per GPU over processes

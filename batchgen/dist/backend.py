@@ -3,9 +3,9 @@
 It is the single-process executor (`ExecBackend`: building each rank's batch from the sequences' tokens,
 stopping rules, recording produced tokens and finishes) with the three places that touch tensors sent to the
 ranks instead: KV ops (`move_kv`: each rank's `GpuOps` from `StepPlan`'s `KVOps.for_gpu`, and the migrations
-in plan order), forwards (`_forward_once`: each rank's `ForwardPart`; every rank runs its own and samples its
-own sequences; the tokens come back with a gather on the instance's reply group) and the host copies
-(`_prefills_to_host`, `_sync`).
+in plan order, each straight from the source's device pages or host copy into the destination's), forwards
+(`_forward_once`: each rank's `ForwardPart`; every rank runs its own and samples its own sequences; the tokens
+come back with a gather on the instance's reply group) and the host copies (`_prefills_to_host`, `_sync`).
 Rank 0 is a worker too (of instance 0): it executes its share of each command on its own rank
 (`RankWorker.handle`, run by the `CommandChannel` in posting order).
 
@@ -91,6 +91,9 @@ class DistBackend(ExecBackend):
         self.channel.finish_sends()
         for t in self.totals:  # the ranks' own counts of PARTITION's bytes (split, join, per-layer exchange)
             self.traffic.update(t.traffic)
+            for kind, tiers in t.kv_bytes.items():  # and of every KV byte they copied
+                for tier, (nbytes, seqs) in tiers.items():
+                    self.account.add(kind, tier, t.rank, nbytes, seqs)
         return self.totals
 
     def abort(self) -> None:
@@ -122,8 +125,7 @@ class DistBackend(ExecBackend):
                                 ops.migrate_src, ops.migrate_dst, ops.restore_gpu])
         ranks = sorted(set(named.tolist()))
         parts = {g: ops.for_gpu(g) for g in ranks}
-        migrations = list(zip(ops.migrate_ids.tolist(), ops.migrate_src.tolist(), ops.migrate_dst.tolist(),
-                              ops.migrate_to_device.tolist()))
+        migrations = ops.migrations()
         instances = sorted(set(self._instance_of[ranks].tolist()))
         if len(instances) > 1:
             self.channel.quiesce(instances)
@@ -187,8 +189,7 @@ class DistBackend(ExecBackend):
         self._post_nonempty("to_host", parts)
 
     def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
-        where = self.state.table.where[ids]
-        self._post_nonempty("sync", {g: ids[where == g].tolist() for g in plan.gpus.tolist()})
+        self._post_nonempty("sync", dict(self._synced(plan, ids)))
 
     def _post_nonempty(self, kind: str, parts: dict) -> None:
         parts = {g: p for g, p in parts.items() if p}

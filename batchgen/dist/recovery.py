@@ -442,7 +442,8 @@ class PartialOutput:
 
 def carry_totals(before, after) -> None:
     """A process's new `RankWorker` (next generation) goes on counting where the old one stopped: busy,
-    communication and wall seconds, CPU seconds and KV moves are over the process's whole run."""
+    communication and wall seconds, CPU seconds, KV moves and the bytes they copied are over the process's whole
+    run."""
     after.busy_s += before.busy_s
     after.comm_s += before.comm_s
     after._busy_pending += before._busy_pending
@@ -451,6 +452,11 @@ def carry_totals(before, after) -> None:
     for into, src in ((after.moves, before.moves), (getattr(after, "traffic", {}), getattr(before, "traffic", {}))):
         for kind, n in src.items():
             into[kind] = into.get(kind, 0) + n
+    for kind, tiers in getattr(before, "kv_bytes", {}).items():
+        for tier, (nbytes, seqs) in tiers.items():
+            entry = after.kv_bytes.setdefault(kind, {}).setdefault(tier, [0, 0])
+            entry[0] += nbytes
+            entry[1] += seqs
 
 
 def finished_report(tokens, ids) -> dict:

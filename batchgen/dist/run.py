@@ -9,7 +9,10 @@ processes itself (`launch`) and returns rank 0's output.
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
 `ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process
-holds its own `PagedKVCache`, and gloo groups per instance carry rank 0's commands and the replies
+holds its own `PagedKVCache` and host KV pool (each pool may grow to the node's host KV budget,
+`backend.host_kv_gb`, or, unset, to the machine's free memory shared by its processes, as rank 0 found it at the
+start: the state's per-node host accounting keeps the node's copies within one pool's budget), and gloo groups
+per instance carry rank 0's commands and the replies
 (control.py). Rank 0 also runs the engine and the policy over a `DistBackend` (backend.py).
 
 A lost worker (recovery.py): with `backend.recover` (default) and rank 0 alive, rank 0 first fences the lost
@@ -62,8 +65,9 @@ from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.fits import check_fits
 from batchgen.exec.kv_cache import PagedKVCache
-from batchgen.exec.run import (ExecOutput, ExecSettings, _check_lengths, _checked_params, _checked_prompts,
-                               build_model, kv_pools, model_config, text_decoder)
+from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengths, _checked_params,
+                               _checked_prompts, build_model, host_kw, host_pools, kv_pools, model_config,
+                               text_decoder)
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
@@ -175,9 +179,46 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
     if stream_spec_of(pools.budget, job.model):
         raise DistConfigError("the memory plan streams weights from host, not supported under backend=dist yet: "
                               "raise the device memory or use backend=exec")
-    if launched and devices[0].type == "cpu":  # every process on this machine builds the whole model first
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", settings.procs)) if under_torchrun() else settings.procs
-        check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, local, weight_copies=local)
+    host = dist_host_pools(job, settings)
+    if launched:  # on a CPU, every process on this machine builds the whole model first
+        local = _local_procs(settings)
+        cpu = devices[0].type == "cpu"  # (GPUs: only the host KV pools are counted here)
+        check_fits(job, settings.model_path, settings.kv_budget_mb, devices if cpu else [], dtype, local,
+                   weight_copies=local, host_kv_bytes=host.explicit_bytes * local,
+                   host_kv=f"backend.host_kv_gb={settings.host_kv_gb} GB per node, a host KV pool in each of "
+                           f"{local} processes (each may grow to it)" if host.explicit_bytes else "")
+    kv_pools(job, settings, config, dtype, host)  # every sequence against the host KV a pool holds too
+
+
+def _local_procs(settings: DistSettings) -> int:
+    """Processes of the run on this machine."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", settings.procs)) if under_torchrun() else settings.procs
+
+
+def dist_host_pools(job: Job, settings: DistSettings) -> HostPools:
+    """Each process's host KV pool: its budget and the host KV per node the state is given (`exec.run.host_pools`,
+    one pool here of the machine's processes')."""
+    config = model_config(job, settings)
+    devices = settings.instance_devices(1)
+    local = _local_procs(settings)
+    cpu = devices[0].type == "cpu"
+    return host_pools(job, settings, config, settings.torch_dtype(devices), devices, 1, local,
+                      local if cpu else 1, weight_copies=local if cpu else 1)
+
+
+def agree_host_kv(ctx: DistContext, job: Job, settings: DistSettings) -> DistSettings:
+    """Without backend.host_kv_gb, every process takes the budget rank 0 finds in the machine's free memory now
+    (each process's own look could differ), through the rendezvous store; with it, the settings as they are."""
+    if settings.host_kv_gb is not None:
+        return settings
+    key = "batchgen/host_kv_gb"
+    if ctx.rank == 0:  # its pages, and half a page more than float rounding can take away
+        host = dist_host_pools(job, settings)
+        gb = 0.0 if host.per_pool_bytes is None else (host.budget_pages + 0.5) * host.page_bytes / 1e9
+        ctx.store.set(key, repr(gb))
+    else:
+        gb = float(ctx.store.get(key).decode())
+    return settings if gb == 0.0 else dataclasses.replace(settings, host_kv_gb=gb)
 
 
 def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] | None = None,
@@ -233,6 +274,7 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
         files = SharedHostFiles(run_id, ctx.rank)
     if ctx.store is not None:
         register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
+        settings = agree_host_kv(ctx, job, settings)
     try:
         if ctx.rank != 0:
             return _serve(current, job, settings, params, files)
@@ -265,8 +307,9 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     when the smaller group's memory plan gives the same pool (the same on every survivor: the same job)."""
     config = model_config(job, settings)
     dtype = settings.torch_dtype([gen.ctx.device])
-    pools = kv_pools(job, settings, config, dtype)
-    pool = (pools.pool_bytes, pools.staging_pages, pools.max_context)
+    host = dist_host_pools(job, settings)
+    pools = kv_pools(job, settings, config, dtype, host)
+    pool = (pools.pool_bytes, pools.staging_pages, pools.max_context, host.budget_pages)
     model = build_model(job, settings, gen.ctx.device, dtype).eval()
     cluster = effective_cluster(job)  # instances: consecutive blocks of ranks, one process group each
     sizes = [cluster.instance_size] * cluster.num_instances
@@ -292,7 +335,8 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
         cache = PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens,
                                          budget_bytes=pools.pool_bytes, dtype=dtype, device=gen.ctx.device,
                                          max_context=pools.max_context, staging_pages=pools.staging_pages,
-                                         host_alloc=None if files is None else files.alloc)
+                                         host_alloc=None if files is None else files.alloc,
+                                         host_budget_pages=host.budget_pages)
         cache.pool = pool  # what it was sized from (a recovery keeps it when the survivors' plan gives the same)
     worker = RankWorker(gen.rank, cache, runner, comm, control, params, settings.weights_seed, gen.ctx.device,
                         world=world, replies=replies, channels=channels if gen.rank == 0 else None)
@@ -347,7 +391,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     params = _checked_params(job, settings, params, done_before)
     worker, is_moe, _ = _build_rank(gen, job, settings, params, files=files)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
-    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages)
+    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, **host_kw(dist_host_pools(job, settings)))
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
     pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
     report = gen.ctx.report
@@ -408,7 +452,8 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             split = KVLedger.of(prepared.state).split
             keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
                     if kept else [{} for _ in survivors])
-            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages)
+            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages,
+                                    **host_kw(dist_host_pools(job_next, settings)))
             restored = restorable = 0
             if files is not None:
                 # from processes known dead (fenced) or released (alive, done writing: they hand their files over)
@@ -436,6 +481,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
         settle(launched.state, prepared.state, gen.members)
     return DistOutput(job, launched, pieces.records, wall, pieces.events, backend="dist", tokens=tokens,
                       kv_moves=dict(pieces.moves), kv_traffic=dict(pieces.traffic),
+                      kv_account=backend.account,  # every rank's, over its whole run (carry_totals)
                       capabilities=backend.capabilities, device=str(gen.ctx.device),
                       dtype=str(settings.torch_dtype([gen.ctx.device])).removeprefix("torch."),
                       threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),

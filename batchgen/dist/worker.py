@@ -6,9 +6,11 @@ control.CommandChannel), in the order they come, so that every collective they c
 lines up across ranks:
 
 - `kv`: this rank's KV ops of a boundary (`GpuOps`: free, evict, yield, offload, restore on its own cache) and
-  the boundary's migrations in plan order, each a send on its source and a receive on its destination
-  (`kv_transfer`; over the instance's group, or the world group when the two ends are in different instances):
-  every rank walks the same list, so sends and receives pair up without a global view; PARTITION's joins
+  the boundary's migrations in plan order, each a send on its source (from its device pages, or its host copy
+  when it holds none) and a receive on its destination (into its device pages, or its host copy; a host copy
+  kept beside device pages exactly when the plan says) (`kv_transfer`; over the instance's group, or the world
+  group when the two ends are in different instances): every rank walks the same list, so sends and receives
+  pair up without a global view; PARTITION's joins
   (first) and splits (last) likewise, between the lead and the other ranks of each group, within the instance
   (`partition.join_kv` / `split_kv`: head shards sent and received);
 - `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
@@ -22,6 +24,9 @@ lines up across ranks:
 
 The control channel is a `Comm` over a gloo group of its own (its waits are not counted as communication: they
 are the worker's idle time); with a heartbeat, a process that dies is found within seconds by the others.
+
+Every byte of KV this rank copies is counted per kind of op and tier (`account`, as batchgen.exec.account: a
+migration charged to the rank that receives it), and reported with its totals.
 
 Timings are measured here, on each process's own clock: busy = seconds inside commands minus the seconds
 inside communication (`Comm.comm_s`: all-to-alls, PARTITION's exchanges and KV transfers, waits for slower peers
@@ -42,6 +47,7 @@ from batchgen.dist.comm import Comm
 from batchgen.dist.control import REPLY_KINDS, broadcast_command, gather_replies, receive_command, send_reply
 from batchgen.dist.kv_transfer import recv_sequence, send_sequence
 from batchgen.dist.partition import HeadShardExchange, join_kv, split_kv
+from batchgen.exec.backend import migration_tiers
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import SamplingParams, sample
@@ -54,7 +60,8 @@ class Command:
 
     kind: str                       # kv, forward, to_host, sync, stop, abort
     parts: dict = field(default_factory=dict)
-    migrations: list = field(default_factory=list)  # kv: (id, source rank, destination rank, to device), plan order
+    # kv: (id, source rank, destination rank, to device, host copy kept, across nodes), plan order
+    migrations: list = field(default_factory=list)
     micro_batch: int = 0            # forward
     cpu_attention: bool = False
     ffn_schedule: str = "combined"
@@ -103,6 +110,7 @@ class Totals:
     traffic: dict = field(default_factory=dict)
     cpu_s: float = 0.0   # process CPU seconds over the same span (under load, busy wall seconds include waits
                          # for a core; CPU seconds do not)
+    kv_bytes: dict = field(default_factory=dict)  # {kind: {tier: (bytes, sequences)}} this rank's KV copies
 
 
 class RankWorker:
@@ -125,6 +133,7 @@ class RankWorker:
         self._comm_pending = 0.0
         self.moves: dict[str, int] = {}
         self.traffic: dict[str, int] = {}
+        self.kv_bytes: dict[str, dict[str, list[int]]] = {}  # kind -> tier -> [bytes, sequences] on this rank
         # PARTITION across processes: the runner hands each layer's head-sharded attention to the exchange
         self.partition = HeadShardExchange(comm, cache) if comm.size > 1 else None
         runner.partition = self.partition
@@ -178,10 +187,11 @@ class RankWorker:
         elif cmd.kind == "forward":
             out = self._forward(cmd.parts[self.rank], cmd)
         elif cmd.kind == "to_host":
-            self.cache.yield_to_host(cmd.parts.get(self.rank, []))
+            self._counted("to_host", "d2h", self.cache.yield_to_host, cmd.parts.get(self.rank, []))
             out = None
         elif cmd.kind == "sync":
-            self.cache.sync_to_host([s for s in cmd.parts.get(self.rank, []) if self.cache.on_device(s)])
+            self._counted("sync", "d2h", self.cache.sync_to_host,
+                          [s for s in cmd.parts.get(self.rank, []) if self.cache.on_device(s)])
             out = None
         else:
             raise ValueError(f"unknown command {cmd.kind!r}")
@@ -205,6 +215,19 @@ class RankWorker:
         if n:
             self.moves[kind] = self.moves.get(kind, 0) + n
 
+    def _bytes(self, kind: str, tier: str, nbytes: int, seqs: int = 1) -> None:
+        if nbytes:
+            entry = self.kv_bytes.setdefault(kind, {}).setdefault(tier, [0, 0])
+            entry[0] += int(nbytes)
+            entry[1] += int(seqs)
+
+    def _counted(self, kind: str, tier: str, copy, ids: list[int]) -> None:
+        """copy(ids) on this rank's cache, its bytes (as the cache measured them) counted as `kind`."""
+        before = self.cache.copied.copy()
+        copy(ids)
+        after = self.cache.copied
+        self._bytes(kind, tier, after[tier] - before[tier], after[f"{tier}_seqs"] - before[f"{tier}_seqs"])
+
     def _kv(self, ops: GpuOps, migrations: list) -> None:
         """This rank's KV ops in the order of `KVOps`' fields (join, free, evict, yield, offload, migrate,
         restore, split). Joins and splits are walked in plan order by every rank of their group, like
@@ -219,16 +242,18 @@ class RankWorker:
                                                  *(s[0] for s in ops.split),
                                                  *(m[0] for m in migrations if m[1] == self.rank)])
         for sid, group, keep in ops.join:  # groups of global ranks, within this instance: its group's ranks
-            self._reshard(join_kv(self.comm, cache, sid, self._local(group), keep, self.comm_device))
+            nbytes = join_kv(self.comm, cache, sid, self._local(group), keep, self.comm_device)
+            self._reshard(nbytes)
+            self._bytes("join", "d2h", nbytes)
         cache.release(ops.free)
         cache.release(ops.evict)
         self._count("evict", len(ops.evict))
-        cache.yield_to_host(ops.yield_)
+        self._counted("yield", "d2h", cache.yield_to_host, ops.yield_)
         self._count("yield", len(ops.yield_))
-        cache.yield_to_host(ops.offload)
+        self._counted("offload", "d2h", cache.yield_to_host, ops.offload)
         self._count("offload", len(ops.offload))
-        for sid, src, dst, to_device in migrations:  # every rank walks the same list: the pairs line up
-            if self.rank not in (src, dst):
+        for sid, src, dst, to_device, host_copy, cross in migrations:  # every rank walks the same list: the pairs
+            if self.rank not in (src, dst):                             # line up
                 continue
             comm, (s, d) = self._between(src, dst)
             if src == self.rank:
@@ -236,11 +261,15 @@ class RankWorker:
                 cache.release([sid])  # the destination has adopted it once the send completed
                 self._count("migrate", 1)
             else:
-                recv_sequence(comm, cache, sid, s, to_device, self._device_for(comm))
-        cache.restore(ops.restore)
+                moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm))
+                for kind, tier, nbytes in migration_tiers(moved, cross):
+                    self._bytes(kind, tier, nbytes)
+        self._counted("restore", "h2d", cache.restore, ops.restore)
         self._count("restore", len(ops.restore))
         for sid, group in ops.split:
-            self._reshard(split_kv(self.comm, cache, sid, self._local(group), self.comm_device))
+            nbytes = split_kv(self.comm, cache, sid, self._local(group), self.comm_device)
+            self._reshard(nbytes)
+            self._bytes("split", "h2d", nbytes)
             # the lead counts the partition (as rank 0's plan does), each other rank of the group the shard it got
             self._count("partition" if group[0] == self.rank else "partition_shard", 1)
         if files is not None:
@@ -291,4 +320,5 @@ class RankWorker:
             self.traffic["partition_exchange_layers"] = self.partition.layers
             self.traffic["partition_exchange_bytes"] = self.partition.sent_bytes
         return Totals(self.rank, wall, self.busy_s, self.comm_s, max(wall - self.busy_s - self.comm_s, 0.0),
-                      dict(self.moves), dict(self.traffic), time.process_time() - self._cpu_start)
+                      dict(self.moves), dict(self.traffic), time.process_time() - self._cpu_start,
+                      {k: {t: tuple(v) for t, v in tiers.items()} for k, tiers in self.kv_bytes.items()})

@@ -2,19 +2,22 @@
 
 Placement decisions are already applied to the `ClusterState` when a run starts, and the plan carries them as
 explicit KV ops per GPU (batchgen.core.ops): `move_kv` carries them out, cache by cache (YIELD to the host copy,
-OFFLOAD to run host-resident, MIGRATE by export and import between caches, COMBINE by restoring the host copy,
-evict and free, PARTITION by splitting a lead's host copy into head shards and joining them back). It reads no
-global view of the state to find what to do, so a backend with one process per rank can do the same from the
-ops alone. Then the run itself: one forward with prefills, or up to `steps` decode iterations, each a
-module-batched forward over every rank, in which host-resident sequences restore their KV layer by layer into
-staging buffers (or attend on the host CPU with `plan.cpu_attention`); or, with chunked prefill, one forward of
-prompt chunks (each written into the paged cache after the KV its earlier chunks wrote) beside every decode,
-sampling only for the decodes and for the chunks that end their context.
+OFFLOAD to run host-resident, MIGRATE from the source's device pages (or its host copy) straight into the
+destination's device pages (or host copy), COMBINE by restoring the host copy, evict and free, PARTITION by
+splitting a lead's host copy into head shards and joining them back). It reads no global view of the state to
+find what to do, so a backend with one process per rank can do the same from the ops alone. Every byte those
+ops and the runs copy is counted per kind, GPU and tier (`account`, batchgen.exec.account), as the state prices
+them (`StepPlan.moves`). Then the run itself: one forward with prefills, or up to `steps` decode iterations,
+each a module-batched forward over every rank, in which host-resident sequences restore their KV layer by layer
+into staging buffers (or attend on the host CPU with `plan.cpu_attention`); or, with chunked prefill, one
+forward of prompt chunks (each written into the paged cache after the KV its earlier chunks wrote) beside every
+decode, sampling only for the decodes and for the chunks that end their context.
+
+Every forward runs whole: one process has no all-to-all for a second micro-batch to hide, so the executor
+declares no two-batch overlap (`exec_capabilities`) and the engine refuses a policy that asks for it.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import time
 from collections import Counter
@@ -28,7 +31,8 @@ from batchgen.core.sequences import SUSPENDED, InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.policy.base import Capabilities
-from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.account import KVAccount
+from batchgen.exec.kv_cache import Migrated, PagedKVCache, migrate
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
 from batchgen.exec.sequences import SequenceTokens
@@ -42,15 +46,34 @@ def _by_gpu(ids: np.ndarray, gpus: np.ndarray) -> list[tuple[int, list[int]]]:
     return [(int(g), ids[gpus == g].tolist()) for g in np.unique(gpus)]
 
 
+def exec_capabilities(config) -> Capabilities:
+    """What the executor performs for a model (`ExecModelConfig`): host-resident decode; attention on the host CPU
+    for GQA/MHA models (MLA expands its latents on the device); PARTITION over degrees that divide the heads;
+    tensor-parallel attention and an FFN per micro-batch. Not: layer-by-layer prefill offload (prefill KV needs
+    device pages, which policies budget for), padded batches, two-batch overlap (every forward runs whole)."""
+    heads = (config.num_heads,) if config.is_mla else (config.num_heads, config.num_kv_heads)
+    return Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
+                        cpu_attention=not config.is_mla, two_batch_overlap=False,
+                        partition_degrees=tuple(d for d in range(1, 9) if all(h % d == 0 for h in heads)))
+
+
+def migration_tiers(moved: Migrated, cross: bool) -> list[tuple[str, str, int]]:
+    """(kind, tier, bytes) of what a migration copied, charged to the GPU that receives it: the transfer
+    ("migrate": over the network to another node, or within the node: device -> device is peer, a host copy onto
+    the device h2d, ...), then the host copy the destination keeps, when it had to be made again from the arrival
+    ("migrate_host_copy", device -> host: the source's was in another host pool)."""
+    within = {("device", "device"): "peer", ("host", "device"): "h2d", ("device", "host"): "d2h",
+              ("host", "host"): "host"}[(moved.source, moved.target)]
+    return [("migrate", "network" if cross else within, moved.transfer_bytes),
+            ("migrate_host_copy", "d2h", moved.local_bytes)]
+
+
 class ExecBackend:
     kv_ops = True  # executes each plan's explicit KV ops (batchgen.core.ops)
 
     def __init__(self, state: ClusterState, runners: list[InstanceRunner], caches: list[PagedKVCache],
-                 tokens: SequenceTokens, job_seed: int = 0, two_batch_overlap: bool = False, check: bool = False):
+                 tokens: SequenceTokens, job_seed: int = 0, check: bool = False):
         """One runner per instance (its device's copy of the model), one KV cache per GPU rank.
-        `two_batch_overlap` (sglang_opt): every forward runs as two micro-batches, one after the other (each rank's
-        sequences split in halves); the overlap of one's all-to-all with the other's compute needs two streams
-        and several processes, so it is priced by the simulator only (batchgen.pricing.tbo), never performed here.
         `check`: after each plan's KV ops, check the caches against the state (`check_placement`)."""
         if len(caches) != state.topo.num_gpus:
             raise ValueError(f"one KV cache per GPU rank: {state.topo.num_gpus} ranks, {len(caches)} caches")
@@ -58,21 +81,14 @@ class ExecBackend:
             raise ValueError(f"one runner per instance: {state.topo.num_instances} instances, {len(runners)}")
         self.state, self.runners, self.caches, self.tokens = state, runners, caches, tokens
         self.job_seed = job_seed
-        self.two_batch_overlap = two_batch_overlap
         self.events = 0
         self.check = check
         self.moves = Counter()  # KV operations carried out: yield, offload, restore, migrate, evict, partition
+        self.account = KVAccount(state.topo.num_gpus)  # the bytes they (and the runs' checkpoints) copied
         self._t0 = time.perf_counter()
         model = runners[0].model
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
-        # prefill KV needs device pages (policies budget for it); running sequences may be host-resident, and
-        # their attention may run on the host CPU for GQA/MHA models (MLA expands its latents on the device)
-        c = model.config
-        heads = (c.num_heads,) if c.is_mla else (c.num_heads, c.num_kv_heads)
-        self.capabilities = Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
-                                         cpu_attention=not c.is_mla,
-                                         partition_degrees=tuple(d for d in range(1, 9)
-                                                                 if all(h % d == 0 for h in heads)))
+        self.capabilities = exec_capabilities(model.config)
         # what host-resident decode moved and ran: staged restores and appends (bytes), sequence-steps
         self.traffic = Counter()
 
@@ -107,16 +123,21 @@ class ExecBackend:
     def move_kv(self, ops: KVOps) -> None:
         """A boundary's KV ops, in their order (batchgen.core.ops); each names the GPU whose cache it touches.
         Partition groups first: a sequence whose partition ends gets its shards back in the lead's host copy
-        (or dropped with a finished or evicted sequence)."""
-        caches = self.caches
+        (or dropped with a finished or evicted sequence). A migration goes from the source's device pages (or,
+        with none, its host copy) straight into the destination's device pages (or host copy), which keeps a host
+        copy exactly when the op says (`kv_cache.migrate`); within a node the host copy changes hands in the
+        node's host pool."""
+        caches, account = self.caches, self.account
         for sid, lead, degree, keep in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
                                            ops.join_degree.tolist(), ops.join_keep.tolist()):
-            group = [caches[g] for g in ops.group(lead, degree)]
+            gpus = ops.group(lead, degree)
             if keep:
-                self.traffic["reshard_bytes"] += join(group, sid)
+                for g, nbytes in zip(gpus, join([caches[g] for g in gpus], sid)):
+                    self.traffic["reshard_bytes"] += nbytes
+                    account.add("join", "d2h", g, nbytes)
             else:
-                for cache in group:
-                    shards_of(cache).release([sid])
+                for g in gpus:
+                    shards_of(caches[g]).release([sid])
         for g, ids in _by_gpu(ops.free_ids, ops.free_gpu):
             caches[g].release(ids)
         for g, ids in _by_gpu(ops.evict_ids, ops.evict_gpu):  # recomputed later from prompt + generated tokens
@@ -125,19 +146,30 @@ class ExecBackend:
         for kind, ids_, gpus in (("yield", ops.yield_ids, ops.yield_gpu), ("offload", ops.offload_ids,
                                                                           ops.offload_gpu)):
             for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
-                caches[g].yield_to_host(ids)
+                self._counted(kind, "d2h", g, caches[g].yield_to_host, ids)
                 self.moves[kind] += len(ids)
-        for sid, src, dst, to_device in zip(ops.migrate_ids.tolist(), ops.migrate_src.tolist(),
-                                            ops.migrate_dst.tolist(), ops.migrate_to_device.tolist()):
-            caches[dst].import_(sid, caches[src].export(sid), to_device=to_device)
-            caches[src].release([sid])
+        for sid, src, dst, to_device, host_copy, cross in ops.migrations():
+            moved = migrate(caches[src], caches[dst], sid, to_device=to_device, host_copy=host_copy)
+            for kind, tier, nbytes in migration_tiers(moved, cross):
+                account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
-            caches[g].restore(ids)
+            self._counted("restore", "h2d", g, caches[g].restore, ids)
             self.moves["restore"] += len(ids)
         for sid, lead, degree in zip(ops.split_ids.tolist(), ops.split_lead.tolist(), ops.split_degree.tolist()):
-            self.traffic["reshard_bytes"] += split([caches[g] for g in ops.group(lead, degree)], sid, degree)
+            gpus = ops.group(lead, degree)
+            for g, nbytes in zip(gpus, split([caches[g] for g in gpus], sid, degree)):
+                self.traffic["reshard_bytes"] += nbytes
+                account.add("split", "h2d", g, nbytes)
             self.moves["partition"] += 1
+
+    def _counted(self, kind: str, tier: str, gpu: int, copy, ids: list[int]) -> None:
+        """copy(ids) on GPU `gpu`'s cache, its bytes (as the cache measured them) counted as `kind` there."""
+        cache = self.caches[gpu]
+        before = cache.copied.copy()
+        copy(ids)
+        self.account.add(kind, tier, gpu, cache.copied[tier] - before[tier],
+                         cache.copied[f"{tier}_seqs"] - before[f"{tier}_seqs"])
 
     def check_placement(self, plan: StepPlan) -> None:
         """What `reconcile` used to rebuild, kept as a check (with `check_invariants`): after the plan's ops,
@@ -201,17 +233,6 @@ class ExecBackend:
         """One forward over every rank of the instance, as a generator the run methods `yield from`: here it runs
         at once and yields nothing; backend=dist posts it to the instance's processes, yields (the next
         instance's loop posts its own, so instances run concurrently), then collects the replies."""
-        if self.two_batch_overlap and any(len(b.seq_ids) > 1 for b in batches):
-            halves = [_halves(b) for b in batches]
-            first = yield from self._forward_once(plan, [a for a, _ in halves])
-            second = yield from self._forward_once(plan, [b for _, b in halves])
-            self.traffic["tbo_forwards"] += 1
-            stats = first[2]
-            stats.rank_attention_s = [x + y for x, y in zip(stats.rank_attention_s, second[2].rank_attention_s)]
-            stats.ffn_s += second[2].ffn_s
-            stats.head_s += second[2].head_s
-            stats.gate_tokens += second[2].gate_tokens
-            return first[0] + second[0], torch.cat([first[1], second[1]]), stats
         return (yield from self._forward_once(plan, batches))
 
     def _forward_once(self, plan: StepPlan, batches: list[RankBatch]) -> Generator[Any, Any, tuple]:
@@ -309,8 +330,9 @@ class ExecBackend:
 
     def _prefills_to_host(self, plan: StepPlan, pre_finished: np.ndarray) -> None:
         """Prefills bound for host (and not finished at once): yielded to their host copies after the forward."""
-        for r, g in enumerate(plan.gpus):
-            self.caches[g].yield_to_host(plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
+        for r, g in enumerate(plan.gpus.tolist()):
+            self._counted("to_host", "d2h", g, self.caches[g].yield_to_host,
+                          plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
 
     def _chunked(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         """One forward of chunked prefill: per rank, each chunk's tokens at their positions (attending over the
@@ -359,10 +381,17 @@ class ExecBackend:
         t.output_len[done] = t.decoded[done] + produced[finished]
 
     def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
+        """host_sync: the new tokens of running device-resident sequences into the host copies the state counts
+        (a sequence without one, in the state, gets none here either)."""
+        for g, mine in self._synced(plan, ids):
+            self._counted("sync", "d2h", g, self.caches[g].sync_to_host,
+                          [s for s in mine if self.caches[g].on_device(s)])
+
+    def _synced(self, plan: StepPlan, ids: np.ndarray) -> list[tuple[int, list[int]]]:
+        """(GPU, its sequences among `ids` whose host copy the state counts), for each GPU of the plan."""
         t = self.state.table
-        for g in plan.gpus:
-            mine = [s for s in ids[t.where[ids] == g].tolist() if self.caches[g].on_device(s)]
-            self.caches[g].sync_to_host(mine)
+        ids = ids[t.host_node[ids] >= 0]
+        return [(g, ids[t.where[ids] == g].tolist()) for g in plan.gpus.tolist()]
 
     def _timed_sample(self, order: list[int], logits: torch.Tensor, stats, modules: Counter) -> list[int]:
         """Sample, and add the forward's module seconds to `modules`: attention (all ranks: they share one
@@ -385,17 +414,3 @@ class ExecBackend:
                                                           for s in plan.prefill_ids)),
                           modules=dict(modules or {}))
 
-
-def _halves(batch: RankBatch) -> tuple[RankBatch, RankBatch]:
-    """A rank's batch split by sequences into two micro-batches (two-batch overlap): the first half of its
-    sequences and the rest, each with its tokens and per-sequence flags."""
-    k = (len(batch.seq_ids) + 1) // 2  # ceil, as the simulator's split (batchgen.pricing.tbo.split)
-    cut = sum(batch.new_counts[:k])
-
-    def part(lo, hi, t_lo, t_hi):
-        pick = lambda xs: xs[lo:hi] if xs else []  # noqa: E731
-        return dataclasses.replace(batch, seq_ids=batch.seq_ids[lo:hi], token_ids=batch.token_ids[t_lo:t_hi],
-                                   new_counts=batch.new_counts[lo:hi], start_positions=batch.start_positions[lo:hi],
-                                   host_resident=pick(batch.host_resident), tp=pick(batch.tp),
-                                   sample=pick(batch.sample))
-    return part(0, k, 0, cut), part(k, len(batch.seq_ids), cut, len(batch.token_ids))

@@ -6,6 +6,10 @@ other jobs with it. So the weights (one copy per device that runs an instance) a
 on each device are compared with what the device has free, and a job that cannot fit stops with one line.
 Weights the memory plan streams (`batchgen.exec.weight_stream`) count as their host copy in host memory and
 their staging slots on the device, as the executor allocates them.
+
+Host memory also holds the host KV pools (`batchgen.exec.host_pool`: every node's host copies, in one process;
+backend=dist, one pool per process): `host_kv_room` is what the machine leaves for them once everything above
+is counted (their budget when `backend.host_kv_gb` is not given), and an explicit budget is counted with the rest.
 """
 from __future__ import annotations
 
@@ -44,20 +48,12 @@ def parameter_count(job, model_path: str | None) -> tuple[int, str] | None:
     return int(job.model.total_params), f"model={job.model.name}"
 
 
-def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
-               ranks_per_instance: int, free=free_bytes, streamed=None, weight_copies: int = 1) -> None:
-    """Raise ConfigError when some device cannot hold its weights and KV budget.
-
-    `weight_copies`: whole copies of the weights each device holds at once (backend=dist: every process on the
-    machine builds the whole model before keeping its expert shard).
-
-    `streamed` (a `weight_stream.Footprint`, from the memory plan): weights that live on the host and pass
-    through staging slots on the device. Each device then holds the resident weights and the slots, and the
-    host holds the streamed weights' packed copy, once per device (pinned for a CUDA device). A CPU device is
-    the host: both count there."""
+def _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies):
+    """(bytes each device needs, and what the error message says about them), or None for a model directory
+    whose size is unknown."""
     counted = parameter_count(job, model_path)
     if counted is None:
-        return
+        return None
     params, source = counted
     weights = params * torch.tensor([], dtype=dtype).element_size()
     host_copy = staging = off_device = 0
@@ -72,6 +68,54 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
         need[host] = need.get(host, 0.0) + host_copy * weight_copies
     for device in devices:  # each instance's ranks keep their KV on its device
         need[device] += ranks_per_instance * kv_budget_mb * 2**20
+    return need, params, source, weights, host_copy, staging, off_device
+
+
+def host_kv_room(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device],
+                 dtype: torch.dtype, ranks_per_instance: int, free=free_bytes, streamed=None,
+                 weight_copies: int = 1) -> float | None:
+    """Bytes of host memory left for host KV pools once the weights, device KV budgets and streamed weights'
+    host copies that live there are counted (with the same safety margin as `check_fits`); None when the
+    machine's free memory is unknown."""
+    have = free(torch.device("cpu"))
+    if have is None:
+        return None
+    needs = _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies)
+    used = needs[0].get(torch.device("cpu"), 0.0) if needs is not None else 0.0
+    return max(SAFETY * have - used, 0.0)
+
+
+def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
+               ranks_per_instance: int, free=free_bytes, streamed=None, weight_copies: int = 1,
+               host_kv_bytes: float = 0.0, host_kv: str = "") -> None:
+    """Raise ConfigError when some device cannot hold its weights and KV budget.
+
+    `weight_copies`: whole copies of the weights each device holds at once (backend=dist: every process on the
+    machine builds the whole model before keeping its expert shard).
+
+    `streamed` (a `weight_stream.Footprint`, from the memory plan): weights that live on the host and pass
+    through staging slots on the device. Each device then holds the resident weights and the slots, and the
+    host holds the streamed weights' packed copy, once per device (pinned for a CUDA device). A CPU device is
+    the host: both count there.
+
+    `host_kv_bytes`: host KV pools of an explicit budget, all of them, counted in host memory; `host_kv` says
+    what they are (the setting and how many pools), for the error."""
+    needs = _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies)
+    if needs is not None:
+        _check_devices(free, dtype, weight_copies, *needs)
+    host = torch.device("cpu")
+    if host_kv_bytes:
+        have = free(host)
+        used = needs[0].get(host, 0.0) if needs is not None else 0.0
+        if have is not None and used + host_kv_bytes > SAFETY * have:
+            raise ConfigError(f"{host_kv} take {host_kv_bytes / 1e9:.2f} GB of host memory, which with "
+                              f"{used / 1e9:.2f} GB of weights and KV budgets there needs "
+                              f"{(used + host_kv_bytes) / 1e9:.2f} GB, but the machine has {have / 1e9:.1f} GB free: "
+                              "lower backend.host_kv_gb (or leave it unset: the free memory then sets it)")
+
+
+def _check_devices(free, dtype, weight_copies, need, params, source, weights, host_copy, staging,
+                   off_device) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     for device, bytes_ in need.items():
         have = free(device)

@@ -8,7 +8,8 @@ Layout decisions (the paper is silent on them):
 
 - All layers' K and V live in one device tensor [num_layers, planes, num_pages, page_size, kv_heads, head_dim],
   planes = 2 (K, V) or 1 (K only, see MLA below). `layer(l)` hands attention contiguous per-layer views, while
-  sync/restore move every layer of every sequence in a call with one gather / one index_copy over the pool.
+  sync/restore/migrate move every layer of every sequence in a call with one gather / one index_copy over the
+  pool, of exactly the tokens that move (their slots, not whole pages).
 - MLA (DeepSeek-V3) caches the compressed latent, not per-head K/V: per token and layer one "head" of width
   kv_lora_rank + qk_rope_head_dim holding [c_kv (after kv_a_layernorm) | k_pe (after RoPE)], in the K pool,
   and no V pool at all (`v_head_dim=0`; `layer(l)` then returns a zero-width V tensor), so every byte of the
@@ -18,13 +19,19 @@ Layout decisions (the paper is silent on them):
   A V pool must be as wide as K (v_head_dim == head_dim) or absent: no architecture here needs another width.
 - A sequence holds exactly the pages its context needs, extended lazily by `prepare` (or ahead of time by
   `reserve`, which lets a scheduler claim memory at a boundary and never fail mid-step).
-- Host copies live in a host page pool laid out like the device pool, [num_layers, planes, host_pages,
-  page_size, kv_heads, head_dim] (pinned when the device is CUDA, unless host_pinned=False, so that copies
-  are asynchronous DMA). A sequence's host copy is a list of host pages, token t at host page t // page_size,
-  slot t % page_size, exactly as on device: moving KV either way is one gather and one index_copy of whole
-  pages for any number of sequences, and one layer of a batch of sequences (what host-resident decode
-  restores) is one gather too. The pool has no budget of its own (the scheduler's host accounting is the
-  limit): it doubles when full, which costs amortised O(1) copies per page.
+- Host copies live in a host page pool laid out like the device pool (`batchgen.exec.host_pool.HostPool`:
+  one per node, shared by the caches of its GPUs, or one of the cache's own), pinned when the device is CUDA
+  (unless host_pinned=False) so that copies are asynchronous DMA. A sequence's host copy is a list of host
+  pages, token t at host page t // page_size, slot t % page_size, exactly as on device: moving KV either way
+  is one gather and one index_copy for any number of sequences, and one layer of a batch of sequences (what
+  host-resident decode restores) is one gather of whole pages. The pool grows when full, within its budget
+  (`HostMemoryFullError` past it).
+- MIGRATE (`migrate`) copies a sequence from where its KV is (device pages, or its host copy when it has none
+  on device) straight into where it is to run (the destination's device pages, or its host copy), and leaves
+  a host copy at the destination only when asked (the scheduler counts one there): within one host pool the
+  copy changes hands (no byte moves); into another pool it is made again from the arrival (a second copy,
+  device -> host). Across processes the same happens in two halves (`migration_rows` on the source, `adopt` on
+  the destination: batchgen.dist.kv_transfer).
 - A sequence is in one of two places: on device (pages held; its first `synced` tokens also on host) or on
   host only (no pages; the host copy holds all of it). Evicted and released sequences are forgotten: a
   recomputed sequence comes back through `prepare` with start position 0, like a new one.
@@ -37,12 +44,14 @@ Layout decisions (the paper is silent on them):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
 
 from batchgen.core.sequences import InvariantError
+from batchgen.exec.host_pool import HostPool
 from batchgen.exec.metadata import AttentionMetadata
 
 
@@ -57,7 +66,8 @@ class CacheFullError(RuntimeError):
 
 @dataclass
 class HostKV:
-    """A sequence's KV in host memory as token-major rows: what MIGRATE carries between caches."""
+    """A sequence's KV in host memory as token-major rows: what `export` gives and `import_` adopts (a host copy
+    read from another process's pool file, batchgen.dist.recovery)."""
 
     kv: torch.Tensor  # [capacity, num_layers, planes, kv_heads, head_dim] on CPU; rows [:length] are valid
     length: int
@@ -68,6 +78,18 @@ class HostKV:
 
     def tokens(self) -> torch.Tensor:
         return self.kv[:self.length]
+
+
+@dataclass(frozen=True)
+class Migrated:
+    """What one MIGRATE copied (`migrate`, `PagedKVCache.adopt`), measured from the tensors copied."""
+
+    source: str               # where the KV was read: "device" (the source's device pages) or "host" (its host copy)
+    target: str               # where it landed: "device" (the destination's device pages) or "host" (its host copy)
+    transfer_bytes: int       # copied from the source cache into the destination (0: handed over within a pool)
+    local_bytes: int = 0      # a second copy at the destination, device -> host: the host copy it keeps, made again
+    #                           from the arrival because the source's was in another pool
+    handed_over: int = 0      # tokens of a host copy that changed hands within one host pool (no byte moved)
 
 
 @dataclass(eq=False)  # hashed by identity: host allocation maps sequences to page counts
@@ -107,15 +129,17 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  host_pinned: bool | None = None, v_head_dim: int | None = None, host_pages: int | None = None,
-                 max_context: int | None = None, staging_pages: int | None = None, host_alloc=None):
+                 max_context: int | None = None, staging_pages: int | None = None, host_alloc=None,
+                 host_pool: HostPool | None = None, host_budget_pages: int | None = None):
         """v_head_dim: None or head_dim for a V pool like the K pool; 0 for no V pool (MLA's latent cache).
-        host_alloc: where the host pool's storage comes from, `host_alloc(shape, dtype) -> zero-filled CPU
-        tensor` (default: torch.zeros, pinned per host_pinned); backend=dist passes a shared-memory file per
-        pool (`batchgen.dist.shared_host`) so that host copies outlive the process.
-        host_pages: the host pool's initial size (default num_pages; it doubles when full). Host-resident
-        decode's staging buffers (`batchgen.exec.staging`) hold `staging_pages` pages of one layer each (host
-        micro-batches are cut to fit), or, without it, B_attn sequences of `max_context` tokens (the job's
-        longest sequence)."""
+        host_pool: the node's host pool, shared with the caches of its other GPUs; without one the cache makes
+        its own, of `host_pages` pages to start with (default num_pages; it doubles when full) and at most
+        `host_budget_pages` (None: no limit), its storage from `host_alloc(shape, dtype) -> zero-filled CPU
+        tensor` (default: torch.zeros, pinned per host_pinned; backend=dist passes a shared-memory file per
+        pool, `batchgen.dist.shared_host`, so that host copies outlive the process).
+        Host-resident decode's staging buffers (`batchgen.exec.staging`) hold `staging_pages` pages of one layer
+        each (host micro-batches are cut to fit), or, without it, B_attn sequences of `max_context` tokens (the
+        job's longest sequence)."""
         if min(num_layers, num_kv_heads, head_dim, page_size, num_pages) < 1:
             raise ValueError(f"KV cache dimensions must be positive: num_layers={num_layers} "
                              f"num_kv_heads={num_kv_heads} head_dim={head_dim} page_size={page_size} "
@@ -128,18 +152,29 @@ class PagedKVCache:
         self.max_context = max_context
         self.staging_pages = staging_pages
         self.host_alloc = host_alloc
-        self.host_pinned = self.device.type == "cuda" if host_pinned is None else bool(host_pinned)
-        if self.host_pinned and not torch.cuda.is_available():
-            raise ValueError("host_pinned=True needs CUDA (pinned memory is allocated through the CUDA driver)")
+        if host_pool is None:
+            pinned = self.device.type == "cuda" if host_pinned is None else bool(host_pinned)
+            if pinned and not torch.cuda.is_available():
+                raise ValueError("host_pinned=True needs CUDA (pinned memory is allocated through the CUDA driver)")
+            host_pool = HostPool(num_layers, self.planes, page_size, num_kv_heads, head_dim, dtype,
+                                 pages=num_pages if host_pages is None else int(host_pages),
+                                 budget_pages=host_budget_pages, pinned=pinned, alloc=host_alloc)
+        elif not host_pool.fits(self):
+            raise ValueError(f"a host pool of pages {host_pool.geometry} cannot hold this cache's pages "
+                             f"{(num_layers, self.planes, page_size, num_kv_heads, head_dim, dtype)}")
+        self.host_pool = host_pool
+        self.host_pinned = host_pool.pinned
+        host_pool.users.append(self)
         # zeros, not empty: attention may read padding slots with zero weight, and 0 * NaN garbage is NaN
         self._kv = torch.zeros(num_layers, self.planes, num_pages, page_size, num_kv_heads, head_dim,
                                dtype=dtype, device=self.device)
         self._no_v = None if self.v_head_dim else torch.zeros(num_pages, page_size, num_kv_heads, 0, dtype=dtype,
                                                              device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack; page 0 is handed out first
-        self._host = self._new_host(max(1, num_pages if host_pages is None else int(host_pages)))
-        self._host_free = list(range(self._host.shape[2] - 1, -1, -1))
         self._seqs: dict[int, _Seq] = {}
+        # what this cache's own copies moved, measured from the tensors copied: bytes host -> device (h2d:
+        # restores) and device -> host (d2h: checkpoints), and how many sequences' KV each (h2d_seqs, d2h_seqs)
+        self.copied: Counter = Counter()
         self.staging = None  # host-resident decode's staging buffers, built by the first staged step
         self.shards = None   # PARTITIONed sequences' head shards in this pool (batchgen.exec.shards)
 
@@ -154,7 +189,8 @@ class PagedKVCache:
                     budget_bytes: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                     host_pinned: bool | None = None, v_head_dim: int | None = None,
                     max_context: int | None = None, staging_pages: int | None = None,
-                    host_alloc=None) -> "PagedKVCache":
+                    host_alloc=None, host_pool: HostPool | None = None,
+                    host_budget_pages: int | None = None) -> "PagedKVCache":
         """As many pages as fit in the device-memory budget given to the KV cache (the budget is a hard cap)."""
         per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype, v_head_dim)
         num_pages = int(budget_bytes) // per_page
@@ -165,7 +201,8 @@ class PagedKVCache:
                              f"in {dtype} takes {per_page} bytes")
         return cls(num_layers, num_kv_heads, head_dim, page_size=page_size, num_pages=num_pages, dtype=dtype,
                    device=device, host_pinned=host_pinned, v_head_dim=v_head_dim, max_context=max_context,
-                   staging_pages=staging_pages, host_alloc=host_alloc)
+                   staging_pages=staging_pages, host_alloc=host_alloc, host_pool=host_pool,
+                   host_budget_pages=host_budget_pages)
 
     # ---- views and queries --------------------------------------------------------------------------
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,11 +232,21 @@ class PagedKVCache:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
+    @property
+    def _host(self) -> torch.Tensor:
+        """The host pool's pages (a new tensor once the pool grows)."""
+        return self.host_pool.kv
+
     def host_capacity_pages(self) -> int:
-        return self._host.shape[2]
+        """Pages of the host pool (shared with the node's other caches, if any)."""
+        return self.host_pool.capacity_pages()
 
     def host_used_pages(self) -> int:
-        return self._host.shape[2] - len(self._host_free)
+        """Host pages this cache's sequences hold."""
+        return sum(len(s.host_pages) for s in self._seqs.values())
+
+    def owned_host_pages(self) -> list[int]:
+        return [p for s in self._seqs.values() for p in s.host_pages]
 
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
@@ -293,34 +340,32 @@ class PagedKVCache:
                       f"reserving for {len(extra_tokens_by_seq)} sequences")
 
     # ---- the host pool -------------------------------------------------------------------------------
-    @torch.inference_mode(False)  # grown inside a forward too, and updated in place outside one
-    def _new_host(self, pages: int) -> torch.Tensor:
-        # zeros: restores copy whole pages, and pools must hold only finite values (see AttentionMetadata)
-        if self.host_alloc is not None:
-            return self.host_alloc((self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads,
-                                    self.head_dim), self.dtype)
-        return torch.zeros(self.num_layers, self.planes, pages, self.page_size, self.num_kv_heads, self.head_dim,
-                           dtype=self.dtype, pin_memory=self.host_pinned)
-
-    def _host_cover(self, tokens_by_seq: dict[_Seq, int]) -> None:
-        """Give each sequence the host pages that cover its first `tokens` tokens (it never shrinks here)."""
+    def _host_cover(self, tokens_by_seq: dict[_Seq, int], what: str = "host copies") -> None:
+        """Give each sequence the host pages that cover its first `tokens` tokens (it never shrinks here); all or
+        nothing (HostMemoryFullError past the pool's budget)."""
         need = {s: _cdiv(n, self.page_size) - len(s.host_pages) for s, n in tokens_by_seq.items()}
         total = sum(n for n in need.values() if n > 0)
-        if total > len(self._host_free):
-            old = self._host.shape[2]
-            grown = self._new_host(max(2 * old, old + total - len(self._host_free)))
-            grown[:, :, :old].copy_(self._host)
-            self._host = grown
-            self._host_free = list(range(grown.shape[2] - 1, old - 1, -1)) + self._host_free
+        if not total:
+            return
+        pages = self.host_pool.take(total, what)
         for s, n in need.items():
             if n > 0:
-                s.host_pages.extend(self._host_free.pop() for _ in range(n))
+                s.host_pages.extend(pages[:n])
+                del pages[:n]
 
     def _host_flat(self) -> torch.Tensor:
-        return self._host.view(self.num_layers, self.planes, -1, self.num_kv_heads, self.head_dim)
+        return self.host_pool.flat()
 
-    def _pages_of(self, seqs: list[_Seq], which: str, first: list[int], last: list[int]) -> list[int]:
-        return list(chain.from_iterable(getattr(s, which)[a:b] for s, a, b in zip(seqs, first, last)))
+    def _device_flat(self) -> torch.Tensor:
+        return self._kv.view(self.num_layers, self.planes, -1, self.num_kv_heads, self.head_dim)
+
+    def _token_slots(self, seqs: list[_Seq], which: str, first: list[int], last: list[int],
+                     device: torch.device | None = None) -> torch.Tensor:
+        """Flat slots of tokens [first[i], last[i]) of each sequence in its `which` pages (pages or host_pages),
+        concatenated: what one gather or index_copy over a flat pool moves."""
+        _, slots = self._slots(_block_table([getattr(s, which) for s in seqs]),
+                               torch.tensor(first, dtype=torch.int64), torch.tensor(last, dtype=torch.int64))
+        return slots if device is None else slots.to(device)
 
     # ---- the forward pass --------------------------------------------------------------------------
     def prepare(self, seq_ids: list[int], new_tokens: list[int], start_positions: list[int]) -> AttentionMetadata:
@@ -424,33 +469,52 @@ class PagedKVCache:
         self._host_flat().index_copy_(2, slots, values)
 
     # ---- moving KV between device and host --------------------------------------------------------
-    def _host_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
-        src = torch.empty(self.num_layers, self.planes, len(host_pages), self.page_size, self.num_kv_heads,
-                          self.head_dim, dtype=self.dtype, pin_memory=self.host_pinned)
-        torch.index_select(self._host, 2, _index(host_pages), out=src)
-        self._kv.index_copy_(2, _index(device_pages, self.device), src.to(self.device, non_blocking=self.host_pinned))
+    def _read_host(self, host_slots: torch.Tensor) -> torch.Tensor:
+        """Tokens of the host pool, [num_layers, planes, T, kv_heads, head_dim] (pinned with a pinned pool)."""
+        out = torch.empty(self.num_layers, self.planes, host_slots.numel(), self.num_kv_heads, self.head_dim,
+                          dtype=self.dtype, pin_memory=self.host_pinned)
+        return torch.index_select(self._host_flat(), 2, host_slots, out=out)
 
-    def _device_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
-        picked = self._kv.index_select(2, _index(device_pages, self.device)).cpu()
-        self._host.index_copy_(2, _index(host_pages), picked)
+    def _write_device(self, device_slots: torch.Tensor, rows: torch.Tensor) -> int:
+        """rows [num_layers, planes, T, kv_heads, head_dim] into device slots; returns the bytes copied."""
+        self._device_flat().index_copy_(2, device_slots.to(self.device),
+                                        rows.to(self.device, non_blocking=rows.is_pinned()))
+        return rows.numel() * rows.element_size()
+
+    def _write_host(self, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
+        self._host_flat().index_copy_(2, host_slots, rows.cpu())
+        return rows.numel() * rows.element_size()
+
+    def _host_to_device(self, seqs: list[_Seq], first: list[int], last: list[int]) -> None:
+        rows = self._read_host(self._token_slots(seqs, "host_pages", first, last))
+        self.copied["h2d"] += self._write_device(self._token_slots(seqs, "pages", first, last), rows)
+        self.copied["h2d_seqs"] += sum(b > a for a, b in zip(first, last))
+
+    def _device_to_host(self, seqs: list[_Seq], first: list[int], last: list[int]) -> None:
+        rows = self._device_flat().index_select(2, self._token_slots(seqs, "pages", first, last, self.device))
+        self.copied["d2h"] += self._write_host(self._token_slots(seqs, "host_pages", first, last), rows)
+        self.copied["d2h_seqs"] += sum(b > a for a, b in zip(first, last))
 
     def sync_to_host(self, seq_ids) -> int:
-        """Checkpoint the tokens written since the last sync (called at page boundaries): the pages they are
-        on go down in one gather and one index_copy. Returns tokens copied."""
+        """Checkpoint the tokens written since the last sync (called at page boundaries): they go down in one
+        gather and one index_copy. Returns tokens copied."""
         todo = [self._get(sid) for sid in seq_ids]
         todo = [s for s in todo if s.device_len > s.synced]
         if not todo:
             return 0
-        self._host_cover({s: s.device_len for s in todo})
-        first = [s.synced // self.page_size for s in todo]
-        last = [_cdiv(s.device_len, self.page_size) for s in todo]
-        self._device_to_host(self._pages_of(todo, "pages", first, last), self._pages_of(todo, "host_pages", first,
-                                                                                       last))
+        self._host_cover({s: s.device_len for s in todo}, f"checkpointing {len(todo)} sequences")
+        self._device_to_host(todo, [s.synced for s in todo], [s.device_len for s in todo])
         copied = 0
         for s in todo:
             copied += s.device_len - s.synced
             s.synced = s.device_len
         return copied
+
+    def _checkpoint(self, s: _Seq, tokens: int) -> None:
+        """A device-resident sequence's first `tokens` tokens into its (empty) host copy."""
+        self._host_cover({s: tokens}, f"checkpointing {tokens} tokens")
+        self._device_to_host([s], [0], [tokens])
+        s.synced = tokens
 
     def _free_device(self, s: _Seq) -> None:
         self._free.extend(reversed(s.pages))
@@ -476,10 +540,7 @@ class PagedKVCache:
         tokens = {sid: self._seqs[sid].synced for sid in seq_ids}
         self._grow_to(tokens, f"restoring {len(seq_ids)} sequences ({sum(tokens.values())} tokens)")
         seqs = [self._seqs[sid] for sid in seq_ids]
-        first = [0] * len(seqs)
-        last = [_cdiv(s.synced, self.page_size) for s in seqs]
-        self._host_to_device(self._pages_of(seqs, "host_pages", first, last),
-                             self._pages_of(seqs, "pages", first, last))
+        self._host_to_device(seqs, [0] * len(seqs), [s.synced for s in seqs])
         for s in seqs:
             s.device_len = s.synced
         return sum(tokens.values())
@@ -489,10 +550,63 @@ class PagedKVCache:
             if not self._get(sid).on_device:
                 raise ValueError(f"cannot {action} sequence {sid}: its KV is not on device")
 
-    # ---- MIGRATE --------------------------------------------------------------------------------------
+    # ---- MIGRATE: one half on each side (`migrate` joins them in one process) ----------------------------
+    def migration_rows(self, seq_id: int) -> tuple[torch.Tensor, str]:
+        """What MIGRATE sends: the sequence's tokens, [num_layers, planes, tokens, kv_heads, head_dim], from its
+        device pages when it holds any ("device": on the device), else from its host copy ("host"). The sequence
+        stays here until released."""
+        s = self._get(seq_id)
+        if s.pending:
+            raise ValueError(f"sequence {seq_id} is in a host-resident step: finish it before migrating it")
+        if s.on_device:
+            slots = self._token_slots([s], "pages", [0], [s.device_len], self.device)
+            return self._device_flat().index_select(2, slots), "device"
+        return self._read_host(self._token_slots([s], "host_pages", [0], [s.synced])), "host"
+
+    def adopt(self, seq_id: int, rows: torch.Tensor, source: str, *, to_device: bool, host_copy: bool,
+              host_tokens: int | None = None) -> "Migrated":
+        """MIGRATE in: `rows` from another cache's `migration_rows` land where the sequence is to run: in device
+        pages (to_device) or a host copy. `host_copy`: keep a host copy here too (required without to_device): the
+        first `host_tokens` tokens of the arrival (what the source's host copy held; default all) are checkpointed
+        from its new pages, a second copy (device -> host) here. All or nothing."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has KV in this cache: release it before it migrates here")
+        n = int(rows.shape[2])
+        want = (self.num_layers, self.planes, self.num_kv_heads, self.head_dim)
+        if (rows.shape[:2] + rows.shape[3:]) != want or rows.dtype != self.dtype or n < 1:
+            raise ValueError(f"sequence {seq_id}: migrated rows {tuple(rows.shape)} of {rows.dtype} do not fit this "
+                             f"cache's (layers, planes, tokens, kv_heads, head_dim) = {want[:2] + ('>0',) + want[2:]} "
+                             f"of {self.dtype}")
+        if not (to_device or host_copy):
+            raise ValueError(f"sequence {seq_id}: a migration must land on device pages or as a host copy")
+        if to_device and not self.can_fit({seq_id: n}):
+            raise CacheFullError(f"migrating sequence {seq_id} here ({n} tokens)", _cdiv(n, self.page_size),
+                                 len(self._free), self.num_pages, self.page_size)
+        s = self._seqs[seq_id] = _Seq()
+        what = f"migrating sequence {seq_id} here ({n} tokens)"
+        try:
+            if to_device:
+                self._grow_to({seq_id: n}, what)
+                moved = self._write_device(self._token_slots([s], "pages", [0], [n]), rows)
+                s.device_len = n
+            else:
+                self._host_cover({s: n}, what)
+                moved = self._write_host(self._token_slots([s], "host_pages", [0], [n]), rows)
+                s.synced = n
+            local = 0
+            if to_device and host_copy and (host_tokens is None or host_tokens > 0):  # the second copy
+                before = self.copied["d2h"]
+                self._checkpoint(s, n if host_tokens is None else min(int(host_tokens), n))
+                local = self.copied["d2h"] - before
+        except BaseException:  # the host pool's budget, say: nothing of it stays
+            self.release([seq_id])
+            raise
+        return Migrated(source, "device" if to_device else "host", moved, local)
+
     def export(self, seq_id: int) -> HostKV:
-        """The whole KV as token-major host rows, for another cache to import; syncs first so nothing is left
-        behind. A copy: the caller releases the sequence here once the target has imported it."""
+        """The whole KV as token-major host rows, for another cache to import (a recovery's host copy from a
+        lost rank's pool file, or a test's); syncs first so nothing is left behind. A copy: the caller releases
+        the sequence here once the target has imported it."""
         s = self._get(seq_id)
         if s.pending:
             raise ValueError(f"sequence {seq_id} is in a host-resident step: finish it before exporting")
@@ -503,7 +617,7 @@ class PagedKVCache:
         return HostKV(rows[:s.synced], s.synced)
 
     def import_(self, seq_id: int, host_kv: HostKV, to_device: bool = False) -> int:
-        """MIGRATE in: adopt a host copy (and optionally load it). All or nothing; returns tokens loaded."""
+        """Adopt a host copy (and optionally load it). All or nothing; returns tokens loaded."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has KV in this cache: release it before importing")
         self._check_host_kv(seq_id, host_kv)
@@ -512,7 +626,7 @@ class PagedKVCache:
                                  _cdiv(host_kv.length, self.page_size), len(self._free), self.num_pages,
                                  self.page_size)
         s = _Seq()
-        self._host_cover({s: host_kv.length})
+        self._host_cover({s: host_kv.length}, f"importing sequence {seq_id} ({host_kv.length} tokens)")
         n = len(s.host_pages)
         rows = host_kv.kv.new_zeros(n * self.page_size, *host_kv.kv.shape[1:])
         rows[:host_kv.length] = host_kv.tokens()
@@ -547,21 +661,23 @@ class PagedKVCache:
         for sid in seq_ids:
             s = self._seqs.pop(sid)
             self._free_device(s)
-            self._host_free.extend(reversed(s.host_pages))
-            s.host_pages = []
+            self._drop_host_copy(s)
+
+    def _drop_host_copy(self, s: _Seq) -> None:
+        self.host_pool.give_back(s.host_pages)
+        s.host_pages, s.synced = [], 0
 
     # ---- invariants ------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Recount pages and lengths; raises InvariantError on the first broken rule."""
-        for name, owned, free, total in (
-                ("pages", [p for s in self._seqs.values() for p in s.pages]
-                 + (self.shards.owned_pages() if self.shards is not None else []), self._free, self.num_pages),
-                ("host pages", [p for s in self._seqs.values() for p in s.host_pages], self._host_free,
-                 self._host.shape[2])):
-            every = owned + free
-            if len(every) != total or set(every) != set(range(total)):
-                raise InvariantError(f"{name}: {len(owned)} owned + {len(free)} free != {total}, "
-                                     "or a page is owned twice or lost")
+        """Recount pages (the host pool's over every cache that uses it) and lengths; raises InvariantError on
+        the first broken rule."""
+        owned = [p for s in self._seqs.values() for p in s.pages] + (
+            self.shards.owned_pages() if self.shards is not None else [])
+        every = owned + self._free
+        if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
+            raise InvariantError(f"pages: {len(owned)} owned + {len(self._free)} free != {self.num_pages}, "
+                                 "or a page is owned twice or lost")
+        self.host_pool.check()
         for sid, s in self._seqs.items():
             self._check_seq(sid, s)
 
@@ -588,3 +704,51 @@ def _block_table(page_lists: list[list[int]]) -> torch.Tensor:
         cols = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[rows]
         table[rows, cols] = torch.tensor(list(chain.from_iterable(page_lists)), dtype=torch.int64)
     return table
+
+
+def migrate(src: PagedKVCache, dst: PagedKVCache, seq_id: int, *, to_device: bool, host_copy: bool) -> Migrated:
+    """MIGRATE a sequence from `src` to `dst` (one process): from its device pages when it holds any, else from its
+    host copy, straight into `dst`'s device pages (to_device) or host copy; `dst` keeps a host copy exactly when
+    `host_copy` (required without to_device), holding what the source's held. Within one host pool (two GPUs of a
+    node) the host copy changes hands and no byte of it moves; into another pool it goes as `PagedKVCache.adopt`
+    says. The sequence leaves `src`. All or nothing: a destination that cannot take it raises before anything
+    changes."""
+    s = src._get(seq_id)
+    if src.host_pool is not dst.host_pool or (s.on_device and not to_device):
+        rows, source = src.migration_rows(seq_id)
+        moved = dst.adopt(seq_id, rows, source, to_device=to_device, host_copy=host_copy, host_tokens=s.synced)
+        src.release([seq_id])
+        return moved
+    if s.pending:
+        raise ValueError(f"sequence {seq_id} is in a host-resident step: finish it before migrating it")
+    if seq_id in dst:
+        raise ValueError(f"sequence {seq_id} already has KV in the destination: release it there first")
+    if not (to_device or host_copy):
+        raise ValueError(f"sequence {seq_id}: a migration must land on device pages or as a host copy")
+    n = s.device_len if s.on_device else s.synced
+    if to_device and not dst.can_fit({seq_id: n}):
+        raise CacheFullError(f"migrating sequence {seq_id} here ({n} tokens)", _cdiv(n, dst.page_size),
+                             len(dst._free), dst.num_pages, dst.page_size)
+    d = dst._seqs[seq_id] = _Seq()
+    if s.on_device:  # pages first (they fit): nothing below can fail
+        dst._grow_to({seq_id: n}, f"migrating sequence {seq_id} here ({n} tokens)")
+    handed = s.synced if host_copy or not s.on_device else 0
+    if handed:  # the host copy changes hands in the node's pool
+        d.host_pages, d.synced = s.host_pages, s.synced
+        s.host_pages, s.synced = [], 0
+    if s.on_device:  # device pages to device pages
+        slots = src._token_slots([s], "pages", [0], [n], src.device)
+        moved = Migrated("device", "device", dst._write_device(dst._token_slots([d], "pages", [0], [n]),
+                                                               src._device_flat().index_select(2, slots)),
+                         handed_over=handed)
+        d.device_len = n
+    elif to_device:  # from the node's host copy onto the destination's device
+        before = dst.copied["h2d"]
+        dst.restore([seq_id])
+        moved = Migrated("host", "device", dst.copied["h2d"] - before, handed_over=handed)
+        if not host_copy:
+            dst._drop_host_copy(d)
+    else:
+        moved = Migrated("host", "host", 0, handed_over=handed)
+    src.release([seq_id])
+    return moved

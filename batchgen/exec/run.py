@@ -1,5 +1,13 @@
-"""Run a job on real tensors: build the model and one paged KV cache per rank, then drive every instance's
-engine loop round-robin (one process; each instance runs on one device)."""
+"""Run a job on real tensors: build the model, one host KV pool per node and one paged KV cache per rank (drawing
+on its node's pool), then drive every instance's engine loop round-robin (one process; each instance runs on one
+device).
+
+Before any weight is built, a job is refused with one line when this backend cannot run it: a policy that asks
+for what the executor does not perform (`exec_capabilities`: two-batch overlap), a machine that cannot hold the
+weights, the KV budgets or the host KV pools (batchgen.exec.fits), a sequence longer than the device KV pool
+or the host KV a node's pool holds. The host pools' budget is `backend.host_kv_gb` per node, or what the
+machine's free memory leaves for them; the state's host accounting is given what a pool surely holds
+(`HostPools`), so a policy plans within what the executor can hold."""
 
 from __future__ import annotations
 
@@ -15,9 +23,11 @@ import torch
 
 from batchgen.core.sequences import InvariantError
 from batchgen.decisions import trace_of
-from batchgen.engine import Engine, RunOutput, finished_ids
-from batchgen.exec.backend import ExecBackend
-from batchgen.exec.fits import check_fits
+from batchgen.engine import Engine, RunOutput, check_supported, finished_ids
+from batchgen.exec.account import KVAccount
+from batchgen.exec.backend import ExecBackend, exec_capabilities
+from batchgen.exec.fits import check_fits, free_bytes, host_kv_room
+from batchgen.exec.host_pool import HostPool, tokens_within
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
                                   init_random, load_model, load_tokenizer)
@@ -44,6 +54,9 @@ class ExecSettings:
     model_path: str | None = None      # a Hugging Face directory; None = random weights from the model spec
     kv_budget_mb: float = 256.0        # device memory per rank for KV: the paged pool, and (when the policy may run
                                        # sequences host-resident) the two staging buffers, carved out of it
+    host_kv_gb: float | None = None    # host memory per node for its sequences' host KV copies (the node's host
+                                       # pool; backend=dist: each process's); None: what the machine's free memory
+                                       # leaves once weights and KV budgets are counted, shared by the pools
     staging_mb: float | None = None    # of kv_budget_mb, for the staging buffers (None: B_attn longest sequences)
     weights_seed: int = 0
     temperature: float = 0.0           # sampling for every request (0 = greedy)
@@ -95,6 +108,8 @@ class ExecSettings:
 class ExecOutput(RunOutput):
     tokens: SequenceTokens | None = None
     kv_moves: dict | None = None  # KV operations the executor carried out (yield, restore, migrate, evict, offload)
+    kv_account: KVAccount | None = None  # the KV bytes they (and the runs) copied, per kind, tier and GPU
+    host_pools: list | None = None  # per host pool: its budget, capacity and peak use in pages, and a page's bytes
     kv_traffic: dict | None = None  # host-resident decode: bytes restored and appended, sequence-steps
     capabilities: Capabilities | None = None  # what the backend declared to the policy (the simulator can match it)
     # what the measurement ran on, resolved (never "auto"), and every repeat's BCT (this run's is their median)
@@ -133,6 +148,65 @@ def build_model(job: Job, settings: ExecSettings, device: torch.device, dtype: t
 
 
 @dataclass(frozen=True)
+class HostPools:
+    """The host KV pools of a run: each holds at most `budget_pages` pages of `page_bytes`, and the state is given
+    `tokens` of host KV per node (what a pool that size surely holds, however the copies fill their last pages,
+    within what the cluster spec plans)."""
+
+    count: int                 # pools of this process (backend=exec: one per node; dist: its own)
+    budget_pages: int
+    page_bytes: int
+    tokens: int
+    setting: str               # where the budget comes from, for the errors that name it
+    per_pool_bytes: float | None = None  # the machine's memory for each pool (None: unknown, the spec's plan)
+    explicit: bool = False     # per_pool_bytes is backend.host_kv_gb's
+
+    @property
+    def explicit_bytes(self) -> float:
+        """An explicit budget's bytes per pool, 0 when it is derived (check_fits counts it with the rest)."""
+        return self.per_pool_bytes if self.explicit else 0.0
+
+    def fix(self) -> str:
+        return (f"raise backend.host_kv_gb ({self.setting}; a page of KV takes {self.page_bytes:,} bytes), or "
+                "shorten the longest requests")
+
+
+def host_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: torch.dtype,
+               devices: list[torch.device], count: int, per_machine: int, ranks_per_instance: int,
+               streamed=None, weight_copies: int = 1) -> HostPools:
+    """`count` pools here, `per_machine` of them sharing this machine's memory (more under backend=dist: one per
+    process). A pool's budget: backend.host_kv_gb, or the memory the machine leaves for host KV
+    (`fits.host_kv_room`) split among the pools; unknown free memory: what the cluster spec plans."""
+    w, page = job.workload, job.page_tokens
+    page_bytes = PagedKVCache.page_bytes(**config.kv_cache_geometry()._asdict(), page_size=page, dtype=dtype)
+    planned = prepare(job).budget.host_kv_tokens_per_node
+    smallest, copies = (max(int(w.input_lens.min()), 1), len(w)) if len(w) else (1, 0)
+
+    def pages_for(tokens: int) -> int:  # the pages `tokens` in at most `copies` copies can take
+        return -(-tokens // page) + min(copies, -(-tokens // smallest))
+
+    gb = settings.host_kv_gb
+    if gb is not None:
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
+            raise ConfigError(f"backend.host_kv_gb={gb!r}: give a positive number of GB per node (or null: from the "
+                              "machine's free memory)")
+        per_pool, setting = gb * 1e9, f"now {gb:g} GB per node"
+    else:
+        room = host_kv_room(job, settings.model_path, settings.kv_budget_mb, devices, dtype, ranks_per_instance,
+                            free=free_bytes, streamed=streamed, weight_copies=weight_copies)
+        per_pool = None if room is None else room / per_machine
+        setting = ("unset: the cluster spec's" if room is None else
+                   f"unset: {per_pool / 1e9:.2f} GB per pool, the machine's free memory over {per_machine} pools")
+    if per_pool is None:
+        tokens, pages = planned, pages_for(planned)
+    else:
+        fit = int(per_pool // page_bytes)
+        tokens = min(planned, tokens_within(fit, page, smallest, copies))
+        pages = min(fit, pages_for(tokens))
+    return HostPools(count, max(pages, 1), page_bytes, tokens, setting, per_pool, gb is not None)
+
+
+@dataclass(frozen=True)
 class KVPools:
     """Each rank's KV memory as the executor allocates it: the paged pool and the staging buffers."""
 
@@ -144,9 +218,10 @@ class KVPools:
     budget: object = None  # the memory plan against this pool (`MemoryBudget`: which weights stream)
 
 
-def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: torch.dtype) -> KVPools:
+def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: torch.dtype,
+             host: HostPools | None = None) -> KVPools:
     """Sized from the config alone, so that a job whose requests cannot fit is refused before any weight is
-    built; `prepare` with the resulting pool checks every sequence against it."""
+    built; `prepare` with the resulting pool (and the host pools' tokens) checks every sequence against it."""
     w = job.workload
     geometry = config.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
     max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
@@ -162,8 +237,13 @@ def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: t
            f"{max(need_mb, 1):,.0f} MB) or shorten the longest requests")
     if num_pages < 1:
         raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: {fix}")
-    budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix).budget
+    budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix, **host_kw(host)).budget
     return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context, budget)
+
+
+def host_kw(host: HostPools | None) -> dict:
+    """`prepare`'s host KV arguments for the host pools (none without them)."""
+    return {} if host is None else {"host_kv_tokens": host.tokens, "host_fix": host.fix()}
 
 
 def _split_budget(settings: ExecSettings, job: Job, policy, geometry: dict, dtype: torch.dtype,
@@ -222,10 +302,17 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         dtype = settings.torch_dtype(devices)
         config = model_config(job, settings)
         _check_lengths(job, config)
+        check_runs_here(prepare(job).policy, exec_capabilities(config))
         pools = kv_pools(job, settings, config, dtype)
         stream = stream_spec_of(pools.budget, job.model)  # the weights the memory plan keeps on the host
+        streamed = footprint(meta_model(config, dtype), stream)
+        host = host_pools(job, settings, config, dtype, devices, cluster.num_nodes, cluster.num_nodes,
+                          cluster.instance_size, streamed=streamed)
         check_fits(job, settings.model_path, settings.kv_budget_mb, devices, dtype, cluster.instance_size,
-                   streamed=footprint(meta_model(config, dtype), stream))
+                   free=free_bytes, streamed=streamed, host_kv_bytes=host.explicit_bytes * host.count,
+                   host_kv=f"backend.host_kv_gb={settings.host_kv_gb:g} GB per node x {host.count} node"
+                           f"{'s' if host.count > 1 else ''} of host KV pools" if host.explicit_bytes else "")
+        pools = kv_pools(job, settings, config, dtype, host)  # every sequence against the host KV too
         done_before = [len(r) for r in resumed] if resumed is not None else [0] * len(job.workload)
         params = _checked_params(job, settings, params, done_before)
         # streamed weights are built on the CPU and never occupy the device (`weight_stream.stream_onto`)
@@ -234,7 +321,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
                   for i, dev in enumerate(dict.fromkeys(devices))}
         streamers = {dev: stream_onto(m, stream, dev) for dev, m in models.items()}
         prompts = _checked_prompts(job, settings, model.config, prompts, done_before)
-        runs = [_run_once(job, settings, models, devices, dtype, pools, prompts, params, on_finish, resumed,
+        runs = [_run_once(job, settings, models, devices, dtype, pools, host, prompts, params, on_finish, resumed,
                           after_run, streamers)
                 for _ in range(settings.repeats)]
     names = sorted({str(d) for d in devices})
@@ -312,19 +399,27 @@ def text_decoder(model_path: str | None, params: list[SamplingParams]) -> Callab
 
 
 def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torch.device], dtype: torch.dtype,
-              pools: KVPools, prompts: list[np.ndarray], params: list[SamplingParams],
+              pools: KVPools, host: HostPools, prompts: list[np.ndarray], params: list[SamplingParams],
               on_finish: FinishObserver | None, resumed: list[list[int]] | None = None,
               after_run: Callable[[SequenceTokens], None] | None = None, streamers: dict | None = None) -> ExecOutput:
-    """One run of the whole job on already built models: fresh KV caches, state and sampled tokens.
-    `streamers`: per device, the model's weight streamer (None where every weight is resident)."""
+    """One run of the whole job on already built models: fresh host pools (one per node), KV caches, state and
+    sampled tokens. `streamers`: per device, the model's weight streamer (None where every weight is resident)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     cluster = effective_cluster(job)
     c = models[devices[0]].config
-    caches = [PagedKVCache.from_budget(**pools.geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
-                                       dtype=dtype, device=devices[gpu // cluster.instance_size],
-                                       max_context=pools.max_context, staging_pages=pools.staging_pages)
+    prepared = prepare(job, kv_pages_per_gpu=pools.num_pages, **host_kw(host))
+    node = prepared.state.topo.gpu_node
+    device_of = [devices[gpu // cluster.instance_size] for gpu in range(cluster.num_gpus)]
+    geometry = pools.geometry
+    host_pool = [HostPool(geometry["num_layers"], 1 if geometry.get("v_head_dim") == 0 else 2, job.page_tokens,
+                          geometry["num_kv_heads"], geometry["head_dim"], dtype, pages=pools.num_pages,
+                          budget_pages=host.budget_pages,
+                          pinned=any(d.type == "cuda" for d, n in zip(device_of, node) if n == k))
+                 for k in range(cluster.num_nodes)]
+    caches = [PagedKVCache.from_budget(**geometry, page_size=job.page_tokens, budget_bytes=pools.pool_bytes,
+                                       dtype=dtype, device=device_of[gpu], max_context=pools.max_context,
+                                       staging_pages=pools.staging_pages, host_pool=host_pool[node[gpu]])
               for gpu in range(cluster.num_gpus)]
-    prepared = prepare(job, kv_pages_per_gpu=caches[0].num_pages)
     tokens = SequenceTokens(prompts, params, c.eos_token_ids, text_decoder(settings.model_path, params),
                             resumed=resumed)
     streamers = streamers or {}
@@ -336,7 +431,7 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     runners = [InstanceRunner(models[dev], attention_tp=policy.attention_tp, streamer=streamers.get(dev))
                for dev in devices]
     backend = ExecBackend(prepared.state, runners, caches, tokens, job_seed=settings.weights_seed,
-                          two_batch_overlap=policy.two_batch_overlap, check=job.check_invariants)
+                          check=job.check_invariants)
 
     def on_step(plan, result) -> None:
         ended = finished_ids(plan, result)
@@ -352,4 +447,21 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     engine.finish()
     return ExecOutput(job, prepared, engine.records, wall, backend.events, backend="exec",
                       tokens=tokens, kv_moves=dict(backend.moves), kv_traffic=dict(backend.traffic),
+                      kv_account=backend.account, host_pools=[pool_use(p) for p in host_pool],
                       capabilities=backend.capabilities, cpu_share=cpu / (wall * torch.get_num_threads()))
+
+
+def pool_use(pool: HostPool) -> dict:
+    return {"budget_pages": pool.budget_pages, "capacity_pages": pool.capacity_pages(), "peak_pages": pool.peak_used,
+            "page_bytes": pool.page_bytes}
+
+
+def check_runs_here(policy, capabilities) -> None:
+    """The engine's `check_supported`, before any weight is built, its refusal naming this backend (and, for
+    two-batch overlap, why it has none)."""
+    try:
+        check_supported(policy, capabilities)
+    except ConfigError as e:
+        why = (" runs every forward whole (one process has no all-to-all for a second micro-batch to hide, so "
+               "the overlap would only be priced, never performed)" if "two-batch" in str(e) else "")
+        raise ConfigError(f"backend=exec{why}: {e}") from None

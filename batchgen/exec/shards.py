@@ -152,13 +152,14 @@ def host_shards(lead: PagedKVCache, seq_id: int, degree: int) -> list[torch.Tens
     return [kv[..., j * heads:(j + 1) * heads, :] if store.split else kv for j in range(degree)]
 
 
-def split(group: list[PagedKVCache], seq_id: int, degree: int) -> int:
+def split(group: list[PagedKVCache], seq_id: int, degree: int) -> list[int]:
     """PARTITION: group[0] (the lead) holds the sequence host-only with a complete host copy; shard j of its KV
-    goes to group[j]'s pool. Returns the bytes written to devices (the resharding traffic)."""
-    moved = 0
+    goes to group[j]'s pool. Returns the bytes written to each rank's device (host -> device: the resharding
+    traffic)."""
+    moved = []
     for j, (cache, part) in enumerate(zip(group, host_shards(group[0], seq_id, degree))):
         shards_of(cache).put(seq_id, degree, j, part)
-        moved += part.numel() * part.element_size()
+        moved.append(part.numel() * part.element_size())
     return moved
 
 
@@ -174,9 +175,10 @@ def join_host(lead: PagedKVCache, seq_id: int, parts: list[torch.Tensor]) -> Non
         lead.host_advance([seq_id])
 
 
-def join(group: list[PagedKVCache], seq_id: int) -> int:
+def join(group: list[PagedKVCache], seq_id: int) -> list[int]:
     """Undo `split`: gather the shards (with the tokens decoded since) and append what the lead's host copy
-    lacks; the lead then holds the sequence host-only again. Returns the bytes gathered."""
+    lacks; the lead then holds the sequence host-only again. Returns the bytes gathered from each rank's device
+    (device -> host)."""
     parts = [shards_of(cache).take(seq_id) for cache in group]
     join_host(group[0], seq_id, parts)
-    return sum(p.numel() * p.element_size() for p in parts)
+    return [p.numel() * p.element_size() for p in parts]

@@ -1,7 +1,7 @@
 """An offloading system's decode run on one rank with its KV on the GPU, priced without the per-layer DAG object.
 
 Why. FlexGen and ZeRO-Inference with device KV on one GPU (Vidur's workload) price every run through
-`plan.microbatch.price_microbatched`: a dozen roofline calls on (1 x K) grids, a `Dag` of a dozen nodes per layer
+`pricing.microbatch.price_microbatched`: a dozen roofline calls on (1 x K) grids, a `Dag` of a dozen nodes per layer
 and the module split priced again; about half of those policies' simulation time. On one rank with every
 sequence's KV on the device, that DAG is a chain: every node with a cost sits on the GPU stream (attention, FFN,
 the dense model's 0-second expert node), the weight ring costs nothing (a dense model streams no experts), and a
@@ -11,7 +11,7 @@ Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the
 (a max over predecessors picks a value without rounding), every cost is the roofline's formula on the same
 operands in the same order over the iterations (elementwise on (K,) vectors instead of (1, K) grids), GEMM times
 are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
-same layout. It applies where `sim.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
+same layout. It applies where `pricing.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
 no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
 returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
 planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
@@ -79,7 +79,7 @@ def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
 
 
 def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
-    """`sim.offload_costs.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
+    """`pricing.offload.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
     calls per iteration), or None where this path does not mirror it (see the module docstring)."""
 
     gate2 = grid.gate_tokens
@@ -162,7 +162,7 @@ def chain_vectors(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int) -> Cha
 
 def microbatched_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,
                           replicas: int = 1):
-    """`plan.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
+    """`pricing.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
     simulator's one-rank runs, the planner's typical iteration), or None where this path does not mirror it."""
     if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
         return None

@@ -1,11 +1,13 @@
-"""MIGRATE between processes: a sequence's KV packed from one paged cache, sent over gloo, unpacked into
-another process's cache (on other pages), arrives bit for bit, for K/V caches and MLA's latent-only cache."""
+"""MIGRATE between processes: a sequence's KV read where it is in one process's paged cache (its device pages, or
+its host copy when it has none on device), sent over gloo and landed where the other process runs it (its device
+pages, or a host copy), bit for bit, on other pages, for K/V caches and MLA's latent-only cache; no host copy is
+made on the way, and the destination keeps one only when asked (holding what the source's held)."""
 
 import pytest
 import torch
 
 from batchgen.dist import Comm
-from batchgen.dist.kv_transfer import pack, recv_rows, recv_sequence, send_rows, send_sequence, unpack
+from batchgen.dist.kv_transfer import recv_rows, recv_sequence, send_rows, send_sequence
 from batchgen.exec.kv_cache import PagedKVCache
 
 from .conftest import run_procs
@@ -29,26 +31,26 @@ def write_step(cache, seq_id, n, gen):
             flat[slots] = torch.randn(n, cache.num_kv_heads, pool.shape[-1], generator=gen).to(pool.dtype)
 
 
-def device_rows(cache, seq_id):
-    """The sequence's device KV read through its pages, [tokens, layers, planes, heads, dim]."""
-    pages, n = torch.tensor(cache.pages(seq_id)), cache.device_tokens(seq_id)
-    per_layer = [torch.stack([p[pages].reshape(-1, *p.shape[2:])[:n] for p in cache.layer(l)[:cache.planes]], 1)
-                 for l in range(cache.num_layers)]
-    return torch.stack(per_layer, 1)
-
-
 def source_cache(geometry, dtype):
-    """Sequence 1: 13 tokens on device, the last 5 not yet synced to host; sequence 2: 6 tokens, yielded
-    (host only); sequence 3 stays behind."""
+    """Sequences 1 and 4: 13 tokens on device, the first 8 synced to host; sequence 2: 6 tokens, yielded (host
+    only); sequence 3 stays behind."""
     gen = torch.Generator().manual_seed(7)
     cache = new_cache(geometry, dtype)
     write_step(cache, 3, 5, gen)
-    write_step(cache, 1, 8, gen)
-    cache.sync_to_host([1])
-    write_step(cache, 1, 5, gen)
+    for sid in (1, 4):
+        write_step(cache, sid, 8, gen)
+        cache.sync_to_host([sid])
+        write_step(cache, sid, 5, gen)
     write_step(cache, 2, 6, gen)
     cache.yield_to_host([2])
     return cache
+
+
+def kv_of(cache, sid):
+    """(the tokens where the sequence's KV is, from there; its host copy's tokens) as [layers, planes, T, ...]."""
+    rows, where = cache.migration_rows(sid)
+    host = cache._read_host(cache._token_slots([cache._seqs[sid]], "host_pages", [0], [cache.synced_tokens(sid)]))
+    return rows.clone(), where, host.clone()
 
 
 def _migrate(ctx, sources):
@@ -56,31 +58,38 @@ def _migrate(ctx, sources):
     out = {}
     for geometry, src in sources.items():
         if comm.rank == 0:
-            sent = [send_sequence(comm, src, sid, dst=1) for sid in (1, 2)]
-            out[geometry] = sent
+            out[geometry] = [send_sequence(comm, src, sid, dst=1) for sid in (1, 2, 4)]
         else:
             dst = new_cache(geometry, src.dtype)
             write_step(dst, 9, 13, torch.Generator().manual_seed(1))  # 4 pages: the migrated ones land elsewhere
-            got = [recv_sequence(comm, dst, 1, src=0, to_device=True), recv_sequence(comm, dst, 2, src=0)]
+            got = [recv_sequence(comm, dst, 1, src=0, to_device=True, host_copy=False),
+                   recv_sequence(comm, dst, 2, src=0, to_device=False, host_copy=True),
+                   recv_sequence(comm, dst, 4, src=0, to_device=True, host_copy=True)]
             dst.check()
-            out[geometry] = (got, pack(dst, 1), pack(dst, 2), device_rows(dst, 1), dst.on_device(2),
-                             dst.pages(1))
+            out[geometry] = (got, {sid: kv_of(dst, sid) for sid in (1, 2, 4)},
+                             {sid: (dst.on_device(sid), dst.synced_tokens(sid)) for sid in (1, 2, 4)},
+                             dst.pages(1), dst.host_pool.used_pages())
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_pack_send_recv_unpack_round_trips_exactly(dtype):
+def test_kv_lands_where_the_destination_runs_it_bit_for_bit(dtype):
     sources = {g: source_cache(g, dtype) for g in GEOMETRIES}
     sender, receiver = run_procs(_migrate, 2, sources)
     for geometry, src in sources.items():
-        want1, want2 = pack(src, 1), pack(src, 2)
-        assert want1.shape[0] == 13 and want2.shape[0] == 6 and want1.dtype == dtype
-        (n1, n2), got1, got2, dev1, on_dev2, pages1 = receiver[geometry]
-        assert (n1, n2) == (13, 6)
-        assert sender[geometry] == [want1.numel() * want1.element_size(), want2.numel() * want2.element_size()]
-        assert torch.equal(got1, want1) and torch.equal(got2, want2)
-        assert torch.equal(dev1, want1)  # loaded to device: the pages hold the same KV
-        assert not on_dev2  # imported as a host copy only
+        want = {sid: kv_of(src, sid) for sid in (1, 2, 4)}
+        size = src.bytes_per_token
+        assert sender[geometry] == [13 * size, 6 * size, 13 * size]  # exactly the tokens, no whole pages
+        got, kv, where, pages1, host_pages = receiver[geometry]
+        assert [(m.source, m.target, m.transfer_bytes) for m in got] == [
+            ("device", "device", 13 * size), ("host", "host", 6 * size), ("device", "device", 13 * size)]
+        assert [m.local_bytes for m in got] == [0, 0, 8 * size]  # 4: its host copy made again, device -> host
+        assert where == {1: (True, 0), 2: (False, 6), 4: (True, 8)}  # host copies only where asked, as the source's
+        assert want[1][1] == want[4][1] == "device" and want[2][1] == "host"
+        for sid in (1, 2, 4):
+            assert torch.equal(kv[sid][0], want[sid][0]), (geometry, sid)  # the KV itself, where it runs
+        assert torch.equal(kv[4][2], want[4][2]) and kv[4][2].shape[2] == 8  # the kept copy: what the source's held
+        assert host_pages == 2 + 2  # 2's six tokens and 4's eight: nothing for 1
         assert pages1 != src.pages(1)  # really other pages: the receiver's page 0.. were taken
 
 
@@ -103,17 +112,17 @@ class LoopbackComm:
 
 def test_kv_for_another_sequence_is_refused():
     comm = LoopbackComm()
-    rows = pack(source_cache("gqa", torch.float32), 1)
+    rows = source_cache("gqa", torch.float32).migration_rows(1)[0]
     send_rows(comm, 5, rows, dst=1)
     with pytest.raises(RuntimeError, match="expected the KV of sequence 6 .* got sequence 5"):
         recv_rows(comm, 6, src=0)
     comm.queue.clear()
-    comm.send(torch.zeros(10, dtype=torch.int64), 1)
+    comm.send(torch.zeros(12, dtype=torch.int64), 1)  # a header's size, not a header
     with pytest.raises(RuntimeError, match="not a KV header"):
         recv_rows(comm, 6, src=0)
 
 
-def test_unpack_refuses_rows_of_another_geometry():
-    rows = pack(source_cache("gqa", torch.float32), 1)
-    with pytest.raises(ValueError, match="this cache stores"):
-        unpack(new_cache("mla"), 1, rows)
+def test_adopt_refuses_rows_of_another_geometry():
+    rows, where = source_cache("gqa", torch.float32).migration_rows(1)
+    with pytest.raises(ValueError, match="do not fit this cache"):
+        new_cache("mla").adopt(1, rows, where, to_device=True, host_copy=False)

@@ -49,3 +49,62 @@ def test_backend_dist_refuses_a_model_the_machine_cannot_build_once_per_process(
     job = make_job("coroutine", model="qwen3_30b_a3b", n=4, cluster_overrides={"num_gpus": 2})
     with pytest.raises(ConfigError, match="in each of 2 processes"):  # 122 GB of fp32 weights fit once, not twice
         check_dist(job, DistSettings(device="cpu", procs=2, kv_budget_mb=512))
+
+
+# ---- the host KV pools (host copies of every node's sequences) ---------------------------------------------
+from batchgen.exec.host_pool import tokens_within  # noqa: E402
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("the job should have been refused before any weight was built")
+
+
+def test_a_host_kv_budget_the_machine_cannot_hold_is_refused_before_any_weight(monkeypatch):
+    from batchgen.exec import run as exec_run
+    from batchgen.exec.run import ExecSettings, execute
+
+    monkeypatch.setattr(exec_run, "build_model", _no_weights)
+    monkeypatch.setattr(exec_run, "free_bytes", lambda d: int(16 * GB))
+    job = make_job("coroutine", n=4, cluster_overrides={"num_gpus": 2, "gpus_per_node": 1})  # two nodes
+    with pytest.raises(ConfigError, match=r"backend.host_kv_gb=10 .*2 nodes.*16\.0 GB free.*lower backend.host_kv_gb"):
+        execute(job, ExecSettings(device="cpu", host_kv_gb=10))
+
+
+def test_a_sequence_longer_than_the_host_kv_budget_is_refused_before_any_weight(monkeypatch):
+    from batchgen.exec import run as exec_run
+    from batchgen.exec.run import ExecSettings, execute
+
+    monkeypatch.setattr(exec_run, "build_model", _no_weights)
+    job = make_job("coroutine", n=4, inputs=[300] * 4, outputs=[100] * 4, page_tokens=16)
+    # tiny_moe in fp32: 4,096 bytes of KV per token, so 1 MB holds 256 tokens
+    with pytest.raises(ConfigError, match=r"sequence 0 needs 400 tokens of KV .* raise backend.host_kv_gb"):
+        execute(job, ExecSettings(device="cpu", host_kv_gb=0.001))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_state_plans_within_the_host_kv_the_executor_can_hold(monkeypatch):
+    """The policy's host budget is the executor's: its host pools (one per node) hold that much and refuse to grow
+    past it; without backend.host_kv_gb it comes from the memory the machine has available."""
+    from batchgen.exec import run as exec_run
+    from batchgen.exec.run import ExecSettings, execute
+
+    job = make_job("coroutine", n=12, inputs=[40] * 12, outputs=[24] * 12, page_tokens=8,
+                   cluster_overrides={"num_gpus": 2, "gpus_per_node": 2}, policy_overrides={"b_moe": 4})
+    budget = 0.0016  # GB per node: 48 pages of 8 tokens (32 KB each); the job's KV is 12 x 64 tokens
+    out = execute(job, ExecSettings(device="cpu", host_kv_gb=budget, kv_budget_mb=0.5))
+    (pool,) = out.host_pools  # one node: its GPUs share one host pool
+    assert pool["budget_pages"] == int(budget * GB) // (8 * 4096) == 48
+    assert pool["peak_pages"] <= pool["capacity_pages"] <= pool["budget_pages"]
+    state = out.prepared.state
+    # what the pool surely holds, whatever the copies' last pages leave empty (copies of >= 40 tokens take at most
+    # 6 pages per 40 tokens: 48 pages hold 320 tokens)
+    assert state.host_kv_tokens.tolist() == [tokens_within(48, 8, 40, 12)] == [320]
+    assert 0 < state.peak_host[0] <= 320 and all(len(g) == 24 for g in out.tokens.generated)
+    # from the machine's available memory, when not given
+    monkeypatch.setattr(exec_run, "free_bytes", lambda d: int(1 * GB))
+    settings = ExecSettings(device="cpu", kv_budget_mb=0.5)
+    auto = exec_run.host_pools(job, settings, exec_run.model_config(job, settings), torch.float32,
+                               [torch.device("cpu")], 1, 1, 2)
+    # 0.9 of the free GB, less the weights (56 MB of fp32) and the ranks' device KV (here on the CPU too)
+    assert 0.8 * GB < auto.budget_pages * auto.page_bytes <= 0.9 * GB - 2 * 0.5 * 2**20
+    assert auto.tokens == tokens_within(auto.budget_pages, 8, 40, 12) and "free memory" in auto.setting

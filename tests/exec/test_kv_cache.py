@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from batchgen.core.sequences import InvariantError
-from batchgen.exec.kv_cache import CacheFullError, HostKV, PagedKVCache
+from batchgen.exec.host_pool import HostMemoryFullError, HostPool
+from batchgen.exec.kv_cache import CacheFullError, HostKV, PagedKVCache, migrate
 
 L, H, D, PS = 2, 2, 3, 4
 
@@ -179,6 +180,87 @@ def test_export_import_between_two_caches_keeps_kv(to_device):
     run_step(dst, [1], [1])
     assert torch.equal(device_kv(dst, 1), known_values(1, range(10)))
     src.check(), dst.check()
+
+
+def _pools_used(*caches):
+    return [c.host_pool.used_pages() for c in caches]
+
+
+@pytest.mark.parametrize("to_device", [True, False])
+def test_migrate_copies_device_pages_straight_into_the_destination_and_leaves_no_host_copy(to_device):
+    """MIGRATE of a device-resident sequence with no host copy: its tokens go from the source's device pages into
+    the destination's device pages (or, to_device=False, into its host copy only), and no host copy is left at
+    either end unless the destination is to keep one."""
+    src, dst = make_cache(num_pages=6), make_cache(num_pages=10)
+    run_step(dst, [5], [4])
+    run_step(src, [1], [9])
+    before = device_kv(src, 1)
+    copied = migrate(src, dst, 1, to_device=to_device, host_copy=not to_device)
+    assert 1 not in src and src.free_pages() == 6
+    assert (copied.source, copied.target) == ("device", "device" if to_device else "host")
+    assert copied.transfer_bytes == 9 * src.bytes_per_token and copied.local_bytes == 0
+    if to_device:
+        assert dst.on_device(1) and dst.synced_tokens(1) == 0  # no host copy anywhere
+        assert _pools_used(src, dst) == [0, 0]
+        assert torch.equal(device_kv(dst, 1), before)
+    else:
+        assert not dst.on_device(1) and torch.equal(host_kv(dst, 1), before)
+    src.check(), dst.check()
+
+
+def test_migrate_within_one_host_pool_hands_the_host_copy_over():
+    """Two caches of one node share its host pool: a sequence that migrates between them keeps its host copy where
+    it is (its pages change hands, no byte moves); only the device pages are copied."""
+    pool = HostPool(L, 2, PS, H, D, torch.float32, pages=4)
+    src, dst = (PagedKVCache(L, H, D, page_size=PS, num_pages=8, host_pool=pool) for _ in range(2))
+    run_step(src, [1], [6])
+    src.sync_to_host([1])
+    run_step(src, [1], [3])  # 9 tokens on device, the first 6 on host
+    pages, before = src.host_pages(1), device_kv(src, 1)
+    copied = migrate(src, dst, 1, to_device=True, host_copy=True)
+    assert copied.transfer_bytes == 9 * src.bytes_per_token and copied.local_bytes == 0
+    assert copied.handed_over == 6 and dst.host_pages(1) == pages and dst.synced_tokens(1) == 6
+    assert torch.equal(device_kv(dst, 1), before) and torch.equal(host_kv(dst, 1), before[:6])
+    assert pool.used_pages() == 2
+    # back to the first cache as a host copy only: nothing moves at all
+    dst.yield_to_host([1])
+    copied = migrate(dst, src, 1, to_device=False, host_copy=True)
+    assert copied.transfer_bytes == copied.local_bytes == 0
+    assert src.host_pages(1)[:2] == pages and len(src.host_pages(1)) == 3  # the copy grew by the yield, in place
+    assert torch.equal(host_kv(src, 1), before) and pool.used_pages() == 3
+    # and without its host copy (PD-disaggregation's decode side): restored, then the copy goes back to the pool
+    copied = migrate(src, dst, 1, to_device=True, host_copy=False)
+    assert copied.transfer_bytes == 9 * src.bytes_per_token and (copied.source, copied.target) == ("host", "device")
+    assert dst.synced_tokens(1) == 0 and pool.used_pages() == 0 and torch.equal(device_kv(dst, 1), before)
+    src.check(), dst.check()
+
+
+def test_migrate_from_a_host_copy_to_another_pool_keeps_one_there_when_asked():
+    src, dst = make_cache(num_pages=6), make_cache(num_pages=10)
+    run_step(src, [1], [7])
+    before = device_kv(src, 1)
+    src.yield_to_host([1])
+    copied = migrate(src, dst, 1, to_device=True, host_copy=True)  # another node: on device, its copy made again
+    assert (copied.source, copied.target) == ("host", "device")
+    assert copied.transfer_bytes == copied.local_bytes == 7 * src.bytes_per_token
+    assert dst.on_device(1) and dst.synced_tokens(1) == 7 and _pools_used(src, dst) == [0, 2]
+    assert torch.equal(device_kv(dst, 1), before) and torch.equal(host_kv(dst, 1), before)
+    src.check(), dst.check()
+
+
+def test_host_pool_refuses_to_grow_past_its_budget_and_changes_nothing():
+    cache = make_cache(num_pages=16, host_pages=2)
+    cache.host_pool.budget_pages = 5
+    run_step(cache, [1, 2], [9, 8])  # 3 + 2 pages
+    cache.yield_to_host([1])
+    assert cache.host_pool.capacity_pages() == 4  # doubled
+    cache.yield_to_host([2])
+    assert cache.host_pool.capacity_pages() == 5  # grown to its budget, not past it
+    run_step(cache, [3], [1])
+    with pytest.raises(HostMemoryFullError, match=r"needs 1 more host pages .* budget of 5 pages"):
+        cache.yield_to_host([3])
+    assert cache.on_device(3) and cache.synced_tokens(3) == 0 and cache.host_pool.capacity_pages() == 5
+    cache.check()
 
 
 def test_import_rejects_wrong_shapes_dtypes_and_duplicates():
@@ -391,6 +473,26 @@ class CacheMachine(RuleBasedStateMachine):
         src.release(ids)
         self.ref[ids[0]] = (1 - c, self.ref[ids[0]][1])
 
+    @rule(data=st.data(), c=st.integers(0, 1), to_device=st.booleans(), keep=st.booleans())
+    def migrate_straight(self, data, c, to_device, keep):
+        """MIGRATE as the executor performs it: from device pages (or the host copy) straight to the other
+        cache's device pages (or host copy), a host copy kept there only when asked."""
+        ids = self._pick(data, c)[:1]
+        if not ids:
+            return
+        src, dst = self.caches[c], self.caches[1 - c]
+        n = src.device_tokens(ids[0]) if src.on_device(ids[0]) else src.synced_tokens(ids[0])
+        if to_device and not dst.can_fit({ids[0]: n}):
+            with pytest.raises(CacheFullError):
+                migrate(src, dst, ids[0], to_device=True, host_copy=keep)
+            assert ids[0] in src and ids[0] not in dst
+            return
+        had = src.synced_tokens(ids[0])
+        migrate(src, dst, ids[0], to_device=to_device, host_copy=keep or not to_device)
+        assert ids[0] not in src and dst.on_device(ids[0]) == to_device
+        assert dst.synced_tokens(ids[0]) == (had if keep else 0) if to_device else n  # the copy it had, or none
+        self.ref[ids[0]] = (1 - c, self.ref[ids[0]][1])
+
     @rule(data=st.data(), c=st.integers(0, 1), finished=st.booleans())
     def drop(self, data, c, finished):
         ids = self._pick(data, c)
@@ -417,9 +519,20 @@ class CacheMachine(RuleBasedStateMachine):
                 assert synced == kv.shape[0]
 
 
+class SharedPoolMachine(CacheMachine):
+    """The same, with both caches on one node: one host pool, which migrations hand host copies over in."""
+
+    def __init__(self):
+        super().__init__()
+        pool = HostPool(L, 2, 3, H, D, torch.float32, pages=2)
+        self.caches = [PagedKVCache(L, H, D, page_size=3, num_pages=n, host_pool=pool) for n in (9, 6)]
+
+
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestSharedPoolMachine = SharedPoolMachine.TestCase
+for _case in (TestCacheMachine, TestSharedPoolMachine):
+    _case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------
