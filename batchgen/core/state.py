@@ -180,7 +180,9 @@ class ClusterState(Accounts):
             raise InvariantError("a host-resident sequence runs from its host copy: it cannot drop it")
         if remote.any():
             np.add.at(moves.network, gpus[remote], bytes_[remote])
-            if keep_host_copy:
+            if keep_host_copy:  # the host copy is written again on the new node, from the KV that arrived there
+                rewritten = remote & ~host_resident
+                np.add.at(moves.d2h, gpus[rewritten], bytes_[rewritten])
                 self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
             t.migrations[ids[remote]] += 1
         if not keep_host_copy:
@@ -207,6 +209,9 @@ class ClusterState(Accounts):
         np.add.at(moves.network, gpus[cross], bytes_[cross])
         peer = ~cross & ~t.host_resident[ids]
         np.add.at(moves.peer, gpus[peer], bytes_[peer])
+        # a device-resident sequence's host copy is written again on its new node, from the KV that arrived there
+        rewritten = cross & ~t.host_resident[ids] & (t.host_node[ids] >= 0)
+        np.add.at(moves.d2h, gpus[rewritten], bytes_[rewritten])
         pages = t.pages[ids].copy()
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.where[ids] = gpus
