@@ -174,11 +174,11 @@ class SimBackend:
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
         still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
-        transfer = None if still else self._transfer_seconds(plan, produced)  # None: nothing moves (most runs)
+        finished = produced == remaining
+        transfer = None if still else self._transfer_seconds(plan, produced, finished)  # None: nothing moves
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
         compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
                                                          + plan.chunk_ids.size, exposed)
-        finished = produced == remaining
         offsets = finish_offsets(cost, produced, finished, compute, boundary, duration, scale)
         fast = fastpath.ENABLED
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
@@ -275,7 +275,7 @@ class SimBackend:
         """Bytes moved between host and device per decode iteration (whole cluster), on average."""
         return self.decode_host_bytes / self.decode_iterations if self.decode_iterations else 0.0
 
-    def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray) -> np.ndarray:
+    def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
         R = g.size
@@ -283,10 +283,7 @@ class SimBackend:
             return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         kv = self.state.kv_bytes_per_token
         t = self.state.table
-        d2h = plan.moves.d2h[g].copy()
-        if plan.host_sync and plan.decode_ids.size:  # host-resident ones append on the DAG, layer by layer
-            synced = ~np.asarray(plan.decode_host_resident, bool)
-            d2h += np.bincount(plan.decode_rank[synced], weights=produced[synced] * kv, minlength=R)
+        d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished)
         if plan.prefill_to_host and plan.prefill_ids.size:
             d2h += np.bincount(plan.prefill_rank, weights=t.context(plan.prefill_ids) * kv, minlength=R)
         lat = self.lat
@@ -302,6 +299,18 @@ class SimBackend:
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False
+
+
+def synced_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:
+    """host_sync's checkpoint after a run, per rank: the new tokens' KV of each device-resident sequence that has a
+    host copy and runs on (a host-resident one appends on the DAG, layer by layer; a finished one's copy is
+    dropped), as the executors copy it."""
+    R = plan.gpus.size
+    if not (plan.host_sync and plan.decode_ids.size):
+        return np.zeros(R)
+    t = state.table
+    synced = ~np.asarray(plan.decode_host_resident, bool) & (t.host_node[plan.decode_ids] >= 0) & ~finished
+    return np.bincount(plan.decode_rank[synced], weights=produced[synced] * state.kv_bytes_per_token, minlength=R)
 
 
 def _padded(lengths: np.ndarray, rank: np.ndarray, num_ranks: int) -> np.ndarray:
