@@ -142,7 +142,7 @@ def test_rank_0_failing_while_another_instance_computes_stops_with_its_own_error
     """Rank 0 raises (here: in the engine, after collecting instance 0's third run) while instance 1's forward
     is open: it collects that forward's replies, sends the abort, and the run stops with rank 0's own error
     (not a worker's 'rank 0 lost'); the other process leaves cleanly."""
-    from batchgen import engine as engine_module
+    from batchgen.engine import loop as engine_module  # where Engine.record looks record_outcome up
     from batchgen.dist.run import DistRunFailed
 
     record = engine_module.record_outcome
