@@ -20,24 +20,7 @@ it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S 
 gives the lowest and highest of each round's own ratio (that round's Vidur over that round's policy): how far a
 shared machine's changes of speed move the ratio.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
-
-Measured side by side (`--vidur-dir`, 3 rounds, best of each) on a 2-core AVX-512 machine, December 2, 2026, 01:21:
-Vidur 11.45 s, continuous 1.60 s (7.1x), sglang_opt 2.02 s (5.7x), static 13.6x, flexgen 15.5x, moe_lightning 15.8x,
-zero_inference 17.4x, coroutine 14.7x; a few minutes before, on a slower spell (Vidur 14.98 s), continuous 10.2x and
-sglang_opt 6.2x; at 02:12 (Vidur 10.94 s) continuous 6.7x (6.1-7.3x within rounds), sglang_opt 4.7x (4.1-5.1x),
-static 13.3x (9.6-14.3x), the others 11.4-18.5x: the ratio moves by a fifth or more between runs. December 1, 2026,
-23:46 (Vidur's rounds 11.93, 11.22 and 10.08 s: the machine's speed moved), after continuous's chunks began to wait
-for whole pages (vLLM V1's rule): Vidur 10.08 s in its event loop (numpy 1.26.4, pandas 2.2.3, scikit-learn
-1.9.1), continuous 1.24 s (8.1x), sglang_opt 1.81 s (5.6x), static 0.85 s (11.8x), flexgen 0.71 s (14.2x),
-moe_lightning 0.67 s (15.2x), zero_inference 0.62 s (16.2x), coroutine 0.62 s (16.4x). At 23:17, idle, before
-that rule: Vidur 10.41 s, continuous 1.51 s (6.9x), sglang_opt 1.77 s (5.9x), the others 13.2-18.9x. At 22:21,
-before the one-pass boundaries (batchgen/sim/fused.py) and the rarer cycle collections (sim/run.py) too, Vidur
-10.00 s, continuous 1.61 s (6.2x) and sglang_opt 1.96 s (5.1x). Earlier that evening, with numpy 2.4.6 and pandas
-3.1.1, on another machine of the same kind, Vidur took 10.02 s and continuous and sglang_opt 5.8x and 4.9x.
-The target is not met for continuous and sglang_opt; the README says what their events are made of and what is left
-of their cost. Ratios printed before that (9.9-36.6x) divided by 35.3 s, Vidur's loop as an earlier session
-measured it on another machine; Vidur ran 3.5x faster here, batchgen 1.2-1.7x, so they are withdrawn.
-This file's git history keeps each step's before/after measurements.
+Measurements live in git history and in the README's table, not here.
 """
 
 from __future__ import annotations
