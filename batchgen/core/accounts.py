@@ -50,6 +50,13 @@ class Moves:
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
 
+    def plus(self, other: "Moves") -> "Moves":
+        """A new account of both (idle boundaries' copies carried into the next run's)."""
+        out = Moves.zeros(self.h2d.size)
+        for kind in ("h2d", "d2h", "network", "peer"):
+            getattr(out, kind)[:] = getattr(self, kind) + getattr(other, kind)
+        return out
+
 
 _NO_MOVES: dict[int, Moves] = {}
 

@@ -158,6 +158,7 @@ class Engine:
         # until the job is done, though nothing is queued for it yet
         receives = policy.receives_work
         folded = None  # what idle decisions changed since the last run: recorded with the next one
+        carried = None  # bytes idle decisions moved (a yield with nothing to run): priced with the next run
         # a backend that runs a plain boundary in one pass (the simulator: batchgen.sim.fused), where no observer
         # needs the plan and no repeat is declared
         one_pass = (getattr(backend, "boundary", None) if fastpath.ENABLED and self.on_step is None
@@ -170,7 +171,8 @@ class Engine:
             snap = make_snapshot(state, instance, now, progress, self.gpus_per_node, backend.capabilities)
             decision = policy.decide(snap)
             progress.carry = decision.carry
-            run = one_pass(self, instance, decision, progress, now, folded) if one_pass is not None else None
+            run = (one_pass(self, instance, decision, progress, now, folded)
+                   if one_pass is not None and carried is None else None)
             if run is not None:
                 idle, folded = 0, None
                 yield from run
@@ -182,6 +184,8 @@ class Engine:
                     backend.move_kv(plan.ops)  # yields, evictions of a decision that runs nothing
                 change = BoundaryDecision.of(decision, plan, folded)
                 folded = change if change.changes_something() else folded
+                if plan.moves.any():
+                    carried = plan.moves if carried is None else carried.plus(plan.moves)
                 if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
                     liveness.done(backend, instance)
                     return  # nothing here any more; other instances may still run
@@ -196,6 +200,8 @@ class Engine:
             summary = (DeferredDecision(decision, plan, folded) if fastpath.ENABLED
                        else BoundaryDecision.of(decision, plan, folded))
             folded = None
+            if carried is not None:  # the copies an idle boundary started overlap this run, as this boundary's do
+                plan.moves, carried = carried.plus(plan.moves), None
             more = repeat.repeats(self, instance, snap, decision, plan)
             if more:  # the same decode at the next boundaries: one event, each boundary replayed
                 yield from repeat.run_repeated(self, instance, decision, plan, summary, progress, more)

@@ -1,6 +1,6 @@
 """One account of every move, for every policy: a job runs on the executor, and the KV bytes it copied (per GPU and
 tier, measured from the tensors: `ExecOutput.kv_account`) equal what the simulator prices for the same decisions:
-each boundary's primitives' bytes (`StepPlan.moves`, idle boundaries' included) and each run's host_sync
+each run's primitives' bytes (`StepPlan.moves`, with those of idle boundaries before it) and its host_sync
 checkpoints (`batchgen.sim.backend.synced_bytes`)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from batchgen.engine import loop
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.sim.backend import synced_bytes
@@ -50,18 +49,14 @@ def priced_and_performed(name, monkeypatch):
                    policy_overrides=knobs, cluster_overrides={"num_gpus": 1, "gpus_per_node": 1,
                                                               "gpus_per_instance": None, **cluster})
     plans, synced = [], []
-    apply, execute_plan = loop.apply_decision, exec_backend.ExecBackend.execute
-
-    def applying(*args, **kwargs):
-        plans.append(apply(*args, **kwargs))
-        return plans[-1]
+    execute_plan = exec_backend.ExecBackend.execute
 
     def executing(self, plan):
+        plans.append(plan)
         result = yield from execute_plan(self, plan)  # priced as the simulator does, before the outcome is folded in
         synced.append((plan.gpus, synced_bytes(self.state, plan, result.produced, result.finished)))
         return result
 
-    monkeypatch.setattr(loop, "apply_decision", applying)
     monkeypatch.setattr(exec_backend.ExecBackend, "execute", executing)
     out = execute(job, ExecSettings(device="cpu", dtype="float32", threads=1, kv_budget_mb=2))
     state = out.prepared.state
