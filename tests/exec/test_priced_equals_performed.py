@@ -5,7 +5,6 @@ checkpoints (`batchgen.sim.backend.synced_bytes`)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
