@@ -253,11 +253,17 @@ class KVLedger:
         self._fail(np.where(degree > 1, degree, 0) == self.split[ids], ids, gpus, "run partitioned")
 
 
-def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_ids: np.ndarray = _I) -> KVOps:
+def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_ids: np.ndarray = _I,
+             moved: np.ndarray = _I) -> KVOps:
     """The KV moves that take the `touched` sequences from where the ledger has their KV to where the state
     (after the decision) runs or keeps them. `fresh_ids` (prefills, first chunks) are to hold no KV before the
     run writes it (an evicted one's old KV is dropped). Derived from the ledger's view: the ops are checked
-    against it again by `KVLedger.apply`, which a hand-written (or broadcast) plan goes through too."""
+    against it again by `KVLedger.apply`, which a hand-written (or broadcast) plan goes through too.
+
+    Migrations are carried out one at a time in plan order, so their order matters where a destination is full:
+    the running sequences the state MIGRATEd (`moved`, in the order `ClusterState.move_running` carried them out,
+    each arrival within the pages its destination has then) come first, in that order; then resumes on another
+    GPU (they only arrive: any order fits), by id."""
     gpus = state.instance_gpus(instance)
     if not touched.size:
         return KVOps(gpus)
@@ -287,6 +293,12 @@ def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_
     migrate = running & ~same
     split = (want_split > 0) & (joined != want_split)
     yields = suspended & dev
+    migrate = np.flatnonzero(migrate)
+    if moved.size and migrate.size > 1:  # the state's order of its moves first (a stable sort keeps ids' order)
+        sorter = np.argsort(moved)
+        at = sorter[np.minimum(np.searchsorted(moved, ids[migrate], sorter=sorter), moved.size - 1)]
+        key = np.where(moved[at] == ids[migrate], at, moved.size)  # its place among the moves, or after them
+        migrate = migrate[np.argsort(key, kind="stable")]
     dst = where[migrate]
     src = h[migrate]
     return KVOps(

@@ -36,8 +36,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         state.yield_(instance, d.yield_ids, moves)
     if d.offload_ids.size:
         state.offload(instance, d.offload_ids, moves)
+    moved = _EMPTY  # the moved sequences, in the order the state carried the moves out (the plan's)
     if d.move_ids.size:
-        state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+        moved = state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
     if d.ffn_schedule not in FFN_SCHEDULES:
         raise InvariantError(f"Decision.ffn_schedule must be one of {', '.join(FFN_SCHEDULES)}, got {d.ffn_schedule!r}")
     prefill = d.prefill_ids.size > 0
@@ -74,7 +75,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     pad_rows, pad_context = progress.pads()
     decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
     one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
-    ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
+    ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids, moved)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
         decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
@@ -87,9 +88,10 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
 
 
 def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, gpus: np.ndarray, chunk: dict,
-            decode_ids: np.ndarray) -> KVOps:
+            decode_ids: np.ndarray, moved: np.ndarray = _EMPTY) -> KVOps:
     """The decision's KV ops: for every sequence it touched (and those that finished in the instance's last
-    run), from where the ledger has its KV to where the state now keeps it; checked and recorded."""
+    run), from where the ledger has its KV to where the state now keeps it; checked and recorded. `moved`: the
+    MIGRATEd running sequences in the order the state carried them out, which their migrations keep."""
     fresh_ids, fresh_gpu = d.prefill_ids, gpus[d.prefill_ranks]
     to_host = np.full(fresh_ids.size, bool(d.prefill_to_host))
     if chunk:
@@ -99,7 +101,7 @@ def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, g
         to_host = np.concatenate([to_host, np.zeros(int(first.sum()), bool)])
     touched = [ledger.take_finished(instance), d.evict_ids, d.yield_ids, d.offload_ids, d.move_ids,
                d.partition_ids, fresh_ids, *(a.ids for a in d.admits)]
-    ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids)
+    ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids, moved)
     ledger.apply(ops, fresh_ids, fresh_gpu, to_host)
     t = state.table
     ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids] & (t.tp[decode_ids] == 1),

@@ -73,8 +73,6 @@ def priced_and_performed(name, monkeypatch):
 KNOWN = {  # what this test found and is still open
     "coroutine-partition": "PARTITION is performed through host memory (the lead's KV offloaded, then scattered to the "
                            "group as head shards, device -> host -> device) but priced as peer copies on the lead",
-    "coroutine-4-gpus": "a migration finds fewer free pages in the destination's cache than the state counts "
-                        "(CacheFullError)",
 }
 
 

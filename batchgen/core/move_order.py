@@ -1,0 +1,49 @@
+"""The order in which a boundary's MIGRATEs of running sequences can be carried out one at a time.
+
+The executors move one sequence's KV at a time, in plan order (a migration lands in the destination's pages
+before its source lets go of its own: two caches, or two processes), so a destination must have room for each
+arrival on top of what it holds at that moment. A set of moves whose end state fits may still not fit on the way:
+two full GPUs that swap sequences. `one_at_a_time` finds an order in which every arrival fits (the state performs
+the moves in it and the plan lists them so, `ClusterState.move_running`), and a policy asks it before proposing
+moves (batchgen.policy.coroutine), so that it never asks for moves the executors cannot carry out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# a move: (places it leaves, what it frees at each, places it arrives at, what it takes at each); a place is an
+# index into `used` and `capacity` (a GPU's pages, a node's host KV tokens: whatever the caller counts)
+Move = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def one_at_a_time(used: np.ndarray, capacity: np.ndarray, moves: list[Move]) -> list[int]:
+    """Indices of `moves` in an order in which each can be carried out after the ones before it, every place it
+    arrives at within capacity once it has left its own; moves that cannot be carried out in this order are
+    left out (a cycle of moves between places too full to take an arrival first).
+
+    Passes over the moves in the given order: a move that fits is carried out, one that does not waits for the
+    next pass (the moves out of its destination may make room). Deterministic, and no more work than one pass
+    where every move fits at once (the usual case). Greedy: it may miss an order that carries out everything
+    where an early arrival takes the room a later one needed; a caller then refuses the moves, or does not
+    propose them."""
+    used = np.array(used, np.int64)
+    capacity = np.asarray(capacity, np.int64)
+    pending = list(range(len(moves)))
+    order: list[int] = []
+    while pending:
+        waiting = []
+        for i in pending:
+            leave_at, frees, arrive_at, takes = moves[i]
+            np.subtract.at(used, leave_at, frees)
+            np.add.at(used, arrive_at, takes)
+            if np.all(used[arrive_at] <= capacity[arrive_at]):
+                order.append(i)
+            else:  # not now: back as it was
+                np.subtract.at(used, arrive_at, takes)
+                np.add.at(used, leave_at, frees)
+                waiting.append(i)
+        if len(waiting) == len(pending):
+            break
+        pending = waiting
+    return order
