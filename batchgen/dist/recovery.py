@@ -36,7 +36,7 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    at step len(generated) with the same per-(sequence, step) draws, so outputs equal an undisturbed run's. The
    engine restarts on it (the policy planned again for the survivors), on the same clock.
 
-7. Restore or recompute (`restore_lost`, rank 0, with `backend.shared_host_copies`): each rank's host pool is a
+7. Restore or recompute (`batchgen.dist.restore`, rank 0, with `backend.shared_host_copies`): each rank's host pool is a
    shared-memory file that outlives it, with an index of its complete host copies (shared_host.py). For every
    unfinished sequence that no survivor kept and whose copy in a lost rank's index holds exactly prompt +
    generated - 1 tokens, the survivors' latency model prices restoring it (`choose`: its KV over the host link,
@@ -83,7 +83,6 @@ from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import retire
 from batchgen.dist.launch import DistContext, DistEnv, join_group
 from batchgen.dist.worker import Command
-from batchgen.pricing.costs import prefill_load, price
 
 KEY = "batchgen/recover/gen{}"
 
@@ -499,56 +498,3 @@ def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) ->
     first.active = [np.empty(0, np.int64) for _ in first.active]
     first.prefilling = [np.empty(0, np.int64) for _ in first.prefilling]
     first.check()
-
-
-# ---- restore or recompute the lost ranks' sequences ------------------------------------------------------------
-@dataclass(frozen=True)
-class RestoreChoice:
-    """What the latency model says one lost sequence costs each way (seconds)."""
-
-    tokens: int          # KV tokens of its host copy (prompt + generated - 1)
-    restore_s: float     # its KV over the host link: kv_restore of those tokens, every layer
-    recompute_s: float   # a prefill of prompt + generated tokens (one more than the copy), one forward on one rank
-
-    @property
-    def restore(self) -> bool:
-        return self.restore_s < self.recompute_s
-
-
-def choose(latency, tokens: int) -> RestoreChoice:
-    """Restore (host link) or recompute (prefill) a sequence whose host copy holds `tokens` tokens, priced by
-    the job's latency model as the simulator prices a host restore and a one-sequence prefill forward."""
-    n_dense, n_moe = latency.layer_counts()
-    restore_s = float(latency.kv_restore(tokens)) * (n_dense + n_moe)
-    none = np.empty(0, np.int64)
-    load = prefill_load(np.zeros(1, np.int64), np.array([tokens + 1], np.int64), none, none, 1, 1)
-    recompute_s = float(price(latency, load).iteration_s.sum())
-    return RestoreChoice(int(tokens), restore_s, recompute_s)
-
-
-def restore_lost(cache, keep: list[dict], indexes: list, table, generated: list[list[int]], done: np.ndarray,
-                 latency, host_room: int, split: np.ndarray | None = None) -> tuple[int, int]:
-    """Rank 0 after `settle_caches`: adopt into its own `cache` the lost sequences whose published host copy
-    (`indexes`: the lost ranks' `shared_host.PublishedIndex`, readable here) holds exactly prompt + generated - 1
-    tokens and is cheaper to restore than to recompute (`choose`), while the node's host room (`host_room` KV
-    tokens: a restored copy counts prompt + generated, as the state does) lasts. Each goes into `keep[0]` as a
-    host copy (suspended on rank 0). The same filters as `keep_plan`. Returns (restored, restorable)."""
-    kept = set().union(*(k.keys() for k in keep))
-    restored = restorable = 0
-    for index in indexes:
-        for sid, (synced, _) in sorted(index.seqs.items()):
-            if (sid in kept or done[sid] or not generated[sid] or table.prefilled[sid] or table.tp[sid] > 1
-                    or (split is not None and split[sid])):
-                continue
-            need = int(table.input_len[sid]) + len(generated[sid]) - 1
-            if synced != need:
-                continue
-            restorable += 1
-            if need + 1 > host_room or not choose(latency, need).restore:
-                continue
-            cache.import_(sid, index.read(sid))
-            keep[0][sid] = (False, need, 0, True)
-            kept.add(sid)
-            host_room -= need + 1
-            restored += 1
-    return restored, restorable

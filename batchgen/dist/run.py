@@ -59,7 +59,9 @@ from batchgen.dist.groups import control_groups, instance_groups, retire
 from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
-                                    keep_plan, publish, regroup, requeue, restore_lost, settle, settle_caches)
+                                    keep_plan, publish, regroup, requeue, settle, settle_caches)
+from batchgen.dist.restore import restore_from_files
+from batchgen.dist.settings import DistSettings, check_dist, dist_host_pools, local_procs, under_torchrun
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
@@ -73,22 +75,6 @@ from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
 from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError
-
-
-@dataclass(frozen=True)
-class DistSettings(ExecSettings):
-    procs: int = 1                 # processes = GPUs of the cluster, all instances (cluster.num_gpus must equal it)
-    timeout_s: float = 120.0       # bound on every collective (a peer that stops answering never hangs a run)
-    heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
-    start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
-    threads: int | str | None = 1  # torch intra-op threads per process
-    recover: bool = True           # a lost worker (not rank 0): go on over the survivors (recovery.py); false: stop
-    # each rank's host KV pool in a /dev/shm file with a published index (shared_host.py): a lost rank's host
-    # copies can be restored instead of recomputed (whichever the latency model prices lower)
-    shared_host_copies: bool = True
-    # the MoE all-to-alls pipelined over this many groups of each rank's experts, overlapping the experts'
-    # compute (ep_moe.py; 1 = synchronous; None = batchgen.dist.ep_moe.DEFAULT_PIPELINE)
-    ep_pipeline: int | None = None
 
 
 @dataclass
@@ -126,84 +112,6 @@ class DistRunFailed(RuntimeError):
                             f"{', '.join(map(str, killed))})" if killed else "") + (f"; {kept}" if kept else "")
                          + "".join(f"\n--- rank {r.rank} (exit {r.exitcode}) ---\n{r.error or ''}" for r in bad))
         self.headline = str(self).splitlines()[0]
-
-
-def under_torchrun() -> bool:
-    return all(v in os.environ for v in ENV_VARS)
-
-
-def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
-    """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
-    whose size is not torchrun's WORLD_SIZE)."""
-    config = model_config(job, settings)
-    check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if launched and under_torchrun() else None)
-    if not config.num_experts:
-        raise DistConfigError("backend=dist spreads the experts of an MoE model over processes; this model is "
-                              "dense (no experts): use backend=exec")
-    cluster = effective_cluster(job)
-    if cluster.num_gpus != settings.procs:
-        raise DistConfigError(f"backend.procs={settings.procs} but the cluster has {cluster.num_gpus} GPUs: one "
-                              f"process per GPU (set cluster.num_gpus={settings.procs})")
-    # each instance spreads the experts over its own processes (cluster.gpus_per_instance of them)
-    check_procs(cluster.instance_size, num_experts=config.num_experts)
-    policy = prepare(job).policy
-    if policy.ffn_schedule != "combined":  # DistBackend.execute would refuse its first step
-        raise DistConfigError(f"policy {policy.name} runs an FFN per attention micro-batch (ffn_schedule="
-                              f"{policy.ffn_schedule}), which would give the processes different numbers of "
-                              "all-to-alls: backend=dist runs one expert batch per layer; use backend=exec for "
-                              "this policy")
-    if policy.two_batch_overlap:
-        raise DistConfigError(f"policy {policy.name} runs two-batch overlap, not supported under backend=dist yet:"
-                              " set policy.two_batch_overlap=false")
-    if policy.attention_tp not in (1, "auto"):
-        raise DistConfigError(f"tensor-parallel attention (policy.attention_tp={policy.attention_tp}) is not "
-                              "supported under backend=dist yet: set policy.attention_tp=1")
-    if settings.repeats != 1:
-        raise DistConfigError(f"backend.repeats={settings.repeats}: backend=dist runs the job once (repeats=1)")
-    if settings.start_method not in ("fork", "spawn"):
-        raise DistConfigError(f"backend.start_method={settings.start_method!r}: choose fork or spawn")
-    if not settings.heartbeat_s > 0:
-        raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
-    if not isinstance(settings.shared_host_copies, bool):
-        raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
-    if settings.ep_pipeline is not None:
-        check_pipeline(settings.ep_pipeline, "backend.ep_pipeline")
-    if settings.timeout_s <= 0:
-        raise DistConfigError(f"backend.timeout_s={settings.timeout_s}: give a positive number of seconds")
-    if isinstance(settings.device, (list, tuple)):
-        raise DistConfigError("backend.device: one device type for every process (cpu, or cuda: one GPU each)")
-    devices = settings.instance_devices(1)
-    dtype = settings.torch_dtype(devices)
-    _check_lengths(job, config)
-    pools = kv_pools(job, settings, config, dtype)
-    if stream_spec_of(pools.budget, job.model):
-        raise DistConfigError("the memory plan streams weights from host, not supported under backend=dist yet: "
-                              "raise the device memory or use backend=exec")
-    host = dist_host_pools(job, settings)
-    if launched:  # on a CPU, every process on this machine builds the whole model first
-        local = _local_procs(settings)
-        cpu = devices[0].type == "cpu"  # (GPUs: only the host KV pools are counted here)
-        check_fits(job, settings.model_path, settings.kv_budget_mb, devices if cpu else [], dtype, local,
-                   weight_copies=local, host_kv_bytes=host.explicit_bytes * local,
-                   host_kv=f"backend.host_kv_gb={settings.host_kv_gb} GB per node, a host KV pool in each of "
-                           f"{local} processes (each may grow to it)" if host.explicit_bytes else "")
-    kv_pools(job, settings, config, dtype, host)  # every sequence against the host KV a pool holds too
-
-
-def _local_procs(settings: DistSettings) -> int:
-    """Processes of the run on this machine."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", settings.procs)) if under_torchrun() else settings.procs
-
-
-def dist_host_pools(job: Job, settings: DistSettings) -> HostPools:
-    """Each process's host KV pool: its budget and the host KV per node the state is given (`exec.run.host_pools`,
-    one pool here of the machine's processes')."""
-    config = model_config(job, settings)
-    devices = settings.instance_devices(1)
-    local = _local_procs(settings)
-    cpu = devices[0].type == "cpu"
-    return host_pools(job, settings, config, settings.torch_dtype(devices), devices, 1, local,
-                      local if cpu else 1, weight_copies=local if cpu else 1)
 
 
 def agree_host_kv(ctx: DistContext, job: Job, settings: DistSettings) -> DistSettings:
@@ -458,9 +366,9 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             if files is not None:
                 # from processes known dead (fenced) or released (alive, done writing: they hand their files over)
                 readable = dead + [before.members[r] for r in released]
-                restored, restorable = _restore_lost(files, [before.members[r] for r in lost_ranks], readable,
-                                                     worker, keep, next_prepared, table, tokens.generated, done,
-                                                     split)
+                restored, restorable = restore_from_files(files, [before.members[r] for r in lost_ranks],
+                                                          readable, worker.cache, keep, next_prepared, table,
+                                                          tokens.generated, done, split)
                 files.publish(worker.cache)
             finished, held, requeued, on_lost = requeue(prepared.state, tokens.generated, done,
                                                         next_prepared.state, caught, lost_ranks, keep)
@@ -509,26 +417,6 @@ def _fence_found_lost(gen: Generation, err: WorkerLost) -> None:
     """Rank 0, stopping the run: fence the rank the error named and every rank the heartbeat calls lost."""
     peers = [r for r in range(gen.size) if r != gen.rank]
     _fence([gen.members[r] for r in set(gen.heartbeat.lost(peers)) | {err.rank} if r in peers], gen.ctx.store)
-
-
-def _restore_lost(files: SharedHostFiles, lost: list[int], readable: list[int], worker: RankWorker,
-                  keep: list[dict], prepared, table, generated, done, split) -> tuple[int, int]:
-    """Rank 0: the published host copies of the lost (launch) ranks in `readable` (known dead, or released
-    alive and done writing), restored into its cache where cheaper than a recompute (recovery.restore_lost),
-    within its node's host room left by the kept copies; then every lost rank's files go. Returns (restored,
-    restorable)."""
-    indexes = [i for i in (PublishedIndex.load(index_path(files.run_id, r, files.root)) for r in lost
-                           if r in readable) if i is not None and i.readable()]
-    state = prepared.state
-    node = state.topo.gpu_node
-    kept_copies = sum(int(table.input_len[s]) + len(generated[s]) for r, mine in enumerate(keep)
-                      for s, v in mine.items() if v[3] and node[r] == node[0])
-    room = int(state.host_kv_tokens[node[0]]) - kept_copies
-    try:
-        return restore_lost(worker.cache, keep, indexes, table, generated, done, prepared.latency, room, split)
-    finally:
-        for r in lost:
-            remove_rank(files.run_id, r, files.root)
 
 
 def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException:

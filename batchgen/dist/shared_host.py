@@ -3,7 +3,7 @@
 A `backend=dist` rank keeps every sequence's host copy in its cache's host pool (`PagedKVCache._host`). When the
 process dies, an anonymous pool dies with it, and a lost rank's sequences can only be recomputed. Here the pool
 is a file in /dev/shm instead (`SharedHostFiles.alloc`, the cache's `host_alloc` hook), so a survivor on the
-same machine can read a dead rank's host copies and adopt them (recovery.restore_lost) when the latency model
+same machine can read a dead rank's host copies and adopt them (restore.restore_lost) when the latency model
 says restoring is cheaper than recomputing.
 
 Files, per run (`run_id`) and launch rank r:

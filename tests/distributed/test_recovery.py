@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.dist.recovery import choose, restore_lost
+from batchgen.dist.restore import choose, restore_lost
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.dist.run import DistRunFailed, execute_dist
