@@ -63,15 +63,12 @@ class Surface:
         self.pts, self.y = pts, np.bincount(inverse, weights=np.asarray(y, float)) / np.bincount(inverse)
         self.scale = np.maximum(np.abs(pts).max(axis=0), 1e-300)
         self.inside = self.curve = self._grad = None
-        try:
-            from scipy.interpolate import LinearNDInterpolator
-            from scipy.spatial import QhullError
+        from scipy.interpolate import LinearNDInterpolator
+        from scipy.spatial import QhullError
 
-            try:
-                self.inside = LinearNDInterpolator(pts / self.scale, self.y)
-            except (QhullError, ValueError):
-                self.inside = None
-        except ImportError:  # pragma: no cover - scipy ships with the test extras
+        try:
+            self.inside = LinearNDInterpolator(pts / self.scale, self.y)
+        except (QhullError, ValueError):  # too few or collinear points: the curve along the longest axis below
             self.inside = None
         if self.inside is None:
             spread = np.ptp(pts / self.scale, axis=0)
