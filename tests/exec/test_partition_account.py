@@ -1,7 +1,7 @@
 """PARTITION priced as performed, on real tensors, for every way a group changes: a scripted sequence of decisions
 splits sequences (within a node, across nodes, wrapping), moves a partitioned group to another lead and changes
 its degree in one boundary, changes a degree, joins a group back to one GPU, yields partitioned sequences with and
-without a host copy, and evicts one. Per boundary and GPU, the KV the executor copied (its reshards device to
+without a host copy, and evicts one; for GQA (head shards) and MLA (latent replicas). Per boundary and GPU, the KV the executor copied (its reshards device to
 device, the host copies its leads bring up to date) is what the state priced (`StepPlan.moves`) plus the
 simulator's host_sync price of the run (`synced_bytes`, `synced_gather_bytes`); and the outputs equal an undisturbed
 run's, token for token."""
@@ -17,13 +17,14 @@ from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.policy.base import Admit, Decision
 from batchgen.sim.backend import synced_bytes, synced_gather_bytes
+from batchgen.specs import load_model
 from conftest import make_job
 
 from .test_kv_account import P, TIERS, Scripted, ids
 
 SYNC = dict(steps=2, host_sync=True)
-# One instance of 4 GPUs over 2 nodes (GPUs 0, 1 on node 0; 2, 3 on node 1); a model with 4 KV heads (degrees 1, 2,
-# 4). Boundary by boundary:
+# One instance of 4 GPUs over 2 nodes (GPUs 0, 1 on node 0; 2, 3 on node 1); a model with 4 KV heads or an MLA latent
+# and 4 query heads (degrees 1, 2, 4). Boundary by boundary:
 SCRIPT = [
     Decision(prefill_ids=ids(*range(8)), prefill_ranks=ids(0, 0, 1, 1, 2, 2, 3, 3), steps=1),
     # YIELD 2 and 6: host copies on nodes 0 and 1
@@ -44,10 +45,22 @@ SCRIPT = [
 ]
 
 
-def run(script, monkeypatch):
+def tiny_model(attention: str):
+    """tiny_moe with 4 KV heads (GQA: 8 KiB of KV per token in fp32), or a tiny DeepSeek-V3 (MLA: a latent of
+    16 + 8 per layer, 288 B per token)."""
+    if attention == "gqa":
+        return dataclasses.replace(load_model("tiny_moe"), num_kv_heads=4)
+    return dataclasses.replace(
+        load_model("deepseek_v3"), name="tiny_mla", num_layers=3, hidden_size=64, vocab_size=2048, max_context=4096,
+        num_heads=4, num_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, intermediate_size=96, num_experts=8, num_shared_experts=1, top_k=2, moe_intermediate_size=32,
+        first_dense_layers=1, weight_bytes=4.0, kv_bytes=4.0, act_bytes=4.0)
+
+
+def run(script, monkeypatch, attention="gqa"):
     job = make_job("continuous", n=8, inputs=np.arange(8) % 5 + 11, outputs=np.full(8, 28), page_tokens=P,
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
-    job = dataclasses.replace(job, model=dataclasses.replace(job.model, num_kv_heads=4), policy=Scripted(script))
+    job = dataclasses.replace(job, model=tiny_model(attention), policy=Scripted(script))
     steps = []
     execute_plan = exec_backend.ExecBackend.execute
 
@@ -65,10 +78,12 @@ def run(script, monkeypatch):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_every_reshard_and_host_copy_of_a_partition_is_priced_as_performed(monkeypatch):
-    job, out, steps, settings = run(SCRIPT, monkeypatch)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_every_reshard_and_host_copy_of_a_partition_is_priced_as_performed(monkeypatch, attention):
+    job, out, steps, settings = run(SCRIPT, monkeypatch, attention)
     state = out.prepared.state
-    assert state.kv_bytes_per_token == 8192  # 4 layers x K, V x 4 heads x 64 x fp32, as the executor's caches hold
+    # what the executor's caches hold per token: 4 layers x K, V x 4 heads x 64 x fp32; 3 layers x (16 + 8) x fp32
+    assert state.kv_bytes_per_token == (8192 if attention == "gqa" else 288)
     G = state.topo.num_gpus
     kinds = set()
     for b, step in enumerate(steps):
@@ -83,8 +98,10 @@ def test_every_reshard_and_host_copy_of_a_partition_is_priced_as_performed(monke
             assert np.array_equal(got[t], want[t]), (b, t, got, want, acc.as_dict())
         assert not any(acc.of(k)["host"].any() for k in acc.kinds()), b
         kinds |= set(acc.kinds())
-    # every kind of partition move happened: reshards over both tiers, a yield's gather, host_sync's gathers
-    assert {"reshard", "join", "sync"} <= kinds
+    # every kind of partition move happened: reshards over both tiers, a yield's gather and host_sync's (GQA; an
+    # MLA lead holds the whole latent: it gathers nothing)
+    assert ({"reshard", "join", "sync"} if attention == "gqa" else {"reshard", "sync"}) <= kinds
+    assert ("join" in kinds) == (attention == "gqa")
     t = state.table
     assert t.partitions[[0, 2, 4, 6]].tolist() == [3, 3, 1, 1]
     # token for token what an undisturbed run generates
