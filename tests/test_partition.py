@@ -1,5 +1,9 @@
 """PARTITION as a real split: each rank of the group holds its head shard of the KV (or, for MLA, a replica
-of the latent), resharding is charged as bytes over the GPUs' links, and going back gathers the shards."""
+of the latent), resharding is charged as bytes over the GPUs' links, and going back gathers the shards.
+
+Resharding is priced as the executors perform it (batchgen.core.reshard): device to device, each part charged to
+the GPU that receives it (the convention of migrations), peer within a node and network across; a GPU that already
+holds part of its new shard keeps it (nothing moves for it)."""
 
 import numpy as np
 import pytest
@@ -30,12 +34,14 @@ def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
     shard = -(-1000 // (4 * P))  # a head shard packs four times the tokens into a page
     assert state.table.pages[0] == shard
     assert np.array_equal(state.pages_used[:5], [shard, shard + full, shard, shard, 0])  # rank 1 also runs seq 1
-    kv = 1000 * state.kv_bytes_per_token
-    assert moves.peer[0] == pytest.approx(kv * 3 / 4)  # three of four shards leave the lead
+    kv = 1000 * state.kv_bytes_per_token  # the KV of every token but the newest (the next forward writes it)
+    # the lead keeps shard 0; GPUs 1-3 each receive theirs from the lead's pages (peer: one node)
+    assert moves.peer.tolist()[:5] == [0, kv / 4, kv / 4, kv / 4, 0] and not moves.network.any()
     back = Moves.zeros(state.topo.num_gpus)
     state.partition(0, ids[:1], np.array([1]), back)
     state.check()
-    assert state.table.pages[0] == -(-1000 // P) and back.peer[0] == pytest.approx(kv * 3 / 4)
+    # joined: the lead receives the three other shards
+    assert state.table.pages[0] == -(-1000 // P) and back.peer.tolist()[:5] == [kv * 3 / 4, 0, 0, 0, 0]
     assert state.table.partitions[0] == 2
 
 
@@ -47,7 +53,70 @@ def test_mla_partition_replicates_the_latent_on_every_rank():
     state.partition(0, ids[:1], np.array([2]), moves)
     state.check()
     assert state.table.pages[0] >= full - 1 and state.pages_used[0] == state.table.pages[0]
-    assert moves.peer[0] == pytest.approx(1000 * state.kv_bytes_per_token)  # one whole replica
+    kv = 1000 * state.kv_bytes_per_token
+    assert moves.peer.tolist()[:3] == [0, kv, 0]  # one whole replica, received by GPU 1
+    grow = Moves.zeros(state.topo.num_gpus)
+    state.partition(0, ids[:1], np.array([4]), grow)
+    assert grow.peer.tolist()[:5] == [0, 0, kv, kv, 0]  # GPU 1 keeps its replica: only the new ranks receive one
+    back = Moves.zeros(state.topo.num_gpus)
+    state.partition(0, ids[:1], np.array([1]), back)
+    state.check()
+    assert not back.peer.any() and not back.network.any()  # the lead's replica is whole: a join moves nothing
+
+
+def test_another_degree_moves_only_the_heads_that_change_gpu():
+    """2 -> 4 over the same lead: GPU 1 had heads [H/2, H) and needs [H/4, H/2) (from the lead), GPUs 2 and 3
+    get a quarter each (from GPU 1); 4 -> 2 back: the lead gets [H/4, H/2) from GPU 1, GPU 1 [H/2, H) from 2, 3."""
+    state, ids = running_state("qwen3_30b_a3b", n=1)
+    kv = 1000 * state.kv_bytes_per_token
+    state.partition(0, ids, np.array([2]), Moves.zeros(state.topo.num_gpus))
+    grow, back = Moves.zeros(state.topo.num_gpus), Moves.zeros(state.topo.num_gpus)
+    state.partition(0, ids, np.array([4]), grow)
+    assert grow.peer.tolist()[:5] == [0, kv / 4, kv / 4, kv / 4, 0]
+    state.partition(0, ids, np.array([2]), back)
+    state.check()
+    assert back.peer.tolist()[:5] == [kv / 4, kv / 2, 0, 0, 0]
+
+
+def test_a_group_across_nodes_pays_the_network_and_a_moved_group_reshards_to_its_new_lead():
+    """GPUs 0, 1 on node 0 and 2, 3 on node 1: a group led by GPU 1 over 2 GPUs sends its second shard across
+    nodes; MIGRATE of the partitioned sequence to GPU 2 moves the group (GPU 2 holds shard 1 and needs shard 0:
+    it comes from GPU 1, across nodes; GPU 3 needs shard 1 from GPU 2, within node 1); its host copy follows the
+    lead to node 1 over the network."""
+    job = make_job("coroutine", model="qwen3_30b_a3b", n=1, inputs=np.full(1, 1000), outputs=np.full(1, 100),
+                   cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
+    state = prepare(job).state
+    ids = np.arange(1)
+    state.take_pending(0, ids)
+    state.prefilled_to_gpu(0, ids, np.array([1]), lookahead_tokens=1)
+    kv = 1000 * state.kv_bytes_per_token
+    split = Moves.zeros(4)
+    state.partition(0, ids, np.array([2]), split)
+    assert split.network.tolist() == [0, 0, kv / 2, 0] and not split.peer.any()
+    state._host_add(np.array([0]), state.table.context(ids))  # give it a host copy on node 0
+    state.table.host_node[ids] = 0
+    move = Moves.zeros(4)
+    state.move_running(0, ids, np.array([2]), move)
+    state.check()
+    assert move.network.tolist() == [0, 0, kv / 2 + kv, 0] and move.peer.tolist() == [0, 0, 0, kv / 2]
+    assert not move.d2h.any() and state.table.host_node[0] == 1
+
+
+def test_yielding_a_partitioned_sequence_gathers_its_shards_only_without_a_host_copy():
+    """Without a host copy its lead gathers the other shards (peer) and writes the whole KV down (d2h); with one
+    (kept up to date by host_sync) nothing moves."""
+    for host_copy in (False, True):
+        state, ids = running_state("qwen3_30b_a3b", n=1)
+        if host_copy:
+            state._host_add(np.array([0]), state.table.context(ids))
+            state.table.host_node[ids] = 0
+        state.partition(0, ids, np.array([4]), Moves.zeros(state.topo.num_gpus))
+        moves = Moves.zeros(state.topo.num_gpus)
+        state.yield_(0, ids, moves)
+        state.check()
+        kv = 1000 * state.kv_bytes_per_token
+        assert moves.peer.tolist()[:2] == ([0, 0] if host_copy else [kv * 3 / 4, 0])
+        assert moves.d2h.tolist()[:2] == ([0, 0] if host_copy else [kv, 0])
 
 
 def test_finishing_a_partitioned_sequence_frees_every_shard():

@@ -51,17 +51,19 @@ def test_scripted_decisions_give_exactly_the_expected_per_rank_ops():
     plan = step(state, ledger, progress, yield_ids=[0], move_ids=[1], move_ranks=[3], partition_ids=[2],
                 partition_degree=[2], steps=4)
     assert kv(plan, 0) == {"yield_": [0], "send": [(1, 3, True)]}
-    assert kv(plan, 1) == {"offload": [2], "split": [(2, (1, 2))], "decode": [2]}
-    assert kv(plan, 2) == {"split": [(2, (1, 2))], "decode": [3]}
+    nodes = {0: 0, 1: 0, 2: 1, 3: 1}  # what a rank with partition ops is told of the instance, for their tiers
+    # a split: from GPU 1's pages (a group of one) to the group of GPUs 1 and 2, device to device
+    assert kv(plan, 1) == {"reshard": [(2, (1,), (1, 2), False)], "nodes": nodes, "decode": [2]}
+    assert kv(plan, 2) == {"reshard": [(2, (1,), (1, 2), False)], "nodes": nodes, "decode": [3]}
     assert kv(plan, 3) == {"receive": [(1, 0, True, True, False)], "decode": [1]}  # no host copy: none kept
 
-    # COMBINE 0 where it was yielded (a restore); un-PARTITION 2 (shards back, then its KV back on device);
+    # COMBINE 0 where it was yielded (a restore); un-PARTITION 2 (the shards joined into GPU 1's pages);
     # evict 3 (recompute)
     plan = step(state, ledger, progress, admits=[Admit(0, np.array([0], I), np.array([0], I))],
                 partition_ids=[2], partition_degree=[1], evict_ids=[3], steps=4)
     assert kv(plan, 0) == {"restore": [0], "decode": [0]}
-    assert kv(plan, 1) == {"join": [(2, (1, 2), True)], "restore": [2], "decode": [2]}
-    assert kv(plan, 2) == {"join": [(2, (1, 2), True)], "evict": [3]}
+    assert kv(plan, 1) == {"reshard": [(2, (1, 2), (1,), False)], "nodes": nodes, "decode": [2]}
+    assert kv(plan, 2) == {"reshard": [(2, (1, 2), (1,), False)], "nodes": nodes, "evict": [3]}
     assert kv(plan, 3) == {"decode": [1]}
 
     # YIELD 1 on node 1, then COMBINE it on GPU 0: its host copy migrates across nodes, loaded to device;
@@ -115,3 +117,31 @@ def test_simulated_policies_keep_the_ledger_in_step_with_the_state():
     ledger = KVLedger.of(out.prepared.state)
     assert (out.prepared.state.table.yields > 0).any()
     assert (ledger.holder == -1).all() and not ledger.on_device.any() and not ledger.split.any()
+
+
+def test_a_partitioned_sequence_moves_reshards_and_leaves_its_group_as_the_state_says():
+    """MIGRATE of a partitioned sequence moves its group to the new lead at its degree, then PARTITION changes the
+    degree there (two reshards, in that order, no migration); a yield gathers it into its lead's host copy (a join
+    to host, no yield op), and a finished one's shards are dropped (a join, no free)."""
+    state, ledger, progress = four_gpus_two_nodes()
+    step(state, ledger, progress, prefill_ids=[0, 1], prefill_ranks=[0, 1], steps=1)
+    step(state, ledger, progress, partition_ids=[0, 1], partition_degree=[2, 2], steps=1)
+    plan = step(state, ledger, progress, move_ids=[0], move_ranks=[2], partition_ids=[0], partition_degree=[4],
+                steps=1)
+    assert plan.ops.reshards() == [(0, (0, 1), (2, 3), False), (0, (2, 3), (2, 3, 0, 1), False)]
+    assert not plan.ops.migrate_ids.size and ledger.split[0] == 4 and ledger.holder[0] == 2
+    plan = step(state, ledger, progress, yield_ids=[0], steps=1)
+    assert kv(plan, 3) == {"join": [(0, (2, 3, 0, 1), True)], "nodes": {0: 0, 1: 0, 2: 1, 3: 1}}
+    assert not plan.ops.yield_ids.size and ledger.holder[0] == 2 and not ledger.on_device[0]
+    t = state.table
+    t.output_len[1] = t.decoded[1]
+    state.finish(0, np.array([1], I), np.array([1.0]))
+    ledger.finished(0, np.array([1], I))
+    plan = step(state, ledger, progress, steps=1)
+    assert kv(plan, 2) == {"join": [(1, (1, 2), False)], "nodes": {0: 0, 1: 0, 2: 1, 3: 1}}
+    assert not plan.ops.free_ids.size and ledger.holder[1] == -1
+    gpus = state.instance_gpus(0)
+    one = lambda sid: np.array([sid], I)  # noqa: E731
+    with pytest.raises(InvariantError, match=r"reshard .*sequence 0 on GPU 0: its KV is on GPU 2's host copy"):
+        ledger.apply(KVOps(gpus, reshard_ids=one(0), reshard_lead=one(0), reshard_degree=one(1),
+                           reshard_to_lead=one(0), reshard_to_degree=one(2)))

@@ -98,6 +98,13 @@ class Accounts:
             gpus[mine] = members[(rank[mine] + offset[mine]) % members.size]
         return rep, gpus
 
+    def group_of(self, lead: int, degree: int) -> tuple[int, ...]:
+        """The GPUs of a group of `degree` led by GPU `lead` (one row of `group_gpus`): the lead and the next
+        degree - 1 GPUs of its instance, wrapping."""
+        members = self._instance_gpus[int(self.topo.gpu_instance[lead])]
+        rank = int(self.gpu_rank[lead])
+        return tuple(int(members[(rank + j) % members.size]) for j in range(int(degree)))
+
     def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
         the tokens into a page (KV split by heads), a replicated latent does not."""

@@ -4,10 +4,13 @@ The engine applies a policy's `Decision` to `ClusterState` (where every sequence
 what that decision touched into the moves of KV a backend must make so that its caches follow: free (finished)
 and evict (dropped for recompute), yield (device -> host copy, suspended), offload (device -> host copy, runs on
 host-resident), migrate (from one GPU's cache to another's, device or host copy, across nodes or not), restore
-(host copy -> device, same cache), and the partition groups: join (a PARTITIONed sequence's head shards gathered
-back into the lead's host copy) and split (the lead's host copy scattered over the group as head shards). A
-migration says whether the destination keeps a host copy: exactly when the state counts one for the sequence after
-the decision (its `host_node`), so that the caches hold the host copies the state's host accounting counts.
+(host copy -> device, same cache), and the partition groups (batchgen.core.reshard): join (a PARTITIONed sequence
+leaves its group: its shards are dropped with a finished or evicted sequence, or, when it is yielded, gathered into
+its lead and written into the lead's host copy, as far as that copy lacks them) and reshard (a running sequence's
+group changes: split, join back to one GPU, another degree, another lead; each GPU of the new group receives the
+part of its shard it lacks, device to device, and the lead's host copy follows the lead). A migration says whether
+the destination keeps a host copy: exactly when the state counts one for the sequence after the decision (its
+`host_node`), so that the caches hold the host copies the state's host accounting counts.
 
 GPUs are global indices (the world rank of its worker under a one-process-per-GPU backend): a migration's
 source can be a GPU of another instance (a suspended sequence another instance yielded on a shared node).
@@ -19,8 +22,9 @@ every op against it before recording it, so an impossible op (restore of a seque
 a migration from a GPU that does not hold it) fails with the id and the GPU, before any backend moves a tensor.
 
 Execution order within a boundary is the order of `KVOps`' fields: join, free, evict, yield, offload, migrate,
-restore, split; then the run (prefill or chunks, and decode). A sequence is in at most one of free / evict /
-yield / offload / migrate / restore per boundary, at most one join and one split.
+restore, reshard; then the run (prefill or chunks, and decode). A sequence is in at most one of free / evict /
+yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
+sequence's group moves to its new lead, then changes degree there: the state's MIGRATE, then its PARTITION).
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ class KVOps:
     """One boundary's KV moves, as arrays (one row per op, a GPU column each), in execution order."""
 
     gpus: np.ndarray                 # the instance's GPUs (a partition group is a run of them, wrapping)
-    join_ids: np.ndarray = _ints()        # gather head shards back into the lead's host copy ...
+    join_ids: np.ndarray = _ints()        # a PARTITIONed sequence leaves its group (lead, degree) ...
     join_lead: np.ndarray = _ints()
     join_degree: np.ndarray = _ints()
-    join_keep: np.ndarray = _flags()       # ... or (False) drop them: the sequence finished or is evicted
+    join_to_host: np.ndarray = _flags()    # ... yielded: what the lead's host copy lacks is gathered into it; else
+    #                                        finished or evicted: every GPU drops its shard, the lead its host copy
     free_ids: np.ndarray = _ints()        # finished: drop device pages and host copy
     free_gpu: np.ndarray = _ints()
     evict_ids: np.ndarray = _ints()       # evicted (recompute): drop device pages and host copy
@@ -73,13 +78,18 @@ class KVOps:
     migrate_host_copy: np.ndarray = _flags()  # dst keeps a host copy (the state counts one: its host_node >= 0)
     restore_ids: np.ndarray = _ints()     # COMBINE: host copy -> device pages in the same cache
     restore_gpu: np.ndarray = _ints()
-    split_ids: np.ndarray = _ints()       # PARTITION: the lead's host copy scattered as head shards over the group
-    split_lead: np.ndarray = _ints()
-    split_degree: np.ndarray = _ints()
+    reshard_ids: np.ndarray = _ints()     # PARTITION: a running sequence's group (lead, degree; 1: the lead's pages)
+    reshard_lead: np.ndarray = _ints()
+    reshard_degree: np.ndarray = _ints()
+    reshard_to_lead: np.ndarray = _ints()     # ... becomes (to_lead, to_degree), device to device (core.reshard)
+    reshard_to_degree: np.ndarray = _ints()
+    reshard_host_copy: np.ndarray = _flags()  # the lead holds a host copy (it follows a new lead)
+    gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
 
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
-                    or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size or self.split_ids.size)
+                    or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size
+                    or self.reshard_ids.size)
 
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
@@ -98,24 +108,37 @@ class KVOps:
         rank = int(np.flatnonzero(self.gpus == lead)[0])
         return [int(self.gpus[(rank + j) % self.gpus.size]) for j in range(degree)]
 
+    def reshards(self) -> list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]:
+        """(id, old group, new group, host copy) of each reshard, in plan order (groups: GPUs, lead first)."""
+        return [(sid, tuple(self.group(a, d)), tuple(self.group(b, e)), bool(h)) for sid, a, d, b, e, h in zip(
+            self.reshard_ids.tolist(), self.reshard_lead.tolist(), self.reshard_degree.tolist(),
+            self.reshard_to_lead.tolist(), self.reshard_to_degree.tolist(), self.reshard_host_copy.tolist(),
+            strict=True)]
+
+    def nodes(self) -> dict[int, int]:
+        """{GPU: node} of the instance's GPUs (`plan_ops` gives them; a plan with partition ops needs them)."""
+        if self.gpu_node.size != self.gpus.size:
+            raise InvariantError("a plan with partition ops must name its GPUs' nodes (gpu_node): the tiers of the "
+                                 "parts it moves depend on them")
+        return dict(zip(self.gpus.tolist(), self.gpu_node.tolist()))
+
     def for_gpu(self, gpu: int) -> "GpuOps":
         """What one GPU's worker does: its own cache's ops, migrations it sends or receives, and the partition
-        groups it is a member of."""
+        groups it is a member of (before or after a reshard)."""
         def mine(ids, where):
             return ids[where == gpu].tolist()
 
-        def groups(ids, lead, degree, extra=None):
-            out = []
-            for i, (sid, l, d) in enumerate(zip(ids.tolist(), lead.tolist(), degree.tolist())):
-                g = self.group(l, d)
-                if gpu in g:
-                    out.append((sid, tuple(g)) + (() if extra is None else (bool(extra[i]),)))
-            return out
-
+        joins = []
+        for sid, lead, degree, to_host in zip(self.join_ids.tolist(), self.join_lead.tolist(),
+                                              self.join_degree.tolist(), self.join_to_host.tolist()):
+            group = tuple(self.group(lead, degree))
+            if gpu in group:
+                joins.append((sid, group, bool(to_host)))
+        reshards = [r for r in self.reshards() if gpu in r[1] or gpu in r[2]]
         send = self.migrate_src == gpu
         recv = self.migrate_dst == gpu
         return GpuOps(
-            gpu=gpu, join=groups(self.join_ids, self.join_lead, self.join_degree, self.join_keep),
+            gpu=gpu, join=joins,
             free=mine(self.free_ids, self.free_gpu), evict=mine(self.evict_ids, self.evict_gpu),
             yield_=mine(self.yield_ids, self.yield_gpu), offload=mine(self.offload_ids, self.offload_gpu),
             send=list(zip(self.migrate_ids[send].tolist(), self.migrate_dst[send].tolist(),
@@ -123,8 +146,8 @@ class KVOps:
             receive=list(zip(self.migrate_ids[recv].tolist(), self.migrate_src[recv].tolist(),
                              self.migrate_cross[recv].tolist(), self.migrate_to_device[recv].tolist(),
                              self._host_copy()[recv].tolist())),
-            restore=mine(self.restore_ids, self.restore_gpu),
-            split=groups(self.split_ids, self.split_lead, self.split_degree))
+            restore=mine(self.restore_ids, self.restore_gpu), reshard=reshards,
+            nodes=self.nodes() if joins or reshards else {})
 
 
 @dataclass
@@ -132,7 +155,7 @@ class GpuOps:
     """One GPU's share of a boundary (lists of plain ints, as a worker process would receive them)."""
 
     gpu: int
-    join: list = field(default_factory=list)     # (id, group GPUs, keep)
+    join: list = field(default_factory=list)     # (id, group GPUs, to host)
     free: list = field(default_factory=list)     # ids
     evict: list = field(default_factory=list)
     yield_: list = field(default_factory=list)
@@ -140,7 +163,8 @@ class GpuOps:
     send: list = field(default_factory=list)     # (id, destination GPU, across nodes)
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
-    split: list = field(default_factory=list)    # (id, group GPUs)
+    reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
+    nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)
     chunks: list = field(default_factory=list)   # (id, start, length) of chunked prefill
     decode: list = field(default_factory=list)   # ids
@@ -148,8 +172,9 @@ class GpuOps:
 
 class KVLedger:
     """Where each sequence's KV is in the backend's caches, as the ops so far have put it: the GPU whose cache
-    holds it (-1: nowhere), whether on device pages (else a host copy only), and the degree of its head shards
-    (0: not split; the lead is the holder). One per `ClusterState` (`of`), shared by its instances' loops."""
+    holds it (-1: nowhere), whether on device (pages, or the group's shards; else a host copy only), and the degree
+    of its shards (0: not split; the lead is the holder). One per `ClusterState` (`of`), shared by its instances'
+    loops."""
 
     _by_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -206,15 +231,20 @@ class KVLedger:
                 how = " and ".join(kinds) if len(kinds) > 1 else f"{kinds[0]} twice"
                 raise InvariantError(f"sequence {sid} is in {how} in one boundary: at most one KV move per sequence "
                                      "per boundary")
-        for name, ids in (("join", ops.join_ids), ("split", ops.split_ids)):
-            if ids.size != np.unique(ids).size:
-                raise InvariantError(f"a sequence is in two {name} ops in one boundary: {ids.tolist()}")
+        if ops.join_ids.size != np.unique(ops.join_ids).size:
+            raise InvariantError(f"a sequence is in two join ops in one boundary: {ops.join_ids.tolist()}")
+        if np.intersect1d(ops.join_ids, ops.reshard_ids).size or (
+                np.unique(ops.reshard_ids, return_counts=True)[1] > 2).any():
+            raise InvariantError(f"a sequence leaves its group and is resharded, or is resharded more than twice, in "
+                                 f"one boundary: joins {ops.join_ids.tolist()}, reshards {ops.reshard_ids.tolist()}")
         h, dev, sp = self.holder, self.on_device, self.split
         ids = ops.join_ids
         if ids.size:
-            self._fail((h[ids] == ops.join_lead) & (sp[ids] == ops.join_degree), ids, ops.join_lead,
-                       "join (shards back to the lead)")
+            self._fail((h[ids] == ops.join_lead) & (sp[ids] == ops.join_degree) & (ops.join_degree > 1), ids,
+                       ops.join_lead, "join (the group's shards)")
             sp[ids] = 0
+            dev[ids] = False  # on the lead's host copy (yielded), or dropped everywhere
+            h[ids] = np.where(ops.join_to_host, h[ids], -1)
         for kind, ids, gpus in (("free", ops.free_ids, ops.free_gpu), ("evict", ops.evict_ids, ops.evict_gpu)):
             if ids.size:
                 self._fail((h[ids] == gpus) & (sp[ids] == 0), ids, gpus, kind)
@@ -222,7 +252,7 @@ class KVLedger:
         for kind, ids, gpus in (("yield", ops.yield_ids, ops.yield_gpu), ("offload", ops.offload_ids,
                                                                          ops.offload_gpu)):
             if ids.size:
-                self._fail((h[ids] == gpus) & dev[ids], ids, gpus, f"{kind} (device -> host)")
+                self._fail((h[ids] == gpus) & dev[ids] & (sp[ids] == 0), ids, gpus, f"{kind} (device -> host)")
                 dev[ids] = False
         ids = ops.migrate_ids
         if ids.size:
@@ -236,17 +266,20 @@ class KVLedger:
             self._fail((h[ids] == ops.restore_gpu) & ~dev[ids] & (sp[ids] == 0), ids, ops.restore_gpu,
                        "restore (host -> device)")
             dev[ids] = True
-        ids = ops.split_ids
-        if ids.size:
-            self._fail((h[ids] == ops.split_lead) & ~dev[ids] & (sp[ids] == 0), ids, ops.split_lead,
-                       "split (head shards from the lead's host copy)")
-            sp[ids] = ops.split_degree
+        for i, sid in enumerate(ops.reshard_ids.tolist()):  # one by one: a second reshard starts where the first ends
+            row = slice(i, i + 1)
+            lead, degree = ops.reshard_lead[row], ops.reshard_degree[row]
+            to_lead, to_degree = ops.reshard_to_lead[row], ops.reshard_to_degree[row]
+            self._fail((h[sid] == lead) & dev[sid] & (max(int(sp[sid]), 1) == degree), ops.reshard_ids[row], lead,
+                       "reshard (a group's KV, device to device)")
+            self._fail((lead != to_lead) | (degree != to_degree), ops.reshard_ids[row], lead, "reshard to its group")
+            h[sid], sp[sid] = int(to_lead[0]), int(to_degree[0]) if to_degree[0] > 1 else 0
         if fresh_ids.size:
             self._fail(h[fresh_ids] < 0, fresh_ids, fresh_gpu, "prefill (KV written from scratch)")
             h[fresh_ids], dev[fresh_ids] = fresh_gpu, ~np.asarray(fresh_to_host, bool)
 
     def check_running(self, ids: np.ndarray, gpus: np.ndarray, device: np.ndarray, degree: np.ndarray) -> None:
-        """Sequences about to run: held by their GPU, on device exactly when the state runs them
+        """Sequences about to run: held by their GPU, on device (pages or shards) exactly when the state runs them
         device-resident, split exactly as partitioned."""
         self._fail(self.holder[ids] == gpus, ids, gpus, "run")
         self._fail(self.on_device[ids] == device, ids, gpus, "run " + "device-resident / host-resident")
@@ -260,13 +293,18 @@ def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_
     run writes it (an evicted one's old KV is dropped). Derived from the ledger's view: the ops are checked
     against it again by `KVLedger.apply`, which a hand-written (or broadcast) plan goes through too.
 
+    A PARTITIONed sequence's group changes as the state's primitives change it, in their order: MIGRATE moves the
+    group to its new lead at its degree, then PARTITION changes the degree there (a reshard each); one that stops
+    running leaves its group (join: dropped, or gathered into its lead's host copy when suspended).
+
     Migrations are carried out one at a time in plan order, so their order matters where a destination is full:
     the running sequences the state MIGRATEd (`moved`, in the order `ClusterState.move_running` carried them out,
     each arrival within the pages its destination has then) come first, in that order; then resumes on another
     GPU (they only arrive: any order fits), by id."""
     gpus = state.instance_gpus(instance)
+    nodes = ledger.gpu_node[gpus]
     if not touched.size:
-        return KVOps(gpus)
+        return KVOps(gpus, gpu_node=nodes)
     t = state.table
     ids = np.unique(touched)
     where, tp, hosted = t.where[ids].astype(np.int64), t.tp[ids].astype(np.int64), t.host_resident[ids]
@@ -274,25 +312,38 @@ def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_
     running = (where >= 0) & ~fresh
     gone = ((where == FINISHED) | (where == PENDING) | fresh)
     suspended = (where == SUSPENDED) & ~fresh
-    want_dev = running & ~hosted & (tp == 1)
-    want_split = np.where(running & (tp > 1), tp, 0)
-    h, dev, sp = ledger.holder[ids], ledger.on_device[ids].copy(), ledger.split[ids]
-    # shards of a partition the state changed (un-partitioned, moved, yielded, finished, evicted) come back first
-    join = (sp > 0) & ~(running & (where == h) & (want_split == sp))
-    joined = sp * ~join
+    want_dev = running & ~hosted
+    h, dev, sp = ledger.holder[ids].copy(), ledger.on_device[ids].copy(), ledger.split[ids]
     stray = (suspended | running) & (h < 0)
     if stray.any():
         sid = int(ids[stray][0])
         raise InvariantError(f"sequence {sid} is {'suspended' if where[stray][0] == SUSPENDED else 'running'} "
                              f"(state) but its KV is {ledger.where(sid)}")
+    # a partition that stops running leaves its group first: dropped (finished, evicted) or into the lead's host copy
+    join = (sp > 0) & ~running
+    join_lead = h[join]
+    h[join & gone] = -1
+    dev[join] = False
+    # a partition that runs on: its group follows its lead (MIGRATE), then changes degree (PARTITION)
+    regroup = (sp > 0) & running
+    move = regroup & (h != where)
     drop = gone & (h >= 0)
     evicted = where != FINISHED  # dropped for a recompute (pending again, or prefilled again now)
-    same = running & (h == where)
+    same = running & ((h == where) | regroup)
     restore = same & want_dev & ~dev
     offload = same & ~want_dev & dev
     migrate = running & ~same
-    split = (want_split > 0) & (joined != want_split)
     yields = suspended & dev
+    degree = np.maximum(sp, 1)  # 1: the whole KV in the holder's pages
+    change = running & (degree != tp)
+    # reshards, each sequence's in order: its group's move at its degree, then its degree change at the new lead
+    group_moves, changed = np.flatnonzero(move), np.flatnonzero(change)
+    rows = np.concatenate([group_moves, changed])
+    is_move = np.arange(rows.size) < group_moves.size
+    order = np.argsort(rows, kind="stable")
+    rows, is_move = rows[order], is_move[order]
+    r_lead = np.where(is_move, h[rows], where[rows])
+    r_to_degree = np.where(is_move, degree[rows], tp[rows])
     migrate = np.flatnonzero(migrate)
     if moved.size and migrate.size > 1:  # the state's order of its moves first (a stable sort keeps ids' order)
         sorter = np.argsort(moved)
@@ -302,11 +353,13 @@ def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_
     dst = where[migrate]
     src = h[migrate]
     return KVOps(
-        gpus, join_ids=ids[join], join_lead=h[join], join_degree=sp[join], join_keep=~gone[join],
+        gpus, join_ids=ids[join], join_lead=join_lead, join_degree=sp[join],
+        join_to_host=suspended[join],
         free_ids=ids[drop & ~evicted], free_gpu=h[drop & ~evicted], evict_ids=ids[drop & evicted],
         evict_gpu=h[drop & evicted], yield_ids=ids[yields], yield_gpu=h[yields], offload_ids=ids[offload],
         offload_gpu=h[offload], migrate_ids=ids[migrate], migrate_src=src, migrate_dst=dst,
         migrate_cross=ledger.gpu_node[src] != ledger.gpu_node[dst], migrate_to_device=want_dev[migrate],
         migrate_host_copy=t.host_node[ids[migrate]] >= 0,
-        restore_ids=ids[restore], restore_gpu=h[restore], split_ids=ids[split], split_lead=where[split],
-        split_degree=want_split[split])
+        restore_ids=ids[restore], restore_gpu=h[restore], reshard_ids=ids[rows], reshard_lead=r_lead,
+        reshard_degree=degree[rows], reshard_to_lead=where[rows], reshard_to_degree=r_to_degree,
+        reshard_host_copy=t.host_node[ids[rows]] >= 0, gpu_node=nodes)

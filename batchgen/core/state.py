@@ -13,6 +13,7 @@ from batchgen import fastpath
 from batchgen.core.accounts import _FEW, Accounts, Moves
 from batchgen.core.move_order import one_at_a_time
 from batchgen.core.queues import IdQueue
+from batchgen.core.reshard import pieces
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 from batchgen.core.topology import Topology, node_instance
 
@@ -138,7 +139,11 @@ class ClusterState(Accounts):
             raise InvariantError(f"sequences {ids[~ok][:5].tolist()} are not {what}")
 
     def yield_(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
-        """YIELD: suspend running sequences; their KV is checkpointed to their node's host memory."""
+        """YIELD: suspend running sequences; their KV is checkpointed to their node's host memory.
+
+        A sequence with a host copy has it up to date already (host_sync keeps it so): nothing moves. One without
+        writes its whole KV down from its GPU; a PARTITIONed one first gathers its group's shards into its lead
+        (device to device, as a join to one GPU: `partition`), which writes the whole KV down."""
         t = self.table
         gpus = t.where[ids]
         self._require(ids, (gpus >= 0) & (self.topo.gpu_instance[np.maximum(gpus, 0)] == instance),
@@ -147,6 +152,10 @@ class ClusterState(Accounts):
         ctx = t.context(ids)
         nodes = self.topo.gpu_node[gpus]
         fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
+        if self.partitioned_ever:
+            split = fresh & (t.tp[ids] > 1)
+            if split.any():
+                self._reshard(ids[split], gpus[split], t.tp[ids[split]], gpus[split], 1, moves)
         np.add.at(moves.d2h, gpus[fresh], self.kv_bytes(ids[fresh]))
         self._host_add(nodes[fresh], ctx[fresh])
         t.host_node[ids[fresh]] = nodes[fresh]
@@ -201,6 +210,11 @@ class ClusterState(Accounts):
     def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> np.ndarray:
         """MIGRATE running sequences to other GPUs of their instance, KV and all (straggler rebalancing).
 
+        A PARTITIONed sequence moves as its group: from the group led by its GPU to the group of the same degree
+        led by the new one, each GPU of the new group receiving the part of its shard it does not hold yet, device
+        to device (`partition`'s resharding); its host copy, if any, follows its lead: within a node it changes
+        hands, across nodes it travels as it is (network, charged to the new lead).
+
         The executors carry the moves out one at a time, each landing before its source lets go: they are taken in
         an order in which every destination has room for each arrival (device pages, and host memory for a host
         copy that crosses nodes) on top of what it holds then (`batchgen.core.move_order`); moves that fit no such
@@ -215,12 +229,17 @@ class ClusterState(Accounts):
         # a host-resident sequence's KV stays in its node's host memory: only a move to another node carries it
         bytes_ = self.kv_bytes(ids)
         cross = self.topo.gpu_node[src] != self.topo.gpu_node[gpus]
-        np.add.at(moves.network, gpus[cross], bytes_[cross])
-        peer = ~cross & ~t.host_resident[ids]
+        split = (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
+        whole = ~split
+        copy = t.host_node[ids] >= 0
+        np.add.at(moves.network, gpus[cross & (whole | copy)], bytes_[cross & (whole | copy)])
+        peer = ~cross & ~t.host_resident[ids] & whole
         np.add.at(moves.peer, gpus[peer], bytes_[peer])
         # a device-resident sequence's host copy is written again on its new node, from the KV that arrived there
-        rewritten = cross & ~t.host_resident[ids] & (t.host_node[ids] >= 0)
+        rewritten = cross & ~t.host_resident[ids] & copy & whole
         np.add.at(moves.d2h, gpus[rewritten], bytes_[rewritten])
+        if split.any():
+            self._reshard(ids[split], src[split], t.tp[ids[split]], gpus[split], t.tp[ids[split]], moves)
         pages = t.pages[ids].copy()
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.where[ids] = gpus
@@ -295,13 +314,21 @@ class ClusterState(Accounts):
         t.host_resident[ids] = True
 
     def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray, moves: Moves) -> None:
-        """PARTITION running sequences over `degree` GPUs each (the group starts at the lead GPU): tensor-parallel
-        attention with the KV split by heads (MHA/GQA; each rank keeps 1/degree) or replicated (MLA's latent).
+        """PARTITION running sequences over `degree` GPUs each (the group starts at the lead GPU, where the sequence
+        runs): tensor-parallel attention with the KV split by heads (MHA/GQA: GPU j of the group holds shard j,
+        1/degree of the heads) or replicated (MLA's latent: a whole replica on each GPU of the group).
 
-        Resharding is a copy over the GPUs' links: a device-resident sequence's shards (or, for MLA, whole
-        replicas) go from the lead to the new group members; going back to fewer ranks gathers them to the lead.
-        Only device-resident sequences: a host-resident one has no device KV to shard, and the executors would
-        have to build its shards from the host copy, a move this account does not price.
+        Resharding is device to device (batchgen.core.reshard): each GPU of the new group receives the part of its
+        new shard it does not hold yet from the GPU of the old group that holds it, charged to the GPU that
+        receives it (peer within a node, network across), and keeps what it holds. A split (1 -> d) sends shard j
+        (MLA: a replica) from the lead's pages to GPU j of the group, the lead keeping shard 0; a join (d -> 1)
+        gathers the other shards into the lead's pages (MLA: nothing moves, the lead's replica is whole); another
+        degree moves only the heads that change GPU. Only the tokens whose KV exists move (`kv_bytes`).
+
+        A sequence's host copy, if it has one, stays in its lead's host memory and is kept up to date like any
+        device-resident sequence's (host_sync: the new tokens' shards are gathered into the lead, which writes
+        them down; batchgen.sim.backend.synced_gather_bytes). Only device-resident sequences: a host-resident one
+        has no device KV to shard.
         """
         t = self.table
         gpus = t.where[ids]
@@ -317,18 +344,24 @@ class ClusterState(Accounts):
             return
         t.partitions[ids] += 1
         self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
-        kv = self.kv_bytes(ids)
-        old = t.tp[ids].astype(np.int64)
-        # bytes that land on ranks other than the lead: a shard per new member (or a replica for MLA), or the
-        # lead gathering what other members held
-        grow, shrink = degree > old, degree < old
-        share = (lambda d: kv * (d - 1) / d) if self.kv_split_by_heads else (lambda d: kv * (d - 1))
-        moved = np.where(grow, share(degree) - share(old), 0.0) + np.where(shrink, kv * (old - 1) / old, 0.0)
+        lead = t.where[ids]
+        self._reshard(ids, lead, t.tp[ids], lead, degree, moves)
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.tp[ids] = degree
-        np.add.at(moves.peer, t.where[ids], moved)  # priced on the lead's link
         # each member's pages for the context; the run's lookahead is reserved after this
         self._set_pages(ids, self.pages_needed(ids, t.context(ids)))
+
+    def _reshard(self, ids: np.ndarray, lead: np.ndarray, degree, new_lead: np.ndarray, new_degree,
+                 moves: Moves) -> None:
+        """The bytes of moving each sequence's KV from the group (lead, degree) to the group (new_lead,
+        new_degree), as `batchgen.core.reshard.pieces` moves it: each part charged to the GPU that receives it,
+        peer within a node, network across."""
+        node = self.topo.gpu_node
+        n = ids.size
+        for kv, a, d, b, e in zip(self.kv_bytes(ids).tolist(), lead.tolist(), np.broadcast_to(degree, n).tolist(),
+                                  new_lead.tolist(), np.broadcast_to(new_degree, n).tolist()):
+            for p in pieces(self.group_of(a, d), self.group_of(b, e), self.kv_split_by_heads):
+                (moves.peer if node[p.src] == node[p.dst] else moves.network)[p.dst] += p.nbytes(kv)
 
     def evict(self, instance: int, ids: np.ndarray) -> None:
         """Drop sequences' KV (running or suspended); they go back to the head of their queue and will be

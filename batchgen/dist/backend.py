@@ -116,7 +116,7 @@ class DistBackend(ExecBackend):
         (control.py)."""
         if ops.empty():
             return
-        bad = sorted(set(ops.split_degree.tolist()) - set(self.capabilities.partition_degrees))
+        bad = sorted(set(ops.reshard_to_degree.tolist()) - set(self.capabilities.partition_degrees))
         if bad:
             raise ValueError(f"a plan partitions sequences over {bad[0]} ranks; backend=dist declares degrees "
                              f"{self.capabilities.partition_degrees} for this model over instances of "
@@ -131,11 +131,11 @@ class DistBackend(ExecBackend):
             self.channel.quiesce(instances)
         self.channel.post(Command("kv", parts, migrations), instances)
         self.moves["evict"] += int(ops.evict_ids.size)
-        self.moves["yield"] += int(ops.yield_ids.size)
+        self.moves["yield"] += int(ops.yield_ids.size + ops.join_to_host.sum())  # a partitioned one: its join
         self.moves["offload"] += int(ops.offload_ids.size)
         self.moves["migrate"] += int(ops.migrate_ids.size)
         self.moves["restore"] += int(ops.restore_ids.size)
-        self.moves["partition"] += int(ops.split_ids.size)
+        self.moves["partition"] += int((ops.reshard_to_degree > 1).sum())
         inst = set(ops.gpus.tolist())
         self.traffic["cross_instance_migrations"] += sum(
             1 for s, d in zip(ops.migrate_src.tolist(), ops.migrate_dst.tolist()) if s not in inst or d not in inst)
@@ -189,7 +189,18 @@ class DistBackend(ExecBackend):
         self._post_nonempty("to_host", parts)
 
     def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
-        self._post_nonempty("sync", dict(self._synced(plan, ids)))
+        """Each rank syncs its own sequences' host copies; a partitioned sequence's lead gathers its new tokens
+        from its group first, every rank of the instance walking the same list (`Command.gathers`)."""
+        tp = self.state.table.tp
+        synced = self._synced(plan, ids)
+        gathers = [(s, self.state.group_of(g, int(tp[s]))) for g, mine in synced for s in mine if tp[s] > 1]
+        parts = {g: [s for s in mine if tp[s] == 1] for g, mine in synced}
+        if not gathers:
+            self._post_nonempty("sync", parts)
+            return
+        nodes = dict(zip(plan.gpus.tolist(), self.state.topo.gpu_node[plan.gpus].tolist()))
+        self.channel.post(Command("sync", {g: p for g, p in parts.items() if p}, gathers=gathers, nodes=nodes),
+                          [plan.instance])
 
     def _post_nonempty(self, kind: str, parts: dict) -> None:
         parts = {g: p for g, p in parts.items() if p}

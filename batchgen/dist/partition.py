@@ -5,12 +5,16 @@ host copy) and a group, the lead and the next degree - 1 ranks of the instance (
 of the group holds shard j of the sequence's KV in its own pool (`exec/shards.py`: KV heads j*Hkv/degree ..,
 or the whole latent for MLA).
 
-KV moves (`split_kv`, `join_kv`), at a boundary, in plan order on every rank (as migrations: each pair of
-ranks meets in the same place of the same list, so blocking sends and receives pair up):
-- split: the lead cuts its host copy into shards, keeps shard 0 and sends shard j to rank j of the group;
-- join with keep: each member sends its shard (the tokens decoded since the split included) back to the lead,
-  which appends what its host copy lacks; join without keep (the sequence finished or is evicted): every rank
-  of the group drops its shard, nothing moves.
+KV moves, at a boundary (or after a run, for host_sync), in plan order on every rank of the groups (as migrations:
+every rank walks the same list of parts, `batchgen.core.reshard`, so blocking sends and receives pair up):
+- reshard (`reshard_kv`): a running sequence goes from one group to another (a split from the lead's pages, a join
+  back into them, another degree, another lead), device to device: each rank of the new group receives the parts
+  of its shard it lacks from the ranks that hold them and keeps what it holds (the state prices exactly those
+  parts, charged to the receiving rank); a new lead takes the old lead's host copy as a migration does;
+- gather to host (`gather_to_host_kv`): a lead brings its host copy up to date, the group's other ranks sending it
+  their shards of the tokens the copy lacks (the lead tells them from where); after a run with host_sync, and
+  when the sequence is yielded (then every rank drops its shard); a finished or evicted one's shards are only
+  dropped, nothing moves.
 
 Forward (`HeadShardExchange`), in every layer, after the rank's own attention and before the MoE:
 1. dispatch: each lead sends the normed hidden rows of its partitioned sequences to the other ranks of their
@@ -38,11 +42,13 @@ import torch
 
 from batchgen.core.sequences import InvariantError
 from batchgen.dist.comm import Comm
+from batchgen.core.reshard import overlaps, shard_units
 from batchgen.dist.kv_transfer import recv_rows, send_rows
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.tensor_parallel import shard_attention
-from batchgen.exec.shards import host_shards, join_host, shards_of
+from batchgen.exec.shards import (Count, holding, part_of, place_holding, release_holding, shards_of,
+                                   write_host)
 
 
 @dataclass
@@ -187,38 +193,68 @@ class HeadShardExchange:
 
 # ---- KV moves ---------------------------------------------------------------------------------------------
 
-def split_kv(comm: Comm, cache: PagedKVCache, seq_id: int, group: tuple[int, ...], device=None) -> int:
-    """PARTITION at a boundary, on each rank of `group` (ranks; group[0] the lead, which holds the sequence
-    host-only with a complete host copy): the lead keeps shard 0 and sends shard j to group[j]; a member
-    receives its shard. Returns the bytes this rank wrote into its shard pool."""
+def reshard_kv(comm: Comm, cache: PagedKVCache, seq_id: int, old: tuple[int, ...], new: tuple[int, ...],
+               count: Count, device=None) -> None:
+    """A running sequence from group `old` to group `new` (ranks of `comm`, lead first; a group of one holds the
+    whole KV in its pages), on each rank of either: it sends the parts of what it holds that another rank of the
+    new group needs, receives the parts of its new shard it lacks (`count`ed), then gives up its old holding and
+    takes its new one (`shards.reshard` in one process)."""
     device = torch.device("cpu") if device is None else device
-    store = shards_of(cache)
-    degree, j = len(group), group.index(comm.rank)
-    if j == 0:
-        parts = host_shards(cache, seq_id, degree)
-        for k in range(1, degree):
-            send_rows(comm, seq_id, parts[k].contiguous(), group[k], device)
-        part = parts[0]
-    else:
-        part = recv_rows(comm, seq_id, group[0], device).cpu()
-    store.put(seq_id, degree, j, part)
-    return part.numel() * part.element_size()
+    me = comm.rank
+    by_heads = shards_of(cache).split
+    mine = holding(cache, seq_id, len(old)) if me in old else None
+    parts = []
+    for p in overlaps(tuple(old), tuple(new), by_heads):
+        if p.src == me:
+            rows = part_of(mine, p, shard_units(old.index(me), len(old), p.units), by_heads)
+            if p.dst == me:
+                parts.append(rows)
+            else:
+                send_rows(comm, seq_id, rows.contiguous(), p.dst, device)
+        elif p.dst == me:
+            rows = recv_rows(comm, seq_id, p.src, device).to(cache.device)
+            count(p, rows.numel() * rows.element_size())
+            parts.append(rows)
+    if me in old:
+        release_holding(cache, seq_id, len(old))
+    if me in new:
+        place_holding(cache, seq_id, len(new), new.index(me), torch.cat(parts, dim=3) if by_heads else parts[0])
 
 
-def join_kv(comm: Comm, cache: PagedKVCache, seq_id: int, group: tuple[int, ...], keep: bool, device=None) -> int:
-    """The end of a partition, on each rank of `group`: with `keep`, the members send their shards to the lead,
-    which appends what its host copy lacks; without, every rank drops its shard. Returns the bytes of this
-    rank's shard taken back (0 when dropped)."""
+def gather_to_host_kv(comm: Comm, cache: PagedKVCache, seq_id: int, group: tuple[int, ...], count: Count,
+                      device=None) -> int:
+    """A partitioned sequence's lead (group[0]) brings its host copy up to date, on each rank of `group`: the lead
+    tells the others how many tokens its copy holds, they send their shards of the rest (`count`ed on the lead:
+    MLA's lead holds the whole latent, so nobody sends), the lead writes it down (`shards.gather_to_host` in one
+    process). Returns the bytes the lead wrote (device -> host); 0 on the other ranks. The shards stay."""
     device = torch.device("cpu") if device is None else device
+    me, lead = comm.rank, group[0]
     store = shards_of(cache)
-    if not keep:
-        store.release([seq_id])
+    start = torch.zeros(1, dtype=torch.int64)
+    if me == lead:
+        start[0] = cache.synced_tokens(seq_id) if seq_id in cache else 0
+    if store.split:  # the members need to know which tokens the lead lacks
+        for g in group[1:]:
+            if me == lead:
+                comm.send(start.to(device), g, what=f"host copy length of sequence {seq_id}")
+            elif me == g:
+                got = torch.empty(1, dtype=torch.int64, device=device)
+                comm.recv(got, lead, what=f"host copy length of sequence {seq_id}")
+                start[0] = int(got.item())
+    if store.length(seq_id) == int(start[0]):
         return 0
-    j = group.index(comm.rank)
-    mine = store.take(seq_id)
-    if j > 0:
-        send_rows(comm, seq_id, mine.contiguous(), group[0], device)
-        return mine.numel() * mine.element_size()
-    parts = [mine] + [recv_rows(comm, seq_id, src, device).cpu() for src in group[1:]]
-    join_host(cache, seq_id, parts)
-    return mine.numel() * mine.element_size()
+    mine = holding(cache, seq_id, len(group), int(start[0]))
+    parts = []
+    for p in overlaps(tuple(group), (lead,), store.split):
+        if p.src == me == p.dst:
+            parts.append(part_of(mine, p, shard_units(0, len(group), p.units), store.split))
+        elif p.src == me:
+            rows = part_of(mine, p, shard_units(group.index(me), len(group), p.units), store.split)
+            send_rows(comm, seq_id, rows.contiguous(), lead, device)
+        elif p.dst == me:
+            rows = recv_rows(comm, seq_id, p.src, device).to(cache.device)
+            count(p, rows.numel() * rows.element_size())
+            parts.append(rows)
+    if me != lead:
+        return 0
+    return write_host(cache, seq_id, int(start[0]), torch.cat(parts, dim=3) if store.split else parts[0])

@@ -11,15 +11,17 @@ lines up across ranks:
   kept beside device pages exactly when the plan says) (`kv_transfer`; over the instance's group, or the world
   group when the two ends are in different instances): every rank walks the same list, so sends and receives
   pair up without a global view; PARTITION's joins
-  (first) and splits (last) likewise, between the lead and the other ranks of each group, within the instance
-  (`partition.join_kv` / `split_kv`: head shards sent and received);
+  (first: a yielded sequence's lead gathers what its host copy lacks, then every rank of the group drops its
+  shard) and reshards (last: each part of a new shard sent device to device by the rank that holds it) likewise,
+  within the instance (`partition.gather_to_host_kv` / `reshard_kv`, batchgen.core.reshard's parts);
 - `forward`: one forward of this rank's sequences (the single-process runner's code, `InstanceRunner`, over one
   `RankBatch`: paged attention, staged host-resident attention, sampling); its MoE layers are
   `ExpertParallelMoE` collectives, so a rank with no tokens still runs every layer with zero rows; partitioned
   sequences run on their lead, their attention spread over their group by `partition.HeadShardExchange` (two
   all-to-alls per layer, every rank joining); then it samples its sequences and replies with the tokens and its
   timings (gathered on rank 0);
-- `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync;
+- `to_host` / `sync`: prefills bound for host yielded after the forward, host copies kept in sync (a partitioned
+  sequence's by its lead, from its group's shards: `gathers`, walked in order by every rank of the instance);
 - `stop` (reply: the run's totals) and `abort` (rank 0 failed: leave without a reply).
 
 The control channel is a `Comm` over a gloo group of its own (its waits are not counted as communication: they
@@ -43,14 +45,16 @@ import torch
 import torch.distributed as dist
 
 from batchgen.core.ops import GpuOps
+from batchgen.core.reshard import Part
 from batchgen.dist.comm import Comm
 from batchgen.dist.control import REPLY_KINDS, broadcast_command, gather_replies, receive_command, send_reply
 from batchgen.dist.kv_transfer import recv_sequence, send_sequence
-from batchgen.dist.partition import HeadShardExchange, join_kv, split_kv
+from batchgen.dist.partition import HeadShardExchange, gather_to_host_kv, reshard_kv
 from batchgen.exec.backend import migration_tiers
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import SamplingParams, sample
+from batchgen.exec.shards import shards_of
 
 
 @dataclass
@@ -62,6 +66,10 @@ class Command:
     parts: dict = field(default_factory=dict)
     # kv: (id, source rank, destination rank, to device, host copy kept, across nodes), plan order
     migrations: list = field(default_factory=list)
+    # sync: (id, group's global ranks, lead first) of each partitioned sequence whose lead brings its host copy up
+    # to date, in order, and {rank: node} of the instance's ranks (the tier of the parts gathered)
+    gathers: list = field(default_factory=list)
+    nodes: dict = field(default_factory=dict)
     micro_batch: int = 0            # forward
     cpu_attention: bool = False
     ffn_schedule: str = "combined"
@@ -192,6 +200,10 @@ class RankWorker:
         elif cmd.kind == "sync":
             self._counted("sync", "d2h", self.cache.sync_to_host,
                           [s for s in cmd.parts.get(self.rank, []) if self.cache.on_device(s)])
+            for sid, group in cmd.gathers:
+                if self.rank in group:
+                    self._bytes("sync", "d2h", gather_to_host_kv(self.comm, self.cache, sid, self._local(group),
+                                                                 self._parts("sync", cmd.nodes), self.comm_device))
             out = None
         else:
             raise ValueError(f"unknown command {cmd.kind!r}")
@@ -230,21 +242,24 @@ class RankWorker:
 
     def _kv(self, ops: GpuOps, migrations: list) -> None:
         """This rank's KV ops in the order of `KVOps`' fields (join, free, evict, yield, offload, migrate,
-        restore, split). Joins and splits are walked in plan order by every rank of their group, like
-        migrations (partition.py): the lead counts the partition, each rank the shard bytes it moved."""
-        if (ops.join or ops.split) and self.partition is None:
+        restore, reshard). Joins and reshards are walked in plan order by every rank of their groups, like
+        migrations (partition.py): each rank counts the parts it receives; the new lead counts the partition."""
+        if (ops.join or ops.reshard) and self.partition is None:
             raise RuntimeError(f"a plan partitions sequences over one process (rank {self.rank}): PARTITION "
                                "needs a degree of at most backend.procs")
         cache = self.cache
         files = self.host_files
         if files is not None:  # the published index must not name a sequence whose pages this boundary may reuse
             files.publish_before_release(cache, [*ops.free, *ops.evict, *(j[0] for j in ops.join),
-                                                 *(s[0] for s in ops.split),
+                                                 *(r[0] for r in ops.reshard),
                                                  *(m[0] for m in migrations if m[1] == self.rank)])
-        for sid, group, keep in ops.join:  # groups of global ranks, within this instance: its group's ranks
-            nbytes = join_kv(self.comm, cache, sid, self._local(group), keep, self.comm_device)
-            self._reshard(nbytes)
-            self._bytes("join", "d2h", nbytes)
+        for sid, group, to_host in ops.join:  # groups of global ranks, within this instance: its group's ranks
+            if to_host:
+                self._bytes("yield", "d2h", gather_to_host_kv(self.comm, cache, sid, self._local(group),
+                                                              self._parts("join", ops.nodes), self.comm_device))
+            shards_of(cache).release([sid])
+            if not to_host and group[0] == self.rank and sid in cache:
+                cache.release([sid])
         cache.release(ops.free)
         cache.release(ops.evict)
         self._count("evict", len(ops.evict))
@@ -266,12 +281,21 @@ class RankWorker:
                     self._bytes(kind, tier, nbytes)
         self._counted("restore", "h2d", cache.restore, ops.restore)
         self._count("restore", len(ops.restore))
-        for sid, group in ops.split:
-            nbytes = split_kv(self.comm, cache, sid, self._local(group), self.comm_device)
-            self._reshard(nbytes)
-            self._bytes("split", "h2d", nbytes)
-            # the lead counts the partition (as rank 0's plan does), each other rank of the group the shard it got
-            self._count("partition" if group[0] == self.rank else "partition_shard", 1)
+        for sid, old, new, host_copy in ops.reshard:
+            reshard_kv(self.comm, cache, sid, self._local(old), self._local(new), self._parts("reshard", ops.nodes),
+                       self.comm_device)
+            if host_copy and old[0] != new[0] and self.rank in (old[0], new[0]):  # the host copy follows the lead
+                comm, (s, d) = self._between(old[0], new[0])
+                if self.rank == old[0]:
+                    send_sequence(comm, cache, sid, d, self._device_for(comm))
+                    cache.release([sid])
+                else:
+                    moved = recv_sequence(comm, cache, sid, s, False, True, self._device_for(comm))
+                    for _, tier, nbytes in migration_tiers(moved, ops.nodes[old[0]] != ops.nodes[new[0]]):
+                        self._bytes("reshard_host_copy", tier, nbytes)
+            if len(new) > 1 and self.rank in new:
+                # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
+                self._count("partition" if new[0] == self.rank else "partition_shard", 1)
         if files is not None:
             files.publish(cache)
 
@@ -279,8 +303,15 @@ class RankWorker:
         """A partition group's global ranks as ranks of this instance's group (the same for one instance)."""
         return tuple(self.comm.ranks.index(g) for g in group)
 
-    def _reshard(self, nbytes: int) -> None:
-        self.traffic["reshard_bytes"] = self.traffic.get("reshard_bytes", 0) + nbytes
+    def _parts(self, kind: str, nodes: dict):
+        """A `shards.Count` for this rank: each part of a reshard or gather it receives (ranks of its instance's
+        group), as `kind`: peer from a rank of its node, network from another."""
+        def count(part: Part, nbytes: int) -> None:
+            src, dst = self.comm.ranks[part.src], self.comm.ranks[part.dst]
+            self._bytes(kind, "peer" if nodes[src] == nodes[dst] else "network", nbytes)
+            if kind == "reshard":
+                self.traffic["reshard_bytes"] = self.traffic.get("reshard_bytes", 0) + nbytes
+        return count
 
     def _between(self, src: int, dst: int) -> tuple[Comm, tuple[int, int]]:
         """The group a migration between global ranks src and dst goes over, and their ranks in it: the

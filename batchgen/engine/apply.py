@@ -104,8 +104,7 @@ def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, g
     ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids, moved)
     ledger.apply(ops, fresh_ids, fresh_gpu, to_host)
     t = state.table
-    ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids] & (t.tp[decode_ids] == 1),
-                         t.tp[decode_ids])
+    ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids], t.tp[decode_ids])
     return ops
 
 

@@ -5,17 +5,18 @@ within a node (peer) and across nodes (network); and one it has no price for: `h
 one host pool to another of the same node (backend=dist, whose processes each keep their own pool). Bytes are
 counted from the tensors copied (element count x element size), charged as the state charges them: a migration
 to the GPU that receives it (every copy it causes there included), a checkpoint or a restore to the GPU whose
-device it leaves or reaches, PARTITION's shards to each GPU of the group.
+device it leaves or reaches, each part of PARTITION's resharding to the GPU that receives it (batchgen.core.reshard).
 
-Kinds: the KV ops (yield, offload, migrate, restore, split, join); `migrate_host_copy`, the host copy a
-migration's destination keeps, made again from the arrival when the source's was in another host pool (another
-node; under backend=dist, another process): a copy the state does not price; and two that runs cause: `sync`
-(host_sync's checkpoints of new tokens) and `to_host` (prefills bound for host, written down after their
+Kinds: the KV ops (yield, offload, migrate, restore); `reshard`, the parts of a partitioned sequence's KV sent
+device to device when its group changes, and `reshard_host_copy`, its host copy following a new lead; `join`,
+the shards a yielded partitioned sequence's lead gathers before it writes them down (as `yield`);
+`migrate_host_copy`, the host copy a migration's destination keeps, made again from the arrival when the source's
+was in another host pool (another node; under backend=dist, another process): a copy the state prices only
+across nodes; and two that runs cause: `sync` (host_sync's checkpoints of new tokens, with the shards a
+partitioned sequence's lead gathers for them) and `to_host` (prefills bound for host, written down after their
 forward).
 
-Beside the bytes, how many sequences' KV each copied (`copies_of`): the state prices a copy by the sequence's
-context (prompt + generated tokens), but the newest token's KV is written only by the next forward, so every
-copy moves one token's KV less than it prices (a difference a test can name exactly).
+Beside the bytes, how many sequences' KV each copied (`copies_of`).
 """
 
 from __future__ import annotations

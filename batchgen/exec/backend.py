@@ -4,7 +4,8 @@ Placement decisions are already applied to the `ClusterState` when a run starts,
 explicit KV ops per GPU (batchgen.core.ops): `move_kv` carries them out, cache by cache (YIELD to the host copy,
 OFFLOAD to run host-resident, MIGRATE from the source's device pages (or its host copy) straight into the
 destination's device pages (or host copy), COMBINE by restoring the host copy, evict and free, PARTITION by
-splitting a lead's host copy into head shards and joining them back). It reads no global view of the state to
+resharding a sequence's KV device to device between the GPUs of its groups, as batchgen.core.reshard lists the
+parts, a partitioned sequence's host copy kept up to date from its shards). It reads no global view of the state to
 find what to do, so a backend with one process per rank can do the same from the ops alone. Every byte those
 ops and the runs copy is counted per kind, GPU and tier (`account`, batchgen.exec.account), as the state prices
 them (`StepPlan.moves`). Then the run itself: one forward with prefills, or up to `steps` decode iterations,
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from batchgen.core.ops import KVOps
+from batchgen.core.reshard import Part
 from batchgen.core.sequences import SUSPENDED, InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
@@ -36,7 +38,7 @@ from batchgen.exec.kv_cache import Migrated, PagedKVCache, migrate
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
 from batchgen.exec.sequences import SequenceTokens
-from batchgen.exec.shards import join, shards_of, split
+from batchgen.exec.shards import drop, gather_to_host, reshard, shards_of
 
 
 def _by_gpu(ids: np.ndarray, gpus: np.ndarray) -> list[tuple[int, list[int]]]:
@@ -122,22 +124,21 @@ class ExecBackend:
     # ---- KV ops: the tensors follow the plan ------------------------------------------------------------
     def move_kv(self, ops: KVOps) -> None:
         """A boundary's KV ops, in their order (batchgen.core.ops); each names the GPU whose cache it touches.
-        Partition groups first: a sequence whose partition ends gets its shards back in the lead's host copy
-        (or dropped with a finished or evicted sequence). A migration goes from the source's device pages (or,
-        with none, its host copy) straight into the destination's device pages (or host copy), which keeps a host
-        copy exactly when the op says (`kv_cache.migrate`); within a node the host copy changes hands in the
-        node's host pool."""
+        Partition groups that end first: a yielded sequence's lead gathers what its host copy lacks from the
+        group's shards and writes it down, then every GPU drops its shard (with a finished or evicted sequence,
+        the lead its host copy too). A migration goes from the source's device pages (or, with none, its host
+        copy) straight into the destination's device pages (or host copy), which keeps a host copy exactly when
+        the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
+        Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
+        would."""
         caches, account = self.caches, self.account
-        for sid, lead, degree, keep in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
-                                           ops.join_degree.tolist(), ops.join_keep.tolist()):
-            gpus = ops.group(lead, degree)
-            if keep:
-                for g, nbytes in zip(gpus, join([caches[g] for g in gpus], sid)):
-                    self.traffic["reshard_bytes"] += nbytes
-                    account.add("join", "d2h", g, nbytes)
-            else:
-                for g in gpus:
-                    shards_of(caches[g]).release([sid])
+        for sid, lead, degree, to_host in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
+                                              ops.join_degree.tolist(), ops.join_to_host.tolist()):
+            group = tuple(ops.group(lead, degree))
+            if to_host:
+                account.add("yield", "d2h", lead, gather_to_host(caches, sid, group, self._parts("join")))
+                self.moves["yield"] += 1
+            drop(caches, sid, group, keep_host_copy=to_host)
         for g, ids in _by_gpu(ops.free_ids, ops.free_gpu):
             caches[g].release(ids)
         for g, ids in _by_gpu(ops.evict_ids, ops.evict_gpu):  # recomputed later from prompt + generated tokens
@@ -156,12 +157,25 @@ class ExecBackend:
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
             self._counted("restore", "h2d", g, caches[g].restore, ids)
             self.moves["restore"] += len(ids)
-        for sid, lead, degree in zip(ops.split_ids.tolist(), ops.split_lead.tolist(), ops.split_degree.tolist()):
-            gpus = ops.group(lead, degree)
-            for g, nbytes in zip(gpus, split([caches[g] for g in gpus], sid, degree)):
+        node = self.state.topo.gpu_node
+        for sid, old, new, host_copy in ops.reshards():
+            reshard(caches, sid, old, new, self._parts("reshard"))
+            if host_copy and old[0] != new[0]:  # the lead's host copy follows it
+                moved = migrate(caches[old[0]], caches[new[0]], sid, to_device=False, host_copy=True)
+                for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
+                    account.add("reshard_host_copy", tier, new[0], nbytes)
+            self.moves["partition"] += int(len(new) > 1)
+
+    def _parts(self, kind: str):
+        """A `shards.Count` that charges each part of a reshard or gather to the GPU that receives it, as `kind`:
+        peer from a GPU of its node, network from another."""
+        node = self.state.topo.gpu_node
+
+        def count(part: Part, nbytes: int) -> None:
+            self.account.add(kind, "peer" if node[part.src] == node[part.dst] else "network", part.dst, nbytes)
+            if kind == "reshard":
                 self.traffic["reshard_bytes"] += nbytes
-                account.add("split", "h2d", g, nbytes)
-            self.moves["partition"] += 1
+        return count
 
     def _counted(self, kind: str, tier: str, gpu: int, copy, ids: list[int]) -> None:
         """copy(ids) on GPU `gpu`'s cache, its bytes (as the cache measured them) counted as `kind` there."""
@@ -191,11 +205,15 @@ class ExecBackend:
         for sid, g, host, tp in zip(plan.decode_ids.tolist(), gpus.tolist(), plan.decode_host_resident.tolist(),
                                     plan.decode_tp.tolist()):
             cache = self.caches[g]
-            if sid not in cache or cache.on_device(sid) != (not host and tp == 1):
-                raise InvariantError(f"sequence {sid} decodes on GPU {g} " + ("host-resident" if host or tp > 1
+            if tp > 1:  # its shard on every GPU of its group; on its lead at most a host copy beside it
+                group = self.state.group_of(g, tp)
+                if any(sid not in shards_of(self.caches[m]) for m in group) or (sid in cache
+                                                                                 and cache.on_device(sid)):
+                    raise InvariantError(f"sequence {sid} decodes partitioned over GPUs {group} without its shards "
+                                         "there (or with device pages on its lead)")
+            elif sid not in cache or cache.on_device(sid) != (not host):
+                raise InvariantError(f"sequence {sid} decodes on GPU {g} " + ("host-resident" if host
                                      else "device-resident") + " but its cache does not hold it so")
-            if tp > 1 and sid not in shards_of(cache):
-                raise InvariantError(f"sequence {sid} decodes partitioned from GPU {g} without its shards")
 
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
@@ -382,10 +400,15 @@ class ExecBackend:
 
     def _sync(self, plan: StepPlan, ids: np.ndarray) -> None:
         """host_sync: the new tokens of running device-resident sequences into the host copies the state counts
-        (a sequence without one, in the state, gets none here either)."""
+        (a sequence without one, in the state, gets none here either); a partitioned one's lead gathers them from
+        its group's shards first (`shards.gather_to_host`)."""
+        tp = self.state.table.tp
         for g, mine in self._synced(plan, ids):
-            self._counted("sync", "d2h", g, self.caches[g].sync_to_host,
-                          [s for s in mine if self.caches[g].on_device(s)])
+            cache = self.caches[g]
+            self._counted("sync", "d2h", g, cache.sync_to_host, [s for s in mine if tp[s] == 1 and cache.on_device(s)])
+            for sid in (s for s in mine if tp[s] > 1):
+                group = self.state.group_of(g, int(tp[sid]))
+                self.account.add("sync", "d2h", g, gather_to_host(self.caches, sid, group, self._parts("sync")))
 
     def _synced(self, plan: StepPlan, ids: np.ndarray) -> list[tuple[int, list[int]]]:
         """(GPU, its sequences among `ids` whose host copy the state counts), for each GPU of the plan."""

@@ -14,6 +14,7 @@ import numpy as np
 import simpy
 
 from batchgen import fastpath
+from batchgen.core.reshard import pieces
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.latency import LatencyModel
@@ -292,7 +293,11 @@ class SimBackend:
         self.h2d_bytes += float(plan.moves.h2d[g].sum())
         for arr, fn in ((plan.moves.h2d[g], lat.h2d), (d2h, lat.d2h)):
             seconds += np.where(arr > 0, fn(arr), 0.0)
-        for arr, cross in ((plan.moves.network[g], True), (plan.moves.peer[g], False)):
+        peer, network = plan.moves.peer[g], plan.moves.network[g]
+        if plan.host_sync and self.state.partitioned_ever:
+            gathered_peer, gathered_network = synced_gather_bytes(self.state, plan, produced, finished)
+            peer, network = peer + gathered_peer, network + gathered_network
+        for arr, cross in ((network, True), (peer, False)):
             seconds += np.where(arr > 0, lat.network(arr, cross), 0.0)
         return seconds
 
@@ -311,6 +316,30 @@ def synced_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray, fini
     t = state.table
     synced = ~np.asarray(plan.decode_host_resident, bool) & (t.host_node[plan.decode_ids] >= 0) & ~finished
     return np.bincount(plan.decode_rank[synced], weights=produced[synced] * state.kv_bytes_per_token, minlength=R)
+
+
+def synced_gather_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray,
+                        finished: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(peer, network) bytes per rank that host_sync's checkpoint gathers before it writes (`synced_bytes`): a
+    PARTITIONed sequence's new tokens are written down by its lead, which first takes the other GPUs' shards of
+    them (batchgen.core.reshard: a join of the new tokens to the lead; MLA's lead holds the whole latent, so none
+    move), each charged to the lead: peer from a GPU of its node, network from another."""
+    R = plan.gpus.size
+    peer, network = np.zeros(R), np.zeros(R)
+    if not (plan.host_sync and plan.decode_ids.size and state.partitioned_ever):
+        return peer, network
+    t = state.table
+    tp = np.asarray(plan.decode_tp)
+    rows = np.flatnonzero((tp > 1) & ~np.asarray(plan.decode_host_resident, bool)
+                          & (t.host_node[plan.decode_ids] >= 0) & ~finished)
+    node = state.topo.gpu_node
+    for i in rows.tolist():
+        r = int(plan.decode_rank[i])
+        lead = int(plan.gpus[r])
+        kv = float(produced[i]) * state.kv_bytes_per_token
+        for p in pieces(state.group_of(lead, int(tp[i])), (lead,), state.kv_split_by_heads):
+            (peer if node[p.src] == node[p.dst] else network)[r] += p.nbytes(kv)
+    return peer, network
 
 
 def _padded(lengths: np.ndarray, rank: np.ndarray, num_ranks: int) -> np.ndarray:

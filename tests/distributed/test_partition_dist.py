@@ -1,5 +1,6 @@
 """PARTITION across processes (backend=dist): stragglers' KV split by heads over the processes of their group with
-real send/recv, head-sharded attention with its per-layer exchange, shards joined back; greedy outputs equal the
+real send/recv (device to device, the parts batchgen.core.reshard lists), head-sharded attention with its per-layer
+exchange, host copies brought up to date from the shards, shards joined back; greedy outputs equal the
 single-process executor's and transformers' (the loop expert kernel, as in test_dist_backend.py)."""
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def test_partitioned_stragglers_match_exec_and_hf(tmp_path_factory, loop_kernel,
     assert sum(m.get("partition_shard", 0) for m in out.rank_moves) == moved["partition"] * (degree - 1)
     holders = sum(m.get("partition", 0) + m.get("partition_shard", 0) > 0 for m in out.rank_moves)
     assert holders == degree if stragglers == 1 else holders >= degree
-    # the same KV moves as the single-process executor, and the same shard bytes split and joined (each rank
-    # counted its own shard's; rank 0 adds them up)
+    # the same KV moves as the single-process executor, and the same parts resharded and gathered, per rank and
+    # tier (each rank counted those it received; rank 0 adds them up)
     assert {k: v for k, v in moved.items() if v} == {k: v for k, v in ref.kv_moves.items() if v}
     assert out.kv_traffic["reshard_bytes"] == ref.kv_traffic["reshard_bytes"] > 0
+    for kind in ("reshard", "join", "sync", "reshard_host_copy"):
+        assert out.kv_account.as_dict().get(kind) == ref.kv_account.as_dict().get(kind), kind
     # every process entered the per-layer exchange of every partitioned forward, and rows crossed processes
     layers = out.kv_traffic["partition_exchange_layers"]
     assert layers > 0 and layers % (procs * 3) == 0, layers  # 3 layers, every process
@@ -88,7 +91,7 @@ def test_partitioned_stragglers_match_exec_and_hf(tmp_path_factory, loop_kernel,
     assert all(c > 0 for c in out.rank_comm_s)
 
 
-# ---- split and join between processes, on caches alone --------------------------------------------------------
+# ---- reshards and gathers between processes, on caches alone --------------------------------------------------
 
 SPLITS = {7: (2, 0), 8: (0, 1, 2), 9: (1, 2)}  # sequence: its group (lead first), wrapping over 3 processes
 GEOMETRY = {"gqa": dict(num_layers=2, num_kv_heads=6, head_dim=3), "mla": dict(num_layers=2, num_kv_heads=1,
@@ -96,7 +99,8 @@ GEOMETRY = {"gqa": dict(num_layers=2, num_kv_heads=6, head_dim=3), "mla": dict(n
 
 
 def _lead_cache(geometry: str, lead: int) -> PagedKVCache:
-    """Every process builds the same caches; the leads' sequences hold 10 tokens, host-only (as split wants)."""
+    """Every process builds the same caches; the leads' sequences hold 10 tokens in their device pages, and 8 a host
+    copy of them too."""
     cache = PagedKVCache(**GEOMETRY[geometry], page_size=4, num_pages=24)
     gen = torch.Generator().manual_seed(5)
     for sid, group in SPLITS.items():
@@ -107,7 +111,8 @@ def _lead_cache(geometry: str, lead: int) -> PagedKVCache:
             for pool in cache.layer(l)[:cache.planes]:
                 flat = pool.view(-1, cache.num_kv_heads, pool.shape[-1])
                 flat[meta.slot_mapping] = torch.randn(10, *flat.shape[1:], generator=gen)
-        cache.yield_to_host([sid])
+        if sid == 8:
+            cache.sync_to_host([8])
     return cache
 
 
@@ -120,16 +125,24 @@ def _new_row(geometry: str, sid: int) -> torch.Tensor:
 
 
 def _split_decode_join(ctx, geometry):
-    from batchgen.dist.partition import join_kv, split_kv
+    from batchgen.dist.partition import gather_to_host_kv, reshard_kv
 
     comm = Comm()
     me = comm.rank
     cache = _lead_cache(geometry, me)
-    before = {sid: cache.export(sid).tokens().clone() for sid, g in SPLITS.items() if g[0] == me}
-    moved = sum(split_kv(comm, cache, sid, g) for sid, g in SPLITS.items() if me in g)
+    received = [0]
+
+    def count(part, nbytes):
+        assert part.dst == me and part.src != me
+        received[0] += nbytes
+
+    whole = {sid: cache.migration_rows(sid)[0].clone() for sid, g in SPLITS.items() if g[0] == me}
+    for sid, group in SPLITS.items():  # split from the lead's pages, device to device
+        if me in group:
+            reshard_kv(comm, cache, sid, (group[0],), group, count)
     store = shards_of(cache)
     cache.check()
-    held = sorted(store.seq_ids())
+    held, split = sorted(store.seq_ids()), received[0]
     for sid, group in SPLITS.items():  # one decode token: each shard writes its heads (MLA: the whole latent)
         if me not in group:
             continue
@@ -141,33 +154,47 @@ def _split_decode_join(ctx, geometry):
         for l in range(cache.num_layers):
             for plane, pool in enumerate(store.layer(l, degree)[:cache.planes]):
                 pool.flatten(0, 1)[m.slot_mapping] = part[l, plane][None]
-    keep = {7: True, 8: True, 9: False}
-    back = sum(join_kv(comm, cache, sid, g, keep[sid]) for sid, g in SPLITS.items() if me in g)
-    after = {sid: cache.export(sid).tokens().clone() for sid in before}
-    return held, moved, back, before, after, cache.used_pages()
+    received[0] = 0
+    wrote = gather_to_host_kv(comm, cache, 8, SPLITS[8], count) if me in SPLITS[8] else 0  # 8's host copy
+    gathered = received[0]
+    received[0] = 0
+    if me in SPLITS[7]:  # 7 joins back into its lead's pages
+        reshard_kv(comm, cache, 7, SPLITS[7], (SPLITS[7][0],), count)
+    for sid in (8, 9):  # 8 yielded (its host copy is up to date), 9 finished: every rank drops its shard
+        if me in SPLITS[sid]:
+            store.release([sid])
+    if me == SPLITS[9][0]:
+        assert 9 not in cache
+    after = {7: cache.migration_rows(7)[0] if me == 2 else None,
+             8: cache.export(8).tokens() if me == 0 else None}
+    return held, split, gathered, wrote, received[0], whole, after, cache.used_pages(), cache.seq_ids()
 
 
 @pytest.mark.parametrize("geometry", ["gqa", "mla"])
-def test_split_and_join_send_the_shards_between_processes(geometry):
-    """Three processes: shards go from each lead to its group (real send/recv, groups wrapping), a decode
-    token is written into every shard, and joining brings the old KV plus the new token back into the lead's
-    host copy (keep) or drops the shards (9: finished); the shard pages go back to each pool."""
+def test_reshards_and_gathers_send_the_shards_between_processes(geometry):
+    """Three processes: shards go from each lead's pages straight to its group (real send/recv, groups wrapping),
+    a decode token is written into every shard; 8's lead brings its host copy up to date from the group's shards,
+    7 joins back into its lead's pages (the old KV plus the new token), 8 and 9 drop their shards; the shard pages
+    go back to each pool. Only the parts that cross processes are counted, on the rank that receives them: for GQA
+    a shard per other rank, for MLA a replica."""
     results = run_procs(_split_decode_join, 3, geometry)
     split = geometry == "gqa"
-    for rank, (held, moved, back, before, after, used) in enumerate(results):
-        assert held == sorted(sid for sid, g in SPLITS.items() if rank in g)
-        assert used == 0
-        for sid, got in after.items():
-            want = torch.cat([before[sid], _new_row(geometry, sid)[None]]) if sid != 9 else before[sid]
-            assert torch.equal(got, want), (rank, sid)
-    # bytes, summed over the ranks: shards of 10 tokens split, of 11 joined back (9 dropped: nothing moved);
-    # a GQA sequence's shards add up to its whole KV, an MLA one's latent is replicated on each of its group
     g = GEOMETRY[geometry]
     whole = g["num_layers"] * (2 if split else 1) * g["num_kv_heads"] * g["head_dim"] * 4  # bytes per token
-    want_split = sum(10 * whole * (1 if split else len(g)) for g in SPLITS.values())
-    want_join = sum(11 * whole * (1 if split else len(g)) for sid, g in SPLITS.items() if sid != 9)
-    assert sum(r[1] for r in results) == want_split
-    assert sum(r[2] for r in results) == want_join
+    for rank, (held, moved, gathered, wrote, joined, before, after, used, seqs) in enumerate(results):
+        assert held == sorted(sid for sid, grp in SPLITS.items() if rank in grp)
+        # each rank receives its shard of every group it joins but leads (MLA: a whole replica)
+        assert moved == sum(10 * whole // (len(grp) if split else 1) for grp in SPLITS.values()
+                            if rank in grp[1:])
+        if rank == 0:  # 8's lead: the other two thirds of the new token (MLA: none, its replica is whole)
+            assert gathered == (whole * 2 // 3 if split else 0) and wrote == whole
+            rows = before[8].permute(2, 0, 1, 3, 4)  # [tokens, layers, planes, heads, dim], as export gives
+            assert torch.equal(after[8], torch.cat([rows, _new_row(geometry, 8)[None]]))
+        if rank == 2:  # 7's lead: the other shard of 11 tokens (MLA: none)
+            assert joined == (11 * whole // 2 if split else 0)
+            assert torch.equal(after[7], torch.cat([before[7], _new_row(geometry, 7)[:, :, None]], dim=2))
+        assert used == (3 if rank == 2 else 0)  # only 7's pages (11 tokens), on its lead
+        assert sorted(seqs) == sorted([7] * (rank == 2) + [8] * (rank == 0))
 
 
 def test_degrees_declared_and_a_plan_beyond_them_refused_before_any_command(tmp_path_factory):
@@ -197,6 +224,32 @@ def test_degrees_declared_and_a_plan_beyond_them_refused_before_any_command(tmp_
     assert backend(2).capabilities.partition_degrees == (1, 2)
     assert backend(4).capabilities.partition_degrees == (1, 2, 4)
     two = backend(2)
-    ops = KVOps(np.arange(2), split_ids=np.array([0]), split_lead=np.array([0]), split_degree=np.array([4]))
+    ops = KVOps(np.arange(2), reshard_ids=np.array([0]), reshard_lead=np.array([0]), reshard_degree=np.array([1]),
+                reshard_to_lead=np.array([0]), reshard_to_degree=np.array([4]), reshard_host_copy=np.array([False]))
     with pytest.raises(ValueError, match="partitions sequences over 4 ranks; backend=dist declares degrees"):
         two.move_kv(ops)
+
+
+@pytest.mark.slow  # about 5 s each on the loaded 2-core machine (4 processes, then the single-process run)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_every_partition_move_of_a_scripted_job_is_the_single_process_executors(attention):
+    """The scripted splits, group moves, degree changes, joins, yields and evictions of tests/exec/
+    test_partition_account.py (GQA shards, MLA replicas) on 4 processes over 2 nodes: every part resharded or gathered is sent between
+    processes and counted where it lands, exactly as the single-process executor copies it (which the state
+    prices), and the tokens are the same."""
+    import dataclasses
+
+    from tests.exec.test_kv_account import Scripted
+    from tests.exec.test_partition_account import SCRIPT, tiny_model
+
+    job = make_job("continuous", n=8, inputs=np.arange(8) % 5 + 11, outputs=np.full(8, 28), page_tokens=8,
+                   cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
+    job = dataclasses.replace(job, model=tiny_model(attention))
+    out = execute_dist(dataclasses.replace(job, policy=Scripted(SCRIPT)),
+                       DistSettings(device="cpu", dtype="float32", kv_budget_mb=4, procs=4, timeout_s=60.0))
+    ref = execute(dataclasses.replace(job, policy=Scripted(SCRIPT)),
+                  ExecSettings(device="cpu", dtype="float32", threads=1, kv_budget_mb=4))
+    assert out.kv_account.as_dict() == ref.kv_account.as_dict()
+    assert {"reshard", "sync"} <= set(out.kv_account.kinds())
+    assert {k: v for k, v in out.kv_moves.items() if v} == {k: v for k, v in ref.kv_moves.items() if v}
+    assert [list(g) for g in out.tokens.generated] == [list(g) for g in ref.tokens.generated]

@@ -100,7 +100,8 @@ def priced(plan) -> dict[str, np.ndarray]:
 
 # every copy the state's primitives cause (`Moves`); not sync: the simulator prices host_sync's checkpoints from the
 # tokens a run produced, outside them
-PRICED_KINDS = ("yield", "offload", "migrate", "migrate_host_copy", "restore", "split", "join", "to_host")
+PRICED_KINDS = ("yield", "offload", "migrate", "migrate_host_copy", "restore", "reshard", "reshard_host_copy", "join",
+                "to_host")
 
 
 def performed(step, kinds=PRICED_KINDS) -> dict[str, np.ndarray]:

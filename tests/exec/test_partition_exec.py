@@ -30,11 +30,13 @@ def test_partitioned_stragglers_split_their_heads_and_keep_greedy_outputs(saved)
 
 
 def test_split_then_join_keeps_the_kv_and_the_pools_count_shard_pages():
-    """Shards take 1/degree of the pages on each rank (GQA), the caches' page counts include them, and
-    joining after new tokens gives back the old KV plus the new rows, appended to the lead's host copy."""
+    """A split sends the second shard from the lead's pages straight to the other GPU's pool (its device pages
+    given up, its host copy kept); shards take 1/degree of the pages on each GPU (GQA) and the caches' page counts
+    include them; the lead brings its host copy up to date from the shards after a new token; joining gives back
+    the old KV plus the new rows in the lead's pages. Only the parts that cross GPUs are counted, where they land."""
     import torch
     from batchgen.exec.kv_cache import PagedKVCache
-    from batchgen.exec.shards import join, shards_of, split
+    from batchgen.exec.shards import gather_to_host, reshard, shards_of
 
     caches = [PagedKVCache(2, 4, 8, page_size=4, num_pages=16) for _ in range(2)]
     lead = caches[0]
@@ -43,10 +45,14 @@ def test_split_then_join_keeps_the_kv_and_the_pools_count_shard_pages():
         k, v = lead.layer(l)
         k.view(-1, 4, 8)[meta.slot_mapping] = torch.randn(10, 4, 8)
         v.view(-1, 4, 8)[meta.slot_mapping] = torch.randn(10, 4, 8)
-    lead.yield_to_host([7])
-    before = lead.export(7).tokens().clone()  # [tokens, layers, planes, heads, dim]
-    split(caches, 7, 2)
+    lead.sync_to_host([7])  # a host copy of the 10 tokens
+    before = lead.migration_rows(7)[0].clone()  # [layers, planes, tokens, heads, dim]
+    half = 2 * 2 * 4 * 8 * 4 // 2  # bytes per token of two of the four heads
+    moved = []
+    reshard(caches, 7, (0,), (0, 1), lambda part, nbytes: moved.append((part.src, part.dst, nbytes)))
+    assert moved == [(0, 1, 10 * half)]
     assert [c.used_pages() for c in caches] == [2, 2]  # 10 tokens, 8 per shard page: 2 pages each
+    assert not lead.on_device(7) and lead.synced_tokens(7) == 10
     for c in caches:
         c.check()
     stores = [shards_of(c) for c in caches]
@@ -57,7 +63,16 @@ def test_split_then_join_keeps_the_kv_and_the_pools_count_shard_pages():
             k, v = s.layer(l, 2)
             k.view(-1, 2, 8)[m.slot_mapping] = row[l, 0, j * 2:(j + 1) * 2][None]
             v.view(-1, 2, 8)[m.slot_mapping] = row[l, 1, j * 2:(j + 1) * 2][None]
-    join(caches, 7)
-    after = lead.export(7).tokens()
-    assert after.shape[0] == 11 and torch.equal(after[:10], before) and torch.equal(after[10], row)
-    assert [c.used_pages() for c in caches] == [0, 0]
+    moved.clear()
+    assert gather_to_host(caches, 7, (0, 1), lambda part, nbytes: moved.append((part.src, part.dst, nbytes))) \
+        == 2 * half
+    assert moved == [(1, 0, half)] and lead.synced_tokens(7) == 11
+    moved.clear()
+    reshard(caches, 7, (0, 1), (0,), lambda part, nbytes: moved.append((part.src, part.dst, nbytes)))
+    assert moved == [(1, 0, 11 * half)]
+    after = lead.migration_rows(7)[0]
+    assert torch.equal(after[:, :, :10], before) and torch.equal(after[:, :, 10], row)
+    assert torch.equal(lead.export(7).tokens().permute(1, 2, 0, 3, 4), after)  # the host copy holds the same
+    assert [c.used_pages() for c in caches] == [3, 0]
+    for c in caches:
+        c.check()

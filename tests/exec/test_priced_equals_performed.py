@@ -1,7 +1,8 @@
 """One account of every move, for every policy: a job runs on the executor, and the KV bytes it copied (per GPU and
 tier, measured from the tensors: `ExecOutput.kv_account`) equal what the simulator prices for the same decisions:
 each run's primitives' bytes (`StepPlan.moves`, with those of idle boundaries before it) and its host_sync
-checkpoints (`batchgen.sim.backend.synced_bytes`)."""
+checkpoints (`batchgen.sim.backend.synced_bytes`, with the shards a partitioned sequence's lead gathers for them:
+`synced_gather_bytes`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
-from batchgen.sim.backend import synced_bytes
+from batchgen.sim.backend import synced_bytes, synced_gather_bytes
 from conftest import make_job
 
 TIERS = ("h2d", "d2h", "peer", "network")
@@ -52,7 +53,8 @@ def priced_and_performed(name, monkeypatch):
     def executing(self, plan):
         plans.append(plan)
         result = yield from execute_plan(self, plan)  # priced as the simulator does, before the outcome is folded in
-        synced.append((plan.gpus, synced_bytes(self.state, plan, result.produced, result.finished)))
+        synced.append((plan.gpus, synced_bytes(self.state, plan, result.produced, result.finished),
+                       *synced_gather_bytes(self.state, plan, result.produced, result.finished)))
         return result
 
     monkeypatch.setattr(exec_backend.ExecBackend, "execute", executing)
@@ -63,22 +65,17 @@ def priced_and_performed(name, monkeypatch):
     for plan in plans:  # read after the run: a prefill bound for host writes its bytes when it ends
         for t in TIERS:
             priced[t] += getattr(plan.moves, t)
-    for gpus, d2h in synced:
+    for gpus, d2h, peer, network in synced:
         priced["d2h"][gpus] += d2h
+        priced["peer"][gpus] += peer
+        priced["network"][gpus] += network
     acc = out.kv_account
     performed = {t: sum((acc.of(k)[t] for k in acc.kinds()), np.zeros(G)).astype(float) for t in TIERS}
     return priced, performed, out, acc
 
 
-KNOWN = {  # what this test found and is still open
-    "coroutine-partition": "PARTITION is performed through host memory (the lead's KV offloaded, then scattered to the "
-                           "group as head shards, device -> host -> device) but priced as peer copies on the lead",
-}
-
-
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN
-                                  else n for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
     priced, performed, out, acc = priced_and_performed(name, monkeypatch)
     for t in TIERS:
