@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from batchgen.core.sequences import InvariantError
+
 # a move: (places it leaves, what it frees at each, places it arrives at, what it takes at each); a place is an
 # index into `used` and `capacity` (a GPU's pages, a node's host KV tokens: whatever the caller counts)
 Move = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -46,4 +48,44 @@ def one_at_a_time(used: np.ndarray, capacity: np.ndarray, moves: list[Move]) -> 
         if len(waiting) == len(pending):
             break
         pending = waiting
+    return order
+
+
+def carried_out_in(state, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """Indices of a state's MIGRATEs (ids to gpus) in an order they can be carried out one at a time: each leaves its
+    GPUs (a PARTITIONed one its group's) and arrives on the new ones with the same pages; a host copy that
+    crosses nodes leaves one node's host memory for the other's. The given order where every arrival fits
+    before any move leaves (the usual case)."""
+    t, topo = state.table, state.topo
+    G = topo.num_gpus
+    pages = t.pages[ids].astype(np.int64)
+    node = topo.gpu_node
+    src = t.where[ids]
+    carried = (t.host_node[ids] >= 0) & (node[src] != node[gpus])  # a host copy that crosses nodes
+    host = np.where(carried, t.context(ids), 0)
+    tp = t.tp[ids].astype(np.int64)
+    used = np.concatenate([state.pages_used, state.host_used])
+    capacity = np.concatenate([state.gpu_pages, state.host_kv_tokens])
+    if not (tp > 1).any():  # each move arrives on one GPU: every arrival at once, before any move leaves
+        ahead = used + np.bincount(np.concatenate([gpus, G + node[gpus]]), np.concatenate([pages, host]),
+                                   used.size).astype(np.int64)
+        if np.all(ahead <= capacity):
+            return np.arange(ids.size)
+    plan = []
+    for i in range(ids.size):
+        leave = np.array(state.group_of(int(src[i]), int(tp[i])), np.int64)
+        arrive = np.array(state.group_of(int(gpus[i]), int(tp[i])), np.int64)
+        amount = np.full(leave.size, pages[i])
+        if carried[i]:
+            leave, arrive = np.append(leave, G + node[src[i]]), np.append(arrive, G + node[gpus[i]])
+            amount = np.append(amount, host[i])
+        plan.append((leave, amount, arrive, amount))
+    order = np.array(one_at_a_time(used, capacity, plan), np.int64)
+    if order.size < ids.size:
+        left = np.setdiff1d(np.arange(ids.size), order)
+        raise InvariantError(
+            f"sequences {ids[left][:5].tolist()} cannot MIGRATE to GPUs {gpus[left][:5].tolist()}: the "
+            "executors move one sequence's KV at a time, and no order of this boundary's moves gives each "
+            "destination room for its arrival (device pages, or host memory for a host copy) before the "
+            "moves out of it leave; move fewer at once")
     return order

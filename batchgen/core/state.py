@@ -11,7 +11,7 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.core.accounts import _FEW, Accounts, Moves
-from batchgen.core.move_order import one_at_a_time
+from batchgen.core.move_order import carried_out_in
 from batchgen.core.queues import IdQueue
 from batchgen.core.reshard import pieces
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
@@ -224,7 +224,7 @@ class ClusterState(Accounts):
         src = t.where[ids]
         self._require(ids, (src >= 0) & (self.topo.gpu_instance[np.maximum(src, 0)] == instance),
                       f"running on instance {instance}")
-        order = self._move_order(ids, gpus)
+        order = carried_out_in(self, ids, gpus)
         ids, gpus, src = ids[order], gpus[order], src[order]
         # a host-resident sequence's KV stays in its node's host memory: only a move to another node carries it
         bytes_ = self.kv_bytes(ids)
@@ -250,51 +250,6 @@ class ClusterState(Accounts):
         if stale.size:  # the host copy follows the sequence to its new node
             self._migrate_host_copy(stale, self.topo.gpu_node[t.where[stale]])
         return ids
-
-    def _move_order(self, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
-        """Indices of the moves (ids to gpus) in an order they can be carried out one at a time: each leaves its
-        GPUs (a PARTITIONed one its group's) and arrives on the new ones with the same pages; a host copy that
-        crosses nodes leaves one node's host memory for the other's. The given order where every arrival fits
-        before any move leaves (the usual case)."""
-        t, topo = self.table, self.topo
-        G = topo.num_gpus
-        pages = t.pages[ids].astype(np.int64)
-        node = topo.gpu_node
-        src = t.where[ids]
-        carried = (t.host_node[ids] >= 0) & (node[src] != node[gpus])  # a host copy that crosses nodes
-        host = np.where(carried, t.context(ids), 0)
-        tp = t.tp[ids].astype(np.int64)
-        used = np.concatenate([self.pages_used, self.host_used])
-        capacity = np.concatenate([self.gpu_pages, self.host_kv_tokens])
-        if not (tp > 1).any():  # each move arrives on one GPU: every arrival at once, before any move leaves
-            ahead = used + np.bincount(np.concatenate([gpus, G + node[gpus]]), np.concatenate([pages, host]),
-                                       used.size).astype(np.int64)
-            if np.all(ahead <= capacity):
-                return np.arange(ids.size)
-        plan = []
-        for i in range(ids.size):
-            leave, arrive = self._group(int(src[i]), int(tp[i])), self._group(int(gpus[i]), int(tp[i]))
-            amount = np.full(leave.size, pages[i])
-            if carried[i]:
-                leave, arrive = np.append(leave, G + node[src[i]]), np.append(arrive, G + node[gpus[i]])
-                amount = np.append(amount, host[i])
-            plan.append((leave, amount, arrive, amount))
-        order = np.array(one_at_a_time(used, capacity, plan), np.int64)
-        if order.size < ids.size:
-            left = np.setdiff1d(np.arange(ids.size), order)
-            raise InvariantError(
-                f"sequences {ids[left][:5].tolist()} cannot MIGRATE to GPUs {gpus[left][:5].tolist()}: the "
-                "executors move one sequence's KV at a time, and no order of this boundary's moves gives each "
-                "destination room for its arrival (device pages, or host memory for a host copy) before the "
-                "moves out of it leave; move fewer at once")
-        return order
-
-    def _group(self, lead: int, tp: int) -> np.ndarray:
-        """The GPUs a sequence of degree `tp` led from `lead` holds pages on (`group_gpus` for one sequence)."""
-        if tp == 1:
-            return np.array([lead], np.int64)
-        members = self._instance_gpus[int(self.topo.gpu_instance[lead])]
-        return members[(int(self.gpu_rank[lead]) + np.arange(tp)) % members.size]
 
     def offload(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
         """Running device-resident sequences go on running host-resident: KV checkpointed, pages freed."""
