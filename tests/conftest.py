@@ -1,8 +1,11 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
 from batchgen.job import Job
 from batchgen.policy import make_policy
+from batchgen.policy.base import Decision, PolicyDefaults
 from batchgen.specs import load_cluster, load_model
 from batchgen.workload import Workload
 
@@ -24,3 +27,20 @@ def make_job(policy="coroutine", model="tiny_moe", cluster="h100_8", inputs=None
 @pytest.fixture
 def job_factory():
     return make_job
+
+
+@dataclasses.dataclass
+class Scripted(PolicyDefaults):
+    """A policy that takes the decisions of `script`, one per boundary, then `then` at every boundary after."""
+
+    script: list
+    then: Decision = dataclasses.field(default_factory=lambda: Decision(steps=1))
+    name: str = "scripted"
+    uses_host_kv: bool = True
+    can_stream_weights: bool = False
+    calls: int = 0
+
+    def decide(self, snap):
+        self.calls += 1
+        step = self.script[self.calls - 1] if self.calls <= len(self.script) else self.then
+        return dataclasses.replace(step)

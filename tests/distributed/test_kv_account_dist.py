@@ -16,7 +16,7 @@ from batchgen.dist.run import DistSettings, execute_dist
 from batchgen.exec.account import KVAccount
 from batchgen.exec.run import ExecSettings, execute
 from conftest import make_job
-from tests.exec.test_kv_account import P, PRICED_KINDS, SCRIPT, TIERS, Scripted
+from tests.exec.test_kv_account import P, PRICED_KINDS, SCRIPT, TIERS, scripted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def scripted_job():
     job = make_job("continuous", n=8, inputs=np.arange(8) % 5 + 11, outputs=np.full(8, 24), page_tokens=P,
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
-    return dataclasses.replace(job, policy=Scripted(SCRIPT))
+    return dataclasses.replace(job, policy=scripted(SCRIPT))
 
 
 def comparable(account: KVAccount, kinds=(), tiers=()) -> dict:

@@ -239,15 +239,15 @@ def test_every_partition_move_of_a_scripted_job_is_the_single_process_executors(
     prices), and the tokens are the same."""
     import dataclasses
 
-    from tests.exec.test_kv_account import Scripted
+    from tests.exec.test_kv_account import scripted
     from tests.exec.test_partition_account import SCRIPT, tiny_model
 
     job = make_job("continuous", n=8, inputs=np.arange(8) % 5 + 11, outputs=np.full(8, 28), page_tokens=8,
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
     job = dataclasses.replace(job, model=tiny_model(attention))
-    out = execute_dist(dataclasses.replace(job, policy=Scripted(SCRIPT)),
+    out = execute_dist(dataclasses.replace(job, policy=scripted(SCRIPT)),
                        DistSettings(device="cpu", dtype="float32", kv_budget_mb=4, procs=4, timeout_s=60.0))
-    ref = execute(dataclasses.replace(job, policy=Scripted(SCRIPT)),
+    ref = execute(dataclasses.replace(job, policy=scripted(SCRIPT)),
                   ExecSettings(device="cpu", dtype="float32", threads=1, kv_budget_mb=4))
     assert out.kv_account.as_dict() == ref.kv_account.as_dict()
     assert {"reshard", "sync"} <= set(out.kv_account.kinds())

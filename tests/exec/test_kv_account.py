@@ -16,8 +16,8 @@ import pytest
 
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
-from batchgen.policy.base import Admit, Decision, PolicyDefaults
-from conftest import make_job
+from batchgen.policy.base import Admit, Decision
+from conftest import Scripted, make_job
 
 I = np.int64
 P = 8  # page tokens
@@ -45,21 +45,12 @@ SCRIPT = [
 ]
 
 
-@dataclasses.dataclass
-class Scripted(PolicyDefaults):
-    """The decisions of `script`, one per boundary, then decodes of every running sequence to the end."""
+THEN = Decision(steps=P, cpu_attention=True, host_sync=True)  # after the script: decode everything to the end
 
-    script: list
-    name: str = "scripted"
-    uses_host_kv: bool = True
-    can_stream_weights: bool = False
-    calls: int = 0
 
-    def decide(self, snap):
-        self.calls += 1
-        if self.calls <= len(self.script):
-            return dataclasses.replace(self.script[self.calls - 1])
-        return Decision(steps=P, cpu_attention=True, host_sync=True)
+def scripted(script):
+    """The decisions of `script`, then decodes of every running sequence to the end."""
+    return Scripted(script, THEN)
 
 
 def run_scripted(script, monkeypatch, n=8, outputs=24):
@@ -67,7 +58,7 @@ def run_scripted(script, monkeypatch, n=8, outputs=24):
     (per kind of op), and where the caches kept host copies after its KV ops."""
     job = make_job("continuous", n=n, inputs=np.arange(n) % 5 + 11, outputs=np.full(n, outputs), page_tokens=P,
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
-    job = dataclasses.replace(job, policy=Scripted(script))
+    job = dataclasses.replace(job, policy=scripted(script))
     steps = []
     execute_plan, move_kv = exec_backend.ExecBackend.execute, exec_backend.ExecBackend.move_kv
 

@@ -12,29 +12,12 @@ import pytest
 
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
-from batchgen.policy.base import Decision, PolicyDefaults
-from conftest import make_job
+from batchgen.policy.base import Decision
+from conftest import Scripted, make_job
 
 I = np.int64
 P = 8  # page tokens
 PAGES = 12  # each GPU's KV pool: tiny_moe in fp32 holds 4096 bytes a token, a page 32 KiB
-
-
-@dataclasses.dataclass
-class Scripted(PolicyDefaults):
-    """The decisions of `script`, one per boundary, then one decode step of every running sequence at a time."""
-
-    script: list
-    name: str = "scripted"
-    uses_host_kv: bool = False
-    can_stream_weights: bool = False
-    calls: int = 0
-
-    def decide(self, snap):
-        self.calls += 1
-        if self.calls <= len(self.script):
-            return dataclasses.replace(self.script[self.calls - 1])
-        return Decision(steps=1)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -46,7 +29,7 @@ def test_full_gpus_swapping_sequences_migrate_in_an_order_each_destination_can_t
               Decision(move_ids=np.array([0, 1], I), move_ranks=np.array([1, 0], I), steps=2)]
     job = make_job("continuous", n=3, inputs=[47, 31, 23], outputs=[6, 6, 6], page_tokens=P,
                    cluster_overrides={"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2})
-    job = dataclasses.replace(job, policy=Scripted(script))
+    job = dataclasses.replace(job, policy=Scripted(script, uses_host_kv=False))
     migrations, held = [], []
     move_kv = exec_backend.ExecBackend.move_kv
 

@@ -20,7 +20,7 @@ from batchgen.sim.backend import synced_bytes, synced_gather_bytes
 from batchgen.specs import load_model
 from conftest import make_job
 
-from .test_kv_account import P, TIERS, Scripted, ids
+from .test_kv_account import P, TIERS, ids, scripted
 
 SYNC = dict(steps=2, host_sync=True)
 # One instance of 4 GPUs over 2 nodes (GPUs 0, 1 on node 0; 2, 3 on node 1); a model with 4 KV heads or an MLA latent
@@ -60,7 +60,7 @@ def tiny_model(attention: str):
 def run(script, monkeypatch, attention="gqa"):
     job = make_job("continuous", n=8, inputs=np.arange(8) % 5 + 11, outputs=np.full(8, 28), page_tokens=P,
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
-    job = dataclasses.replace(job, model=tiny_model(attention), policy=Scripted(script))
+    job = dataclasses.replace(job, model=tiny_model(attention), policy=scripted(script))
     steps = []
     execute_plan = exec_backend.ExecBackend.execute
 
