@@ -37,6 +37,25 @@ def cluster_128(policy, n=3000, **knobs):
                                         policy_overrides=knobs), check_invariants=False)
 
 
+def sim_scale_like(n=20000):
+    """benchmarks/sim_scale.py's job, smaller: coroutine, Qwen3-30B-A3B on 128 H20 as two 64-GPU instances,
+    LongBench 12K -> 4K; work stealing across nodes and instances, host copies that travel with it."""
+    from omegaconf import OmegaConf
+
+    from batchgen.confdir import conf_dir
+    from batchgen.job import Job
+    from batchgen.policy import make_policy
+    from batchgen.setup import policy_config
+    from batchgen.specs import load_cluster, load_model
+    from batchgen.workload import build_workload
+
+    model = load_model("qwen3_30b_a3b")
+    wcfg = OmegaConf.load(conf_dir() / "workload" / "longbench_12k_4k.yaml")
+    wcfg.num_sequences = n
+    return Job(model, load_cluster("h20_128"), build_workload(wcfg, seed=0),
+               make_policy(policy_config("coroutine", model)))
+
+
 def offload_moe(policy, n=40):
     """Mixtral-8x7B on one 24 GB A5000 with host memory: the offloading systems' own setting."""
     rng = np.random.default_rng(3)
@@ -56,6 +75,7 @@ CASES = {
         "coroutine", "qwen3_30b_a3b", "h20_16", np.full(40, 3000), np.arange(1, 41) * 40,
         policy_overrides={"kv_residency": "mixed", "b_moe": 8, "partition_min_context": 1024}),
     "coroutine-128-partition": lambda: cluster_128("coroutine", partition_min_context=512),
+    "coroutine-h20-128-longbench": sim_scale_like,
     "coroutine-a100-yielding": lambda: vidur_like("coroutine", kv_residency="device"),
     "coroutine-a100-offloading": lambda: vidur_like("coroutine", kv_residency="mixed"),
     "static-tiny-8": lambda: make_job("static", "tiny_moe", "h100_8", n=80),
