@@ -92,3 +92,15 @@ def test_cpu_attention_is_refused_for_mla():
                    policy_overrides={"attention": "cpu"})
     with pytest.raises(ConfigError, match="MLA"):
         prepare(job)
+
+
+def test_a_prompt_whose_one_token_is_its_last_is_not_priced_as_offloaded():
+    """Prefill bound for host: a sequence that ends with its prefill's token stays where it is (the executors
+    write nothing down for it), so the simulator charges its KV no device -> host copy; one that runs on does."""
+    one_gpu = {"num_gpus": 1, "gpus_per_instance": None}
+    done = simulate(make_job("coroutine", "tiny_moe", "h100_8", np.full(8, 100), np.ones(8, np.int64),
+                             cluster_overrides=one_gpu), progress=False)
+    assert done.host_bytes == 0.0
+    on = simulate(make_job("coroutine", "tiny_moe", "h100_8", np.full(8, 100), np.full(8, 2),
+                           cluster_overrides=one_gpu), progress=False)
+    assert on.host_bytes == 2 * 8 * 100 * on.prepared.state.kv_bytes_per_token  # written down, then restored

@@ -285,8 +285,10 @@ class SimBackend:
         kv = self.state.kv_bytes_per_token
         t = self.state.table
         d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished)
-        if plan.prefill_to_host and plan.prefill_ids.size:
-            d2h += np.bincount(plan.prefill_rank, weights=t.context(plan.prefill_ids) * kv, minlength=R)
+        if plan.prefill_to_host and plan.prefill_ids.size:  # a prompt whose one token is its last stays on device
+            bound = t.remaining(plan.prefill_ids) > 1
+            d2h += np.bincount(plan.prefill_rank[bound], weights=t.context(plan.prefill_ids[bound]) * kv,
+                               minlength=R)
         lat = self.lat
         seconds = np.zeros(R)
         self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
