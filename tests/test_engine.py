@@ -11,9 +11,9 @@ from batchgen.core.sequences import InvariantError
 from batchgen.engine import Engine
 from batchgen.job import prepare
 from batchgen.memory import ConfigError
-from batchgen.policy.base import Capabilities, Decision, PolicyDefaults
+from batchgen.policy.base import Admit, Capabilities, Decision, PolicyDefaults
 from batchgen.sim.backend import SimBackend
-from conftest import make_job
+from conftest import Scripted, make_job
 
 
 class Stuck(PolicyDefaults):
@@ -70,29 +70,14 @@ def test_a_way_of_running_the_backend_has_not_declared_is_refused():
         sim_engine(FlexGenPolicy(), capabilities=one_ffn)
 
 
-@dataclasses.dataclass
-class YieldsThenResumes(PolicyDefaults):
-    """Prefills every prompt onto GPUs 0 and 1, yields them all at a boundary that runs nothing, then resumes and
-    decodes them to the end."""
-
-    name: str = "yields-then-resumes"
-    uses_host_kv: bool = True
-    can_stream_weights: bool = False
-    calls: int = 0
-
-    def decide(self, snap):
-        from batchgen.policy.base import Admit
-
-        self.calls += 1
-        if self.calls == 1:
-            n = len(snap.pending)
-            return Decision(prefill_ids=snap.pending.peek(n), prefill_ranks=np.arange(n) % 2, steps=1)
-        if self.calls == 2:
-            return Decision(yield_ids=snap.active_ids.copy())  # nothing runs at this boundary
-        admits = [Admit(node, snap.suspended[node].peek(len(snap.suspended[node])),
-                        np.zeros(len(snap.suspended[node]), np.int64))
-                  for node in range(len(snap.suspended)) if len(snap.suspended[node])]
-        return Decision(admits=admits, steps=4, host_sync=True)
+def yields_then_resumes() -> Scripted:
+    """Prefills the four prompts onto GPUs 0 and 1, yields them all at a boundary that runs nothing, then resumes
+    them on GPU 0 and decodes them to the end."""
+    ids = np.arange(4)
+    return Scripted([Decision(prefill_ids=ids, prefill_ranks=ids % 2, steps=1),
+                     Decision(yield_ids=ids),  # nothing runs at this boundary
+                     Decision(admits=[Admit(0, ids, np.zeros(4, np.int64))], steps=4, host_sync=True)],
+                    then=Decision(steps=4, host_sync=True))
 
 
 def test_copies_an_idle_boundary_starts_are_priced_with_the_next_run():
@@ -100,7 +85,7 @@ def test_copies_an_idle_boundary_starts_are_priced_with_the_next_run():
     the instance's next run (they were free before)."""
     job = make_job("continuous", n=4, inputs=np.full(4, 30), outputs=np.full(4, 5),
                    cluster_overrides={"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2})
-    prepared = prepare(dataclasses.replace(job, policy=YieldsThenResumes()))
+    prepared = prepare(dataclasses.replace(job, policy=yields_then_resumes()))
     env = simpy.Environment()
     backend = SimBackend(env, prepared.state, prepared.latency)
     plans = []
