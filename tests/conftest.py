@@ -10,6 +10,12 @@ from batchgen.specs import load_cluster, load_model
 from batchgen.workload import Workload
 
 
+def priced(state, instance=0):
+    """The bytes the KV ops a test's primitives emitted since the instance's last boundary copy, per GPU and tier
+    (the log is emptied: the next call sees only what came after)."""
+    return state.take_ops(instance).moves(state.topo.num_gpus)
+
+
 def make_job(policy="coroutine", model="tiny_moe", cluster="h100_8", inputs=None, outputs=None, n=50, seed=0,
              policy_overrides=None, cluster_overrides=None, **job_kwargs) -> Job:
     rng = np.random.default_rng(seed)

@@ -8,10 +8,9 @@ holds part of its new shard keeps it (nothing moves for it)."""
 import numpy as np
 import pytest
 
-from batchgen.core.state import Moves
 from batchgen.job import prepare
 from batchgen.sim.run import simulate
-from conftest import make_job
+from conftest import make_job, priced
 
 
 def running_state(model, n=2, context=1000):
@@ -28,8 +27,8 @@ def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
     P = state.page_tokens
     full = -(-1001 // P)
     assert state.table.pages[0] == full and state.pages_used[0] == full
-    moves = Moves.zeros(state.topo.num_gpus)
-    state.partition(0, ids[:1], np.array([4]), moves)
+    state.partition(0, ids[:1], np.array([4]))
+    moves = priced(state)
     state.check()
     shard = -(-1000 // (4 * P))  # a head shard packs four times the tokens into a page
     assert state.table.pages[0] == shard
@@ -37,8 +36,8 @@ def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
     kv = 1000 * state.kv_bytes_per_token  # the KV of every token but the newest (the next forward writes it)
     # the lead keeps shard 0; GPUs 1-3 each receive theirs from the lead's pages (peer: one node)
     assert moves.peer.tolist()[:5] == [0, kv / 4, kv / 4, kv / 4, 0] and not moves.network.any()
-    back = Moves.zeros(state.topo.num_gpus)
-    state.partition(0, ids[:1], np.array([1]), back)
+    state.partition(0, ids[:1], np.array([1]))
+    back = priced(state)
     state.check()
     # joined: the lead receives the three other shards
     assert state.table.pages[0] == -(-1000 // P) and back.peer.tolist()[:5] == [kv * 3 / 4, 0, 0, 0, 0]
@@ -48,18 +47,18 @@ def test_gqa_partition_splits_pages_over_the_group_and_charges_the_shards():
 def test_mla_partition_replicates_the_latent_on_every_rank():
     state, ids = running_state("deepseek_v3")
     assert not state.kv_split_by_heads  # prepare knows MLA's latent cannot be split by heads
-    moves = Moves.zeros(state.topo.num_gpus)
     full = int(state.table.pages[0])
-    state.partition(0, ids[:1], np.array([2]), moves)
+    state.partition(0, ids[:1], np.array([2]))
+    moves = priced(state)
     state.check()
     assert state.table.pages[0] >= full - 1 and state.pages_used[0] == state.table.pages[0]
     kv = 1000 * state.kv_bytes_per_token
     assert moves.peer.tolist()[:3] == [0, kv, 0]  # one whole replica, received by GPU 1
-    grow = Moves.zeros(state.topo.num_gpus)
-    state.partition(0, ids[:1], np.array([4]), grow)
+    state.partition(0, ids[:1], np.array([4]))
+    grow = priced(state)
     assert grow.peer.tolist()[:5] == [0, 0, kv, kv, 0]  # GPU 1 keeps its replica: only the new ranks receive one
-    back = Moves.zeros(state.topo.num_gpus)
-    state.partition(0, ids[:1], np.array([1]), back)
+    state.partition(0, ids[:1], np.array([1]))
+    back = priced(state)
     state.check()
     assert not back.peer.any() and not back.network.any()  # the lead's replica is whole: a join moves nothing
 
@@ -69,11 +68,13 @@ def test_another_degree_moves_only_the_heads_that_change_gpu():
     get a quarter each (from GPU 1); 4 -> 2 back: the lead gets [H/4, H/2) from GPU 1, GPU 1 [H/2, H) from 2, 3."""
     state, ids = running_state("qwen3_30b_a3b", n=1)
     kv = 1000 * state.kv_bytes_per_token
-    state.partition(0, ids, np.array([2]), Moves.zeros(state.topo.num_gpus))
-    grow, back = Moves.zeros(state.topo.num_gpus), Moves.zeros(state.topo.num_gpus)
-    state.partition(0, ids, np.array([4]), grow)
+    state.partition(0, ids, np.array([2]))
+    priced(state)  # the split to 2
+    state.partition(0, ids, np.array([4]))
+    grow = priced(state)
     assert grow.peer.tolist()[:5] == [0, kv / 4, kv / 4, kv / 4, 0]
-    state.partition(0, ids, np.array([2]), back)
+    state.partition(0, ids, np.array([2]))
+    back = priced(state)
     state.check()
     assert back.peer.tolist()[:5] == [kv / 4, kv / 2, 0, 0, 0]
 
@@ -90,13 +91,13 @@ def test_a_group_across_nodes_pays_the_network_and_a_moved_group_reshards_to_its
     state.take_pending(0, ids)
     state.prefilled_to_gpu(0, ids, np.array([1]), lookahead_tokens=1)
     kv = 1000 * state.kv_bytes_per_token
-    split = Moves.zeros(4)
-    state.partition(0, ids, np.array([2]), split)
+    state.partition(0, ids, np.array([2]))
+    split = priced(state)
     assert split.network.tolist() == [0, 0, kv / 2, 0] and not split.peer.any()
     state._host_add(np.array([0]), state.table.context(ids))  # give it a host copy on node 0
     state.table.host_node[ids] = 0
-    move = Moves.zeros(4)
-    state.move_running(0, ids, np.array([2]), move)
+    state.move_running(0, ids, np.array([2]))
+    move = priced(state)
     state.check()
     assert move.network.tolist() == [0, 0, kv / 2 + kv, 0] and move.peer.tolist() == [0, 0, 0, kv / 2]
     assert not move.d2h.any() and state.table.host_node[0] == 1
@@ -110,9 +111,10 @@ def test_yielding_a_partitioned_sequence_gathers_its_shards_only_without_a_host_
         if host_copy:
             state._host_add(np.array([0]), state.table.context(ids))
             state.table.host_node[ids] = 0
-        state.partition(0, ids, np.array([4]), Moves.zeros(state.topo.num_gpus))
-        moves = Moves.zeros(state.topo.num_gpus)
-        state.yield_(0, ids, moves)
+        state.partition(0, ids, np.array([4]))
+        priced(state)  # the split
+        state.yield_(0, ids)
+        moves = priced(state)
         state.check()
         kv = 1000 * state.kv_bytes_per_token
         assert moves.peer.tolist()[:2] == ([0, 0] if host_copy else [kv * 3 / 4, 0])
@@ -121,7 +123,7 @@ def test_yielding_a_partitioned_sequence_gathers_its_shards_only_without_a_host_
 
 def test_finishing_a_partitioned_sequence_frees_every_shard():
     state, ids = running_state("qwen3_30b_a3b", n=1)
-    state.partition(0, ids, np.array([8]), Moves.zeros(state.topo.num_gpus))
+    state.partition(0, ids, np.array([8]))
     assert np.all(state.pages_used > 0)
     state.table.decoded[ids] = state.table.output_len[ids]
     state.finish(0, ids, np.array([1.0]))
@@ -234,15 +236,15 @@ def test_the_state_refuses_to_partition_a_host_resident_sequence():
     from batchgen.core.sequences import InvariantError
 
     state, ids = running_state("qwen3_30b_a3b")
-    state.offload(0, ids[:1], Moves.zeros(state.topo.num_gpus))
+    state.offload(0, ids[:1])
     with pytest.raises(InvariantError, match="host-resident sequence cannot be PARTITIONed"):
-        state.partition(0, ids[:1], np.array([2]), Moves.zeros(state.topo.num_gpus))
+        state.partition(0, ids[:1], np.array([2]))
 
 
 def test_the_state_refuses_to_offload_a_partitioned_sequence():
     from batchgen.core.sequences import InvariantError
 
     state, ids = running_state("qwen3_30b_a3b")
-    state.partition(0, ids[:1], np.array([2]), Moves.zeros(state.topo.num_gpus))
+    state.partition(0, ids[:1], np.array([2]))
     with pytest.raises(InvariantError, match="unpartitioned"):
-        state.offload(0, ids[:1], Moves.zeros(state.topo.num_gpus))
+        state.offload(0, ids[:1])

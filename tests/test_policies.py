@@ -6,7 +6,6 @@ import sys
 import numpy as np
 import pytest
 
-from batchgen.core.state import Moves
 from batchgen.engine import InstanceProgress, make_snapshot
 from batchgen.job import prepare
 from batchgen.memory import MemorySettings, host_weight_bytes
@@ -81,11 +80,10 @@ def test_mixed_residency_fills_device_pages_first_then_admits_host_resident():
                             cluster_overrides={"num_gpus": 1},
                             policy_overrides={"kv_residency": "mixed", "b_moe": 30}), kv_tokens_per_gpu=8 * 64)
     state = prepare(job).state
-    moves = Moves.zeros(1)
     pool = state.pending[0].peek(40)
     state.take_pending(0, pool)
-    state.start_prefill_to_host(0, pool)
-    state.prefilled_to_host(0, pool, np.zeros(40, np.int64), moves)
+    state.start_prefill_to_host(0, pool, np.zeros(40, np.int64))
+    state.prefilled_to_host(0, pool, np.zeros(40, np.int64))
     d = job.policy.decide(snapshot(state, last_phase="prefill"))
     device = np.concatenate([a.ids for a in d.admits if not np.any(a.host_resident)])
     host = np.concatenate([a.ids for a in d.admits if np.all(a.host_resident)])
@@ -107,11 +105,10 @@ def test_coroutine_refills_drained_rank_from_pool_in_fifo_order():
     job = make_job("coroutine", n=20, inputs=np.full(20, 100), outputs=np.full(20, 500),
                    cluster_overrides={"num_gpus": 2})
     state = prepare(job).state
-    moves = Moves.zeros(2)
     pool = state.pending[0].peek(20)
     state.take_pending(0, pool)
-    state.start_prefill_to_host(0, pool)
-    state.prefilled_to_host(0, pool, np.zeros(20, np.int64), moves)
+    state.start_prefill_to_host(0, pool, np.zeros(20, np.int64))
+    state.prefilled_to_host(0, pool, np.zeros(20, np.int64))
     state.table.decoded[pool] = 1
     state.host_used[:] = state.table.context(np.arange(20)).sum()
     d = job.policy.decide(snapshot(state, last_phase="prefill"))

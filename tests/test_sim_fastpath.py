@@ -531,7 +531,6 @@ def test_state_check_catches_fast_path_flags_out_of_step():
     """`partitioned_ever`, the host-copy flag and the count of chunked prefills under way let the fast paths skip
     per-sequence scans; `check` fails when one says "none" while the table holds one."""
     from batchgen.core.sequences import InvariantError
-    from batchgen.core.state import Moves
 
     state = _one_gpu_state()
     state.check()
@@ -553,7 +552,7 @@ def test_state_check_catches_fast_path_flags_out_of_step():
     state.take_pending(0, ids, 0)
     state.prefill_chunks(0, ids, np.zeros(1, np.int64), np.zeros(1, np.int64), state.table.context(ids))
     state.advance(ids, np.ones(1, np.int64), host_sync=False)
-    state.yield_(0, ids, Moves.zeros(1))
+    state.yield_(0, ids)
     state.check()
     assert state.has_host_copies()
     state._host_any = False  # out of step

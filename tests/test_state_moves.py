@@ -7,11 +7,10 @@ import pytest
 
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import InvariantError
-from batchgen.core.state import Moves
 from batchgen.engine import InstanceProgress, apply_decision
 from batchgen.job import prepare
 from batchgen.policy.base import Decision
-from conftest import make_job
+from conftest import make_job, priced
 
 
 def test_a_yield_after_decoding_moves_every_token_but_the_newest():
@@ -22,8 +21,8 @@ def test_a_yield_after_decoding_moves_every_token_but_the_newest():
     state.prefilled_to_gpu(0, ids, np.array([0, 1]), lookahead_tokens=1)
     state.advance(ids, np.array([1, 5]), host_sync=False)  # the prefill's token, and four more for sequence 1
     assert state.table.context(ids).tolist() == [101, 105]
-    moves = Moves.zeros(state.topo.num_gpus)
-    state.yield_(0, ids, moves)
+    state.yield_(0, ids)
+    moves = priced(state)
     kv = state.kv_bytes_per_token
     assert moves.d2h[:2].tolist() == pytest.approx([100 * kv, 104 * kv])
     state.check()
@@ -40,7 +39,7 @@ def two_tight_gpus(prompts, gpus, pages=12):
     state.take_pending(0, ids)
     state.prefilled_to_gpu(0, ids, gpus, lookahead_tokens=1)
     state.advance(ids, np.ones(ids.size, np.int64), host_sync=False)
-    ledger = KVLedger(len(state.table), 1, state.topo.gpu_node)
+    ledger = KVLedger(len(state.table), state.topo.gpu_node)
     ledger.apply(KVOps(state.instance_gpus(0)), ids, gpus)
     return state, ledger
 
@@ -62,6 +61,6 @@ def test_moves_that_fit_in_no_order_one_at_a_time_are_refused():
     state, _ = two_tight_gpus([70, 70], [0, 1])
     before = (state.table.where.copy(), state.pages_used.copy())
     with pytest.raises(InvariantError, match=r"sequences \[0, 1\] cannot MIGRATE"):
-        state.move_running(0, np.array([0, 1]), np.array([1, 0]), Moves.zeros(2))
+        state.move_running(0, np.array([0, 1]), np.array([1, 0]))
     assert np.array_equal(state.table.where, before[0]) and np.array_equal(state.pages_used, before[1])
     state.check()

@@ -13,7 +13,7 @@ from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
 
 @dataclass
 class Moves:
-    """Bytes a batch of primitives moved, per GPU, for the backend to turn into time."""
+    """The bytes a boundary's KV ops copy, per GPU and tier (`KVOps.moves`): what the simulator turns into time."""
 
     h2d: np.ndarray       # host -> device (restore KV on COMBINE)
     d2h: np.ndarray       # device -> host (checkpoint KV)
@@ -49,6 +49,12 @@ class Moves:
                 and self.network.base is b and self.peer.base is b):
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
+
+    def plus_d2h(self, gpus: np.ndarray, nbytes: np.ndarray) -> "Moves":
+        """A new account with `nbytes` more written down from `gpus` (a prefill's KV, written to host by its run)."""
+        out = self.plus(Moves.none(self.h2d.size))
+        np.add.at(out.d2h, gpus, nbytes)
+        return out
 
     def plus(self, other: "Moves") -> "Moves":
         """A new account of both (idle boundaries' copies carried into the next run's)."""

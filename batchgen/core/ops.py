@@ -1,7 +1,7 @@
 """The KV operations of one boundary, as explicit per-GPU lists a backend executes without a global view.
 
-The engine applies a policy's `Decision` to `ClusterState` (where every sequence should be); `plan_ops` turns
-what that decision touched into the moves of KV a backend must make so that its caches follow: free (finished)
+The state's primitives emit them as they carry out a policy's `Decision` (batchgen.core.oplog): the moves of KV
+a backend must make so that its caches follow the state: free (finished)
 and evict (dropped for recompute), yield (device -> host copy, suspended), offload (device -> host copy, runs on
 host-resident), migrate (from one GPU's cache to another's, device or host copy, across nodes or not), restore
 (host copy -> device, same cache), and the partition groups (batchgen.core.reshard): join (a PARTITIONed sequence
@@ -15,11 +15,14 @@ the destination keeps a host copy: exactly when the state counts one for the seq
 GPUs are global indices (the world rank of its worker under a one-process-per-GPU backend): a migration's
 source can be a GPU of another instance (a suspended sequence another instance yielded on a shared node).
 
-`KVLedger` is the engine's record of where each sequence's KV is in the backend's caches (which GPU's cache holds
-it, on device or as a host copy only, split into head shards or not). It is the one global view, kept on the
-engine's side: `plan_ops` diffs only the sequences a decision touched against it, and `KVLedger.apply` checks
-every op against it before recording it, so an impossible op (restore of a sequence that is not on host there,
-a migration from a GPU that does not hold it) fails with the id and the GPU, before any backend moves a tensor.
+`KVOps.moves` is what the ops copy, per GPU and tier: the simulator prices exactly that, and the executors count
+the same bytes from their tensors (tests/exec/test_priced_equals_performed.py).
+
+`KVLedger` is a checker: the engine's record of where each sequence's KV is in the backend's caches (which GPU's
+cache holds it, on device or as a host copy only, split into head shards or not), kept where a backend moves real
+KV or invariants are checked. `KVLedger.apply` checks every op against it before recording it, so an impossible op
+(restore of a sequence that is not on host there, a migration from a GPU that does not hold it) fails with the id
+and the GPU, before any backend moves a tensor.
 
 Execution order within a boundary is the order of `KVOps`' fields: join, free, evict, yield, offload, migrate,
 restore, reshard; then the run (prefill or chunks, and decode). A sequence is in at most one of free / evict /
@@ -34,11 +37,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
+from batchgen.core.accounts import Moves
+from batchgen.core.reshard import pieces
+from batchgen.core.sequences import InvariantError
 
 _I = np.empty(0, np.int64)
 _B = np.empty(0, bool)
-for _a in (_I, _B):
+_F = np.empty(0)
+for _a in (_I, _B, _F):
     _a.flags.writeable = False
 
 def _ints():
@@ -47,6 +53,10 @@ def _ints():
 
 def _flags():
     return field(default_factory=lambda: _B)
+
+
+def _floats():
+    return field(default_factory=lambda: _F)
 
 
 MOVE_KINDS = ("free", "evict", "yield", "offload", "migrate", "restore")  # at most one per sequence per boundary
@@ -62,29 +72,37 @@ class KVOps:
     join_degree: np.ndarray = _ints()
     join_to_host: np.ndarray = _flags()    # ... yielded: what the lead's host copy lacks is gathered into it; else
     #                                        finished or evicted: every GPU drops its shard, the lead its host copy
+    join_bytes: np.ndarray = _floats()     # ... the KV gathered and written down (0: the host copy is up to date)
     free_ids: np.ndarray = _ints()        # finished: drop device pages and host copy
     free_gpu: np.ndarray = _ints()
     evict_ids: np.ndarray = _ints()       # evicted (recompute): drop device pages and host copy
     evict_gpu: np.ndarray = _ints()
     yield_ids: np.ndarray = _ints()       # YIELD: device -> host copy, pages freed; the sequence is suspended
     yield_gpu: np.ndarray = _ints()
+    yield_bytes: np.ndarray = _floats()   # ... what the host copy lacks (0: kept up to date by host_sync)
     offload_ids: np.ndarray = _ints()     # device -> host copy, pages freed; the sequence runs on host-resident
     offload_gpu: np.ndarray = _ints()
+    offload_bytes: np.ndarray = _floats()
     migrate_ids: np.ndarray = _ints()     # MIGRATE: the KV leaves src's cache for dst's ...
     migrate_src: np.ndarray = _ints()
     migrate_dst: np.ndarray = _ints()
     migrate_cross: np.ndarray = _flags()   # ... over the network (another node) or within the node
+    migrate_from_device: np.ndarray = _flags()  # from src's device pages (a running sequence) or its host copy
     migrate_to_device: np.ndarray = _flags()  # loaded into dst's device pages, or kept as a host copy there
     migrate_host_copy: np.ndarray = _flags()  # dst keeps a host copy (the state counts one: its host_node >= 0)
+    migrate_bytes: np.ndarray = _floats()
     restore_ids: np.ndarray = _ints()     # COMBINE: host copy -> device pages in the same cache
     restore_gpu: np.ndarray = _ints()
+    restore_bytes: np.ndarray = _floats()
     reshard_ids: np.ndarray = _ints()     # PARTITION: a running sequence's group (lead, degree; 1: the lead's pages)
     reshard_lead: np.ndarray = _ints()
     reshard_degree: np.ndarray = _ints()
     reshard_to_lead: np.ndarray = _ints()     # ... becomes (to_lead, to_degree), device to device (core.reshard)
     reshard_to_degree: np.ndarray = _ints()
     reshard_host_copy: np.ndarray = _flags()  # the lead holds a host copy (it follows a new lead)
+    reshard_bytes: np.ndarray = _floats()  # the sequence's KV (each part carries its share: core.reshard)
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
+    by_heads: bool = True                 # shards split the KV by heads (MLA's latent: replicas)
 
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
@@ -114,6 +132,55 @@ class KVOps:
             self.reshard_ids.tolist(), self.reshard_lead.tolist(), self.reshard_degree.tolist(),
             self.reshard_to_lead.tolist(), self.reshard_to_degree.tolist(), self.reshard_host_copy.tolist(),
             strict=True)]
+
+    def moves(self, num_gpus: int) -> Moves:
+        """The bytes these ops copy, per GPU (global index) and tier, each charged to the GPU that receives it: what
+        the simulator prices and what the executors copy (batchgen.exec.account counts it from the tensors).
+
+        A yield or offload writes down what the host copy lacks (d2h); a restore reads the copy back (h2d); a
+        migration crosses nodes over the network (and a device-resident arrival that keeps a host copy writes it
+        again there, d2h), or within a node goes device to device (peer) from a running sequence and host to
+        device (h2d) from a suspended one's host copy (a host-resident arrival moves nothing: the node's host
+        memory holds it); a reshard copies the parts of the new group's shards their GPUs lack (core.reshard),
+        and a host copy follows a lead that changes node (network); a join into the host copy gathers the shards
+        into the lead (as a reshard to one GPU) and writes the whole KV down."""
+        if not any(getattr(self, f"{k}_bytes").size for k in ("join", "yield", "offload", "migrate", "restore",
+                                                             "reshard")):
+            return Moves.none(num_gpus)
+        m = Moves.zeros(num_gpus)
+        if self.migrate_ids.size:
+            b, dst, cross = _sized(self.migrate_ids, self.migrate_bytes), self.migrate_dst, self.migrate_cross
+            dev, copy, from_dev = self.migrate_to_device, self._host_copy(), self.migrate_from_device
+            np.add.at(m.network, dst[cross], b[cross])
+            within = ~cross & dev
+            np.add.at(m.peer, dst[within & from_dev], b[within & from_dev])
+            np.add.at(m.h2d, dst[within & ~from_dev], b[within & ~from_dev])
+            np.add.at(m.d2h, dst[cross & dev & copy], b[cross & dev & copy])
+        parts = []  # (old group, new group, KV bytes) of every reshard, a gathering join's included
+        if self.join_ids.size:
+            b = _sized(self.join_ids, self.join_bytes)
+            gather = self.join_to_host & (b > 0)
+            for lead, degree, kv in zip(self.join_lead[gather].tolist(), self.join_degree[gather].tolist(),
+                                        b[gather].tolist()):
+                parts.append((self.group(lead, degree), [lead], kv))
+            np.add.at(m.d2h, self.join_lead[gather], b[gather])
+        if self.reshard_ids.size:
+            b = _sized(self.reshard_ids, self.reshard_bytes)
+            node = self.nodes()
+            for (_, old, new, copy), kv in zip(self.reshards(), b.tolist()):
+                parts.append((old, new, kv))
+                if copy and node[old[0]] != node[new[0]]:  # the host copy follows its lead to another node
+                    m.network[new[0]] += kv
+        if parts:
+            node = self.nodes()
+            for old, new, kv in parts:
+                for p in pieces(tuple(old), tuple(new), self.by_heads):
+                    (m.peer if node[p.src] == node[p.dst] else m.network)[p.dst] += p.nbytes(kv)
+        for ids, gpu, nbytes in ((self.yield_ids, self.yield_gpu, self.yield_bytes),
+                                 (self.offload_ids, self.offload_gpu, self.offload_bytes)):
+            np.add.at(m.d2h, gpu, _sized(ids, nbytes))
+        np.add.at(m.h2d, self.restore_gpu, _sized(self.restore_ids, self.restore_bytes))
+        return m
 
     def nodes(self) -> dict[int, int]:
         """{GPU: node} of the instance's GPUs (`plan_ops` gives them; a plan with partition ops needs them)."""
@@ -150,6 +217,16 @@ class KVOps:
             nodes=self.nodes() if joins or reshards else {})
 
 
+def _sized(ids: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """An op kind's bytes, one per op: a plan written by hand, without them, is performed but cannot be priced."""
+    if nbytes.size != ids.size:
+        if not ids.size:
+            return _F
+        raise InvariantError("these KV ops carry no bytes (a hand-written plan): the state's primitives emit the "
+                             "bytes of every op they price")
+    return nbytes
+
+
 @dataclass
 class GpuOps:
     """One GPU's share of a boundary (lists of plain ints, as a worker process would receive them)."""
@@ -178,28 +255,18 @@ class KVLedger:
 
     _by_state: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def __init__(self, num_sequences: int, num_instances: int, gpu_node: np.ndarray):
+    def __init__(self, num_sequences: int, gpu_node: np.ndarray):
         self.holder = np.full(num_sequences, -1, np.int64)
         self.on_device = np.zeros(num_sequences, bool)
         self.split = np.zeros(num_sequences, np.int64)
         self.gpu_node = gpu_node
-        self._finished = [[] for _ in range(num_instances)]  # freed at the instance's next boundary
 
     @classmethod
     def of(cls, state) -> "KVLedger":
         ledger = cls._by_state.get(state)
         if ledger is None:
-            ledger = cls._by_state[state] = cls(len(state.table), state.topo.num_instances, state.topo.gpu_node)
+            ledger = cls._by_state[state] = cls(len(state.table), state.topo.gpu_node)
         return ledger
-
-    def finished(self, instance: int, ids: np.ndarray) -> None:
-        """Sequences that ended in a run: their KV is freed at the instance's next boundary."""
-        if ids.size:
-            self._finished[instance].append(ids)
-
-    def take_finished(self, instance: int) -> np.ndarray:
-        parts, self._finished[instance] = self._finished[instance], []
-        return np.concatenate(parts) if parts else _I
 
     def where(self, sid: int) -> str:
         h = int(self.holder[sid])
@@ -284,82 +351,3 @@ class KVLedger:
         self._fail(self.holder[ids] == gpus, ids, gpus, "run")
         self._fail(self.on_device[ids] == device, ids, gpus, "run " + "device-resident / host-resident")
         self._fail(np.where(degree > 1, degree, 0) == self.split[ids], ids, gpus, "run partitioned")
-
-
-def plan_ops(state, ledger: KVLedger, instance: int, touched: np.ndarray, fresh_ids: np.ndarray = _I,
-             moved: np.ndarray = _I) -> KVOps:
-    """The KV moves that take the `touched` sequences from where the ledger has their KV to where the state
-    (after the decision) runs or keeps them. `fresh_ids` (prefills, first chunks) are to hold no KV before the
-    run writes it (an evicted one's old KV is dropped). Derived from the ledger's view: the ops are checked
-    against it again by `KVLedger.apply`, which a hand-written (or broadcast) plan goes through too.
-
-    A PARTITIONed sequence's group changes as the state's primitives change it, in their order: MIGRATE moves the
-    group to its new lead at its degree, then PARTITION changes the degree there (a reshard each); one that stops
-    running leaves its group (join: dropped, or gathered into its lead's host copy when suspended).
-
-    Migrations are carried out one at a time in plan order, so their order matters where a destination is full:
-    the running sequences the state MIGRATEd (`moved`, in the order `ClusterState.move_running` carried them out,
-    each arrival within the pages its destination has then) come first, in that order; then resumes on another
-    GPU (they only arrive: any order fits), by id."""
-    gpus = state.instance_gpus(instance)
-    nodes = ledger.gpu_node[gpus]
-    if not touched.size:
-        return KVOps(gpus, gpu_node=nodes)
-    t = state.table
-    ids = np.unique(touched)
-    where, tp, hosted = t.where[ids].astype(np.int64), t.tp[ids].astype(np.int64), t.host_resident[ids]
-    fresh = np.isin(ids, fresh_ids) if fresh_ids.size else np.zeros(ids.size, bool)
-    running = (where >= 0) & ~fresh
-    gone = ((where == FINISHED) | (where == PENDING) | fresh)
-    suspended = (where == SUSPENDED) & ~fresh
-    want_dev = running & ~hosted
-    h, dev, sp = ledger.holder[ids].copy(), ledger.on_device[ids].copy(), ledger.split[ids]
-    stray = (suspended | running) & (h < 0)
-    if stray.any():
-        sid = int(ids[stray][0])
-        raise InvariantError(f"sequence {sid} is {'suspended' if where[stray][0] == SUSPENDED else 'running'} "
-                             f"(state) but its KV is {ledger.where(sid)}")
-    # a partition that stops running leaves its group first: dropped (finished, evicted) or into the lead's host copy
-    join = (sp > 0) & ~running
-    join_lead = h[join]
-    h[join & gone] = -1
-    dev[join] = False
-    # a partition that runs on: its group follows its lead (MIGRATE), then changes degree (PARTITION)
-    regroup = (sp > 0) & running
-    move = regroup & (h != where)
-    drop = gone & (h >= 0)
-    evicted = where != FINISHED  # dropped for a recompute (pending again, or prefilled again now)
-    same = running & ((h == where) | regroup)
-    restore = same & want_dev & ~dev
-    offload = same & ~want_dev & dev
-    migrate = running & ~same
-    yields = suspended & dev
-    degree = np.maximum(sp, 1)  # 1: the whole KV in the holder's pages
-    change = running & (degree != tp)
-    # reshards, each sequence's in order: its group's move at its degree, then its degree change at the new lead
-    group_moves, changed = np.flatnonzero(move), np.flatnonzero(change)
-    rows = np.concatenate([group_moves, changed])
-    is_move = np.arange(rows.size) < group_moves.size
-    order = np.argsort(rows, kind="stable")
-    rows, is_move = rows[order], is_move[order]
-    r_lead = np.where(is_move, h[rows], where[rows])
-    r_to_degree = np.where(is_move, degree[rows], tp[rows])
-    migrate = np.flatnonzero(migrate)
-    if moved.size and migrate.size > 1:  # the state's order of its moves first (a stable sort keeps ids' order)
-        sorter = np.argsort(moved)
-        at = sorter[np.minimum(np.searchsorted(moved, ids[migrate], sorter=sorter), moved.size - 1)]
-        key = np.where(moved[at] == ids[migrate], at, moved.size)  # its place among the moves, or after them
-        migrate = migrate[np.argsort(key, kind="stable")]
-    dst = where[migrate]
-    src = h[migrate]
-    return KVOps(
-        gpus, join_ids=ids[join], join_lead=join_lead, join_degree=sp[join],
-        join_to_host=suspended[join],
-        free_ids=ids[drop & ~evicted], free_gpu=h[drop & ~evicted], evict_ids=ids[drop & evicted],
-        evict_gpu=h[drop & evicted], yield_ids=ids[yields], yield_gpu=h[yields], offload_ids=ids[offload],
-        offload_gpu=h[offload], migrate_ids=ids[migrate], migrate_src=src, migrate_dst=dst,
-        migrate_cross=ledger.gpu_node[src] != ledger.gpu_node[dst], migrate_to_device=want_dev[migrate],
-        migrate_host_copy=t.host_node[ids[migrate]] >= 0,
-        restore_ids=ids[restore], restore_gpu=h[restore], reshard_ids=ids[rows], reshard_lead=r_lead,
-        reshard_degree=degree[rows], reshard_to_lead=where[rows], reshard_to_degree=r_to_degree,
-        reshard_host_copy=t.host_node[ids[rows]] >= 0, gpu_node=nodes)

@@ -34,6 +34,8 @@ class SequenceTable:
     decoded: np.ndarray = field(init=False)         # tokens generated so far (prefill makes the first)
     where: np.ndarray = field(init=False)
     host_node: np.ndarray = field(init=False)       # node whose host memory holds the KV copy, -1 if none
+    kv_gpu: np.ndarray = field(init=False)          # GPU whose cache holds the KV (pages or host copy; the lead of
+    #                                                 a partition), -1 if none: the source of its next move
     pages: np.ndarray = field(init=False)           # KV pages allocated on the GPU while running
     home_gpu: np.ndarray = field(init=False)        # GPU a sequence is pinned to (-1: free to move)
     tp: np.ndarray = field(init=False)              # GPUs a running sequence is partitioned over
@@ -59,6 +61,7 @@ class SequenceTable:
         self.decoded = np.zeros(n, np.int64)
         self.where = np.full(n, PENDING, np.int32)
         self.host_node = np.full(n, -1, np.int32)
+        self.kv_gpu = np.full(n, -1, np.int32)
         self.pages = np.zeros(n, np.int64)
         self.home_gpu = np.full(n, -1, np.int32)
         self.tp = np.ones(n, np.int32)
@@ -104,6 +107,12 @@ class SequenceTable:
             raise InvariantError("a suspended sequence must have its KV on some node's host memory")
         if np.any((self.where == PENDING) & (self.host_node >= 0)):
             raise InvariantError("a pending sequence has no KV, so no host copy")
+        running = self.where >= 0
+        if np.any(self.kv_gpu[running] != self.where[running]):
+            bad = np.flatnonzero(running & (self.kv_gpu != self.where))[:5]
+            raise InvariantError(f"running sequences {bad.tolist()}: their KV must be in their GPU's cache (kv_gpu)")
+        if np.any((self.where == SUSPENDED) & (self.kv_gpu < 0)):
+            raise InvariantError("a suspended sequence's KV must be in some GPU's cache (kv_gpu)")
         partial = self.prefilled != 0
         if partial.any():
             ids = np.flatnonzero(partial)

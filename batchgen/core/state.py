@@ -1,8 +1,10 @@
 """Where every sequence lives, and the coroutine primitives that move it.
 
-Both backends keep their bookkeeping here: the simulator charges time for the bytes each primitive reports,
-the executor moves the tensors. Every primitive checks its preconditions, so a policy that asks for something
-impossible (admit a sequence that is not suspended, overfill a GPU) fails loudly at the step that did it.
+Both backends keep their bookkeeping here. Each primitive emits the KV ops it implies (batchgen.core.oplog: what
+moves, from which GPU and tier to which, how many bytes) as it changes the state; an instance's ops are taken at
+its boundary (`take_ops`), priced by the simulator and performed by the executors. Every primitive checks its
+preconditions, so a policy that asks for something impossible (admit a sequence that is not suspended, overfill a
+GPU) fails loudly at the step that did it.
 """
 
 from __future__ import annotations
@@ -10,17 +12,19 @@ from __future__ import annotations
 import numpy as np
 
 from batchgen import fastpath
-from batchgen.core.accounts import _FEW, Accounts, Moves
+from batchgen.core.accounts import _FEW, Accounts, Moves  # noqa: F401 (Moves: re-exported)
+from batchgen.core.few import FewIds
 from batchgen.core.move_order import carried_out_in
+from batchgen.core.ops import KVOps
+from batchgen.core.oplog import OpLog
 from batchgen.core.queues import IdQueue
-from batchgen.core.reshard import pieces
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 from batchgen.core.topology import Topology, node_instance
 
 __all__ = ["ClusterState", "Moves", "Topology"]
 
 
-class ClusterState(Accounts):
+class ClusterState(FewIds, Accounts):
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
@@ -60,6 +64,13 @@ class ClusterState(Accounts):
         # running sequences part-way through a chunked prefill (prefilled > 0), kept by the methods that write
         # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
         self.num_part_prefilled = 0
+        self.oplogs = [OpLog() for _ in range(topo.num_instances)]  # ops emitted since each instance's boundary
+
+    def take_ops(self, instance: int) -> KVOps:
+        """The KV ops the instance's primitives emitted since its last boundary (its runs' finishes included),
+        in execution order; the log is emptied."""
+        return self.oplogs[instance].take(self._instance_gpus[instance], self.topo.gpu_node[self._instance_gpus[
+            instance]], self.kv_split_by_heads)
 
     def kv_bytes(self, ids: np.ndarray) -> np.ndarray:
         """Bytes of the KV the sequences hold: every context token's but the newest generated one's, whose KV the
@@ -128,6 +139,7 @@ class ClusterState(Accounts):
         if (self.topo.gpu_instance[gpus] != instance).any():
             raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
         self.table.where[ids] = gpus
+        self.table.kv_gpu[ids] = gpus
         self.table.host_resident[ids] = host_resident
         self.table.instance[ids] = instance
         self.active[instance] = np.concatenate([self.active[instance], ids])
@@ -138,7 +150,7 @@ class ClusterState(Accounts):
         if not ok.all():
             raise InvariantError(f"sequences {ids[~ok][:5].tolist()} are not {what}")
 
-    def yield_(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
+    def yield_(self, instance: int, ids: np.ndarray) -> None:
         """YIELD: suspend running sequences; their KV is checkpointed to their node's host memory.
 
         A sequence with a host copy has it up to date already (host_sync keeps it so): nothing moves. One without
@@ -152,11 +164,14 @@ class ClusterState(Accounts):
         ctx = t.context(ids)
         nodes = self.topo.gpu_node[gpus]
         fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
-        if self.partitioned_ever:
-            split = fresh & (t.tp[ids] > 1)
-            if split.any():
-                self._reshard(ids[split], gpus[split], t.tp[ids[split]], gpus[split], 1, moves)
-        np.add.at(moves.d2h, gpus[fresh], self.kv_bytes(ids[fresh]))
+        written = np.where(fresh, self.kv_bytes(ids), 0.0)
+        log = self.oplogs[instance]
+        split = (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
+        if split.any():
+            log.add("join", ids[split], gpus[split], t.tp[ids[split]].astype(np.int64), np.ones(int(split.sum()), bool),
+                    written[split])
+        device = ~split & ~t.host_resident[ids]
+        log.add("yield", ids[device], gpus[device].astype(np.int64), written[device])
         self._host_add(nodes[fresh], ctx[fresh])
         t.host_node[ids[fresh]] = nodes[fresh]
         self._leave_gpu(instance, ids)
@@ -168,8 +183,8 @@ class ClusterState(Accounts):
         for node in np.unique(nodes):
             self.suspended[int(node)].push(ids[nodes == node])
 
-    def combine(self, instance: int, node: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves,
-                lookahead_tokens: int, host_resident: np.ndarray | bool = False, keep_host_copy: bool = True) -> None:
+    def combine(self, instance: int, node: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
+                host_resident: np.ndarray | bool = False, keep_host_copy: bool = True) -> None:
         """COMBINE: resume suspended sequences from `node`'s pool (its head, FIFO) on GPUs of `instance`.
 
         A GPU on another node pulls the KV over the network (that is MIGRATE folded into the resume). A
@@ -182,17 +197,22 @@ class ClusterState(Accounts):
         # one flag for the whole admit (the usual case): a plain array is cheaper to index than a broadcast view
         host_resident = np.full(ids.shape, bool(host_resident)) if host_resident.ndim == 0 else \
             np.broadcast_to(host_resident, ids.shape)
-        bytes_ = self.kv_bytes(ids)
-        remote = self.topo.gpu_node[gpus] != node
-        local = ~remote & ~host_resident
-        np.add.at(moves.h2d, gpus[local], bytes_[local])
         if not keep_host_copy and host_resident.any():
             raise InvariantError("a host-resident sequence runs from its host copy: it cannot drop it")
+        bytes_ = self.kv_bytes(ids)
+        remote = self.topo.gpu_node[gpus] != node
+        src = t.kv_gpu[ids].astype(np.int64)
+        here = src == gpus  # back on the GPU whose host copy it is: restored in place (host-resident: nothing)
+        log = self.oplogs[instance]
+        restore = here & ~host_resident
+        log.add("restore", ids[restore], src[restore], bytes_[restore])
+        away = ~here
+        if away.any():  # from the host copy another GPU's cache holds (on this node, or over the network)
+            n = int(away.sum())
+            log.add("resume", ids[away], src[away], gpus[away].astype(np.int64), remote[away], np.zeros(n, bool),
+                    ~host_resident[away], np.full(n, keep_host_copy), bytes_[away])
         if remote.any():
-            np.add.at(moves.network, gpus[remote], bytes_[remote])
             if keep_host_copy:  # the host copy is written again on the new node, from the KV that arrived there
-                rewritten = remote & ~host_resident
-                np.add.at(moves.d2h, gpus[rewritten], bytes_[rewritten])
                 self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
             t.migrations[ids[remote]] += 1
         if not keep_host_copy:
@@ -207,7 +227,7 @@ class ClusterState(Accounts):
         self._host_add(nodes, ctx)
         t.host_node[ids] = nodes
 
-    def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> np.ndarray:
+    def move_running(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """MIGRATE running sequences to other GPUs of their instance, KV and all (straggler rebalancing).
 
         A PARTITIONed sequence moves as its group: from the group led by its GPU to the group of the same degree
@@ -226,23 +246,23 @@ class ClusterState(Accounts):
                       f"running on instance {instance}")
         order = carried_out_in(self, ids, gpus)
         ids, gpus, src = ids[order], gpus[order], src[order]
-        # a host-resident sequence's KV stays in its node's host memory: only a move to another node carries it
         bytes_ = self.kv_bytes(ids)
         cross = self.topo.gpu_node[src] != self.topo.gpu_node[gpus]
         split = (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
         whole = ~split
         copy = t.host_node[ids] >= 0
-        np.add.at(moves.network, gpus[cross & (whole | copy)], bytes_[cross & (whole | copy)])
-        peer = ~cross & ~t.host_resident[ids] & whole
-        np.add.at(moves.peer, gpus[peer], bytes_[peer])
-        # a device-resident sequence's host copy is written again on its new node, from the KV that arrived there
-        rewritten = cross & ~t.host_resident[ids] & copy & whole
-        np.add.at(moves.d2h, gpus[rewritten], bytes_[rewritten])
-        if split.any():
-            self._reshard(ids[split], src[split], t.tp[ids[split]], gpus[split], t.tp[ids[split]], moves)
+        device = ~t.host_resident[ids]
+        log = self.oplogs[instance]
+        src, dst = src.astype(np.int64), gpus.astype(np.int64)
+        log.add("migrate", ids[whole], src[whole], dst[whole], cross[whole], device[whole], device[whole],
+                copy[whole], bytes_[whole])
+        if split.any():  # the group moves to its new lead at its degree
+            degree = t.tp[ids[split]].astype(np.int64)
+            log.add("reshard", ids[split], src[split], degree, dst[split], degree, copy[split], bytes_[split])
         pages = t.pages[ids].copy()
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.where[ids] = gpus
+        t.kv_gpu[ids] = gpus
         self._set_pages(ids, pages)
         t.migrations[ids] += 1
         have = ids[t.host_node[ids] >= 0]
@@ -251,7 +271,7 @@ class ClusterState(Accounts):
             self._migrate_host_copy(stale, self.topo.gpu_node[t.where[stale]])
         return ids
 
-    def offload(self, instance: int, ids: np.ndarray, moves: Moves) -> None:
+    def offload(self, instance: int, ids: np.ndarray) -> None:
         """Running device-resident sequences go on running host-resident: KV checkpointed, pages freed."""
         t = self.table
         gpus = t.where[ids]
@@ -262,13 +282,13 @@ class ClusterState(Accounts):
                       "offloaded)")
         ctx = t.context(ids)
         fresh = t.host_node[ids] < 0
-        np.add.at(moves.d2h, gpus[fresh], self.kv_bytes(ids[fresh]))
+        self.oplogs[instance].add("offload", ids, gpus.astype(np.int64), np.where(fresh, self.kv_bytes(ids), 0.0))
         self._host_add(self.topo.gpu_node[gpus[fresh]], ctx[fresh])
         t.host_node[ids[fresh]] = self.topo.gpu_node[gpus[fresh]]
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.host_resident[ids] = True
 
-    def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray, moves: Moves) -> None:
+    def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
         """PARTITION running sequences over `degree` GPUs each (the group starts at the lead GPU, where the sequence
         runs): tensor-parallel attention with the KV split by heads (MHA/GQA: GPU j of the group holds shard j,
         1/degree of the heads) or replicated (MLA's latent: a whole replica on each GPU of the group).
@@ -299,24 +319,13 @@ class ClusterState(Accounts):
             return
         t.partitions[ids] += 1
         self.partitioned_ever = self.partitioned_ever or bool((degree > 1).any())
-        lead = t.where[ids]
-        self._reshard(ids, lead, t.tp[ids], lead, degree, moves)
+        lead = t.where[ids].astype(np.int64)
+        self.oplogs[instance].add("reshard", ids, lead, t.tp[ids].astype(np.int64), lead, degree,
+                                  t.host_node[ids] >= 0, self.kv_bytes(ids))
         self._set_pages(ids, np.zeros(ids.size, np.int64))
         t.tp[ids] = degree
         # each member's pages for the context; the run's lookahead is reserved after this
         self._set_pages(ids, self.pages_needed(ids, t.context(ids)))
-
-    def _reshard(self, ids: np.ndarray, lead: np.ndarray, degree, new_lead: np.ndarray, new_degree,
-                 moves: Moves) -> None:
-        """The bytes of moving each sequence's KV from the group (lead, degree) to the group (new_lead,
-        new_degree), as `batchgen.core.reshard.pieces` moves it: each part charged to the GPU that receives it,
-        peer within a node, network across."""
-        node = self.topo.gpu_node
-        n = ids.size
-        for kv, a, d, b, e in zip(self.kv_bytes(ids).tolist(), lead.tolist(), np.broadcast_to(degree, n).tolist(),
-                                  new_lead.tolist(), np.broadcast_to(new_degree, n).tolist()):
-            for p in pieces(self.group_of(a, d), self.group_of(b, e), self.kv_split_by_heads):
-                (moves.peer if node[p.src] == node[p.dst] else moves.network)[p.dst] += p.nbytes(kv)
 
     def evict(self, instance: int, ids: np.ndarray) -> None:
         """Drop sequences' KV (running or suspended); they go back to the head of their queue and will be
@@ -325,6 +334,7 @@ class ClusterState(Accounts):
         gpus = t.where[ids].copy()
         self._require(ids, (gpus >= 0) | (gpus == SUSPENDED), "running or suspended")
         parked = gpus == SUSPENDED
+        self._drop_kv(instance, ids, running=~parked)
         for node in np.unique(t.host_node[ids[parked]]):
             self.suspended[int(node)].remove(ids[parked & (t.host_node[ids] == node)])
         self._host_drop(ids)
@@ -341,15 +351,30 @@ class ClusterState(Accounts):
         if (~pinned).any():
             self.pending[instance].push_front(ids[~pinned])
 
+    def _drop_kv(self, instance: int, ids: np.ndarray, running: np.ndarray, evicted: bool = True) -> None:
+        """Emit the ops that drop the sequences' KV wherever it is (a partitioned one's group leaves its shards),
+        before the state forgets where: evicted (recomputed later) or freed (finished)."""
+        t, log = self.table, self.oplogs[instance]
+        holder = t.kv_gpu[ids].astype(np.int64)
+        split = running & (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
+        if split.any():
+            n = int(split.sum())
+            log.add("join", ids[split], holder[split], t.tp[ids[split]].astype(np.int64), np.zeros(n, bool),
+                    np.zeros(n))
+        held = ~split & (holder >= 0)
+        log.add("evict" if evicted else "free", ids[held], holder[held])
+        t.kv_gpu[ids] = -1
+
     def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
         """Remove sequences about to be prefilled from the head of their queue."""
         queue = self.pending[instance] if gpu is None else self.pinned[gpu]
         queue.take_head_ids(ids)
 
-    def start_prefill_to_host(self, instance: int, ids: np.ndarray) -> None:
+    def start_prefill_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
         self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
+        self.table.kv_gpu[ids] = gpus  # the prefill writes its KV there (into that GPU's host copy)
 
-    def prefilled_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray, moves: Moves) -> None:
+    def prefilled_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
         """Prefill output offloaded layer by layer: the sequences join their node's suspended pool."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending")
@@ -357,7 +382,6 @@ class ClusterState(Accounts):
         self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         nodes = self.topo.gpu_node[gpus]
         ctx = t.context(ids)
-        np.add.at(moves.d2h, gpus, self.kv_bytes(ids))
         self._host_add(nodes, ctx)
         t.host_node[ids] = nodes
         t.where[ids] = SUSPENDED
@@ -404,39 +428,6 @@ class ClusterState(Accounts):
         self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(t.prefilled[ids]))
         t.prefilled[ids] = now
 
-    def _prefill_chunks_few(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
-                            lengths: np.ndarray) -> bool:
-        """`prefill_chunks` of a few chunks, nothing partitioned, on Python scalars (a fast path of
-        batchgen.fastpath: the same checks, the same state after). False, having changed nothing, where a
-        precondition fails: the array code then names it."""
-        t, P = self.table, self.page_tokens
-        rows = []
-        for sid, g, s, n in zip(ids.tolist(), gpus.tolist(), starts.tolist(), lengths.tolist()):
-            w, c, e = int(t.where[sid]), int(t.input_len[sid]) + int(t.decoded[sid]), s + n
-            if not ((w == PENDING if s == 0 else w == g and int(t.prefilled[sid]) == s) and n >= 1 and e <= c):
-                return False
-            rows.append((sid, g, s, e, c))
-        new = [(sid, g) for sid, g, s, _, _ in rows if s == 0]
-        if new:  # _join_gpu without its reserve
-            if any(int(self.topo.gpu_instance[g]) != instance for _, g in new):
-                raise InvariantError("a sequence can only run on a GPU of the instance that schedules it")
-            for sid, g in new:
-                t.where[sid] = g
-                t.host_resident[sid] = False
-                t.instance[sid] = instance
-            self.active[instance] = np.concatenate([self.active[instance], np.array([sid for sid, _ in new], np.int64)])
-        grown: dict[int, int] = {}  # GPU -> pages its chunks add
-        for sid, g, s, e, c in rows:
-            need, held = -(-(e + (e == c)) // P), int(t.pages[sid])
-            if need > held:
-                t.pages[sid] = need
-                grown[g] = grown.get(g, 0) + need - held
-            t.prefilled[sid] = 0 if e == c else e
-            self.num_part_prefilled += (e != c) - (s != 0)  # s != 0: it was part-way (prefilled == s)
-        for g, added in grown.items():
-            self._gpu_holds(g, int(self.pages_used[g]) + added)
-        return True
-
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
         """Sequences generated `tokens` more; with host_sync their host copy grew too (page-boundary sync).
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
@@ -455,6 +446,7 @@ class ClusterState(Accounts):
             return
         self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")
         running = t.where[ids] >= 0
+        self._drop_kv(instance, ids, running, evicted=False)
         self._host_drop(ids)
         if running.any():
             self._leave_gpu(instance, ids[running])
@@ -463,38 +455,3 @@ class ClusterState(Accounts):
         t.where[ids] = FINISHED
         t.finish_time[ids] = times
         self.num_finished += ids.size
-
-    def _finish_few(self, instance: int, ids: np.ndarray, times: np.ndarray) -> bool:
-        """`finish` of a few sequences, nothing partitioned, no host copy, nothing prefilling to host, on Python
-        scalars (a fast path of batchgen.fastpath: the same check, the same state after). False, having changed
-        nothing, where a sequence is not done: the array code then names it."""
-        t = self.table
-        freed: dict[int, int] = {}  # GPU -> pages the finished sequences held
-        running = []
-        for sid in ids.tolist():
-            if int(t.decoded[sid]) != int(t.output_len[sid]):
-                return False
-            g = int(t.where[sid])
-            if g >= 0:
-                running.append(sid)
-                freed[g] = freed.get(g, 0) + int(t.pages[sid])
-        for sid in running:  # _leave_gpu
-            t.pages[sid] = 0
-            t.host_resident[sid] = False
-            if t.prefilled[sid]:
-                self.num_part_prefilled -= 1
-                t.prefilled[sid] = 0
-        for g, pages in freed.items():
-            self.pages_used[g] -= pages
-        if running:
-            active = self.active[instance]
-            if len(running) == 1:
-                self.active[instance] = active[active != running[0]]
-            else:
-                self._leaving[running] = True
-                self.active[instance] = active[~self._leaving[active]]
-                self._leaving[running] = False
-        t.where[ids] = FINISHED
-        t.finish_time[ids] = times
-        self.num_finished += ids.size
-        return True

@@ -340,6 +340,7 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
         copy = np.array([mine[int(s)][3] for s in ids], bool)
         kept[ids] = True
         ledger.holder[ids], ledger.on_device[ids] = rank, dev
+        tn.kv_gpu[ids] = rank  # the survivor's cache holds it (its pages, or its host copy)
         run, park = ids[dev], ids[~dev]
         tn.instance[ids] = instance_of[rank]  # the instance whose ranks include the survivor that holds it
         if run.size:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from batchgen import fastpath
-from batchgen.core.ops import KVLedger, KVOps, plan_ops
+from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.core.state import ClusterState, Moves
 from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult
@@ -20,25 +20,22 @@ _FEW_CHUNKS = 8  # chunks up to which _take_chunks reads their flags as Python l
 
 def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress,
                    now: float = 0.0, ledger: KVLedger | None = None) -> StepPlan:
-    """Carry out a decision through the coroutine primitives and describe the run that follows. With a
-    `ledger` (a backend that moves real KV, or invariant checks) the plan carries the explicit KV ops too,
-    checked against the ledger and recorded there."""
-    topo, t = state.topo, state.table
+    """Carry out a decision through the coroutine primitives and describe the run that follows: the KV ops they
+    emitted (with the instance's finishes since its last boundary), and the bytes those ops copy, which the
+    simulator prices. With a `ledger` (a backend that moves real KV, or invariant checks) the plan carries the
+    ops themselves, checked against the ledger and recorded there."""
+    t = state.table
     gpus = state.instance_gpus(instance)
-    moving = (d.yield_ids.size or d.offload_ids.size or d.move_ids.size or d.admits or d.partition_ids.size
-              or d.prefill_to_host)
-    moves = Moves.zeros(topo.num_gpus) if moving or not fastpath.ENABLED else Moves.none(topo.num_gpus)
     if d.pin_ids.size:
         state.pin(instance, d.pin_ids, gpus[d.pin_ranks])
     if d.evict_ids.size:
         state.evict(instance, d.evict_ids)
     if d.yield_ids.size:
-        state.yield_(instance, d.yield_ids, moves)
+        state.yield_(instance, d.yield_ids)
     if d.offload_ids.size:
-        state.offload(instance, d.offload_ids, moves)
-    moved = _EMPTY  # the moved sequences, in the order the state carried the moves out (the plan's)
+        state.offload(instance, d.offload_ids)
     if d.move_ids.size:
-        moved = state.move_running(instance, d.move_ids, gpus[d.move_ranks], moves)
+        state.move_running(instance, d.move_ids, gpus[d.move_ranks])
     if d.ffn_schedule not in FFN_SCHEDULES:
         raise InvariantError(f"Decision.ffn_schedule must be one of {', '.join(FFN_SCHEDULES)}, got {d.ffn_schedule!r}")
     prefill = d.prefill_ids.size > 0
@@ -47,10 +44,10 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         raise InvariantError("a decision prefills whole prompts or chunks of them, not both")
     steps = 1 if prefill or chunked else max(int(d.steps), 1)
     for admit in d.admits:
-        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], moves, lookahead_tokens=steps,
+        state.combine(instance, admit.node, admit.ids, gpus[admit.ranks], lookahead_tokens=steps,
                       host_resident=admit.host_resident, keep_host_copy=admit.keep_host_copy)
     if d.partition_ids.size:
-        state.partition(instance, d.partition_ids, d.partition_degree, moves)
+        state.partition(instance, d.partition_ids, d.partition_degree)
     if prefill:
         _take_prefill(state, instance, d, gpus)
     decode_ids = state.active[instance]
@@ -75,7 +72,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     pad_rows, pad_context = progress.pads()
     decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
     one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
-    ops = None if ledger is None else _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids, moved)
+    ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
         decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
@@ -87,11 +84,19 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     )
 
 
-def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, gpus: np.ndarray, chunk: dict,
-            decode_ids: np.ndarray, moved: np.ndarray = _EMPTY) -> KVOps:
-    """The decision's KV ops: for every sequence it touched (and those that finished in the instance's last
-    run), from where the ledger has its KV to where the state now keeps it; checked and recorded. `moved`: the
-    MIGRATEd running sequences in the order the state carried them out, which their migrations keep."""
+def _kv_ops(state: ClusterState, ledger: KVLedger | None, instance: int, d: Decision, gpus: np.ndarray,
+            chunk: dict, decode_ids: np.ndarray) -> tuple[KVOps | None, Moves]:
+    """The boundary's KV ops, as the primitives emitted them, and the bytes they copy. With a ledger, every op is
+    checked against where the ledger has the KV and recorded there (and the running sequences' KV against where
+    the state runs them); without one, ops that move no byte (frees, evictions) are dropped unbuilt (None)."""
+    log = state.oplogs[instance]
+    num_gpus = state.topo.num_gpus
+    if ledger is None:
+        if not log.moves_anything():
+            log.clear()
+            return None, Moves.none(num_gpus)
+        return None, state.take_ops(instance).moves(num_gpus)
+    ops = state.take_ops(instance)
     fresh_ids, fresh_gpu = d.prefill_ids, gpus[d.prefill_ranks]
     to_host = np.full(fresh_ids.size, bool(d.prefill_to_host))
     if chunk:
@@ -99,13 +104,10 @@ def _kv_ops(state: ClusterState, ledger: KVLedger, instance: int, d: Decision, g
         fresh_ids = np.concatenate([fresh_ids, chunk["chunk_ids"][first]])
         fresh_gpu = np.concatenate([fresh_gpu, gpus[chunk["chunk_rank"][first]]])
         to_host = np.concatenate([to_host, np.zeros(int(first.sum()), bool)])
-    touched = [ledger.take_finished(instance), d.evict_ids, d.yield_ids, d.offload_ids, d.move_ids,
-               d.partition_ids, fresh_ids, *(a.ids for a in d.admits)]
-    ops = plan_ops(state, ledger, instance, np.concatenate(touched).astype(np.int64, copy=False), fresh_ids, moved)
     ledger.apply(ops, fresh_ids, fresh_gpu, to_host)
     t = state.table
     ledger.check_running(decode_ids, t.where[decode_ids], ~t.host_resident[decode_ids], t.tp[decode_ids])
-    return ops
+    return ops, ops.moves(num_gpus)
 
 
 def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
@@ -136,7 +138,7 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
     else:
         state.take_pending(instance, ids)
     if d.prefill_to_host:
-        state.start_prefill_to_host(instance, ids)
+        state.start_prefill_to_host(instance, ids, gpus[ranks])
     else:
         # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
@@ -211,7 +213,8 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         done = ids[res.prefill_finished]
         if plan.prefill_to_host:
             live = ~res.prefill_finished
-            state.prefilled_to_host(inst, ids[live], gpus[live], plan.moves)
+            state.prefilled_to_host(inst, ids[live], gpus[live])
+            plan.moves = plan.moves.plus_d2h(gpus[live], state.kv_bytes(ids[live]))  # the run wrote them down
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
     if plan.chunk_ids.size:

@@ -20,7 +20,7 @@ from batchgen.core.sequences import InvariantError
 from batchgen.decisions import BoundaryDecision, DeferredDecision
 from batchgen.engine import repeat
 from batchgen.engine.apply import apply_decision, record_outcome
-from batchgen.engine.plan import Backend, StepObserver, StepPlan, StepResult, finished_ids
+from batchgen.engine.plan import Backend, StepObserver, StepPlan, StepResult
 from batchgen.engine.snapshot import InstanceProgress, make_snapshot
 from batchgen.policy.base import Capabilities, Policy
 
@@ -218,16 +218,11 @@ class Engine:
         running = plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size + plan.waiting
         self.closed(instance, progress, StepRecord(
             instance, start, result.duration, plan.phase, result.iterations, result.tokens, int(running),
-            result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm, summary, result.modules),
-            finished_ids(plan, result) if self.ledger is not None else None)
+            result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm, summary, result.modules))
 
-    def closed(self, instance: int, progress: InstanceProgress, record: StepRecord,
-               finished: np.ndarray | None) -> None:
-        """The end of a run, whichever path ran it (`record`, or a backend's one-pass boundary): the KV ledger
-        forgets the sequences that `finished` (given where there is a ledger), waiting instances look again, and
-        the step record is kept."""
-        if self.ledger is not None:
-            self.ledger.finished(instance, finished)
+    def closed(self, instance: int, progress: InstanceProgress, record: StepRecord) -> None:
+        """The end of a run, whichever path ran it (`record`, or a backend's one-pass boundary): waiting instances
+        look again, and the step record is kept."""
         self.liveness.changed(self.backend)
         progress.last_phase = record.phase
         self.records.append(record)

@@ -32,7 +32,7 @@ class StepPlan:
     cpu_attention: bool        # host-resident attention on the host CPU instead of the GPU
     pad_rows: np.ndarray       # per rank
     pad_context: np.ndarray    # per rank: summed context of the padding rows
-    moves: Moves               # bytes moved by this boundary's primitives (indexed by global GPU)
+    moves: Moves               # bytes this boundary's KV ops copy, per global GPU and tier (KVOps.moves)
     host_sync: bool
     prefill_to_host: bool
     padded: bool
@@ -45,8 +45,8 @@ class StepPlan:
     chunk_start: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_len: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_completes: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # the chunk ends its context
-    # the KV moves that come before the run (batchgen.core.ops), per GPU; None for a backend that prices the
-    # bytes in `moves` instead of moving KV (the simulator) and does not ask for them
+    # the KV ops that come before the run, as the primitives emitted them (batchgen.core.ops); None for a backend
+    # that prices their bytes (`moves`) instead of moving KV (the simulator) and does not ask for them
     ops: KVOps | None = None
     # running sequences that wait beside this run without a token of it (a chunks-only forward's decodes): still
     # running, and counted so in the step record

@@ -1,6 +1,6 @@
 """The KV bytes an executor copied, per kind of op, per GPU and tier: what a test compares with what the state priced.
 
-Tiers are the state's (`batchgen.core.state.Moves`): host -> device (h2d), device -> host (d2h), device -> device
+Tiers are those of `KVOps.moves` (batchgen.core.ops): host -> device (h2d), device -> host (d2h), device -> device
 within a node (peer) and across nodes (network); and one it has no price for: `host`, a host copy copied from
 one host pool to another of the same node (backend=dist, whose processes each keep their own pool). Bytes are
 counted from the tensors copied (element count x element size), charged as the state charges them: a migration

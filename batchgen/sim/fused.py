@@ -100,8 +100,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     state.reserve(ids, steps, context)  # pages for the next `steps` tokens
     state.reserve_host(instance, _EMPTY, _EMPTY)
     run = _Run(instance, "decode", d, _EMPTY, ids, steps)
-    if engine.ledger is not None:
-        _kv_ops(state, engine.ledger, instance, d, state.instance_gpus(instance), {}, ids)
+    _kv_ops(state, engine.ledger, instance, d, state.instance_gpus(instance), {}, ids)  # the finishes' frees
     produced = np.minimum(remaining, K)
     rows = decode_rows(context, produced, K, d.micro_batch)
     cost = price_row(backend._scalar(), rows, False, backend.weight_stream_s, backend.tbo)
@@ -123,7 +122,7 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     done = ids[finished]
     if done.size:
         state.finish(instance, done, times)
-    _close(backend, engine, instance, d, progress, now, folded, run, duration, K, gate_total, ids.size, cost, done)
+    _close(backend, engine, instance, d, progress, now, folded, run, duration, K, gate_total, ids.size, cost)
 
 
 def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
@@ -139,8 +138,7 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
     chunk_ids, starts, lens, completes = (chunk["chunk_ids"], chunk["chunk_start"], chunk["chunk_len"],
                                           chunk["chunk_completes"])
     run = _Run(instance, "mixed" if ids.size else "prefill", d, chunk_ids, ids, 1)
-    if engine.ledger is not None:
-        _kv_ops(state, engine.ledger, instance, d, gpus, chunk, ids)
+    _kv_ops(state, engine.ledger, instance, d, gpus, chunk, ids)
     rows = mixed_rows(starts, lens, completes, context, d.micro_batch)
     cost = price_row(backend._scalar(), rows, True, backend.weight_stream_s, backend.tbo)
     if cost is None:
@@ -170,13 +168,11 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
     ended = chunk_ids[chunk_finished]
     if ended.size:
         state.finish(instance, ended, np.full(ended.size, at))
-        done = np.concatenate([done, ended])
     _close(backend, engine, instance, d, progress, now, folded, run, duration, 1, gate_total,
-           ids.size + chunk_ids.size + waiting, cost, done)
+           ids.size + chunk_ids.size + waiting, cost)
 
 
-def _close(backend, engine, instance, d, progress, start, folded, run, duration, K, gate_total, running, cost,
-           done):
+def _close(backend, engine, instance, d, progress, start, folded, run, duration, K, gate_total, running, cost):
     """`record_outcome`'s end and `Engine.record`: the host reservation released, the run's step record."""
     backend.state.reserve_host(instance, _EMPTY, _EMPTY)
     expert = cost.expert_tokens
@@ -184,7 +180,7 @@ def _close(backend, engine, instance, d, progress, start, folded, run, duration,
         instance, start, duration, run.phase, K, int(gate_total), running,
         float(expert[0] if expert.size == 1 else expert.sum()),
         int((expert > 0).sum()) if backend.lat.model.is_moe else 0, cost.rank_busy, cost.rank_comm + 0.0,
-        DeferredDecision(d, run, folded), cost.modules), done)
+        DeferredDecision(d, run, folded), cost.modules))
 
 
 _ZERO_RANK = np.zeros(1, np.int64)

@@ -1,11 +1,14 @@
-"""The explicit KV ops of a plan (batchgen.core.ops): a scripted sequence of decisions gives exactly the expected
-per-GPU lists, and an op the KV is not placed for fails with the sequence and the GPU."""
+"""The explicit KV ops the state's primitives emit (batchgen.core.oplog): a scripted sequence of decisions gives
+exactly the expected per-GPU lists, and an op the KV is not placed for fails with the sequence and the GPU."""
+
+from dataclasses import fields
 
 import numpy as np
 import pytest
 
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import InvariantError
+from batchgen.core.state import ClusterState
 from batchgen.engine import InstanceProgress, apply_decision
 from batchgen.job import prepare
 from batchgen.policy.base import Admit, Decision
@@ -20,7 +23,7 @@ def four_gpus_two_nodes():
                    cluster_overrides={"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4})
     state = prepare(job).state
     assert state.topo.gpu_node.tolist() == [0, 0, 1, 1] and state.topo.num_instances == 1
-    return state, KVLedger(len(state.table), 1, state.topo.gpu_node), InstanceProgress(4)
+    return state, KVLedger(len(state.table), state.topo.gpu_node), InstanceProgress(4)
 
 
 def step(state, ledger, progress, **fields):
@@ -80,7 +83,6 @@ def test_scripted_decisions_give_exactly_the_expected_per_rank_ops():
     t = state.table
     t.output_len[0] = t.decoded[0]
     state.finish(0, np.array([0], I), np.array([1.0]))
-    ledger.finished(0, np.array([0], I))
     plan = step(state, ledger, progress, steps=1)
     assert kv(plan, 0) == {"free": [0], "decode": [1]}
     assert ledger.holder[[0, 1, 2, 3]].tolist() == [-1, 0, 1, 1]
@@ -136,7 +138,6 @@ def test_a_partitioned_sequence_moves_reshards_and_leaves_its_group_as_the_state
     t = state.table
     t.output_len[1] = t.decoded[1]
     state.finish(0, np.array([1], I), np.array([1.0]))
-    ledger.finished(0, np.array([1], I))
     plan = step(state, ledger, progress, steps=1)
     assert kv(plan, 2) == {"join": [(1, (1, 2), False)], "nodes": {0: 0, 1: 0, 2: 1, 3: 1}}
     assert not plan.ops.free_ids.size and ledger.holder[1] == -1
@@ -145,3 +146,64 @@ def test_a_partitioned_sequence_moves_reshards_and_leaves_its_group_as_the_state
     with pytest.raises(InvariantError, match=r"reshard .*sequence 0 on GPU 0: its KV is on GPU 2's host copy"):
         ledger.apply(KVOps(gpus, reshard_ids=one(0), reshard_lead=one(0), reshard_degree=one(1),
                            reshard_to_lead=one(0), reshard_to_degree=one(2)))
+
+
+# jobs whose boundaries emit every kind of op: yields, offloads and host-resident resumes, migrations within and
+# across nodes, splits and joins of partitions, evictions, prefills to host, two instances sharing a node
+# (policy, its knobs, cluster overrides, the kinds of ops the job must emit)
+EMITTING = {
+    "coroutine-mixed-4-gpus": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8},
+                               {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4},
+                               {"free", "migrate", "restore"}),
+    "coroutine-offload": ("coroutine", {"kv_residency": "mixed", "b_attn": 16, "b_moe": 16},
+                          {"num_gpus": 1, "gpus_per_node": 1, "gpus_per_instance": None}, {"free", "offload"}),
+    "coroutine-partition": ("coroutine", {"b_moe": 4, "b_attn": 4, "kv_residency": "device",
+                                          "partition_min_context": 1, "partition_below": 1.0},
+                            {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4},
+                            {"free", "join", "yield", "migrate", "restore", "reshard"}),
+    "coroutine-two-instances": ("coroutine", {"kv_residency": "device", "b_attn": 8, "b_moe": 8},
+                                {"num_gpus": 4, "gpus_per_node": 4, "gpus_per_instance": 2},
+                                {"free", "yield", "migrate", "restore"}),
+    "flexgen": ("flexgen", {}, {"num_gpus": 1, "gpus_per_node": 1, "gpus_per_instance": None}, {"free", "evict"}),
+    "continuous": ("continuous", {}, {"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": None},
+                   {"free", "evict"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMITTING))
+def test_the_emitted_ops_equal_a_diff_of_the_ledger_against_the_state(name, monkeypatch):
+    """Every boundary's ops, as the primitives emitted them, equal those a comparison of where the ledger has each
+    KV with where the state keeps it gives (tests/kv_diff.py), field for field and in order; and the jobs emit
+    the kinds they should."""
+    from batchgen.sim.run import simulate
+    from kv_diff import diffed_ops
+
+    policy, knobs, cluster, kinds = EMITTING[name]
+    rng = np.random.default_rng(3)
+    n = 24
+    outputs = rng.integers(4, 60, n)
+    outputs[:2] = 150
+    job = make_job(policy, "tiny_moe", "h100_8", rng.integers(20, 120, n), outputs, page_tokens=8,
+                   policy_overrides=knobs, cluster_overrides=cluster)
+    apply, move_running, seen, moved = KVLedger.apply, ClusterState.move_running, {}, {}
+
+    def moving(state, instance, ids, gpus):
+        moved[instance] = move_running(state, instance, ids, gpus)  # in the order it carried them out
+        return moved[instance]
+
+    def checking(ledger, ops, fresh_ids=np.empty(0, I), fresh_gpu=np.empty(0, I), fresh_to_host=False):
+        state = next(s for s, mine in KVLedger._by_state.items() if mine is ledger)
+        instance = int(state.topo.gpu_instance[ops.gpus[0]])
+        mine = np.flatnonzero(state.table.instance == instance)
+        expected = diffed_ops(state, ledger, instance, mine, fresh_ids, moved.pop(instance, np.empty(0, I)))
+        for f in fields(KVOps):
+            if not (f.name.endswith("_bytes") or f.name in ("migrate_from_device", "by_heads")):
+                assert np.array_equal(getattr(ops, f.name), getattr(expected, f.name)), f.name
+            if f.name.endswith("_ids"):
+                seen[f.name] = seen.get(f.name, 0) + getattr(ops, f.name).size
+        return apply(ledger, ops, fresh_ids, fresh_gpu, fresh_to_host)
+
+    monkeypatch.setattr(KVLedger, "apply", checking)
+    monkeypatch.setattr(ClusterState, "move_running", moving)
+    simulate(job, kv_pages_per_gpu=40, progress=False)
+    assert {kind[:-4] for kind, n in seen.items() if n} >= kinds

@@ -1,0 +1,81 @@
+"""The KV ops the state's primitives emit as they change the state, collected per instance until its next boundary.
+
+Why. A move is described once: where the primitive that makes it knows its source, destination, tiers and bytes.
+The simulator prices the ops (`KVOps.moves`), the executors perform them (`KVOps.for_gpu`, `move_kv`), and no one
+derives them again by comparing a state before and after. An instance's log takes the ops of its decisions'
+primitives and of its runs' finishes (freed at its next boundary) and is emptied into one `KVOps` per boundary
+(`take`), in the execution order `KVOps` defines: each kind by sequence id, except migrations (the state's
+MIGRATEs in the order it carried them out, then resumes on another GPU by id) and reshards (by id, a group's move
+before its change of degree, as the primitives emitted them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.core.ops import KVOps
+
+# the columns of each kind's rows, as KVOps names them (`<kind>_<column>`); "bytes": the KV bytes the op moves
+COLUMNS = {
+    "join": ("ids", "lead", "degree", "to_host", "bytes"),
+    "free": ("ids", "gpu"),
+    "evict": ("ids", "gpu"),
+    "yield": ("ids", "gpu", "bytes"),
+    "offload": ("ids", "gpu", "bytes"),
+    "migrate": ("ids", "src", "dst", "cross", "from_device", "to_device", "host_copy", "bytes"),
+    "restore": ("ids", "gpu", "bytes"),
+    "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
+}
+_PRICED = ("join", "yield", "offload", "migrate", "restore", "reshard")  # kinds that can move a byte
+
+
+class OpLog:
+    """One instance's emitted ops since its last boundary: per kind, a list of row blocks (one per primitive call)."""
+
+    __slots__ = ("rows", "resumes")
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple]] = {kind: [] for kind in COLUMNS}
+        self.resumes: list[tuple] = []  # migrations of suspended sequences resumed on another GPU (ordered by id)
+
+    def add(self, kind: str, *columns) -> None:
+        if columns[0].size:
+            (self.resumes if kind == "resume" else self.rows[kind]).append(columns)
+
+    def moves_anything(self) -> bool:
+        """Whether an op that may move a byte was emitted (frees and evictions move none)."""
+        return bool(self.resumes) or any(self.rows[k] for k in _PRICED)
+
+    def empty(self) -> bool:
+        return not self.resumes and not any(self.rows.values())
+
+    def take(self, gpus: np.ndarray, gpu_node: np.ndarray, by_heads: bool) -> KVOps:
+        """The ops so far as one `KVOps` of the instance's GPUs (the log is emptied)."""
+        fields = {}
+        for kind, names in COLUMNS.items():
+            blocks = self.rows[kind]
+            if kind == "migrate" and self.resumes:
+                resumes = _joined(self.resumes, len(names))
+                blocks = [*blocks, tuple(c[np.argsort(resumes[0], kind="stable")] for c in resumes)]
+            if not blocks:
+                continue
+            cols = _joined(blocks, len(names))
+            if kind != "migrate":
+                order = np.argsort(cols[0], kind="stable")
+                cols = [c[order] for c in cols]
+            prefix = "yield" if kind == "yield" else kind
+            for name, col in zip(names, cols):
+                fields[f"{prefix}_{name}"] = col
+        self.rows = {kind: [] for kind in COLUMNS}
+        self.resumes = []
+        return KVOps(gpus, gpu_node=gpu_node, by_heads=by_heads, **fields)
+
+    def clear(self) -> None:
+        self.rows = {kind: [] for kind in COLUMNS}
+        self.resumes = []
+
+
+def _joined(blocks: list[tuple], n: int) -> list[np.ndarray]:
+    if len(blocks) == 1:
+        return [np.asarray(c) for c in blocks[0]]
+    return [np.concatenate([b[i] for b in blocks]) for i in range(n)]
