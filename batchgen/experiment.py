@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from batchgen.cli import checked_main
 from batchgen.confdir import conf_dir
 from batchgen.config import build_job, progress_setting, skipped_outputs
 from batchgen.setup import model_path
@@ -104,6 +105,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     return summary
 
 
+@checked_main("batchgen.experiment")
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()

@@ -18,6 +18,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
+from batchgen.cli import checked_main
 from batchgen.confdir import conf_dir
 from batchgen.memory import ConfigError
 from batchgen.setup import plain as _plain
@@ -121,6 +122,7 @@ def _share(value) -> bool | None:
     raise ConfigError(f"job.estimate_share must be auto, true or false, got {value!r}")
 
 
+@checked_main(COMMAND)
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="run")
 def main(cfg: DictConfig) -> None:
     from batchgen.batch.output import OutputFileError
