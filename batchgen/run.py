@@ -113,7 +113,8 @@ def estimate_job(cfg: DictConfig) -> None:
                     progress=enabled(job.get("progress", "auto")), share=_share(job.get("estimate_share", "auto")))
     print(format_estimate(rows, inp, output, spec, setup.cluster))
     if errors:
-        print(f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
+        print("1 line of the input is bad and would get an error record (not estimated)" if len(errors) == 1 else
+              f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
 
 
 def _share(value) -> bool | None:

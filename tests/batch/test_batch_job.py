@@ -107,6 +107,9 @@ def test_a_fifth_of_the_lines_bad(demo, tmp_path):
     assert set(errors) == bad_lines
     for line, err in errors.items():
         assert err["message"].startswith(f"line {line}: ")
+    ids = [r["custom_id"] for r in records if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids)), "a custom_id has two records"  # the duplicate "a" gets only its error
+    assert errors[6]["message"].startswith('line 6: custom_id "a0" was already used on line 1')
     codes = sorted({e["code"] for e in errors.values()})
     assert codes == sorted({"invalid_json", "missing_field", "invalid_url", "duplicate_custom_id",
                             "prompt_too_long", "invalid_parameter"})
@@ -291,7 +294,7 @@ def test_estimate_reads_the_file_and_loads_no_weights(demo, tmp_path, capsys, mo
     assert "200 requests" in out and "batchgen-demo-moe" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["coroutine"], ["static"])]
     assert [r[0] for r in rows] == ["coroutine", "static"]
-    assert "output lengths" in out and "1 lines of the input are bad" in out
+    assert "output lengths" in out and "1 line of the input is bad and would get an error record" in out
     assert "approximate" not in out  # the demo directory has a tokenizer
 
 
