@@ -61,7 +61,8 @@ def run_job(cfg: DictConfig) -> None:
                        after_run=after_run)
 
     summary = run_batch(settings, path, build, run_on_executor,
-                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress))
+                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress,
+                                                            rate=False))
     if summary.completed == 0 and summary.failed + summary.already_done == summary.requests:
         print(f"job already complete: every one of the {summary.requests:,} requests has a record in "
               f"{settings.output}; nothing to do")
