@@ -20,6 +20,11 @@ from batchgen.confdir import conf_dir
 from batchgen.overrides import COMMANDS, DATA_DIRS, section_problem, top_level_problem
 
 ABSENT = object()
+# hydra/launcher=NAME -> (the plugin's module, how to install it): a missing plugin is one line, not Hydra's block
+SUBMITIT = ("hydra_plugins.hydra_submitit_launcher", 'pip install "batchgen[slurm]" (hydra-submitit-launcher)')
+LAUNCHERS = {"joblib": ("hydra_plugins.hydra_joblib_launcher", "pip install hydra-joblib-launcher (a dependency of "
+                        "batchgen: reinstall batchgen)"),
+             "slurm": SUBMITIT, "submitit_slurm": SUBMITIT, "submitit_local": SUBMITIT}
 
 
 def checked_main(command: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -54,6 +59,10 @@ def command_line_problem(argv: list[str], command: str) -> str | None:
     keys = []
     for o in overrides:
         name = o.key_or_group
+        if name == "hydra/launcher":
+            problem = _launcher_problem(o)
+            if problem:
+                return problem
         if name.startswith("hydra") or o.package is not None:
             continue
         if "." not in name and (conf_dir() / name).is_dir():
@@ -74,6 +83,21 @@ def command_line_problem(argv: list[str], command: str) -> str | None:
         if problem:
             return problem
     return None
+
+
+def _launcher_problem(o) -> str | None:
+    """A sweep launcher whose Hydra plugin is not installed: the one line that says how to install it."""
+    import importlib.util
+
+    name = str(o.value()) if not o.is_sweep_override() else ""
+    if name not in LAUNCHERS:
+        return None
+    module, install = LAUNCHERS[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package (hydra_plugins) is missing
+        found = False
+    return None if found else f"hydra/launcher={name} needs a Hydra plugin that is not installed: {install}"
 
 
 def _default_groups(config: str) -> set[str]:

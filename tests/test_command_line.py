@@ -97,3 +97,16 @@ def test_help_says_what_the_command_does(tmp_path, command, words):
         assert word in proc.stdout
     assert "coroutine" in proc.stdout  # the policies are listed
     assert "powered by Hydra" not in proc.stdout
+
+
+def test_a_launcher_whose_plugin_is_missing_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("hydra_plugins.") else real(name, *a))
+    problem = command_line_problem(["-m", "hydra/launcher=slurm", "+policy=coroutine"], EXPERIMENT)
+    assert problem == ('hydra/launcher=slurm needs a Hydra plugin that is not installed: pip install "batchgen[slurm]" '
+                       "(hydra-submitit-launcher)")
+    assert "pip install hydra-joblib-launcher" in command_line_problem(["-m", "hydra/launcher=joblib"], EXPERIMENT)
+    assert command_line_problem(["-m", "hydra/launcher=basic", "+policy=coroutine"], EXPERIMENT) is None
