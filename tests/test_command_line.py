@@ -110,3 +110,30 @@ def test_a_launcher_whose_plugin_is_missing_says_what_to_install(monkeypatch):
                        "(hydra-submitit-launcher)")
     assert "pip install hydra-joblib-launcher" in command_line_problem(["-m", "hydra/launcher=joblib"], EXPERIMENT)
     assert command_line_problem(["-m", "hydra/launcher=basic", "+policy=coroutine"], EXPERIMENT) is None
+
+
+def _leaves(node, prefix: str = "") -> list[str]:
+    from collections.abc import Mapping
+
+    out = []
+    for key, value in node.items():
+        out += _leaves(value, f"{prefix}{key}.") if isinstance(value, Mapping) and value else [f"{prefix}{key}"]
+    return out
+
+
+@pytest.mark.parametrize("command,config,context", [
+    (EXPERIMENT, "config", ["+policy=coroutine"]),
+    (EXPERIMENT, "config", ["+policy=continuous", "backend=exec"]),
+    (EXPERIMENT, "config", ["+policy=coroutine", "backend=dist"]),
+    (RUN, "run", ["+policy=coroutine"]),
+])
+def test_every_key_of_the_config_passes_as_typed(command, config, context):
+    """The check never rejects a key Hydra would take: every leaf of the composed config, set without +."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose(config, overrides=context), resolve=False)
+    keys = _leaves({k: v for k, v in cfg.items() if k != "hydra"})
+    assert len(keys) > 40
+    assert command_line_problem([*context, *(f"{k}=1" for k in keys)], command) is None
