@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from batchgen.cli import checked_main
 from batchgen.confdir import conf_dir
 from batchgen.config import build_job, progress_setting, skipped_outputs
 from batchgen.setup import model_path
@@ -68,7 +69,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         out = simulate(job, progress=progress)
     plan = getattr(out.prepared, "plan", None)
     if plan is not None:
-        print(plan.describe())
+        print(plan_line(plan.describe(), out))
     tp = getattr(out.prepared.policy, "attention_tp", None)
     if tp is not None:
         asked = getattr(job.policy, "attention_tp", tp)
@@ -104,6 +105,26 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     return summary
 
 
+def plan_line(text: str, out) -> str:
+    """The plan's line; on the executor it names the hardware its predictions price (the config's cluster.gpu),
+    and when that is not the kind of device the run measures on (cluster=h100_8 on a CPU) it says so and how to
+    price this machine instead, so that nobody reads H100 figures as a CPU's."""
+    if out.backend not in ("exec", "dist"):
+        return text
+    gpu, device = out.job.cluster.gpu, str(out.device)
+    kind = "cpu" if device.startswith("cpu") else "gpu"
+    if gpu.kind == kind:
+        return text.replace("plan:", f"plan (priced as {gpu.name}, cluster.gpu):", 1)
+    from omegaconf import OmegaConf
+
+    folder = conf_dir() / "hardware"
+    same_kind = sorted(p.stem for p in folder.glob("*.yaml") if (OmegaConf.load(p).get("kind") or "gpu") == kind)
+    return (text.replace("plan:", f"plan (priced as {gpu.name}, cluster.gpu):", 1)
+            + f"; these predictions are for {gpu.name}, not this run's {device}: price a {kind} with "
+              f"cluster.gpu={same_kind[0] if same_kind else 'NAME'} (a file of {folder})")
+
+
+@checked_main("batchgen.experiment")
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()

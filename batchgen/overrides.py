@@ -84,6 +84,8 @@ def _primary(config_name: str) -> tuple[tuple[str, ...], tuple[str, ...], dict[s
         if isinstance(entry, Mapping):
             for key, option in entry.items():
                 group = str(key).split()[-1].lstrip("/").split("@")[0]
+                if group.startswith("hydra"):  # Hydra's own groups (hydra/help): not keys of the command
+                    continue
                 groups.append(group)
                 global_keys += _global_keys(conf_dir() / group / f"{option}.yaml")
     keys = tuple(dict.fromkeys(k for k in [*node, *global_keys] if k not in IGNORED))
@@ -126,9 +128,7 @@ def check_known_keys(cfg: DictConfig | Mapping[str, Any], command: str = "batchg
 
     `command`: `batchgen.experiment` (conf/config.yaml) or `batchgen.run` (conf/run.yaml)."""
     plain = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-    config_name = _config_name(command)
     top = valid_top_level_keys(command)
-    _, _, declared = _primary(config_name)
     problems = []
     for key in plain:
         if key in IGNORED:
@@ -139,15 +139,33 @@ def check_known_keys(cfg: DictConfig | Mapping[str, Any], command: str = "batchg
         value = plain[key]
         if key in UNCHECKED or not isinstance(value, Mapping):
             continue
-        valid = _section_keys(key, plain)
-        if valid is None and key not in declared:
+        valid = valid_section_keys(key, plain, command)
+        if valid is None:
             continue
-        valid = list(dict.fromkeys([*(valid or []), *declared.get(key, ())]))
         for sub in value:
             if sub not in valid:
                 problems.append(_section_problem(key, sub, valid, plain))
     if problems:
         raise ConfigError("; and ".join(problems))
+
+
+def valid_section_keys(section: str, cfg: Mapping[str, Any], command: str = "batchgen.experiment") -> list[str] | None:
+    """The keys `command` reads in one section of `cfg` (None: a section whose keys are not checked here)."""
+    _, _, declared = _primary(_config_name(command))
+    valid = _section_keys(section, cfg)
+    if valid is None and section not in declared:
+        return None
+    return list(dict.fromkeys([*(valid or []), *declared.get(section, ())]))
+
+
+def top_level_problem(key: str, value: Any, cfg: Mapping[str, Any], command: str = "batchgen.experiment") -> str:
+    """The one-line message for a top-level key `command` does not read."""
+    return _top_level_problem(key, value, cfg, valid_top_level_keys(command), command)
+
+
+def section_problem(section: str, key: str, cfg: Mapping[str, Any], command: str = "batchgen.experiment") -> str:
+    """The one-line message for `section.key` that `command` does not read."""
+    return _section_problem(section, key, valid_section_keys(section, cfg, command) or [], cfg)
 
 
 def _top_level_problem(key: str, value: Any, cfg: Mapping[str, Any], top: list[str], command: str) -> str:

@@ -44,11 +44,18 @@ def enabled(setting: Any = "auto", stream: TextIO | None = None) -> bool:
         return False
 
 
+# A bar without tqdm's own rate (requests/s): the executor's bars show tokens/s, their caller's postfix, instead.
+NO_RATE = "{l_bar}{bar}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}{postfix}]"
+
+
 def bar(total: float | None, desc: str, unit: str = "it", *, setting: Any = "auto", delay: float | None = None,
-        stream: TextIO | None = None, **kwargs: Any) -> tqdm:
+        stream: TextIO | None = None, rate: bool = True, **kwargs: Any) -> tqdm:
     """A tqdm bar over `total` on stderr, disabled (a cheap no-op) when `enabled(setting)` is false.
-    `delay`: seconds before it first shows (default DELAY_S)."""
+    `delay`: seconds before it first shows (default DELAY_S). `rate`: False drops tqdm's units/s (the caller
+    shows its own rate, tokens/s, as the postfix)."""
     stream = sys.stderr if stream is None else stream
+    if not rate:
+        kwargs.setdefault("bar_format", NO_RATE)
     return tqdm(total=total, desc=desc, unit=unit, file=stream, disable=not enabled(setting, stream),
                 mininterval=MININTERVAL_S, delay=DELAY_S if delay is None else delay, dynamic_ncols=True,
                 leave=False, **kwargs)
@@ -72,10 +79,10 @@ class Throttle:
 class FinishProgress:
     """An `on_finish(ids, tokens)` observer for the executor (batchgen.exec.run.execute): requests finished /
     `total`, and the tokens per second finished requests generated since the first finished (the model's build
-    and the prompts' prefill come before it)."""
+    and the prompts' prefill come before it), in place of tqdm's requests per second."""
 
-    def __init__(self, total: int, desc: str, setting: Any = "auto"):
-        self.bar = bar(total, desc, unit="req", setting=setting)
+    def __init__(self, total: int, desc: str, setting: Any = "auto", stream: TextIO | None = None):
+        self.bar = bar(total, desc, unit="req", setting=setting, stream=stream, rate=False)
         self.tokens, self.first = 0, None
 
     @property

@@ -18,6 +18,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
+from batchgen.cli import checked_main
 from batchgen.confdir import conf_dir
 from batchgen.memory import ConfigError
 from batchgen.setup import plain as _plain
@@ -60,7 +61,8 @@ def run_job(cfg: DictConfig) -> None:
                        after_run=after_run)
 
     summary = run_batch(settings, path, build, run_on_executor,
-                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress))
+                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress,
+                                                            rate=False))
     if summary.completed == 0 and summary.failed + summary.already_done == summary.requests:
         print(f"job already complete: every one of the {summary.requests:,} requests has a record in "
               f"{settings.output}; nothing to do")
@@ -112,7 +114,8 @@ def estimate_job(cfg: DictConfig) -> None:
                     progress=enabled(job.get("progress", "auto")), share=_share(job.get("estimate_share", "auto")))
     print(format_estimate(rows, inp, output, spec, setup.cluster))
     if errors:
-        print(f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
+        print("1 line of the input is bad and would get an error record (not estimated)" if len(errors) == 1 else
+              f"{len(errors):,} lines of the input are bad and would get error records (not estimated)")
 
 
 def _share(value) -> bool | None:
@@ -121,6 +124,7 @@ def _share(value) -> bool | None:
     raise ConfigError(f"job.estimate_share must be auto, true or false, got {value!r}")
 
 
+@checked_main(COMMAND)
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="run")
 def main(cfg: DictConfig) -> None:
     from batchgen.batch.output import OutputFileError

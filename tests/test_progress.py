@@ -171,8 +171,22 @@ def test_executor_progress_counts_requests_and_tokens(capsys, shown_at_once):
     shown(np.array([0]), Tokens())
     shown(np.array([1, 2]), Tokens())
     assert shown.bar.n == 3 and shown.tokens == 16
+    shown.bar.refresh()
     shown.close()
-    assert "execute coroutine" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "execute coroutine" in err
+    assert "tok/s" in err and "req/s" not in err and "3/3 req" in err  # tokens/s, not tqdm's requests/s
+
+
+def test_batch_job_bar_shows_tokens_per_second_not_requests(shown_at_once):
+    """The batch job's bar (batchgen.run) has no rate of its own: its writer's tokens/s postfix is the rate."""
+    stream = Stream(tty=True)
+    shown = progress.bar(4, "requests", unit="req", setting=True, stream=stream, rate=False)
+    shown.update(2)
+    shown.set_postfix_str("123.4 tok/s")
+    shown.close()
+    text = stream.getvalue()
+    assert "2/4 req" in text and "123.4 tok/s" in text and "req/s" not in text and "it/s" not in text
 
 
 def test_sweep_size():

@@ -158,6 +158,30 @@ def test_plot_is_a_png(runs, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _texts(fig) -> list[str]:
+    """Every text of a figure: titles, axis labels, tick labels, legend entries, annotations."""
+    return [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_position"))]
+
+
+def test_timeline_stands_alone(runs):
+    """It names what ran (policy, model, cluster, workload, request count), labels its axes with units, shows
+    communication beside compute and idle, and prints seconds plainly."""
+    from batchgen.results.plot import timeline_figure
+
+    out = runs["coroutine"]
+    fig = timeline_figure(out)
+    fig.canvas.draw()
+    title = fig._suptitle.get_text()
+    for word in ("coroutine", out.job.model.name, out.job.cluster.name, out.job.workload.name,
+                 f"{len(out.prepared.state.table):,} requests"):
+        assert word in title, title
+    top, bottom = fig.axes[:2]
+    assert {"compute", "communication", "idle"} <= set(top.get_legend_handles_labels()[1])
+    assert "(s)" in bottom.get_xlabel() and "share" in top.get_ylabel()
+    assert not any("e+" in t or "e-0" in t for t in _texts(fig)), [t for t in _texts(fig) if "e+" in t]
+    assert fig.get_constrained_layout()
+
+
 def test_binning_keeps_the_integral():
     start = np.array([0.0, 1.0, 1.5, 4.0])
     end = np.array([1.0, 1.5, 3.0, 5.0])

@@ -170,6 +170,30 @@ def test_figure_files_are_written(two_models):
     assert "sweep.csv" in text and "sweep.png" in text and "sweep.pdf" in text
 
 
+def test_sweep_figure_stands_alone(tmp_path):
+    """BCTs of 1,120 s are printed plainly, the title names model, cluster, workload and request count, and
+    each run's GPU time is split into compute, communication and idle."""
+    import matplotlib.pyplot as plt
+
+    from batchgen.results.sweep import sweep_figure
+
+    sweep = fake_sweep(tmp_path / "sweep", [([f"+policy={p}"], result(p, bct)) for p, bct in
+                                            (("coroutine", 1120.0), ("continuous", 1530.0))])
+    runs, swept = load_sweep(sweep)
+    fig = sweep_figure(group_runs(runs, swept))
+    fig.canvas.draw()
+    title = fig._suptitle.get_text()
+    assert "qwen3_30b_a3b | h100_8 | small, 100 requests" in title, title
+    texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_position"))]
+    assert "1,120 s\n1.00x" in texts and "1,530 s\n1.37x" in texts, texts
+    assert not any("e+" in t for t in texts), texts
+    bct_ax, share_ax = fig.axes[0], fig.axes[1]
+    assert bct_ax.get_ylabel() == "batch completion time (s)"
+    assert share_ax.get_ylabel() == "share of GPU time"
+    assert share_ax.get_legend_handles_labels()[1] == ["compute", "communication", "idle"]
+    plt.close(fig)
+
+
 def test_missing_overrides_fall_back_to_the_results(tmp_path):
     """hydra.output_subdir=null leaves no .hydra: the swept keys are guessed from results.json."""
     sweep = fake_sweep(tmp_path / "sweep", [

@@ -26,8 +26,9 @@ not depend on its sequence id, batch or position: a resumed job (fewer sequences
 what an uninterrupted one would have.
 
 Duplicate custom_ids: the first line with a given custom_id wins, whether it is a good line or an error;
-every later line with it is a duplicate_custom_id error naming that first line (a results file must hold one
-record per custom_id).
+every later line with it is a duplicate_custom_id error naming that first line and the id, whose record has a
+null custom_id (like a line whose custom_id cannot be read): a results file holds one record per custom_id,
+so a reader that keys records by custom_id never finds an error and a success under one id.
 
 Error codes (LineError.code), each message a sentence starting with "line N: " that names the field and the fix:
 
@@ -322,12 +323,12 @@ def _check(text: str, line: int, model: ModelInfo, seen: dict[str, int] | None) 
         cid = obj["custom_id"]
         if not isinstance(cid, str) or not cid:
             raise _Bad("invalid_parameter", f"custom_id must be a non-empty string, got {json.dumps(cid)[:40]}")
-        custom_id = cid
         if seen is not None:
             first = seen.setdefault(cid, line)
-            if first != line:
+            if first != line:  # its error record carries no custom_id: that id's record is the first line's
                 raise _Bad("duplicate_custom_id", f"custom_id {json.dumps(cid)[:80]} was already used on line "
                                                   f"{first}: give every line a unique custom_id")
+        custom_id = cid
         if "method" not in obj:
             raise _Bad("missing_field", 'method is missing: set "method": "POST"')
         if obj["method"] != "POST":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import uuid
 import warnings
@@ -61,11 +62,13 @@ from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, Recover
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
                                     keep_plan, publish, regroup, requeue, settle, settle_caches)
 from batchgen.dist.restore import restore_from_files
-from batchgen.dist.settings import DistSettings, check_dist, dist_host_pools, local_procs, under_torchrun
+from batchgen.dist.settings import (DistSettings, check_dist, dist_host_pools, local_procs, oversubscription,
+                                    under_torchrun)
 from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.fits import check_fits
+from batchgen.exec.threads import available_cores
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengths, _checked_params,
                                _checked_prompts, build_model, host_kw, host_pools, kv_pools, model_config,
@@ -149,6 +152,9 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         finally:
             ctx.close()
     threads = None if settings.threads in (None, "auto") else int(settings.threads)
+    crowded = oversubscription(settings.procs, threads, device, available_cores())
+    if crowded:
+        print(f"warning: {crowded}", file=sys.stderr, flush=True)
     run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files
     try:
         results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id), device=device,

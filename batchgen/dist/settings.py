@@ -34,6 +34,19 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in ENV_VARS)
 
 
+def oversubscription(procs: int, threads: int | str | None, device: str, cores: int) -> str | None:
+    """A warning when the processes (times their threads, on a CPU) need more cores than this machine gives
+    them: they then take turns on the cores, and the run is slower than fewer processes would make it
+    (backend.procs=8 on 2 cores measured 1.7x slower) with no error to say why. None when they fit."""
+    per = threads if isinstance(threads, int) and not isinstance(threads, bool) else 1
+    need = procs * per if device == "cpu" else procs
+    if need <= cores:
+        return None
+    what = f"{procs} processes x {per} thread{'s' if per > 1 else ''}" if device == "cpu" else f"{procs} processes"
+    return (f"backend.procs={procs}: {what} need {need} cores but this machine gives {cores}; they will take turns "
+            f"and the run will be slower than with fewer: use backend.procs<={max(cores // per, 1)}")
+
+
 def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
     """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
     whose size is not torchrun's WORLD_SIZE)."""

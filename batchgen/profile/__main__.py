@@ -34,9 +34,13 @@ def compose(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from batchgen.cli import command_line_problem
     from batchgen.confdir import conf_dir
     from batchgen.specs.catalog import model_names
 
+    problem = command_line_problem(["backend=exec", *overrides], "batchgen.experiment")  # one line, as the others
+    if problem:
+        raise ValueError(f"bad argument: {problem}")
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
             return hydra_compose("config", overrides=["backend=exec", *overrides])

@@ -1,4 +1,6 @@
-"""A run's timeline: how busy each instance was, when it prefilled, and how its running set drained.
+"""A run's timeline: how its GPUs' time split into compute, communication and idle, when it prefilled, and how
+its running set drained. The title names the policy, model, cluster, workload and request count, so that the
+figure stands alone; seconds are printed plainly (never 1e+03).
 
 Step records can number 100K+, so each per-instance series is resampled onto a fixed grid of time bins as an
 exact time-weighted average (the integral of a step function, read at the bin edges), not by plotting every
@@ -29,15 +31,18 @@ def _binned_mean(start: np.ndarray, end: np.ndarray, value: np.ndarray, edges: n
 
 
 def _instance_series(s: StepArrays, edges: np.ndarray, num_instances: int) -> dict[str, np.ndarray]:
-    """(instances x bins) utilisation, prefill share and running sequences."""
+    """(instances x bins) compute share, communication share, prefill share and running sequences."""
     ranks = max(s.busy.shape[1], 1)
-    util = np.where(s.duration > 0, s.busy.sum(axis=1) / ranks / np.maximum(s.duration, 1e-300), 0.0)
+    per_s = ranks * np.maximum(s.duration, 1e-300)
+    util = np.where(s.duration > 0, s.busy.sum(axis=1) / per_s, 0.0)
+    comm = np.where(s.duration > 0, s.comm.sum(axis=1) / per_s, 0.0)
     prefill = (s.phase == "prefill").astype(float)
-    series = {k: np.zeros((num_instances, edges.size - 1)) for k in ("util", "prefill", "running")}
+    series = {k: np.zeros((num_instances, edges.size - 1)) for k in ("util", "comm", "prefill", "running")}
     for inst in range(num_instances):
         m = s.instance == inst
         if m.any():
-            for key, val in (("util", util[m]), ("prefill", prefill[m]), ("running", s.running[m].astype(float))):
+            for key, val in (("util", util[m]), ("comm", comm[m]), ("prefill", prefill[m]),
+                             ("running", s.running[m].astype(float))):
                 series[key][inst] = _binned_mean(s.start[m], s.end[m], val, edges)
     return series
 
@@ -47,21 +52,26 @@ def _step(ax, edges: np.ndarray, y: np.ndarray, **kw):
 
 
 def _draw_utilisation(ax, edges: np.ndarray, series: dict[str, np.ndarray], unit: str) -> None:
-    util, prefill = series["util"], series["prefill"]
-    share = prefill.mean(axis=0)
-    ax.fill_between(edges, 0, np.append(share, share[-1]), step="post", color="tab:orange", alpha=0.25,
-                    linewidth=0, label="prefill (share of instance-time)")
-    if util.shape[0] <= MAX_LINES:
-        for inst, row in enumerate(util):
-            _step(ax, edges, row, linewidth=1, label=f"instance {inst}" if util.shape[0] > 1 else "utilisation")
-    else:
-        lo, hi = util.min(axis=0), util.max(axis=0)
-        ax.fill_between(edges, np.append(lo, lo[-1]), np.append(hi, hi[-1]), step="post", color="tab:blue",
-                        alpha=0.2, linewidth=0, label=f"min-max over {util.shape[0]} instances")
-        _step(ax, edges, util.mean(axis=0), color="tab:blue", linewidth=1, label="mean utilisation")
+    """Compute, communication and idle stacked (the mean over every instance), the prefill share as a line and,
+    for a few instances, each one's compute share."""
+    util, comm = series["util"].mean(axis=0), series["comm"].mean(axis=0)
+    busy = np.minimum(util + comm, 1.0)
+
+    def ext(y: np.ndarray) -> np.ndarray:
+        return np.append(y, y[-1])
+
+    ax.fill_between(edges, 0, ext(util), step="post", color="tab:blue", alpha=0.55, linewidth=0, label="compute")
+    ax.fill_between(edges, ext(util), ext(busy), step="post", color="tab:red", alpha=0.55, linewidth=0,
+                    label="communication")
+    ax.fill_between(edges, ext(busy), 1.0, step="post", color="0.85", linewidth=0, label="idle")
+    if 1 < series["util"].shape[0] <= MAX_LINES:
+        for inst, row in enumerate(series["util"]):
+            _step(ax, edges, row, linewidth=0.8, label=f"instance {inst} compute")
+    _step(ax, edges, series["prefill"].mean(axis=0), color="tab:orange", linestyle="--", linewidth=1,
+          label="prefill (share of instance-time)")
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel(f"{unit} busy fraction")
-    ax.legend(loc="lower left", fontsize=7, ncol=3)
+    ax.set_ylabel(f"share of {unit} time")
+    ax.legend(loc="lower left", fontsize=7, ncol=4)
 
 
 def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray, clock: str) -> None:
@@ -78,12 +88,26 @@ def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray
     done = np.searchsorted(np.sort(finish), edges, side="right") / max(finish.size, 1)
     twin.plot(edges, done, color="black", linestyle="--", linewidth=1, label="finished (cumulative)")
     twin.set_ylim(0, 1.02)
-    twin.set_ylabel("fraction finished")
+    twin.set_ylabel("share of sequences finished")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper right", fontsize=7, ncol=2)
 
 
 def plot_timeline(out, path: Path) -> Path:
+    """Write timeline.png (see `timeline_figure`)."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(out)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(out):
+    """The timeline as a matplotlib Figure: GPU time as compute, communication and idle above, the running set
+    and the share finished below."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,12 +122,24 @@ def plot_timeline(out, path: Path) -> Path:
     _draw_utilisation(top, edges, series, "rank" if measured else "GPU")
     _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)], "measured" if measured else "simulated")
     bottom.set_xlim(0, horizon)
+    plain_seconds(bottom.xaxis)
+    fig.suptitle(title(out), fontsize=10)
+    return fig
+
+
+def title(out) -> str:
+    """What ran where: policy, model, cluster, workload and request count, and its BCT."""
     job = out.job
-    where = where_it_ran(out)[0]
-    fig.suptitle(f"{job.policy.name} | {job.model.name} | {where} | {'measured' if measured else 'simulated'} "
-                 f"BCT {bct(out):.1f} s")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    measured = out.backend in ("exec", "dist")
+    return (f"{job.policy.name} | {job.model.name} | {where_it_ran(out)[0]} | {job.workload.name}, "
+            f"{len(out.prepared.state.table):,} requests | {'measured' if measured else 'simulated'} "
+            f"BCT {bct(out):,.1f} s")
+
+
+def plain_seconds(axis) -> None:
+    """Tick labels as plain numbers (1120, never 1.12e+03 or an offset)."""
+    from matplotlib.ticker import ScalarFormatter
+
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    axis.set_major_formatter(formatter)

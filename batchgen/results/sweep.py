@@ -193,26 +193,45 @@ def write_csv(path: Path, header: list[str], rows: list[dict[str, Any]]) -> Path
 
 
 def plot_sweep(groups: list[Group], paths: list[Path]) -> list[Path]:
+    """Write the sweep's figure (see `sweep_figure`) to each of `paths` (sweep.png, sweep.pdf)."""
+    import matplotlib.pyplot as plt
+
+    fig = sweep_figure(groups)
+    for path in paths:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return list(paths)
+
+
+def sweep_figure(groups: list[Group]):
     """BCT per policy, one panel per group (each with its own scale: groups may differ by 100x), the ratio to
-    the group's best above each bar; failed runs are marked where their bar would be."""
+    the group's best above each bar, and under it how each run's GPU time split into compute, communication
+    and idle; failed runs are marked where their bar would be. The title names the model, cluster, workload
+    and request count (a panel's own when they differ between groups), so the figure stands alone."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from batchgen.results.plot import plain_seconds
+
     n = max(len(groups), 1)
     cols = min(n, 3)
     rows = -(-n // cols)
     width = max(len(g.runs) for g in groups) if groups else 1
-    fig, axes = plt.subplots(rows, cols, figsize=(max(4.0, 1.1 * width + 1.5) * cols, 3.6 * rows),
-                             squeeze=False, constrained_layout=True)
-    for ax in axes.ravel()[len(groups):]:
+    fig, axes = plt.subplots(2 * rows, cols, figsize=(max(5.5, 1.2 * width + 2.0) * cols, 5.6 * rows),
+                             squeeze=False, constrained_layout=True,
+                             gridspec_kw={"height_ratios": [2, 1] * rows})
+    bct_axes = [axes[2 * (i // cols), i % cols] for i in range(rows * cols)]
+    share_axes = [axes[2 * (i // cols) + 1, i % cols] for i in range(rows * cols)]
+    for ax in bct_axes[len(groups):] + share_axes[len(groups):]:
         ax.set_visible(False)
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     policies: list[str] = []
     for g in groups:
         policies += [r.policy for r in g.runs if r.policy not in policies]
-    for ax, group in zip(axes.ravel(), groups):
+    common = job_identity([run for g in groups for run in g.runs])
+    for ax, shares, group in zip(bct_axes, share_axes, groups):
         names = [run.policy if sum(r.policy == run.policy for r in group.runs) == 1 else f"{run.policy}\n(run {run.name})"
                  for run in group.runs]
         bcts = [run.results.get("bct_s") or 0.0 if run.ok else 0.0 for run in group.runs]
@@ -224,19 +243,61 @@ def plot_sweep(groups: list[Group], paths: list[Path]) -> list[Path]:
                 ax.text(i, 0.02 * top, "failed", ha="center", va="bottom", rotation=90, color="firebrick")
                 continue
             ratio = run.results.get("bct_vs_group_best")
-            text = f"{run.results.get('bct_s', 0):.3g} s" + (f"\n{ratio:.2f}x" if ratio is not None else "")
+            text = f"{seconds_text(run.results.get('bct_s') or 0.0)} s" + (f"\n{ratio:.2f}x" if ratio is not None else "")
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom",
                     fontsize=8)
         ax.set_xticks(range(len(group.runs)), names, fontsize=9)
-        ax.set_ylim(0, 1.25 * top)
-        ax.set_ylabel("BCT (s)")
-        ax.set_title(group.label, fontsize=10)
+        ax.set_ylim(0, 1.3 * top)
+        ax.set_ylabel("batch completion time (s)")
+        plain_seconds(ax.yaxis)
+        own = job_identity(group.runs)
+        ax.set_title("\n".join(t for t in (group.label if group.values else "", own if own != common else "") if t)
+                     or None, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Batch completion time per policy (lower is better; ratio to the group's best)", fontsize=11)
-    for path in paths:
-        fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return list(paths)
+        _draw_shares(shares, group.runs, names)
+    fig.suptitle(f"Batch completion time per policy (lower is better; ratio to the group's best)\n{common}",
+                 fontsize=10)
+    return fig
+
+
+def _draw_shares(ax, runs: list[Run], names: list[str]) -> None:
+    """Each run's GPU time stacked as compute, communication and idle (results.json's gpu_*_frac)."""
+    x = range(len(runs))
+    bottom = [0.0] * len(runs)
+    for key, label, color in (("gpu_busy_frac", "compute", "tab:blue"), ("gpu_comm_frac", "communication", "tab:red"),
+                              ("gpu_idle_frac", "idle", "0.8")):
+        values = [float(r.results.get(key) or 0.0) if r.ok else 0.0 for r in runs]
+        ax.bar(x, values, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(list(x), names, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of GPU time")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(runs) > 1 else -0.2),
+              frameon=False)
+
+
+def job_identity(runs: list[Run]) -> str:
+    """'model | cluster | workload, N requests' of the runs that finished; a field that differs lists its values."""
+    done = [r.results for r in runs if r.ok]
+    if not done:
+        return ""
+
+    def field_text(key: str) -> str:
+        values = list(dict.fromkeys(str(res.get(key, "?")) for res in done))
+        return " / ".join(values)
+
+    counts = list(dict.fromkeys(res.get("num_sequences") for res in done))
+    requests = " / ".join(f"{c:,}" if isinstance(c, int) else str(c) for c in counts)
+    return f"{field_text('model')} | {field_text('cluster')} | {field_text('workload')}, {requests} requests"
+
+
+def seconds_text(x: float) -> str:
+    """Seconds as a plain number: 1,120 / 12.3 / 0.0456, never 1.12e+03."""
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 1:
+        return f"{x:.1f}"
+    return f"{x:.4f}".rstrip("0").rstrip(".") if x else "0"
 
 
 def _short(error: str | None, limit: int = 100) -> str:

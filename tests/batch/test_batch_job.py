@@ -107,6 +107,9 @@ def test_a_fifth_of_the_lines_bad(demo, tmp_path):
     assert set(errors) == bad_lines
     for line, err in errors.items():
         assert err["message"].startswith(f"line {line}: ")
+    ids = [r["custom_id"] for r in records if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids)), "a custom_id has two records"  # the duplicate "a" gets only its error
+    assert errors[6]["message"].startswith('line 6: custom_id "a0" was already used on line 1')
     codes = sorted({e["code"] for e in errors.values()})
     assert codes == sorted({"invalid_json", "missing_field", "invalid_url", "duplicate_custom_id",
                             "prompt_too_long", "invalid_parameter"})
@@ -291,7 +294,7 @@ def test_estimate_reads_the_file_and_loads_no_weights(demo, tmp_path, capsys, mo
     assert "200 requests" in out and "batchgen-demo-moe" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["coroutine"], ["static"])]
     assert [r[0] for r in rows] == ["coroutine", "static"]
-    assert "output lengths" in out and "1 lines of the input are bad" in out
+    assert "output lengths" in out and "1 line of the input is bad and would get an error record" in out
     assert "approximate" not in out  # the demo directory has a tokenizer
 
 
@@ -323,3 +326,22 @@ def test_estimate_without_a_model_directory_guesses_prompt_lengths(tmp_path, cap
                           "job.estimate_policies=[coroutine]")
     assert "qwen3_30b_a3b" in out and "prompt lengths are approximate" in out
     assert "25,000 prompt tokens" in out  # 100 prompts of 1,000 bytes, about 4 bytes a token
+
+
+def test_the_example_writes_under_outputs_and_a_job_leaves_only_its_output(tmp_path):
+    """The demo writes outputs/demo-model (not the checkout's root), and a batch job writes job.output only: no
+    outputs/<date>/<time>/ folder with a config copy and an empty log per run."""
+    env = {**os.environ, "BATCHGEN_PROGRESS": "0"}
+    demo_run = subprocess.run([sys.executable, "-m", "batchgen.batch.demo"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert demo_run.returncode == 0, demo_run.stderr
+    before = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
+    assert before == {"outputs", "outputs/demo-model", *(f"outputs/demo-model/{f}" for f in (
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "requests.jsonl"))}
+    job = subprocess.run([sys.executable, "-m", "batchgen.run", *SMALL_EXEC, "model.path=outputs/demo-model",
+                          "job.input=outputs/demo-model/requests.jsonl", "job.output=outputs/results.jsonl"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert job.returncode == 0, job.stderr
+    after = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
+    assert after - before == {"outputs/results.jsonl"}
+    assert len(read_records(tmp_path / "outputs" / "results.jsonl")) == 3

@@ -270,7 +270,7 @@ def test_file_with_a_fifth_bad(model, tmp_path):
     assert {e.line: e.code for e in errs} == {ln: c for ln, c in expect.items() if c is not None}
     for e in errs:
         assert e.message.startswith(f"line {e.line}: ")
-    assert errs[-1].custom_id == "g0" and "line 1" in errs[-1].message
+    assert errs[-1].custom_id is None and '"g0"' in errs[-1].message and "line 1" in errs[-1].message
     assert [r.line for r in reqs] == sorted(r.line for r in reqs)
     for r in reqs:  # a line read in a file is the same request as read alone
         alone = parse_line(rows[r.line - 1], r.line, model)
@@ -285,6 +285,7 @@ def test_first_line_wins_even_when_it_is_bad(model, tmp_path):
     assert [(e.line, e.code) for e in errs] == [(1, "invalid_parameter"), (2, "duplicate_custom_id"),
                                                (3, "invalid_json")]
     assert [(r.line, r.custom_id) for r in reqs] == [(5, "b")]
+    assert [e.custom_id for e in errs] == ["a", None, None]  # one record per custom_id: the first line's
 
 
 @pytest.mark.parametrize("n", [10_000, pytest.param(100_000, marks=pytest.mark.slow)])

@@ -1,5 +1,7 @@
 """Bad multi-process configurations are refused before anything starts, with what to change."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -54,3 +56,43 @@ def test_expert_shard_holds_only_its_experts_and_refuses_the_full_path():
         shard(x)
     with pytest.raises(ValueError, match="outside 0..3"):
         moe.expert_shard([4])
+
+
+@pytest.mark.parametrize("procs,threads,device,cores,warned", [
+    (8, 1, "cpu", 2, True),      # the issue's case: 8 processes on 2 cores, 1.7x slower
+    (2, 1, "cpu", 2, False),
+    (2, 2, "cpu", 2, True),      # 2 processes x 2 threads on 2 cores
+    (2, None, "cpu", 2, False),  # threads unset: one each
+    (4, 8, "cuda", 4, False),    # on GPUs each process drives its device: its threads are not counted
+    (8, 1, "cuda", 4, True),
+])
+def test_more_processes_than_cores_is_warned(procs, threads, device, cores, warned):
+    from batchgen.dist.settings import oversubscription
+
+    message = oversubscription(procs, threads, device, cores)
+    assert (message is not None) is warned
+    if warned:
+        assert f"backend.procs={procs}" in message and f"gives {cores}" in message and "backend.procs<=" in message
+
+
+def test_the_launcher_prints_the_warning_before_it_starts(monkeypatch, capsys):
+    """execute_dist warns on stderr, in one line, before any process starts (the launch itself is stubbed)."""
+    from batchgen.dist import run as dist_run
+
+    class Started(Exception):
+        pass
+
+    def no_launch(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(dist_run, "check_dist", lambda job, settings: None)
+    monkeypatch.setattr(dist_run, "available_cores", lambda: 2)
+    monkeypatch.setattr(dist_run, "launch", no_launch)
+    monkeypatch.setattr(dist_run, "under_torchrun", lambda: False)
+    job = SimpleNamespace(policy=SimpleNamespace(attention_tp=1))
+    settings = dist_run.DistSettings(procs=8, device="cpu", shared_host_copies=False)
+    with pytest.raises(Started):
+        dist_run.execute_dist(job, settings)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: backend.procs=8: 8 processes x 1 thread need 8 cores but this machine gives 2")
+    assert err.count("\n") == 1

@@ -6,7 +6,7 @@ draws a random router. Every expert is then the same function and Mixtral renorm
 sum to 1, so the MoE layer equals the dense MLP up to float rounding, whichever experts the router picks: an
 exact oracle with real weights, in which the routing (and so the expert dispatch) is still nontrivial.
 
-`export_gguf_to_hf` needs transformers, gguf and accelerate (test dependencies; imported inside the function).
+`export_gguf_to_hf` needs transformers, gguf and accelerate (the gguf extra; imported inside the function).
 """
 
 from __future__ import annotations
@@ -133,7 +133,11 @@ def export_gguf_to_hf(gguf_path: str | Path, dst_dir: str | Path) -> Path:
     """Load a GGUF file with transformers (offline; it dequantises to float32) and save model and tokenizer to
     `dst_dir` as a Hugging Face directory with safetensors weights. Needs transformers, gguf and accelerate."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModuleNotFoundError(f"export_gguf_to_hf needs transformers, gguf and accelerate ({e}): pip install "
+                                  '"batchgen[gguf]"') from None
 
     gguf_path, dst = Path(gguf_path), Path(dst_dir)
     if not gguf_path.is_file():
