@@ -245,3 +245,22 @@ def test_documented_commands_run(page, tmp_path):
         stray = sorted(p.name for p in work.iterdir() if not p.is_symlink() and p.name not in WRITABLE)
         assert not stray, f"{b.where} wrote {stray} into the repository root: examples write under outputs/"
     assert ran
+
+
+# -- the checker itself -----------------------------------------------------------------------------------------
+
+def test_the_checker_reads_commands_as_a_shell_does():
+    block = Block(ROOT / "README.md", 1, "bash", "python -m batchgen.batch.demo outputs/m && cat > outputs/r <<'J'\n"
+                  "{\"a\": 1}\nJ\npython -m batchgen.experiment -m +policy=a,b \\\n    model=tiny_moe  # note\n", "", "")
+    found = [hydra_command(words) for words in commands(block)]
+    assert [f for f in found if f] == [("batchgen.experiment", ["+policy=a,b", "model=tiny_moe"])]
+    assert expanded(["+policy=a,b", "seed=1"]) == [["+policy=a", "seed=1"], ["+policy=b", "seed=1"]]
+
+
+@pytest.mark.parametrize("overrides", [["+policy=coroutine", "workload.num_sequence=3"],
+                                       ["+policy=coroutine", "+workload.num_sequence=3"],
+                                       ["+policy=coroutine", "model=no_such_model"],
+                                       ["+policy=coroutine", "policy.b_moee=64"]])
+def test_the_checker_refuses_a_bad_key(overrides):
+    with pytest.raises(Exception):
+        test_documented_config_keys_exist("here", "batchgen.experiment", overrides)
