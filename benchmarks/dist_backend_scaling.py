@@ -11,6 +11,8 @@ the layer-level one of benchmarks/dist_scaling.py. Runs alternate (1, 2, 1, 2, .
 kept (another load can only slow a run down). Per run: tokens/s (output tokens / BCT), tokens/s per process,
 and each rank's busy / comm / idle seconds as it measured them. Report `uptime` with the result.
 The last line reads `speedup_2procs=<r>`.
+
+Recorded results (with the machine and the date): benchmarks/results/dist_scaling.md.
 """
 
 from __future__ import annotations

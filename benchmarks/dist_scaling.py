@@ -19,7 +19,7 @@ split of the work, so that the gap between EP and one process is attributed (the
 all-to-alls and waits). Runs alternate (1, 2, ceiling, 1, 2, ...) for --rounds rounds and the best of each is
 kept, since another load on the machine can only slow a run down. The weights are built once in the parent and the workers are forked (they
 share them copy-on-write until each copies its own shard). Report `uptime` with the result: on a loaded
-2-core machine the second process competes with other work, so 1.6x is only meaningful on an idle one.
+2-core machine the second process competes with other work, so the ratio is only meaningful on an idle one.
 
 Two processes run once per `--pipelines` value (`ExpertParallelMoE(pipeline=...)`): 1 is the synchronous
 exchange (one dispatch, all local experts, one combine), p > 1 pipelines it over p groups of local expert slots
@@ -30,15 +30,8 @@ median per-step time ratio to the first (synchronous) is printed: the A/B least 
 last line reads `speedup_2procs=<r>` for the default (`batchgen.dist.ep_moe.DEFAULT_PIPELINE`, what
 backend=dist runs); one process always runs synchronously.
 
-Measured December 1, 2026 on the idle 2-core development machine, `--rounds 5 --pipelines 1 --ab-steps 0` (the
-default shapes), three runs back to back (load average 0.8-1.1): speedup_2procs 1.65, 1.66 and 1.64; the
-per-round ratios 1.32-1.78, 12 of 15 at or above 1.6 (a round pairs one 1-process and one 2-process run, and one
-process's own time varies by up to 20% between rounds here). The no-communication ceiling reached 1.87-1.89x one
-process; expert parallelism 87-88% of it, each rank 7-16% of its time in the all-to-alls in the rounds without
-interference (waiting for the other included: its experts get 66 rows each against the other's 62). Earlier
-that day, with the previous release's code (536bba6), three runs gave 1.54, 1.69 and 1.51 (ceiling 1.80-1.83x).
-The pipelined exchange (`--pipelines 1,2`) measured 2-4% slower than the synchronous one in every A/B on this
-machine (gloo's all-to-all is CPU work in the process that waits for it: ep_moe.py), so the default stays 1.
+Recorded results (with the machine and the date): benchmarks/results/dist_scaling.md. With gloo the pipelined
+exchange is CPU work of the process that waits for it, which is why the default is the synchronous one.
 """
 
 from __future__ import annotations

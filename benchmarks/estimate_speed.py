@@ -5,6 +5,8 @@ before the input is built until the table is printed, as a user waits for it; in
 
     python benchmarks/estimate_speed.py [--requests 100000] [--output max_tokens] [--share auto|yes|no]
                                         [--workers N]
+
+Recorded results (with the machine and the date): benchmarks/results/estimate_speed.md.
 """
 
 from __future__ import annotations

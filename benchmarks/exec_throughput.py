@@ -21,6 +21,8 @@ known), the mean running sequences, and the KV bytes restored from host. On CPU,
 memory (mallopt) for every engine alike: otherwise every large activation is a fresh mmap whose page faults
 cost as much as the copy itself on these VMs. The last line reads
 `coroutine/hf_generate=<r> coroutine/continuous=<r> coroutine/static=<r>`.
+
+Recorded results (with the machine and the date): benchmarks/results/exec_throughput.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S 
 gives the lowest and highest of each round's own ratio (that round's Vidur over that round's policy): how far a
 shared machine's changes of speed move the ratio.
 Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
-Measurements live in git history and in the README's table, not here.
+Recorded results (with the machine and the date): benchmarks/results/sim_scale.md.
 """
 
 from __future__ import annotations
@@ -43,17 +43,11 @@ from batchgen.workload import build_workload
 from vidur_run import checkout_problem, run_vidur  # beside this script
 
 
-# Vidur (microsoft/vidur at 7d47513), same workload: Llama-2-7B, one A100 (TP 1, one replica), the first 10K
-# Azure conversation requests (prompts clipped to 3,096 tokens, outputs to 1,000) all at t=0 (`static` intervals,
-# `trace` lengths), its vLLM scheduler (max_tokens_in_batch 4096, batch_size_cap 128), random-forest predictors
-# already trained and cached, default metrics (chrome trace on). Seconds in Simulator.run, the event loop:
-# 9.68-9.87 in four runs on the evening of December 1 on a 2-core AVX-512 machine (load average 0.05-0.44;
-# 197,817 events; the whole process 12.5-17.0 s; numpy 2.4.6, pandas 3.1.1, scikit-learn 1.9.1), beside the
-# runs in the docstring. An earlier session measured 37.2 and 33.5 s (its simulated end 2,076 s, against 1,919 s
-# here; versions not recorded). Its attention profile (a Git LFS object) could not be had either time, so
-# attention times came from an analytic stand-in; the loop's cost does not depend on them (predictions are
-# looked up in a precomputed table). Run beside the docstring's side-by-side measurement (numpy 1.26.4, pandas
-# 2.2.3, benchmarks/vidur_standin.py's grid; its simulated end 2,018 s): 10.00-10.40 s in three rounds.
+# Vidur's event-loop seconds on the same workload (microsoft/vidur at 7d47513: Llama-2-7B, one A100, the first 10K
+# Azure conversation requests all at t=0, its vLLM scheduler at its defaults, predictors trained and cached; see
+# benchmarks/vidur_run.py): the default of --vidur-s, measured on a 2-core AVX-512 machine
+# (benchmarks/results/sim_scale.md). A ratio against it is only as good as the two machines' likeness: prefer
+# --vidur-dir, which measures Vidur beside batchgen.
 VIDUR_RUN_S = 9.7
 
 

@@ -5,7 +5,7 @@ ratio it prints is measured beside batchgen's runs instead of against a number f
 Vidur is no dependency of batchgen and none of its code is here. To prepare it once (about 20 minutes, most of
 it Vidur training its predictors):
 
-    # a checkout of microsoft/vidur (the README's runs: 7d47513) in DIR, then
+    # a checkout of microsoft/vidur (the recorded runs used 7d47513) in DIR, then
     python3.11 -m venv VENV && VENV/bin/pip install numpy==1.26.4 pandas==2.2.3 scikit-learn==1.9.1 scipy wandb \
         fasteners plotly plotly_express matplotlib seaborn kaleido ddsketch pyyaml tqdm
     VENV/bin/pip install --no-deps -e DIR
@@ -14,9 +14,7 @@ it Vidur training its predictors):
 and pass `--vidur-dir DIR --vidur-python VENV/bin/python`. Vidur reads `data/profiling/` relative to DIR (the
 attention stand-in's formula and grid: benchmarks/vidur_standin.py); WANDB_MODE is set to disabled. Its
 random-forest predictors are trained on the first run (10-20 minutes on a 2-core machine) and cached in DIR/cache;
-later runs read them. The runs of December 1, evening, used numpy 2.4.6 and pandas 3.1.1 and a stand-in of the
-same formula on a grid that was not recorded; the one at 22:21, the versions above and vidur_standin's grid
-(Vidur's loop took 10.02 and 10.00 s).
+later runs read them.
 
 What runs: Llama-2-7B on one A100 (TP 1, one replica), Vidur's vLLM scheduler at its defaults (batch cap 128,
 4,096 tokens per batch), every request at t=0 (`static` intervals), the lengths from a trace CSV written from
