@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from batchgen import fastpath
+from batchgen.latency import formulas
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.arrays import _FLOAT, _arr, _fits, _out, _uniform
@@ -146,11 +147,11 @@ class Roofline:
                 self._gemms_direct(module, np.arange(size, dtype=float), shapes, launches), float)
         return curve
 
-    def _streaming(self, module: str, flops, bytes_, launches):
-        """A kernel without weights (attention scores over the KV): max(FLOPs, bytes) + launches."""
+    def stream_rates(self, module: str) -> tuple[float, float, float]:
+        """(achieved FLOP/s, achieved bytes/s, seconds per launch) of a kernel without weights
+        (`formulas.streaming`): attention scores over the KV."""
         e = self._eff[module]
-        return (np.maximum(flops / (self.gpu.flops_bf16 * e.compute), bytes_ / (self.gpu.hbm_bw * e.memory))
-                + np.maximum(launches, 1) * e.kernel_s)
+        return self.gpu.flops_bf16 * e.compute, self.gpu.hbm_bw * e.memory, e.kernel_s
 
     # ---- attention --------------------------------------------------------------------------------------
 
@@ -161,7 +162,7 @@ class Roofline:
         if max_context is None:
             return exact
         pad = self.eff.attention_padding
-        return exact if pad == 0 else (1.0 - pad) * exact + pad * np.maximum(padded, exact)
+        return exact if pad == 0 else formulas.padded(exact, padded, pad, np.maximum)
 
     def attention_decode(self, tokens, context_sum, micro_batches=1, max_context=None):
         """Decode attention for `tokens` sequences (one query each) whose context lengths sum to `context_sum`
@@ -177,9 +178,10 @@ class Roofline:
             if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact sum
                 ctx = self._padded(ctx, t * longest, max_context)
         proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
-        kv = (ctx + t) * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
-        scores = self._streaming("attention_decode", m.attention_score_flops_decode * ctx, kv, mb)
-        return _out(np.where(t > 0, proj + scores, 0.0))
+        seconds = formulas.decode_attention(t, ctx, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
+                                            m.attention_score_flops_decode, *self.stream_rates("attention_decode"),
+                                            np.maximum)
+        return _out(np.where(t > 0, seconds, 0.0))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         """Prefill attention over `tokens` prompt tokens; `context_sq_sum` = sum over prompts of length^2.
@@ -194,13 +196,14 @@ class Roofline:
         if max_context is not None and sequences is not None:
             seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
             if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact pairs
-                pairs = self._padded(pairs, seqs * longest ** 2, max_context)
+                pairs = self._padded(pairs, seqs * (longest * longest), max_context)
         if fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
             return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
         proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
-        kv = t * m.kv_bytes_per_token_per_layer + 2 * t * self._act_row
-        scores = self._streaming("attention_prefill", m.attention_score_flops_prefill * pairs, kv, mb)
-        return _out(np.where(t > 0, proj + scores, 0.0))
+        seconds = formulas.prefill_attention(t, pairs, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
+                                             m.attention_score_flops_prefill, *self.stream_rates("attention_prefill"),
+                                             np.maximum)
+        return _out(np.where(t > 0, seconds, 0.0))
 
     @property
     def _attention_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -253,13 +256,13 @@ class Roofline:
         m = self.model
         e = self._eff["lm_head"]
         proj = self._weight_gemms("lm_head", t, [(m.hidden_size, m.vocab_size)])
-        sampling = 2 * t * m.vocab_size * 4 / (self.gpu.hbm_bw * e.memory) + e.kernel_s
-        return _out(np.where(t > 0, proj + sampling, 0.0))
+        seconds = formulas.lm_head(t, proj, m.vocab_size, self.gpu.hbm_bw * e.memory, e.kernel_s)
+        return _out(np.where(t > 0, seconds, 0.0))
 
     def step_overhead(self, sequences):
         """The engine's time per forward outside the modules: step_s + step_per_sequence_s * sequences."""
         n = _arr(sequences, "sequences")
-        return _out(np.where(n > 0, self.eff.step_s + self.eff.step_per_sequence_s * n, 0.0))
+        return _out(np.where(n > 0, formulas.step_overhead(n, self.eff.step_s, self.eff.step_per_sequence_s), 0.0))
 
     def boundary_overhead(self, sequences):
         """The engine's time at one scheduling boundary: boundary_s + boundary_per_sequence_s * sequences."""

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from batchgen import fastpath
+from batchgen.latency import formulas
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.pricing.cost import RunCost
 
@@ -60,11 +61,8 @@ class ScalarRoofline:
         self.head_bw = gpu.hbm_bw * e_head.memory
         self.head_kernel = e_head.kernel_s
         self.step_s, self.step_seq_s = lat.eff.step_s, lat.eff.step_per_sequence_s
-        self.stream = {}  # module -> (flop rate, byte rate, launch seconds), as _streaming computes them
-        for module in ("attention_decode", "attention_prefill"):
-            e = lat._eff[module]
-            self.stream[module] = (gpu.flops_bf16 * e.compute, gpu.hbm_bw * e.memory, e.kernel_s)
-        self._decode_stream = self.stream["attention_decode"]
+        # module -> (flop rate, byte rate, launch seconds) of its score kernel (formulas.streaming)
+        self.stream = {module: lat.stream_rates(module) for module in ("attention_decode", "attention_prefill")}
         self.shapes_ok = all(type(k) is int and type(n) is int
                              for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
                              for k, n in shapes)
@@ -84,21 +82,16 @@ class ScalarRoofline:
             out = self._gemm[key] = float(self.lat._gemm_curve(module, shapes, launches, index)[index])
         return out
 
-    def _streaming(self, module: str, flops: float, bytes_: float, launches: float) -> float:
-        rate, bw, kernel_s = self.stream[module]
-        return max(flops / rate, bytes_ / bw) + max(launches, 1) * kernel_s
-
     def attention_decode(self, t: float, ctx: float, mb: float, longest: float) -> float:
         if self.pad != 0:
-            ctx = (1.0 - self.pad) * ctx + self.pad * max(t * longest, ctx)
+            ctx = formulas.padded(ctx, t * longest, self.pad, max)
         if not t > 0:
             return 0.0
         proj = self._gemm.get(("attention_decode", mb, t))  # `gemm`'s table read first (its key), then `gemm`
         if proj is None:
             proj = self.gemm("attention_decode", t, self.attn_shapes, mb)
-        kv = (ctx + t) * self.kvb + 2 * t * self.act_row
-        rate, bw, kernel_s = self._decode_stream  # `_streaming` inlined: the same operations
-        return proj + (max(self.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
+        return formulas.decode_attention(t, ctx, mb, proj, self.kvb, self.act_row, self.flops_decode,
+                                         *self.stream["attention_decode"], max)
 
     def attention_prefill(self, t: float, sq: float, longest: float, seqs: float) -> float:
         """With one launch (as `costs.price` calls it)."""
@@ -106,10 +99,10 @@ class ScalarRoofline:
             return 0.0
         pairs = 0.5 * sq
         if self.pad != 0:
-            pairs = (1.0 - self.pad) * pairs + self.pad * max(seqs * (longest * longest), pairs)
+            pairs = formulas.padded(pairs, seqs * (longest * longest), self.pad, max)
         proj = self.gemm("attention_prefill", t, self.attn_shapes, 1.0)
-        kv = t * self.kvb + 2 * t * self.act_row
-        return proj + self._streaming("attention_prefill", self.flops_prefill * pairs, kv, 1.0)
+        return formulas.prefill_attention(t, pairs, 1.0, proj, self.kvb, self.act_row, self.flops_prefill,
+                                          *self.stream["attention_prefill"], max)
 
     def lm_head(self, t: float) -> float:
         out = self._head.get(t)
@@ -121,10 +114,10 @@ class ScalarRoofline:
         if not t > 0:
             return 0.0
         proj = self.gemm("lm_head", t, self.head_shapes, 1.0)
-        return proj + (2 * t * self.vocab * 4 / self.head_bw + self.head_kernel)
+        return formulas.lm_head(t, proj, self.vocab, self.head_bw, self.head_kernel)
 
     def step_overhead(self, n: float) -> float:
-        return self.step_s + self.step_seq_s * n if n > 0 else 0.0
+        return formulas.step_overhead(n, self.step_s, self.step_seq_s) if n > 0 else 0.0
 
     def dense_ffn(self, t: float) -> float:
         out = self._ffn.get(t)
@@ -397,11 +390,10 @@ def _price_vector(sp: ScalarRoofline, fields: dict, h_rows: float, ctx: np.ndarr
     except _NotHere:
         return None
     if sp.pad != 0:
-        ctx = (1.0 - sp.pad) * ctx + sp.pad * np.maximum(t * attn_max, ctx)
+        ctx = formulas.padded(ctx, t * attn_max, sp.pad, np.maximum)
     if t > 0:
-        rate, bw, kernel_s = sp.stream["attention_decode"]
-        kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
-        attn = proj + (np.maximum(sp.flops_decode * ctx / rate, kv / bw) + max(mb, 1) * kernel_s)
+        attn = formulas.decode_attention(t, ctx, mb, proj, sp.kvb, sp.act_row, sp.flops_decode,
+                                         *sp.stream["attention_decode"], np.maximum)
     else:
         attn = np.zeros(K)
     attn = attn + pre

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from batchgen.latency import formulas
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
 from batchgen.plan.decode import DecodeGrid, _host_micro_batches
 from batchgen.pricing.cost import RunCost
@@ -61,10 +62,9 @@ def _gemm(sp: ScalarRoofline, module: str, tokens: np.ndarray, shapes: tuple, la
 def _attention_decode(sp: ScalarRoofline, t: np.ndarray, ctx: np.ndarray, mb: np.ndarray) -> np.ndarray:
     """`Roofline.attention_decode(t, ctx, mb)` (no longest context) on (K,) vectors."""
     proj = _gemm(sp, "attention_decode", t, sp.attn_shapes, mb)
-    rate, bw, kernel_s = sp.stream["attention_decode"]
-    kv = (ctx + t) * sp.kvb + 2 * t * sp.act_row
-    scores = np.maximum(sp.flops_decode * ctx / rate, kv / bw) + np.maximum(mb, 1) * kernel_s
-    return np.where(t > 0, proj + scores, 0.0)
+    seconds = formulas.decode_attention(t, ctx, mb, proj, sp.kvb, sp.act_row, sp.flops_decode,
+                                        *sp.stream["attention_decode"], np.maximum)
+    return np.where(t > 0, seconds, 0.0)
 
 
 def _dense_ffn(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
@@ -75,7 +75,7 @@ def _dense_ffn(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
 
 def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
     proj = _gemm(sp, "lm_head", t, sp.head_shapes, 1.0)
-    return np.where(t > 0, proj + (2 * t * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
+    return np.where(t > 0, formulas.lm_head(t, proj, sp.vocab, sp.head_bw, sp.head_kernel), 0.0)
 
 
 def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
@@ -143,15 +143,14 @@ def chain_vectors(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int) -> Cha
         return None
     lat = sp.lat
     dev_c = grid.dev_context[0]
-    rate, bw, kernel_s = sp.stream["attention_decode"]
-    kv = (dev_c + g) * sp.kvb + 2 * g * sp.act_row
-    a = np.where(on, lat._gemm_curve("attention_decode", sp.attn_shapes, 1.0, top)[index]
-                 + (np.maximum(sp.flops_decode * dev_c / rate, kv / bw) + kernel_s), 0.0)
+    a = np.where(on, formulas.decode_attention(
+        g, dev_c, 1.0, lat._gemm_curve("attention_decode", sp.attn_shapes, 1.0, top)[index], sp.kvb, sp.act_row,
+        sp.flops_decode, *sp.stream["attention_decode"], np.maximum), 0.0)
     f = (np.where(on, lat._gemm_curve("dense_ffn", sp.ffn_shapes, 1.0, top)[index], 0.0)
          if sp.ffn_shapes is not None else np.zeros(g.shape))
-    head = np.where(on, lat._gemm_curve("lm_head", sp.head_shapes, 1.0, top)[index]
-                    + (2 * g * sp.vocab * 4 / sp.head_bw + sp.head_kernel), 0.0)
-    step = np.where(on, sp.step_s + sp.step_seq_s * g, 0.0)
+    head = np.where(on, formulas.lm_head(g, lat._gemm_curve("lm_head", sp.head_shapes, 1.0, top)[index], sp.vocab,
+                                         sp.head_bw, sp.head_kernel), 0.0)
+    step = np.where(on, formulas.step_overhead(g, sp.step_s, sp.step_seq_s), 0.0)
     end1 = a + f  # also the micro-batch's GPU work (attention + FFN)
     lt = ((end1 + a) + f) - end1
     iteration = np.where(on, (head + step) + n_dense * lt, 0.0)
