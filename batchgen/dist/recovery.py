@@ -112,6 +112,8 @@ class Recovery:
                                                         # instances: the one that lost a worker is dropped whole)
     fenced: list[int] = field(default_factory=list)  # lost ranks still running (stalled, not dead): rank 0 killed
                                                       # them before going on (fence.py)
+    at_unix: float = 0.0     # the catch on the wall clock (time.time()), to line it up with an outside event (a
+                             # kill: benchmarks/dist_faults.py); the engine went on at at_unix + regroup_s
 
 
 @dataclass

@@ -200,7 +200,7 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
 
 
 def _dead_after(settings: DistSettings) -> float:
-    return 6 * settings.heartbeat_s
+    return settings.lost_after_s
 
 
 def reduced_job(job: Job, procs: int) -> Job:
@@ -332,7 +332,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             pieces.add(engine, backend, gen.members, world)
             break
         except WorkerLost as err:
-            caught = backend.now()
+            caught, caught_unix = backend.now(), time.time()
             if engine is not None:
                 pieces.add(engine, backend, gen.members, world)
             done = np.array([st.finished for st in tokens.stops], bool)
@@ -384,7 +384,8 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks if r not in released],
                                        list(gen.members), caught, str(err), finished, held - restored, requeued,
                                        on_lost, restored=restored, restorable=restorable,
-                                       released=[before.members[r] for r in released], fenced=fenced))
+                                       released=[before.members[r] for r in released], fenced=fenced,
+                                       at_unix=caught_unix))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes
