@@ -17,9 +17,12 @@ Pieces, one module each:
 - `kv_transfer`: MIGRATE across processes: a sequence's KV packed from a `PagedKVCache`, sent with its
   header (sequence id, dtype, shape), adopted into the receiver's cache.
 - `recovery`: after a lost worker, the survivors' new group (a generation), and the engine's state over them.
-- `failure` + `comm`: a heartbeat per process and a `Comm` that waits for every operation in slices, so a
-  SIGKILLed or hung peer becomes `WorkerLost(rank)` in seconds (tests/distributed: about 3.4 s for a killed worker,
-  0.5 s for a killed rank 0, whose store dies with it), never a hang.
+- `failure` + `comm`: a heartbeat per process and a `Comm` that asks it while waiting for every operation,
+  without ever breaking the operation (gloo sends and receives are waited whole on a helper thread: a timed wait
+  closes their pair), so a SIGKILLed peer becomes `WorkerLost(rank)` within a heartbeat or two (its pid is
+  gone) and a stalled one after `backend.lost_after_s` of silence, never a hang; a slow peer is waited for.
+- `rendezvous`: processes meet on the store under the heartbeat before creating groups (a generation's start,
+  a regroup), so a member lost meanwhile is named at once instead of after a store timeout.
 
 The executor built on them (`backend=dist`: `run` starts or joins the processes, `backend.DistBackend` is the
 engine's backend on rank 0, `worker.RankWorker` each process's share) drives them as follows:

@@ -1,11 +1,21 @@
 """A process group's point-to-point and collective operations, each waited under the failure detector and
 timed.
 
-Every operation is issued asynchronously and waited in slices (gloo: `Work.wait(timeout)` raises "Operation
-timed out!" and leaves the operation running; NCCL: `is_completed` is polled); between slices the heartbeat is
-asked whether one of the group's peers is lost, so a dead peer becomes `WorkerLost(rank)` within seconds
-whoever the operation was waiting on.
-Without a heartbeat the group's own collective timeout (init_distributed's timeout_s) is the bound.
+Waiting must never break the operation it waits for; between checks the heartbeat is asked whether one of the
+group's peers is lost, so a dead peer becomes `WorkerLost(rank)` within seconds whoever the operation was waiting
+on, while a slow peer is simply waited for (up to the group's own collective timeout, init_distributed's
+timeout_s). How each kind is waited:
+
+- gloo collectives: `Work.wait(timeout)` in slices. An expired slice raises "Operation timed out!" and leaves the
+  collective running on gloo's worker thread (resumable: checked with a peer 1.5 s late and 200 ms slices).
+- gloo send and receive: never a timed wait. gloo passes the timeout into the transfer itself and closes the
+  pair when it expires ("Timed out waiting 200ms for send operation to complete", then "Application timeout
+  caused pair closure" on every later use, and "Connection closed by peer" on the other side): a slice that
+  expired under load broke the very connection it polled, and both ends declared the other lost (issue 26).
+  So a helper thread waits with the group's long timeout while this thread asks the heartbeat every slice.
+- NCCL: `is_completed` is polled (a timed-out wait may abort the communicator), then waited.
+
+Without a heartbeat the group's own collective timeout is the bound.
 
 `comm_s` adds up the wall time spent inside operations, waiting for slower peers included: the
 communication-and-wait share of a step, for per-rank busy/communication/idle accounting.
@@ -19,6 +29,7 @@ included), not the computation in between, which is busy time. One `calls` per o
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -87,12 +98,12 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, what: str = "send") -> None:
         t0 = time.perf_counter()
         work = dist.isend(tensor, dst=self.ranks[dst], group=self.group)
-        self._wait(work, what, [self.ranks[dst]], t0)
+        self._wait(work, what, [self.ranks[dst]], t0, p2p=True)
 
     def recv(self, tensor: torch.Tensor, src: int, what: str = "recv") -> None:
         t0 = time.perf_counter()
         work = dist.irecv(tensor, src=self.ranks[src], group=self.group)
-        self._wait(work, what, [self.ranks[src]], t0)
+        self._wait(work, what, [self.ranks[src]], t0, p2p=True)
 
     def all_reduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
         t0 = time.perf_counter()
@@ -113,10 +124,13 @@ class Comm:
         me = self.ranks[self.rank]
         return [r for r in self.ranks if r != me]
 
-    def _wait(self, work, what: str, peers: list[int], t0: float) -> None:
+    def _wait(self, work, what: str, peers: list[int], t0: float, p2p: bool = False) -> None:
         try:
             if self._poll:
                 self._poll_until_done(work, what, peers)
+                return
+            if p2p:
+                self._wait_aside(work, what, peers)
                 return
             while True:
                 try:
@@ -129,6 +143,31 @@ class Comm:
         finally:
             self.comm_s += time.perf_counter() - t0
             self.calls += 1
+
+    def _wait_aside(self, work, what: str, peers: list[int]) -> None:
+        """gloo send or receive: waited whole (the group's timeout) on a helper thread, never in timed slices,
+        which would close the pair; this thread asks the heartbeat every slice. After a WorkerLost the helper
+        stays blocked until gloo fails the transfer (the dead peer's socket closes, or a fenced one's) or the
+        group's timeout: the group is retired with its generation, so nothing waits for the helper."""
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001: handed to the waiting thread
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"wait {what}", daemon=True).start()
+        while not done.wait(self._slice.total_seconds()):
+            self._check_lost(what, peers)
+        if failed:
+            e = failed[0]
+            if not isinstance(e, RuntimeError):
+                raise e
+            raise self._lost_from_error(e, what, peers) from e
 
     def _poll_until_done(self, work, what: str, peers: list[int]) -> None:
         """NCCL: a timed-out `Work.wait(timeout)` may abort the communicator, so poll `is_completed` (a CUDA
@@ -158,14 +197,15 @@ class Comm:
             raise WorkerLost(lost[0], f"{self.heartbeat.cause(lost[0])}, during {what}") from None
 
     def _lost_from_error(self, e: RuntimeError, what: str, peers: list[int]) -> WorkerLost:
-        """gloo failed the operation: name the peer whose heartbeat stops (after a closed socket, wait for it
-        to go silent; after gloo's own timeout the heartbeat has had the whole timeout already), else the one
-        peer of a two-process operation (the only one it could have waited for), else none."""
+        """gloo failed the operation. Name the peer the heartbeat finds lost (after a closed socket, wait for its
+        process to be gone or its heartbeat silent). After gloo's own timeout (the group's long one, the bound on
+        a peer that beats but never takes part), the one peer of a two-process operation, the only one it could
+        have waited for. Otherwise nobody: a peer that keeps beating is slow, not lost."""
         first = str(e).strip().splitlines()[0][:300]
         rank = None
         if self.heartbeat is not None:
-            lost = self.heartbeat.lost(peers)
+            lost = self.heartbeat.lost(peers) or self.heartbeat.lost()
             rank = lost[0] if lost else None if _GLOO_TIMEOUT in first else self.heartbeat.wait_for_loss(peers)
-        if rank is None and len(peers) == 1:
+        if rank is None and len(peers) == 1 and (self.heartbeat is None or _GLOO_TIMEOUT in first):
             rank = peers[0]
         return WorkerLost(rank, f"{what} failed: {first}")

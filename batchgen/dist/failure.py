@@ -7,10 +7,13 @@ Two signals, because neither is enough alone:
   rank. A rank waiting on a survivor that itself just failed (a ring all-reduce) would wait for the group's
   collective timeout, which must be long (it also bounds legitimate waits on a slow peer).
 - `Heartbeat`: a daemon thread per process bumps a counter in the rendezvous store every `interval_s` and
-  reads everyone else's; a peer whose counter has not moved for `dead_after_s` (by this process's clock, so
-  clocks need not agree) is lost. The thread needs the GIL only briefly and torch kernels release it, so a
-  busy but healthy process keeps beating. When the store itself stops answering, the rank that hosts it (rank
-  0 with the one-machine launcher) is the lost one.
+  reads everyone else's; a peer is lost when its process is gone (a peer on this machine: its pid, published
+  beside its counter, has exited; checked every beat, so a SIGKILLed peer is found within an interval) or its
+  counter has not moved for `dead_after_s` (by this process's clock, so clocks need not agree: a stalled
+  process, or one on another machine). Nothing else declares a peer lost: a slow peer on a loaded machine
+  keeps beating and is waited for, so `dead_after_s` (backend.lost_after_s) can be generous. The thread needs
+  the GIL only briefly and torch kernels release it, so a busy but healthy process keeps beating. When the
+  store itself stops answering, the rank that hosts it (rank 0 with the one-machine launcher) is the lost one.
 
 `Comm` (comm.py) waits for every collective in slices of `interval_s` and checks `lost()` between slices, so
 a collective blocked on a dead peer raises `WorkerLost(rank)` within about dead_after_s + interval_s whichever
@@ -22,6 +25,8 @@ marks it done instead of lost; shut a job down with a barrier first, then stop t
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
 import time
 from typing import Iterable
@@ -29,6 +34,7 @@ from typing import Iterable
 import torch.distributed as dist
 
 from batchgen.dist.errors import DistConfigError
+from batchgen.dist.fence import start_time
 
 _DONE = b"done"
 
@@ -104,6 +110,7 @@ class Heartbeat:
             client = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.dead_after_s))
             store = dist.PrefixStore(self.prefix, client)
+            store.set(f"pid/{self.rank}", f"{socket.gethostname()}:{os.getpid()}:{start_time(os.getpid()) or ''}")
             store.set(str(self.rank), "0")
         except Exception as e:  # noqa: BLE001 (reported by start)
             self._error = e
@@ -114,6 +121,7 @@ class Heartbeat:
         start = time.monotonic()
         seen: dict[int, tuple[bytes | None, float]] = {r: (None, start) for r in peers}
         known: list[int] = []  # peers whose key exists (multi_get blocks on a missing key)
+        local: dict[int, tuple[int, str]] = {}  # peers on this machine: (pid, start time), to see them exit
         beat = 0
         while not self._stop.wait(self.interval_s):
             beat += 1
@@ -123,6 +131,7 @@ class Heartbeat:
                 for r in peers:
                     if r not in known and store.check([str(r)]):
                         known.append(r)
+                        local.update(self._local_process(store, r))
                 values = store.multi_get([str(r) for r in known]) if known else []
             except Exception as e:  # noqa: BLE001: the store stopped answering; it will not come back
                 if self.store_host_rank is not None and self.store_host_rank != self.rank:
@@ -134,10 +143,23 @@ class Heartbeat:
                     seen[r] = (v, now)
             self._mark({r: f"no heartbeat for {now - t:.1f} s" for r, (v, t) in seen.items()
                         if v != _DONE and now - t > self.dead_after_s})
+            gone = [r for r, (pid, start) in local.items()
+                    if r not in self._lost and seen[r][0] != _DONE and start_time(pid) != start]
+            try:  # one that finished cleanly (said done) since its counter was read is not lost
+                gone = [r for r in gone if store.get(str(r)) != _DONE]
+            except Exception:  # noqa: BLE001: the store went away: the loop's next beat says whose it was
+                gone = []
+            self._mark({r: f"its process (pid {local[r][0]}) is gone" for r in gone})
         try:
             store.set(str(self.rank), _DONE.decode())
         except Exception:  # noqa: BLE001: the store may be gone at shutdown; nobody is waiting then
             pass
+
+    @staticmethod
+    def _local_process(store, rank: int) -> dict[int, tuple[int, str]]:
+        """{rank: (pid, start time)} when the peer runs on this machine (and /proc tells its start time)."""
+        host, pid, start = store.get(f"pid/{rank}").decode().rsplit(":", 2)
+        return {rank: (int(pid), start)} if host == socket.gethostname() and start else {}
 
     def _mark(self, causes: dict[int, str]) -> None:
         new = {r: c for r, c in causes.items() if r not in self._lost}

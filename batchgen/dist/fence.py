@@ -22,7 +22,7 @@ import time
 _KEY = "batchgen/pid/{rank}"
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """The kernel's start time of `pid` (clock ticks since boot), or None when it has no /proc entry (gone, or
     not Linux); a zombie still has one and is reported as 'Z:<start>'."""
     try:
@@ -37,7 +37,7 @@ def _start_time(pid: int) -> str | None:
 
 def register(store, rank: int) -> None:
     """Record this process (launch rank `rank`) in the store, for rank 0 to fence it if it is ever lost."""
-    start = _start_time(os.getpid()) or ""
+    start = start_time(os.getpid()) or ""
     store.set(_KEY.format(rank=rank), f"{socket.gethostname()}:{os.getpid()}:{start}")
 
 
@@ -56,7 +56,7 @@ def fence(store, rank: int, within_s: float = 5.0) -> tuple[bool, bool]:
     if host != socket.gethostname() or not start:
         return False, False
     pid = int(pid)
-    now = _start_time(pid)
+    now = start_time(pid)
     if now is None or now != start:  # gone (reaped), a zombie, or the pid is another process's now
         return True, False
     try:
@@ -67,7 +67,7 @@ def fence(store, rank: int, within_s: float = 5.0) -> tuple[bool, bool]:
         return False, False
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if _start_time(pid) != start:  # exited: gone or a zombie its parent has not reaped yet
+        if start_time(pid) != start:  # exited: gone or a zombie its parent has not reaped yet
             return True, True
         time.sleep(0.01)
     return False, True

@@ -82,6 +82,7 @@ from batchgen.dist.errors import WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import retire
 from batchgen.dist.launch import DistContext, DistEnv, join_group
+from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.worker import Command
 
 KEY = "batchgen/recover/gen{}"
@@ -112,6 +113,8 @@ class Recovery:
                                                         # instances: the one that lost a worker is dropped whole)
     fenced: list[int] = field(default_factory=list)  # lost ranks still running (stalled, not dead): rank 0 killed
                                                       # them before going on (fence.py)
+    at_unix: float = 0.0     # the catch on the wall clock (time.time()), to line it up with an outside event (a
+                             # kill: benchmarks/dist_faults.py); the engine went on at at_unix + regroup_s
 
 
 @dataclass
@@ -215,7 +218,11 @@ def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[i
 # ---- the new group -----------------------------------------------------------------------------------------
 def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_after_s: float) -> Generation:
     """Leave every group of `gen` and join the survivors' new one (this process must be among them); a new
-    heartbeat for it. Bounded: init_process_group waits at most the collective timeout for the others."""
+    heartbeat for it. The survivors first meet on the store under the old heartbeat (rendezvous.py), so that one
+    lost meanwhile ends the regroup at once with WorkerLost instead of a store timeout; init_process_group then
+    waits at most the collective timeout."""
+    await_peers(gen.ctx.store, f"batchgen/regroup/gen{gen.number + 1}", gen.rank, survivors, gen.heartbeat,
+                gen.ctx.timeout_s, f"the regroup into generation {gen.number + 1}")
     gen.heartbeat.stop()
     if gen.ctx.backend == "nccl":  # a communicator whose peer died may block a plain destroy
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -61,6 +61,7 @@ from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, in
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
                                     keep_plan, publish, regroup, requeue, settle, settle_caches)
+from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
 from batchgen.dist.settings import (DistSettings, check_dist, dist_host_pools, local_procs, oversubscription,
                                     under_torchrun)
@@ -200,7 +201,7 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
 
 
 def _dead_after(settings: DistSettings) -> float:
-    return 6 * settings.heartbeat_s
+    return settings.lost_after_s
 
 
 def reduced_job(job: Job, procs: int) -> Job:
@@ -225,6 +226,9 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     pools = kv_pools(job, settings, config, dtype, host)
     pool = (pools.pool_bytes, pools.staging_pages, pools.max_context, host.budget_pages)
     model = build_model(job, settings, gen.ctx.device, dtype).eval()
+    if gen.ctx.store is not None:  # group creation below waits on the store for every member: meet first
+        await_peers(gen.ctx.store, f"batchgen/ready/gen{gen.number}", gen.rank, range(gen.size), gen.heartbeat,
+                    settings.timeout_s, f"the start of generation {gen.number}")
     cluster = effective_cluster(job)  # instances: consecutive blocks of ranks, one process group each
     sizes = [cluster.instance_size] * cluster.num_instances
     instance = instance_groups(sizes, settings.timeout_s)
@@ -332,7 +336,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             pieces.add(engine, backend, gen.members, world)
             break
         except WorkerLost as err:
-            caught = backend.now()
+            caught, caught_unix = backend.now(), time.time()
             if engine is not None:
                 pieces.add(engine, backend, gen.members, world)
             done = np.array([st.finished for st in tokens.stops], bool)
@@ -384,7 +388,8 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks if r not in released],
                                        list(gen.members), caught, str(err), finished, held - restored, requeued,
                                        on_lost, restored=restored, restorable=restorable,
-                                       released=[before.members[r] for r in released], fenced=fenced))
+                                       released=[before.members[r] for r in released], fenced=fenced,
+                                       at_unix=caught_unix))
             prepared = next_prepared
         except BaseException:
             backend.abort()  # the workers leave their loops instead of waiting for a command that never comes

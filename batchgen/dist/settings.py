@@ -18,7 +18,10 @@ from batchgen.job import Job, effective_cluster, prepare
 class DistSettings(ExecSettings):
     procs: int = 1                 # processes = GPUs of the cluster, all instances (cluster.num_gpus must equal it)
     timeout_s: float = 120.0       # bound on every collective (a peer that stops answering never hangs a run)
-    heartbeat_s: float = 0.5       # heartbeat interval; a peer silent for 6 intervals is lost (WorkerLost)
+    heartbeat_s: float = 0.5       # heartbeat interval
+    # a peer is declared lost (WorkerLost) only when its process is gone or its heartbeat has been silent this
+    # long: a slow peer (a loaded machine) is slow, not lost; a stalled one is found after this many seconds
+    lost_after_s: float = 10.0
     start_method: str = "fork"     # the one-machine launcher: fork (fast; the parent holds no group) or spawn
     threads: int | str | None = 1  # torch intra-op threads per process
     recover: bool = True           # a lost worker (not rank 0): go on over the survivors (recovery.py); false: stop
@@ -79,6 +82,9 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         raise DistConfigError(f"backend.start_method={settings.start_method!r}: choose fork or spawn")
     if not settings.heartbeat_s > 0:
         raise DistConfigError(f"backend.heartbeat_s={settings.heartbeat_s}: give a positive number of seconds")
+    if not settings.lost_after_s > settings.heartbeat_s:
+        raise DistConfigError(f"backend.lost_after_s={settings.lost_after_s}: give more seconds than "
+                              f"backend.heartbeat_s={settings.heartbeat_s} (a peer silent that long is lost)")
     if not isinstance(settings.shared_host_copies, bool):
         raise DistConfigError(f"backend.shared_host_copies={settings.shared_host_copies!r}: give true or false")
     if settings.ep_pipeline is not None:

@@ -152,3 +152,64 @@ def test_a_process_that_retired_a_stuck_group_ends_at_once():
     assert all(r.ok for r in results), [r.error for r in results]
     waited, left = [r.value for r in results]
     assert left == "left" and waited < 5, f"rank 1 ended {waited:.1f} s after returning"
+
+
+def _late_peer(ctx, late_s):
+    """Rank 1 takes part `late_s` late in a send/receive and in an all-reduce, each waited in 50 ms slices;
+    then both exchange again over the same pair (it must still be open)."""
+    hb = Heartbeat.for_context(ctx, interval_s=0.1, dead_after_s=5.0).start()
+    comm = Comm(heartbeat=hb, slice_s=0.05)
+    comm.barrier()
+    got = torch.zeros(1000)
+    try:
+        for i in range(2):
+            if ctx.rank == 1:
+                time.sleep(late_s)
+                comm.recv(got, 0)
+            else:
+                comm.send(torch.full((1000,), float(i + 1)), 1)
+        if ctx.rank == 1:
+            time.sleep(late_s)
+        total = torch.ones(4)
+        comm.all_reduce(total)
+        comm.send(torch.full((1000,), 7.0), 0) if ctx.rank == 1 else comm.recv(got, 1)
+    except WorkerLost as e:
+        return f"lost: {e}"
+    finally:
+        hb.stop()
+    return float(got[0]), float(total[0])
+
+
+def test_a_slow_peer_is_waited_for_without_breaking_the_transfer():
+    """A wait slice that expires must not break what it waits for: gloo closes a send/receive's pair when a
+    timed wait on it expires ("Application timeout caused pair closure"), which under load turned a slow peer
+    into a lost one (issue 26). Slices of 50 ms, a peer 1 s late, both ends beating."""
+    rank0, rank1 = run_procs(_late_peer, 2, 1.0)
+    assert rank0 == (7.0, 2.0), rank0
+    assert rank1 == (2.0, 2.0), rank1
+
+
+def _killed_while_others_wait(ctx, killed_at):
+    hb = Heartbeat.for_context(ctx, interval_s=0.2, dead_after_s=60.0).start()
+    comm = Comm(heartbeat=hb)
+    comm.barrier()
+    if ctx.rank == 1:
+        killed_at.value = time.time()
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.recv(torch.empty(4), 1)  # the dead peer's socket closes; its heartbeat would be silent for 60 s
+    except WorkerLost as e:
+        return e.rank, time.time() - killed_at.value, str(e)
+    return None, None, "received from a dead peer"
+
+
+def test_a_dead_process_is_lost_at_once_whatever_the_heartbeat_timeout():
+    """A peer whose process is gone is lost within a heartbeat interval or two, not after dead_after_s (set long
+    here: the generous setting that lets a slow peer be slow)."""
+    killed_at = multiprocessing.get_context("fork").Value("d", 0.0)
+    rank0, victim = run_procs(_killed_while_others_wait, 2, killed_at, expect_ok=False)
+    assert victim.exitcode == -signal.SIGKILL
+    assert rank0.ok, rank0.error
+    lost, after_s, message = rank0.value
+    assert lost == 1 and after_s < 3.0, message
+    assert "is gone" in message or "failed" in message, message

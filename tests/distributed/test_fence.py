@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch.distributed as dist
 
-from batchgen.dist.fence import _start_time, fence, register
+from batchgen.dist.fence import start_time, fence, register
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="fencing reads /proc (Linux)")
 
@@ -30,7 +30,7 @@ def _entry(store, rank, host, pid, start):
 
 def test_a_stalled_process_is_killed_and_known_dead(stopped):
     store = dist.HashStore()
-    _entry(store, 3, socket.gethostname(), stopped.pid, _start_time(stopped.pid))
+    _entry(store, 3, socket.gethostname(), stopped.pid, start_time(stopped.pid))
     assert fence(store, 3) == (True, True)
     assert stopped.wait(timeout=5) == -signal.SIGKILL
     assert fence(store, 3) == (True, False)  # reaped: dead, nothing to signal
@@ -39,7 +39,7 @@ def test_a_stalled_process_is_killed_and_known_dead(stopped):
 def test_a_reused_pid_another_host_or_no_entry_is_never_signalled(stopped):
     store = dist.HashStore()
     _entry(store, 1, socket.gethostname(), stopped.pid, "12345")   # the pid now belongs to another process
-    _entry(store, 2, "elsewhere.example", stopped.pid, _start_time(stopped.pid))
+    _entry(store, 2, "elsewhere.example", stopped.pid, start_time(stopped.pid))
     assert fence(store, 1) == (True, False)   # the registered process is gone
     assert fence(store, 2) == (False, False)  # cannot tell from here
     assert fence(store, 5) == (False, False)  # never registered
@@ -50,4 +50,4 @@ def test_register_records_this_process():
     store = dist.HashStore()
     register(store, 0)
     host, pid, start = store.get("batchgen/pid/0").decode().rsplit(":", 2)
-    assert (host, int(pid), start) == (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
+    assert (host, int(pid), start) == (socket.gethostname(), os.getpid(), start_time(os.getpid()))
