@@ -13,7 +13,7 @@ from batchgen.latency import Efficiency, LatencySettings, check_calibration, loa
 from batchgen.memory import ConfigError, MemorySettings
 from batchgen.policy import make_policy, policy_names
 from batchgen.policy.base import Policy
-from batchgen.specs import ClusterSpec, ModelSpec
+from batchgen.specs import ClusterSpec, ModelSpec, cluster_from_config
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def build_setup(cfg: DictConfig, *, policy_required: bool = True, command: str =
                           f"e.g. python -m {command} +policy=coroutine")
     try:
         policy = make_policy(plain(cfg.policy)) if cfg.get("policy") is not None else None
-        cluster = ClusterSpec.from_config(plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
+        cluster = cluster_from_config(plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
         memory = MemorySettings(**plain(cfg.get("memory")))
         # null factors (the config lists every one, so that efficiency.compute=0.5 works without +): unset
         efficiency = load_efficiency({k: v for k, v in plain(cfg.get("efficiency")).items() if v is not None},

@@ -82,7 +82,7 @@ def run_one(args) -> None:
                                      "at_unix": r.at_unix, "regroup_s": r.regroup_s, "cause": r.cause}
                                     for r in out.recoveries]
         result["tokens"] = [list(map(int, t)) for t in out.tokens.generated]
-    except Exception as e:  # noqa: BLE001: the outcome is the report
+    except Exception as e:  # noqa: BLE001 (the outcome is the report)
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     result["wall_s"] = time.time() - t0
     Path(args.out).write_text(json.dumps(result))

@@ -38,7 +38,7 @@ from batchgen.memory import ConfigError
 from batchgen.policy import make_policy, policy_names
 from batchgen.setup import policy_config
 from batchgen.sim.run import simulate
-from batchgen.specs import ClusterSpec, load_cluster, load_model
+from batchgen.specs import cluster_from_config, load_cluster, load_model
 from batchgen.workload import build_workload
 from vidur_run import checkout_problem, run_vidur  # beside this script
 
@@ -69,7 +69,7 @@ def vs_vidur(args: argparse.Namespace) -> None:
     process's rounds (`--vidur-dir`: each round runs Vidur, then every policy; the best of each is compared), or
     a time passed in (`--vidur-s`)."""
     model = load_model("llama2_7b")
-    cluster = ClusterSpec.from_config({"name": "a100_1", "gpu": "a100_80g", "num_gpus": 1, "gpus_per_node": 1,
+    cluster = cluster_from_config({"name": "a100_1", "gpu": "a100_80g", "num_gpus": 1, "gpus_per_node": 1,
                                        "gpus_per_instance": None, "host_mem_gb_per_node": 2000,
                                        "host": "epyc_7742_2s"}, conf_dir() / "hardware")
     wcfg = OmegaConf.load(conf_dir() / "workload" / "azure_conv.yaml")

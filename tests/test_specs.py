@@ -18,7 +18,7 @@ from batchgen.specs import (
     load_model,
     model_names,
 )
-from batchgen.specs.catalog import _conf_dir
+from batchgen.specs.catalog import _conf_dir, cluster_from_config
 
 # (model, published total params, published active params or None, relative tolerance)
 PUBLISHED = [
@@ -133,7 +133,7 @@ def test_hydra_composes_model_and_cluster_groups():
     with initialize_config_dir(config_dir=str(_conf_dir(None).resolve()), version_base="1.3"):
         cfg = compose(config_name=None, overrides=["+model=deepseek_v3", "+cluster=h20_128", "cluster.num_gpus=8"])
     assert ModelSpec.from_dict(cfg.model) == load_model("deepseek_v3")
-    c = ClusterSpec.from_config(cfg.cluster)
+    c = cluster_from_config(cfg.cluster)
     assert (c.num_gpus, c.instance_size, c.num_instances, c.num_nodes) == (8, 8, 1, 1)
 
 
@@ -236,7 +236,7 @@ def test_hardware_si_units():
 def cluster(**kw) -> ClusterSpec:
     base = dict(name="c", gpu="h20", num_gpus=16, gpus_per_node=8, gpus_per_instance=None,
                 host_mem_gb_per_node=2000)
-    return ClusterSpec.from_config({**base, **kw})
+    return cluster_from_config({**base, **kw})
 
 
 def test_h20_128_topology():

@@ -1,6 +1,7 @@
 """Specs as data: model architectures, GPUs, hosts and clusters, loaded from the YAML files under conf/."""
 
 from batchgen.specs.catalog import (
+    cluster_from_config,
     cluster_names,
     hardware_names,
     host_names,
@@ -17,6 +18,7 @@ from batchgen.specs.model import ModelSpec
 __all__ = [
     "ClusterSpec",
     "DEFAULT_HOST",
+    "cluster_from_config",
     "HardwareSpec",
     "HostSpec",
     "ModelSpec",

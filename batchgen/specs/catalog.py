@@ -10,8 +10,8 @@ from typing import Any, Mapping
 from omegaconf import OmegaConf
 
 from batchgen.specs.hardware import ClusterSpec, HardwareSpec
-from batchgen.specs.host import HostSpec
-from batchgen.specs.model import ModelSpec
+from batchgen.specs.host import DEFAULT_HOST, HostSpec
+from batchgen.specs.model import ModelSpec, check_keys, plain_dict
 
 
 def _fallback_conf_dir() -> Path:
@@ -89,7 +89,25 @@ def load_model(name: str, conf_dir: str | Path | None = None) -> ModelSpec:
 
 def load_cluster(name: str, conf_dir: str | Path | None = None) -> ClusterSpec:
     root = _conf_dir(conf_dir)
-    return ClusterSpec.from_config(_load_yaml(root / "cluster", name, "cluster"), root / "hardware")
+    return cluster_from_config(_load_yaml(root / "cluster", name, "cluster"), root / "hardware")
+
+
+def cluster_from_config(d: Mapping[str, Any], hardware_dir: str | Path | None = None) -> ClusterSpec:
+    """A cluster from its YAML, whose `gpu` is a hardware name (a file in `hardware_dir`, default conf/hardware)
+    and `host` a host name (a file in the `host` folder beside it; DEFAULT_HOST if absent); mappings of fields or
+    spec objects are accepted too, for tests and sweeps."""
+    d = plain_dict(d, "cluster")
+    check_keys(d, ClusterSpec, "cluster")
+    gpu, host = d["gpu"], d.get("host", DEFAULT_HOST)
+    if isinstance(gpu, str):
+        gpu = load_hardware_file(gpu, hardware_dir)
+    elif isinstance(gpu, Mapping):
+        gpu = HardwareSpec.from_dict(gpu)
+    if isinstance(host, str):
+        host = load_host_file(host, None if hardware_dir is None else Path(hardware_dir).parent / "host")
+    elif isinstance(host, Mapping):
+        host = HostSpec.from_dict(host)
+    return ClusterSpec(**{**d, "gpu": gpu, "host": host})
 
 
 def efficiency_names(conf_dir: str | Path | None = None) -> list[str]:

@@ -11,7 +11,6 @@ dense (no 2:4 sparsity): achieved efficiency is the latency model's business, no
 """
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 from batchgen.specs.host import DEFAULT_HOST, HostSpec
@@ -121,11 +120,11 @@ class ClusterSpec:
         p = "cluster"
         check_field_types(self, p)
         if not isinstance(self.gpu, HardwareSpec):
-            raise ValueError(f"{p}.gpu must be a HardwareSpec, got {self.gpu!r}: use ClusterSpec.from_config "
-                             "to build a cluster from a GPU name")
+            raise ValueError(f"{p}.gpu must be a HardwareSpec, got {self.gpu!r}: build a cluster from a GPU name "
+                             "with batchgen.specs.catalog.cluster_from_config")
         if not isinstance(self.host, HostSpec):
-            raise ValueError(f"{p}.host must be a HostSpec, got {self.host!r}: use ClusterSpec.from_config "
-                             "to build a cluster from a host name")
+            raise ValueError(f"{p}.host must be a HostSpec, got {self.host!r}: build a cluster from a host name "
+                             "with batchgen.specs.catalog.cluster_from_config")
         require(self.num_gpus > 0, p, "num_gpus", self.num_gpus, "be a positive integer")
         require(self.gpus_per_node > 0, p, "gpus_per_node", self.gpus_per_node, "be a positive integer")
         require(self.gpus_per_instance is None or self.gpus_per_instance > 0, p, "gpus_per_instance",
@@ -144,26 +143,6 @@ class ClusterSpec:
         require(self.num_nodes == 1 or self.gpu.network_gbs > 0, p, "gpu", self.gpu.name,
                 f"have an inter-node network (network_gbs > 0) for {self.num_nodes} nodes",
                 "use one node or a GPU whose hardware file sets network_gbs")
-
-    @classmethod
-    def from_config(cls, d: Mapping[str, Any], hardware_dir: str | Path | None = None) -> "ClusterSpec":
-        """Build from the cluster YAML, whose `gpu` is a hardware name (a file in `hardware_dir`, default
-        conf/hardware) and `host` a host name (a file in the `host` folder beside it; DEFAULT_HOST if absent);
-        mappings of fields or spec objects are accepted too, for tests and sweeps."""
-        from batchgen.specs.catalog import load_hardware_file, load_host_file
-
-        d = plain_dict(d, "cluster")
-        check_keys(d, cls, "cluster")
-        gpu, host = d["gpu"], d.get("host", DEFAULT_HOST)
-        if isinstance(gpu, str):
-            gpu = load_hardware_file(gpu, hardware_dir)
-        elif isinstance(gpu, Mapping):
-            gpu = HardwareSpec.from_dict(gpu)
-        if isinstance(host, str):
-            host = load_host_file(host, None if hardware_dir is None else Path(hardware_dir).parent / "host")
-        elif isinstance(host, Mapping):
-            host = HostSpec.from_dict(host)
-        return cls(**{**d, "gpu": gpu, "host": host})
 
     @property
     def node_size(self) -> int:

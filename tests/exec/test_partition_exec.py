@@ -10,7 +10,7 @@ from conftest import make_job
 from .test_exec_parity import hf_greedy, kv_mb_for, saved  # noqa: F401  (saved: the models, as a fixture)
 
 
-def test_partitioned_stragglers_split_their_heads_and_keep_greedy_outputs(saved):
+def test_partitioned_stragglers_split_their_heads_and_keep_greedy_outputs(saved):  # noqa: F811 (the fixture)
     """Two stragglers outlive the rest on 4 ranks: coroutine PARTITIONs them (partition_min_context=1), each
     rank of a group attends over its own head shard (GQA) or latent replica (MLA), the partial outputs are
     summed, and the tokens stay those of transformers."""
