@@ -26,22 +26,13 @@ layout. An expert lives in exactly one group, so it still runs one GEMM on all i
 pipelined layer gives the synchronous one's bits (tests/distributed/test_ep_moe.py). Every rank of a group
 must use the same `pipeline` (the all-to-alls must match).
 
-What it gives with gloo on CPU (2-core development machine, December 1, 2026, loaded by other work): the
-operations run on the process group's worker threads and do progress while the caller computes (an all-to-all
-of 2048x768 fp32 rows issued, a 44 ms GEMM, then its wait: 0.02 ms; the same all-to-all waited at once: 5.7 ms;
-load average 1.6). But that thread needs a core, and with one process per core there is none to spare: in
-benchmarks/dist_scaling.py's interleaved A/B (its default model, the two variants alternating step by step in
-the same two processes, 120 steps each; load average 3.3-3.9) pipeline=2 took a median 1.030x the synchronous
-step's time (quartiles 0.98-1.06) and 3.5% more CPU (382 against 369 ms per step, both ranks: two more
-operations per layer, and gloo's threads interrupting the GEMMs); the whole benchmark's own A/B (12 steps, load
-5.5) said 1.024x and 2.7%; at a quieter moment (load average 0.6-2.2, 60 steps each) 1.041x (quartiles
-1.01-1.06), and its fastest steps too (10th percentile 206 against 194 ms, pipeline=4: 211 ms). Why: here an
-all-to-all is mostly CPU work of its own process (2 processes, a barrier, then one all-to-all, median of 60,
-load 2.0: nothing to send 0.33 ms wall of which 0.21 ms CPU; 128 rows of 768 fp32 to the peer, the benchmark's
-dispatch, 0.55 ms of which 0.40 ms CPU), so the latency overlap could hide is about 1% of a step, less than the
-two more operations per layer cost. So the default is synchronous; the pipeline is for machines where the
-exchange does not take a compute core (NCCL on GPUs, a spare CPU core), to be measured there
-(`backend.ep_pipeline`).
+What it gives with gloo on CPU: the operations run on the process group's worker threads and do progress while
+the caller computes, but that thread needs a core, and with one process per core there is none to spare; an
+all-to-all here is mostly CPU work of its own process, so the latency the overlap could hide is about 1% of a
+step, less than the two more operations per layer cost (benchmarks/dist_scaling.py's interleaved A/B: pipeline=2
+a few percent slower than synchronous; the figures are in benchmarks/results/dist_scaling.md). So the default is
+synchronous; the pipeline is for machines where the exchange does not take a compute core (NCCL on GPUs, a spare
+CPU core), to be measured there (`backend.ep_pipeline`).
 
 Why the result equals the single-process layer over all ranks' tokens concatenated in rank order: an expert
 sees the same rows in the same order (its tokens of rank 0, then of rank 1, ...), so its GEMMs get the same

@@ -1,11 +1,9 @@
 """Whether a calibration still describes this machine: a few of its grid points timed again, now.
 
-Why. A calibration is one machine at one time, and a shared cloud machine's speed moves: on December 2 the whole
-grid of the shipped CPU calibration (profiled November 30 on a machine of the same type) ran at 0.43x its recorded
-times, plain host copies included, and this check's own factor moved from 0.50x to 0.91x within ten minutes.
-Validation's median error went from 3% to 57% with no change to the model of time. Timing a handful of the
-file's own points again takes a couple of seconds and says, before anyone trusts a prediction, by what factor
-this machine differs now from the one that was profiled.
+Why. A calibration is one machine at one time, and a shared cloud machine's speed moves by tens of percent within
+minutes (benchmarks/results/validation.md), so a prediction can be off with no change to the model of time.
+Timing a handful of the file's own points again takes a couple of seconds and says, before anyone trusts a
+prediction, by what factor this machine differs now from the one that was profiled.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ def describe(checks: list[Drift]) -> str:
     if not stale(mean):
         return line + ": it still describes this machine"
     return (line + ": it does not describe this machine now, and predictions from it are off by about that factor. "
-            "Profile this machine again (README, 'The executor's own machine': python -m batchgen.profile ... "
+            "Profile this machine again (docs/calibration.md, 'The executor's own machine': python -m batchgen.profile ... "
             "out=FILE, then latency.calibration=FILE)")
 
 

@@ -53,7 +53,7 @@ KEEP = ("policy", "bct_s")
 
 
 def format_table(rows: list[Row]) -> str:
-    """Fixed width, one line per run; every header is defined in README.md (Comparing policies, Columns)."""
+    """Fixed width, one line per run; every header is defined in docs/simulator.md (The summary table)."""
     columns = [c for c in COLUMNS if c[1] in KEEP or any(r.get(c[1]) is not None for r in rows)]
     cells = [[h for h, _, _ in columns]] + [[_cell(r, k, f) for _, k, f in columns] for r in rows]
     widths = [max(len(line[j]) for line in cells) for j in range(len(columns))]

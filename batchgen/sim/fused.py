@@ -6,8 +6,7 @@ Why. Continuous batching decides at every forward while prompts wait: on Vidur's
 130 us of CPU spread over `apply_decision`, the backend's `execute` and `record_outcome`. Part of that was their
 glue: a StepPlan and a StepResult of some twenty arrays each, per-field checks for primitives the decision does
 not use, the same columns gathered in three places. Here the boundary's work is done once, in the order the
-three functions do it, on the few arrays it needs (measured: 1.09-1.10x on those two policies; the README has
-the numbers).
+three functions do it, on the few arrays it needs.
 
 Where. Only where each step is the general code's own operation on the same operands: a simulated instance of
 one GPU (its sequences all on rank 0), priced by the scalar roofline (batchgen.pricing.scalar: a dense model, no
