@@ -38,6 +38,7 @@ dense models (nothing to spread over processes).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -57,7 +58,8 @@ from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.fence import fence, register
 from batchgen.dist.groups import control_groups, instance_groups, retire
-from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
+from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, die_with_parent, init_distributed,
+                                  launch)
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
                                     keep_plan, publish, regroup, requeue, settle, settle_caches)
@@ -151,6 +153,11 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     check_dist(job, settings)
     device = str(settings.instance_devices(1)[0].type)
     if under_torchrun():
+        # torchrun starts each worker in a session of its own: without this, an agent killed with SIGKILL would
+        # leave its workers running (a batch job's rank 0 appending records while the job is rerun)
+        die_with_parent(os.getppid())
+        if settings.shared_host_copies:
+            sweep_orphans()
         ctx = init_distributed(DistEnv.from_env(), device, settings.timeout_s)
         try:
             if settings.threads is not None and settings.threads != "auto":
@@ -183,6 +190,15 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     return out
 
 
+def torchrun_run_id(ctx: DistContext) -> str:
+    """The name of a torchrun run's shared host files, the same for the workers of one agent (on one node): the
+    agent's pid first, as the one-machine launcher's pid names its runs, so that `sweep_orphans` removes them
+    once the agent is gone; then the elastic run id, the store's port and the restart count."""
+    key = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}-" \
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{os.getppid()}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
               to_parent: bool = False, run_id: str | None = None, resumed=None, sink=None) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
@@ -193,9 +209,8 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     heartbeat.start()
     current = [Generation(0, ctx, heartbeat, tuple(range(ctx.world_size)))]  # the latest, for the finally
     files = None
-    if settings.shared_host_copies:  # torchrun: the elastic run id (and the store's port) name the files
-        run_id = run_id or f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}"
-        files = SharedHostFiles(run_id, ctx.rank)
+    if settings.shared_host_copies:
+        files = SharedHostFiles(run_id or torchrun_run_id(ctx), ctx.rank)
     if ctx.store is not None:
         register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
         settings = agree_host_kv(ctx, job, settings)

@@ -5,6 +5,7 @@ processes' host KV pools together exceed the machine's memory is refused before 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,43 +79,35 @@ def _gone(pids: list[int], within_s: float) -> bool:
     return False
 
 
-@pytest.mark.slow
-def test_sigkill_of_the_whole_job_then_rerun(demo, tmp_path):
-    requests = write_lines(tmp_path / "requests.jsonl", mixed_requests(120, longest=60))
-    baseline = tmp_path / "baseline.jsonl"
-    run_in_process(demo, requests, baseline)
-    output = tmp_path / "results.jsonl"
-    args = [*SMALL_EXEC, *DIST, f"model.path={demo}", f"job.input={requests}", f"job.output={output}",
-            "job.checkpoint_s=0.2"]
-    counts, launchers = [], []
-    for attempt, whole_group in enumerate((False, True)):  # the launcher alone (the OOM killer), then its group
-        before = _records(output)
-        with (tmp_path / f"attempt{attempt}.out").open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "batchgen.run", *args], stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "BATCHGEN_PROGRESS": "0"})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _records(output) > before + 15 and Path(f"{output}.partial").exists():
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the job ended before the kill:\n{(tmp_path / f'attempt{attempt}.out').read_text()}"
-        launchers.append(proc.pid)
-        workers = _children(proc.pid)
-        assert len(workers) == 2
-        if whole_group:
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert _gone(workers, 5), "a worker outlived its killed launcher"
-        counts.append(_records(output))
-    assert counts[0] < counts[1] < 121  # each attempt added records, and the job was not done
+def _kill_mid_way(command: list[str], output: Path, log: Path, whole_group: bool) -> tuple[int, int]:
+    """Start the job, SIGKILL it once it has written 15 more records and a checkpoint (the launcher alone, or
+    its whole process group), check that its workers died with it; (the launcher's pid, records after)."""
+    before = _records(output)
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "BATCHGEN_PROGRESS": "0"})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _records(output) > before + 15 and Path(f"{output}.partial").exists():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the job ended before the kill:\n{log.read_text()}"
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(workers, 5), "a worker outlived its killed launcher"
+    return proc.pid, _records(output)
 
-    done = subprocess.run([sys.executable, "-m", "batchgen.run", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "BATCHGEN_PROGRESS": "0"})
+
+def _rerun_and_compare(command: list[str], output: Path, baseline: Path, left_before: int, launchers: list[int]):
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "BATCHGEN_PROGRESS": "0"})
     assert done.returncode == 0, done.stderr
-    assert f"{counts[1] - 1} already in the output" in done.stdout  # the bad line's record is not counted there
+    assert f"{left_before - 1} already in the output" in done.stdout  # (the bad line's record is not counted)
     assert "requests continued from the" in done.stdout
     records = read_records(output)
     assert len(records) == 121  # every custom_id once, and the bad line's error record once (comparable checks)
@@ -123,6 +116,43 @@ def test_sigkill_of_the_whole_job_then_rerun(demo, tmp_path):
     if os.path.isdir("/dev/shm"):  # the killed runs' host pools were swept by the rerun
         left = [f for f in os.listdir("/dev/shm") if any(f.startswith(f"batchgen-{pid}-") for pid in launchers)]
         assert not left, left
+
+
+@pytest.fixture(scope="module")
+def long_job(demo, tmp_path_factory):
+    """120 requests and one bad line, and the single-process job's records."""
+    tmp = tmp_path_factory.mktemp("long")
+    requests = write_lines(tmp / "requests.jsonl", mixed_requests(120, longest=60))
+    run_in_process(demo, requests, tmp / "baseline.jsonl")
+    return requests, tmp / "baseline.jsonl"
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_whole_job_then_rerun(demo, long_job, tmp_path):
+    requests, baseline = long_job
+    output = tmp_path / "results.jsonl"
+    command = [sys.executable, "-m", "batchgen.run", *SMALL_EXEC, *DIST, f"model.path={demo}",
+               f"job.input={requests}", f"job.output={output}", "job.checkpoint_s=0.2"]
+    launchers, counts = [], []
+    for attempt, whole_group in enumerate((False, True)):  # the launcher alone (the OOM killer), then its group
+        pid, n = _kill_mid_way(command, output, tmp_path / f"attempt{attempt}.out", whole_group)
+        launchers.append(pid)
+        counts.append(n)
+    assert counts[0] < counts[1] < 121  # each attempt added records, and the job was not done
+    _rerun_and_compare(command, output, baseline, counts[1], launchers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_sigkill_of_a_torchrun_job_then_rerun(demo, long_job, tmp_path):
+    """torchrun starts each worker in a session of its own: they still die with a killed agent."""
+    requests, baseline = long_job
+    output = tmp_path / "results.jsonl"
+    command = ["torchrun", "--nproc-per-node=2", "-m", "batchgen.run", *SMALL_EXEC, *DIST, f"model.path={demo}",
+               f"job.input={requests}", f"job.output={output}", "job.checkpoint_s=0.2"]
+    agent, n = _kill_mid_way(command, output, tmp_path / "attempt.out", whole_group=False)
+    assert n < 121
+    _rerun_and_compare(command, output, baseline, n, [agent])
 
 
 def test_host_kv_pools_of_all_processes_must_fit_the_machine(demo, tmp_path, monkeypatch):
