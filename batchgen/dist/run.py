@@ -5,7 +5,9 @@ and collects them later: control.py).
 `execute_dist(job, settings)` checks the setup first (a refused configuration starts no process), then either
 joins the group torchrun set up (`torchrun --nproc-per-node=N -m batchgen.experiment backend=dist
 backend.procs=N ...`: every process runs this; rank 0 returns the output, the others None) or starts the
-processes itself (`launch`) and returns rank 0's output.
+processes itself (`launch`) and returns rank 0's output. Either way the processes die with their parent (the
+launcher, or torchrun's agent). A batch job passes the tokens resumed from its checkpoint and a sink that rank
+0 opens in its own process, the one writer of the results file (`batchgen.batch.sink`).
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
 `ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process

@@ -38,8 +38,8 @@ whole (its launcher too), by the next run's launcher on this machine (`sweep_orp
 
 Not done: the pool is pageable memory even on CUDA (an anonymous pool is pinned there; the cache's copies go
 through pinned staging buffers either way); multi-machine runs restore only from files on rank 0's machine;
-under torchrun a killed process's files stay until removed by hand (no launcher parent sweeps them; the elastic
-agent stops every worker on a loss anyway).
+under torchrun the files of a killed run stay until the next run on the machine finds its agent gone
+(`sweep_orphans`; no launcher parent sweeps them at the end).
 """
 
 from __future__ import annotations
