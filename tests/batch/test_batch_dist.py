@@ -181,3 +181,32 @@ def test_host_kv_pools_of_all_processes_must_fit_the_machine(demo, tmp_path, mon
     monkeypatch.setattr(dist_run, "launch", launch)
     with pytest.raises(Launched):  # the same budget for one process passes the check and reaches the launcher
         run_in_process(demo, requests, output, *DIST, "backend.procs=1", f"backend.host_kv_gb={gb}")
+
+
+def test_a_stopped_run_keeps_what_finished_and_a_rerun_resumes(demo, tmp_path, monkeypatch):
+    """backend.recover=false: a worker killed at its 30th forward stops the run; the error says the results file
+    keeps what finished, and the same command then completes the job with the single-process job's records."""
+    from batchgen.batch.job import JobStopped
+    from batchgen.dist import worker as worker_module
+
+    requests = write_lines(tmp_path / "requests.jsonl", mixed_requests(36))
+    run_in_process(demo, requests, tmp_path / "exec.jsonl")
+    forward, calls = worker_module.RankWorker._forward, {"n": 0}
+
+    def dying(self, part, cmd):  # the forked workers inherit it; only rank 1 dies
+        calls["n"] += 1
+        if os.environ.get("RANK") == "1" and calls["n"] == 30:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, part, cmd)
+    monkeypatch.setattr(worker_module.RankWorker, "_forward", dying)
+    output = tmp_path / "dist.jsonl"
+    with pytest.raises(JobStopped) as stopped:
+        run_in_process(demo, requests, output, *DIST, "backend.recover=false", "job.checkpoint_s=0.1")
+    headline = str(stopped.value).splitlines()[:2]
+    assert headline[0].startswith("backend=dist stopped: rank 0: WorkerLost: worker lost: rank 1")
+    assert headline[1] == "the results file keeps every request that finished: run the same command again to resume"
+    kept = _records(output)
+    assert 1 < kept < 37
+    monkeypatch.setattr(worker_module.RankWorker, "_forward", forward)
+    run_in_process(demo, requests, output, *DIST)
+    assert comparable(read_records(output)) == comparable(read_records(tmp_path / "exec.jsonl"))
