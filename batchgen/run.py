@@ -10,6 +10,7 @@ weight. See conf/run.yaml for every setting.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,44 +30,87 @@ COMMAND = "batchgen.run"
 def run_job(cfg: DictConfig) -> None:
     from batchgen.batch.job import JobSettings, executor_cluster, model_dir, run_batch
     from batchgen.setup import build_setup, checked_calibration, model_path, model_spec
-    from batchgen.exec.run import ExecSettings, execute
     from batchgen.job import Job
-    from batchgen.progress import bar
 
-    if cfg.backend.get("name") != "exec":
-        raise ConfigError(f"backend={cfg.backend.get('name')}: a batch job runs on the executor (backend=exec, the "
-                          "default); to predict its time on a simulated cluster, add job.estimate=true")
+    name = cfg.backend.get("name")
+    if name not in ("exec", "dist"):
+        raise ConfigError(f"backend={name}: a batch job runs on the executor (backend=exec, the default, or "
+                          "backend=dist backend.procs=N: one process per GPU); to predict its time on a simulated "
+                          "cluster, add job.estimate=true")
     settings = JobSettings.from_config(_plain(cfg.job), seed=cfg.get("seed", 0))
     path = model_dir(model_path(cfg))
     setup = build_setup(cfg, command=COMMAND)
-    backend = {k: v for k, v in _plain(cfg.backend).items() if k != "name"}
-    backend["model_path"] = str(path)
-    try:
-        exec_settings = ExecSettings(**backend)
-    except TypeError as e:
-        raise ConfigError(f"bad backend setting: {e}") from e
-    if exec_settings.repeats != 1:
-        raise ConfigError(f"backend.repeats={exec_settings.repeats}: a batch job runs its requests once; drop it")
-    spec = model_spec(cfg, exec_settings.resolved_dtype().itemsize)
+    backend = _backend_settings(cfg, path)
+    if backend.repeats != 1:
+        raise ConfigError(f"backend.repeats={backend.repeats}: a batch job runs its requests once; drop it")
+    spec = model_spec(cfg, backend.resolved_dtype().itemsize)
     checked_calibration(setup, spec)
-    cluster = executor_cluster(setup.cluster)
+    cluster = executor_cluster(setup.cluster, getattr(backend, "procs", 1))
 
     def build(workload) -> Job:
         return Job(model=spec, cluster=cluster, workload=workload, policy=setup.policy, memory=setup.memory,
                    efficiency=setup.efficiency, latency=setup.latency, page_tokens=setup.page_tokens,
                    check_invariants=setup.check_invariants)
 
-    def run_on_executor(job, prompts, params, on_finish, resumed, after_run):
-        return execute(job, exec_settings, prompts=prompts, params=params, on_finish=on_finish, resumed=resumed,
-                       after_run=after_run)
-
-    summary = run_batch(settings, path, build, run_on_executor,
-                        bar_factory=lambda n: bar(n, "requests", unit="req", setting=settings.progress,
-                                                            rate=False))
+    writes = name == "exec" or _rank() == 0  # a torchrun worker (rank > 0) serves; rank 0 writes the results
+    summary = run_batch(settings, path, build, _run_exec(backend) if name == "exec" else _run_dist(backend),
+                        writes=writes)
+    if not writes:
+        return
     if summary.completed == 0 and summary.failed + summary.already_done == summary.requests:
         print(f"job already complete: every one of the {summary.requests:,} requests has a record in "
               f"{settings.output}; nothing to do")
     print(summary.format())
+
+
+def _backend_settings(cfg: DictConfig, path: Path):
+    from batchgen.exec.run import ExecSettings
+
+    backend = {k: v for k, v in _plain(cfg.backend).items() if k != "name"}
+    backend["model_path"] = str(path)
+    if cfg.backend.get("name") == "dist":
+        from batchgen.dist.settings import DistSettings as Settings
+    else:
+        Settings = ExecSettings
+    try:
+        return Settings(**backend)
+    except TypeError as e:
+        raise ConfigError(f"bad backend setting: {e}") from e
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise: the one-machine launcher starts its processes itself)."""
+    from batchgen.dist.settings import under_torchrun
+
+    return int(os.environ["RANK"]) if under_torchrun() else 0
+
+
+def _run_exec(exec_settings):
+    """The single-process executor, the sink opened here."""
+    from batchgen.exec.run import execute
+
+    def run(job, prompts, params, resumed, sink):
+        with sink.open() as out:
+            execute(job, exec_settings, prompts=prompts, params=params, on_finish=out.on_finish, resumed=resumed,
+                    after_run=out.after_run)
+        return out.counts
+    return run
+
+
+def _run_dist(dist_settings):
+    """One process per GPU (batchgen.dist): rank 0 opens the sink in its own process and writes the records."""
+    from batchgen.batch.job import JobStopped
+    from batchgen.dist.run import DistRunFailed, execute_dist
+
+    def run(job, prompts, params, resumed, sink):
+        try:
+            out = execute_dist(job, dist_settings, prompts=prompts, params=params, resumed=resumed, sink=sink)
+        except DistRunFailed as e:  # the headline first, then every failed rank's error
+            details = str(e).partition("\n")[2]
+            raise JobStopped(f"{e.headline}\nthe results file keeps every request that finished: run the same "
+                             f"command again to resume" + (f"\n{details}" if details else "")) from e
+        return None if out is None else out.sink_counts
+    return run
 
 
 def estimate_job(cfg: DictConfig) -> None:
@@ -127,6 +171,7 @@ def _share(value) -> bool | None:
 @checked_main(COMMAND)
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="run")
 def main(cfg: DictConfig) -> None:
+    from batchgen.batch.job import JobStopped
     from batchgen.batch.output import OutputFileError
     from batchgen.overrides import check_known_keys
 
@@ -136,6 +181,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, OutputFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except JobStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

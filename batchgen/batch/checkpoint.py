@@ -32,6 +32,13 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
+def remove_partial(output: Path) -> None:
+    """The checkpoint, and a temporary copy a kill mid-save left, once every request has its record."""
+    path = partial_path(output)
+    for p in (path, path.with_name(path.name + ".tmp")):
+        p.unlink(missing_ok=True)
+
+
 def load_partial(output: Path, todo: list[Request]) -> list[list[int]]:
     """Per request of `todo`, the tokens a previous run generated and saved (empty when none, or stale)."""
     path = partial_path(output)

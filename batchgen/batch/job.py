@@ -8,19 +8,25 @@ again (nothing is recomputed that was written, and nothing is written twice), an
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from batchgen.batch.checkpoint import Checkpointer, load_partial, partial_path
-from batchgen.batch.output import ResultLog, chat_body, completion_body, error_record, success_record
-from batchgen.batch.requests import CHAT, LineError, ModelInfo, Request, read_requests
+from batchgen.batch.checkpoint import load_partial, remove_partial
+from batchgen.batch.output import ResultLog, error_record
+from batchgen.batch.requests import LineError, ModelInfo, read_requests
+from batchgen.batch.sink import JobSink
 from batchgen.exec.models.loading import checkpoint_name
 from batchgen.memory import ConfigError
 
 DEMO_HINT = "python -m batchgen.batch.demo DIR writes a small one to try"
+
+
+class JobStopped(RuntimeError):
+    """The run stopped part way (backend=dist: a process died or failed); what finished is in the results file,
+    and rerunning the command resumes."""
 
 
 @dataclass(frozen=True)
@@ -111,35 +117,6 @@ def model_dir(path: Any) -> Path:
     return p
 
 
-@dataclass
-class _Writer:
-    """Turns each finished sequence into its output record, appended and flushed at once."""
-
-    log: ResultLog
-    todo: list[Request]
-    model: str
-    summary: JobSummary
-    bar: Any = None
-    started: float = field(default_factory=time.perf_counter)
-
-    def __call__(self, ids: np.ndarray, tokens) -> None:
-        for sid in ids.tolist():
-            r = self.todo[sid]
-            generated = tokens.generated[sid]
-            body = (chat_body if r.url == CHAT else completion_body)(
-                custom_id=r.custom_id, model=self.model, created=int(time.time()), prompt_ids=r.prompt_ids.tolist(),
-                token_ids=generated, text=tokens.text(sid), finish_reason=tokens.finish_reason(sid),
-                return_token_ids=r.return_token_ids)
-            self.log.write(success_record(r.custom_id, body))
-            self.summary.completed += 1
-            self.summary.prompt_tokens += len(r.prompt_ids)
-            self.summary.output_tokens += len(generated)
-        if self.bar is not None:
-            self.bar.update(ids.size)
-            elapsed = time.perf_counter() - self.started
-            self.bar.set_postfix_str(f"{self.summary.output_tokens / max(elapsed, 1e-9):,.1f} tok/s", refresh=False)
-
-
 def record_line_errors(log: ResultLog, errors: list[LineError]) -> int:
     """Write the error record of every bad line not yet in the output; returns how many the output now holds."""
     for e in errors:
@@ -148,21 +125,25 @@ def record_line_errors(log: ResultLog, errors: list[LineError]) -> int:
     return len(errors)
 
 
-def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, bar_factory=None) -> JobSummary:
-    """build_job(workload) -> Job and execute(job, prompts, params, on_finish, resumed, after_run) -> output: the
-    caller's executor (single process or distributed) and its settings (see `batchgen.exec.run.execute`).
-    bar_factory(total) -> a tqdm-like bar, or None."""
+def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, writes: bool = True) -> JobSummary:
+    """build_job(workload) -> Job and execute(job, prompts, params, resumed, sink) -> SinkCounts: the caller's
+    executor, which opens `sink` (`batchgen.batch.sink.JobSink`) in the process that holds the tokens (this one,
+    or backend=dist's rank 0) and returns what it wrote there (None when it wrote elsewhere).
+
+    writes=False: this process only learns the remaining requests (a torchrun worker, rank > 0): it reads the
+    results file and the checkpoint without changing them, writes no error record, and passes no sink."""
     from batchgen.workload import Workload
 
     start = time.perf_counter()
     info = ModelInfo.from_dir(model_path)
     summary = JobSummary(output=settings.output)
-    with ResultLog(settings.output, fsync=settings.fsync) as log:
+    log = ResultLog(settings.output, fsync=settings.fsync) if writes else ResultLog.read_only(settings.output)
+    with log:
         summary.repaired_bytes = log.repaired_bytes
         requests, errors = read_requests(settings.input, info, job_seed=settings.seed,
                                          default_max_tokens=settings.default_max_tokens)
         summary.requests = len(requests) + len(errors)
-        summary.failed = record_line_errors(log, errors)
+        summary.failed = record_line_errors(log, errors) if writes else len(errors)
         todo = [r for r in requests if r.custom_id not in log.done_ids]
         summary.already_done = len(requests) - len(todo)
         if todo:
@@ -173,22 +154,21 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, ba
             workload = Workload(f"batch:{settings.input.name}",
                                 np.array([len(r.prompt_ids) for r in todo]) + done_before,
                                 np.array([r.params.max_tokens for r in todo]) - done_before)
-            job = build_job(workload)
-            bar = bar_factory(len(todo)) if bar_factory else None
-            writer = _Writer(log, todo, checkpoint_name(model_path), summary, bar)
-            checkpoint = (Checkpointer(settings.output, todo, settings.checkpoint_s, settings.fsync)
-                          if settings.checkpoint_s else None)
-            try:
-                execute(job, [r.prompt_ids for r in todo], [r.params for r in todo], writer, resumed, checkpoint)
-            finally:
-                if bar is not None:
-                    bar.close()
-        partial_path(settings.output).unlink(missing_ok=True)  # every request has its record now
+            sink = JobSink(settings.output, todo, checkpoint_name(model_path), settings.fsync, settings.checkpoint_s,
+                           settings.progress) if writes else None
+            counts = execute(build_job(workload), [r.prompt_ids for r in todo], [r.params for r in todo], resumed,
+                             sink)
+            if counts is not None:
+                summary.completed = counts.completed
+                summary.prompt_tokens, summary.output_tokens = counts.prompt_tokens, counts.output_tokens
+        if writes:
+            remove_partial(settings.output)  # every request has its record now
     summary.wall_s = time.perf_counter() - start
     return summary
 
 
-def executor_cluster(cluster):
-    """The executor runs the job as one rank on its device: `cluster` is the estimate's target, and only lends
-    the hardware type the planner prices with."""
-    return replace(cluster, num_gpus=1, gpus_per_instance=None)
+def executor_cluster(cluster, procs: int = 1):
+    """The executor runs the job as one instance of `procs` ranks (backend=exec: one, on its device; backend=dist:
+    one process each): `cluster` is the estimate's target, and only lends the hardware type the planner prices
+    with."""
+    return replace(cluster, num_gpus=procs, gpus_per_instance=None)

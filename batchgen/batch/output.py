@@ -135,7 +135,33 @@ class ResultLog:
             self.close()
             raise
 
+    @classmethod
+    def appending(cls, path: str | Path, *, fsync: bool = True) -> ResultLog:
+        """A second handle on a file another handle opened (and repaired) already: appends only, reads nothing
+        (`done_ids` and `done_lines` stay empty). The process that writes the records of a backend=dist job,
+        rank 0, opens the results file this way."""
+        return cls._handle(path, fsync, os.open(path, os.O_WRONLY | os.O_APPEND))
+
+    @classmethod
+    def _handle(cls, path: str | Path, fsync: bool, fd: int | None) -> ResultLog:
+        """A log on `fd` that has read nothing yet."""
+        log = cls.__new__(cls)
+        log.path, log.fsync, log._fd = Path(path), fsync, fd
+        log.done_ids, log.done_lines = set(), set()
+        log.records = log.written = log.repaired_bytes = 0
+        return log
+
     def _load_and_repair(self) -> None:
+        good_end = self._load()
+        size = self.path.stat().st_size
+        if good_end < size:  # only the last line can be bad here: a write torn by a kill
+            self.repaired_bytes = size - good_end
+            os.ftruncate(self._fd, good_end)
+            os.fsync(self._fd)
+
+    def _load(self) -> int:
+        """Note every record of the file (`_note`, `records`); the byte offset past the last good line. A bad
+        line other than the last one: refused (`_refuse`)."""
         good_end = 0  # byte offset just past the last line that parsed
         bad: tuple[int, str] | None = None  # (line number, why) of the first line that did not
         number = 0
@@ -151,11 +177,17 @@ class ResultLog:
                 self._note(record)
                 self.records += 1
                 good_end += len(raw)
-        size = self.path.stat().st_size
-        if good_end < size:  # only the last line can be bad here: a write torn by a kill
-            self.repaired_bytes = size - good_end
-            os.ftruncate(self._fd, good_end)
-            os.fsync(self._fd)
+        return good_end
+
+    @classmethod
+    def read_only(cls, path: str | Path) -> ResultLog:
+        """What a results file holds (`done_ids`, `done_lines`), read without changing it (a torn last line is
+        skipped, not cut) and without a handle to write with: a torchrun worker learns the job's remaining
+        requests this way while rank 0 opens the file for writing."""
+        log = cls._handle(path, False, None)
+        if log.path.exists():
+            log._load()
+        return log
 
     def _refuse(self, number: int, why: str) -> None:
         raise OutputFileError(

@@ -8,7 +8,9 @@ Two ways in, one result (a `DistContext` per process):
   (torch.multiprocessing), and each runs `fn(ctx, *args)` once joined; return values and errors come back to the
   caller per rank, and a process that dies (SIGKILL, out of memory) is reported by its exit code instead of
   taking the survivors down with it (torch.multiprocessing.spawn's join kills the others on the first death,
-  which would hide how the survivors handled the loss).
+  which would hide how the survivors handled the loss). The processes die with the launcher (Linux: the
+  kernel sends them SIGKILL when it exits): a launcher killed by SIGKILL or the OOM killer leaves no process
+  behind computing, or appending to a batch job's results file while the job is rerun.
 
 The rendezvous store is created here rather than through `init_method="env://"` so that the failure detector
 (`failure.Heartbeat`) can open its own connection to it. gloo on CPU, NCCL on CUDA; every collective of the
@@ -18,10 +20,12 @@ dead one much sooner, see `failure.py`).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import time
@@ -177,8 +181,26 @@ class WorkerResult:
         return self.exitcode == 0 and self.error is None
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """This process gets SIGKILL when its parent exits (Linux; elsewhere nothing happens). The parent here is
+    the thread that started the process: `launch` runs on the caller's thread, which waits for the processes.
+    A parent already gone by now (it died between the fork and this call) ends this process at once."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device: str, timeout_s: float,
-            threads: int | None, results) -> None:
+            threads: int | None, results, parent: int | None = None) -> None:
+    if parent is not None:
+        die_with_parent(parent)
     if threads is not None:
         torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -225,8 +247,8 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
     mp = torch.multiprocessing.get_context(start_method)
     results = mp.Queue()
     port = free_port()
-    workers = [mp.Process(target=_worker, args=(r, procs, port, fn, args, device, timeout_s, threads, results),
-                          daemon=False) for r in range(procs)]
+    workers = [mp.Process(target=_worker, args=(r, procs, port, fn, args, device, timeout_s, threads, results,
+                                                os.getpid()), daemon=False) for r in range(procs)]
     for w in workers:
         w.start()
     got: dict[int, tuple[Any, str | None]] = {}

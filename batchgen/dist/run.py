@@ -5,7 +5,9 @@ and collects them later: control.py).
 `execute_dist(job, settings)` checks the setup first (a refused configuration starts no process), then either
 joins the group torchrun set up (`torchrun --nproc-per-node=N -m batchgen.experiment backend=dist
 backend.procs=N ...`: every process runs this; rank 0 returns the output, the others None) or starts the
-processes itself (`launch`) and returns rank 0's output.
+processes itself (`launch`) and returns rank 0's output. Either way the processes die with their parent (the
+launcher, or torchrun's agent). A batch job passes the tokens resumed from its checkpoint and a sink that rank
+0 opens in its own process, the one writer of the results file (`batchgen.batch.sink`).
 
 In every process: the model is built from the same weights (seed or directory), each MoE layer becomes an
 `ExpertParallelMoE` over its instance's group (this rank keeps its contiguous block of experts), the process
@@ -38,6 +40,7 @@ dense models (nothing to spread over processes).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -57,7 +60,8 @@ from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.fence import fence, register
 from batchgen.dist.groups import control_groups, instance_groups, retire
-from batchgen.dist.launch import ENV_VARS, DistContext, DistEnv, check_procs, init_distributed, launch
+from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, die_with_parent, init_distributed,
+                                  launch)
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
                                     keep_plan, publish, regroup, requeue, settle, settle_caches)
@@ -65,7 +69,8 @@ from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
 from batchgen.dist.settings import (DistSettings, check_dist, dist_host_pools, local_procs, oversubscription,
                                     under_torchrun)
-from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
+from batchgen.dist.shared_host import (SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep,
+                                      sweep_orphans)
 from batchgen.dist.worker import RankWorker
 from batchgen.engine import Engine, finished_ids
 from batchgen.exec.fits import check_fits
@@ -94,6 +99,7 @@ class DistOutput(ExecOutput):
     # on). After one, the rank_* lists above hold the survivors' (launch ranks: recoveries[-1].survivors), each
     # over its whole run, and records' rank_busy / rank_comm are indexed by launch rank (a lost rank's 0)
     recoveries: list = field(default_factory=list)
+    sink_counts: object = None  # what rank 0 wrote to the sink it was given (a batch job's records), if any
 
 
 class DistRunFailed(RuntimeError):
@@ -134,8 +140,12 @@ def agree_host_kv(ctx: DistContext, job: Job, settings: DistSettings) -> DistSet
 
 
 def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] | None = None,
-                 params=None) -> DistOutput | None:
-    """Run the job over settings.procs processes; rank 0's output (None on the other ranks under torchrun)."""
+                 params=None, resumed: list[list[int]] | None = None, sink=None) -> DistOutput | None:
+    """Run the job over settings.procs processes; rank 0's output (None on the other ranks under torchrun).
+    `resumed`: tokens each sequence generated in an interrupted run (as `exec.run.execute`'s). `sink`: opened by
+    rank 0 in its own process (`sink.open()`: a context manager with `on_finish(ids, tokens)`, called when
+    sequences end, `after_run(tokens)`, after every step, and `counts`, returned as `DistOutput.sink_counts`):
+    a batch job's results file is written by the process that holds the tokens (`batchgen.batch.sink`)."""
     if job.policy.attention_tp == "auto":  # TP attention is not built across processes: auto is DP attention here
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
     if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
@@ -145,20 +155,28 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     check_dist(job, settings)
     device = str(settings.instance_devices(1)[0].type)
     if under_torchrun():
+        # torchrun starts each worker in a session of its own: without this, an agent killed with SIGKILL would
+        # leave its workers running (a batch job's rank 0 appending records while the job is rerun)
+        die_with_parent(os.getppid())
+        if settings.shared_host_copies:
+            sweep_orphans()
         ctx = init_distributed(DistEnv.from_env(), device, settings.timeout_s)
         try:
             if settings.threads is not None and settings.threads != "auto":
                 torch.set_num_threads(int(settings.threads))
-            return rank_main(ctx, job, settings, prompts, params)
+            return rank_main(ctx, job, settings, prompts, params, resumed=resumed, sink=sink)
         finally:
             ctx.close()
     threads = None if settings.threads in (None, "auto") else int(settings.threads)
     crowded = oversubscription(settings.procs, threads, device, available_cores())
     if crowded:
         print(f"warning: {crowded}", file=sys.stderr, flush=True)
-    run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files
+    run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files (sweep_orphans reads it)
+    if settings.shared_host_copies:
+        sweep_orphans()  # what runs killed whole left in memory
     try:
-        results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id), device=device,
+        results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id, resumed, sink),
+                         device=device,
                          timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
                          join_timeout_s=max(600.0, 10 * settings.timeout_s))
     finally:  # what killed processes left
@@ -174,8 +192,17 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     return out
 
 
+def torchrun_run_id(ctx: DistContext) -> str:
+    """The name of a torchrun run's shared host files, the same for the workers of one agent (on one node): the
+    agent's pid first, as the one-machine launcher's pid names its runs, so that `sweep_orphans` removes them
+    once the agent is gone; then the elastic run id, the store's port and the restart count."""
+    key = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}-" \
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{os.getppid()}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
-              to_parent: bool = False, run_id: str | None = None) -> DistOutput | None:
+              to_parent: bool = False, run_id: str | None = None, resumed=None, sink=None) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
     `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
     The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s;
@@ -184,16 +211,20 @@ def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, param
     heartbeat.start()
     current = [Generation(0, ctx, heartbeat, tuple(range(ctx.world_size)))]  # the latest, for the finally
     files = None
-    if settings.shared_host_copies:  # torchrun: the elastic run id (and the store's port) name the files
-        run_id = run_id or f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}-{ctx.env.master_port}"
-        files = SharedHostFiles(run_id, ctx.rank)
+    if settings.shared_host_copies:
+        files = SharedHostFiles(run_id or torchrun_run_id(ctx), ctx.rank)
     if ctx.store is not None:
         register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
         settings = agree_host_kv(ctx, job, settings)
     try:
         if ctx.rank != 0:
-            return _serve(current, job, settings, params, files)
-        return _drive(current, job, settings, prompts, params, to_parent, files)
+            return _serve(current, job, settings, params, files, resumed)
+        if sink is None:
+            return _drive(current, job, settings, prompts, params, to_parent, files, resumed)
+        with sink.open() as opened:
+            out = _drive(current, job, settings, prompts, params, to_parent, files, resumed, opened)
+        out.sink_counts = opened.counts
+        return out
     finally:
         current[-1].heartbeat.stop()
         if files is not None:
@@ -271,10 +302,10 @@ def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Gen
     return gen
 
 
-def _serve(current: list, job: Job, settings: DistSettings, params, files=None) -> None:
+def _serve(current: list, job: Job, settings: DistSettings, params, files=None, resumed=None) -> None:
     """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
     survivors, join their new group, rebuild and serve again."""
-    params = _checked_params(job, settings, params, [0] * len(job.workload))
+    params = _checked_params(job, settings, params, _done_before(job, resumed))
     gen = current[-1]
     worker, _, _ = _build_rank(gen, job, settings, params, files=files)
     while True:
@@ -297,20 +328,26 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None) 
             files.publish(worker.cache)
 
 
+def _done_before(job: Job, resumed) -> list[int]:
+    return [len(r) for r in resumed] if resumed is not None else [0] * len(job.workload)
+
+
 def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
-           files: SharedHostFiles | None = None) -> DistOutput:
+           files: SharedHostFiles | None = None, resumed=None, sink=None) -> DistOutput:
     """Rank 0: the engine and the policy over a DistBackend; after a lost worker (recover=true), decide the
-    survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue)."""
+    survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue). `sink`: an
+    opened sink (see `execute_dist`), told of every finished sequence and every step."""
     start, cpu_start = time.perf_counter(), time.process_time()
     gen = current[-1]
     world = gen.size
     config = model_config(job, settings)
-    done_before = [0] * len(job.workload)
+    done_before = _done_before(job, resumed)
     params = _checked_params(job, settings, params, done_before)
     worker, is_moe, _ = _build_rank(gen, job, settings, params, files=files)
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, **host_kw(dist_host_pools(job, settings)))
-    tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params))
+    tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params),
+                            resumed=resumed)
     pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
     report = gen.ctx.report
 
@@ -318,6 +355,10 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
         ended = finished_ids(plan, result)
         if report is not None and ended.size:
             report(finished_report(tokens, ended))
+        if sink is not None:
+            if ended.size:
+                sink.on_finish(ended, tokens)
+            sink.after_run(tokens)
     while True:
         backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed)
         if clock is None:

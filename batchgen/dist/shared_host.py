@@ -33,12 +33,13 @@ the BCT with shared host copies was 0.997x the anonymous pool's, inside this mac
 (+-20%): hence on by default.
 
 Files are removed by their process at the end (`close`), by rank 0 once it has read a lost rank's
-(`remove_rank`), and by the launcher's parent after the run whatever happened (`sweep`).
+(`remove_rank`), by the launcher's parent after the run whatever happened (`sweep`), and, for a run killed
+whole (its launcher too), by the next run's launcher on this machine (`sweep_orphans`).
 
 Not done: the pool is pageable memory even on CUDA (an anonymous pool is pinned there; the cache's copies go
 through pinned staging buffers either way); multi-machine runs restore only from files on rank 0's machine;
-under torchrun a killed process's files stay until removed by hand (no launcher parent sweeps them; the elastic
-agent stops every worker on a loss anyway).
+under torchrun the files of a killed run stay until the next run on the machine finds its agent gone
+(`sweep_orphans`; no launcher parent sweeps them at the end).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import glob
 import json
 import math
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -83,6 +85,48 @@ def sweep(run_id: str, root: str = SHM_DIR) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+_LAUNCHED = re.compile(r"batchgen-(\d+)-[0-9a-f]{8}-")  # a one-machine run's files: its launcher's pid first
+
+
+def sweep_orphans(root: str = SHM_DIR) -> int:
+    """Remove the files of one-machine runs whose launcher is gone: a run killed whole (SIGKILL, the OOM killer)
+    never reached its `sweep`, and each rerun of a killed batch job would leave its pools in memory. A run is
+    gone when its launcher's pid is not alive here and none of its indexes names another host (a container
+    sharing this /dev/shm, whose pids this one cannot see). Returns how many files were removed."""
+    runs: dict[tuple[str, int], list[str]] = {}  # (run id, its launcher's pid) -> its files
+    for path in glob.glob(os.path.join(root, "batchgen-*")):
+        m = _LAUNCHED.match(os.path.basename(path))
+        if m:
+            runs.setdefault((m.group(0), int(m.group(1))), []).append(path)
+    removed = 0
+    for (_, pid), paths in runs.items():
+        if _alive(pid) or any(_elsewhere(p) for p in paths if p.endswith(".idx")):
+            continue
+        for path in paths:
+            _unlink(path)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _elsewhere(index: str) -> bool:
+    """The index was written on another host (or cannot be read: then it is left alone too)."""
+    try:
+        with open(index, "rb") as f:
+            return json.loads(f.readline()).get("host") != socket.gethostname()
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 @dataclass

@@ -13,6 +13,9 @@ import glob
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -20,7 +23,8 @@ import pytest
 import torch
 
 from batchgen.dist.restore import choose, restore_lost
-from batchgen.dist.shared_host import SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep
+from batchgen.dist.shared_host import (SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep,
+                                      sweep_orphans)
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.dist.run import DistRunFailed, execute_dist
 from batchgen.exec.run import ExecSettings, execute
@@ -416,3 +420,21 @@ def test_losing_a_worker_of_rank_0s_instance_stops_the_run_with_one_line(saved, 
     assert time.monotonic() - t0 < 60
     assert "rank 0's instance lost rank 1" in err.value.headline, err.value.headline
     assert err.value.partial is not None
+
+
+def test_files_of_runs_whose_launcher_is_gone_are_swept(tmp_path):
+    """A run killed whole leaves its pools; the next run removes them, and only them: not those of a live
+    launcher, nor of a run whose index names another host (a container sharing /dev/shm)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {"gone": f"batchgen-{dead.pid}-0123abcd-r0", "live": f"batchgen-{os.getpid()}-0123abcd-r0",
+             "away": f"batchgen-{dead.pid}-89abcdef-r0"}
+    for name in names.values():
+        (tmp_path / f"{name}-0").write_bytes(b"\0" * 64)
+    for key, host in (("gone", socket.gethostname()), ("away", "another-host")):
+        (tmp_path / f"{names[key]}.idx").write_text(json.dumps({"host": host}) + "\n")
+    other = tmp_path / "batchgen-torchrun-1234-r0-0"  # not a one-machine launcher's run id: never touched
+    other.write_bytes(b"")
+    assert sweep_orphans(str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{names['live']}-0", f"{names['away']}-0", f"{names['away']}.idx", other.name])
