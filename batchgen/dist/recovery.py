@@ -1,5 +1,4 @@
-"""Continuing a `backend=dist` run on the surviving processes after a worker other than rank 0 died (issue 9,
-part 4).
+"""Continuing a `backend=dist` run on the surviving processes after a worker other than rank 0 died.
 
 A torch process group cannot drop a member, so the survivors build a new one: a *generation*. Generation 0 is
 the group the launcher (or torchrun) made; each recovery starts the next:
@@ -23,7 +22,7 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
    the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
    the same pool (else a fresh one).
-5. The caches are the truth (`settle_caches`): the loss was caught mid-step, so a planned yield, restore or
+5. The caches are the truth (`settle_caches`, settle.py): the loss was caught mid-step, so a planned yield, restore or
    migration may or may not have happened. Each survivor reports what its cache holds; rank 0 keeps a sequence
    where one survivor holds exactly the KV its tokens imply (`keep_plan`: prompt + generated - 1 tokens, on
    device or as a host copy; the interrupted forward's one extra slot is dropped and written again, with the
@@ -35,7 +34,6 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    the engine's recompute path (the one eviction uses) prefills prompt + generated again, and sampling goes on
    at step len(generated) with the same per-(sequence, step) draws, so outputs equal an undisturbed run's. The
    engine restarts on it (the policy planned again for the survivors), on the same clock.
-
 7. Restore or recompute (`batchgen.dist.restore`, rank 0, with `backend.shared_host_copies`): each rank's host pool is a
    shared-memory file that outlives it, with an index of its complete host copies (shared_host.py). For every
    unfinished sequence that no survivor kept and whose copy in a lost rank's index holds exactly prompt +
@@ -83,7 +81,6 @@ from batchgen.dist.failure import Heartbeat
 from batchgen.dist.groups import retire
 from batchgen.dist.launch import DistContext, DistEnv, join_group
 from batchgen.dist.rendezvous import await_peers
-from batchgen.dist.worker import Command
 
 KEY = "batchgen/recover/gen{}"
 
@@ -241,66 +238,6 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
                                       prefix=f"batchgen/hb/gen{number}").start()
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
-
-
-# ---- the survivors' caches ----------------------------------------------------------------------------------
-def inventory(cache) -> dict[int, tuple[bool, int, int, int, int]]:
-    """What a survivor's cache holds: sequence id -> (on device, device tokens, host-copy tokens, tokens of a
-    host-resident step under way, device pages held)."""
-    return {sid: (cache.on_device(sid), cache.device_tokens(sid), cache.synced_tokens(sid),
-                  cache.pending_tokens(sid), len(cache.pages(sid))) for sid in cache.seq_ids()}
-
-
-def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: list[dict],
-              split: np.ndarray | None = None) -> list[dict]:
-    """Rank 0: which KV each survivor keeps, per rank {sequence id: (on device, tokens kept, pages held, has a
-    host copy)}.
-
-    The caches, not the state, are the truth here: the loss was caught mid-step, so a planned yield, restore or
-    migration may or may not have happened. A sequence is kept where one survivor holds exactly the KV its tokens
-    imply: prompt + generated - 1 tokens (the last generated token is fed by the next forward), on device or as
-    a host copy. The interrupted forward's token was never recorded: its slot (one token more on device, or a
-    host-resident step's pending token) is dropped and written again, with the same token, by the next forward.
-    Everything else (no tokens yet, part-written prompts, a copy in a lost process, a PARTITIONed sequence:
-    `split` > 0 in the ledger, its head shards spread over processes) is recomputed."""
-    plan: list[dict] = [{} for _ in inventories]
-    seen: set[int] = set()
-    for rank, inv in enumerate(inventories):
-        for sid, (on_device, device_len, synced, pending, pages) in inv.items():
-            if (sid in seen or done[sid] or not generated[sid] or table.prefilled[sid] or table.tp[sid] > 1
-                    or (split is not None and split[sid])):
-                continue
-            need = int(table.input_len[sid]) + len(generated[sid]) - 1
-            if on_device and device_len in (need, need + 1) and synced <= need:
-                plan[rank][sid] = (True, need, pages, synced > 0)
-            elif not on_device and synced == need:
-                plan[rank][sid] = (False, need, 0, True)
-            else:
-                continue
-            seen.add(sid)
-    return plan
-
-
-def apply_keep(cache, keep: dict) -> None:
-    """A survivor: drop every sequence not kept; a kept one forgets the interrupted forward's slot (device
-    tokens past the kept ones, or a host-resident step's pending tokens: an extra page held is harmless, the
-    pools only ever grow a sequence's pages)."""
-    cache.release([sid for sid in cache.seq_ids() if sid not in keep])
-    shards = getattr(cache, "shards", None)  # PARTITION's head shards (exec/shards.py): never kept
-    if shards is not None:
-        shards.release(shards.seq_ids())
-    for sid, (_, tokens, _, _) in keep.items():
-        cache.truncate(sid, tokens)
-
-
-def settle_caches(worker, decide=None) -> list[dict]:
-    """Every survivor, right after regrouping with its old cache: report it, rank 0 decides (`decide(inventories)
-    -> keep_plan`) and broadcasts, each applies its part. Over every process of the new group (`worker.world`:
-    with several instances each instance's control channel reaches only its own)."""
-    got = worker.reply(inventory(worker.cache), worker.world)
-    plan = worker.receive(Command("keep", decide(got)) if worker.rank == 0 else None, worker.world).parts
-    apply_keep(worker.cache, plan[worker.rank])
-    return plan
 
 
 # ---- the engine's state over the survivors -------------------------------------------------------------------

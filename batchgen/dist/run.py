@@ -64,9 +64,10 @@ from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, d
                                   launch)
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
-                                    keep_plan, publish, regroup, requeue, settle, settle_caches)
+                                    publish, regroup, requeue, settle)
 from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
+from batchgen.dist.settle import keep_plan, settle_caches
 from batchgen.dist.settings import (DistSettings, check_dist, dist_host_pools, local_procs, oversubscription,
                                     under_torchrun)
 from batchgen.dist.shared_host import (SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep,

@@ -3,7 +3,6 @@
 whole process group) and rerun ends with every custom_id exactly once and the same records; a job whose
 processes' host KV pools together exceed the machine's memory is refused before any work, naming the setting."""
 
-import json
 import os
 import shutil
 import signal
