@@ -380,8 +380,7 @@ class PartialOutput:
 
     @property
     def summary(self) -> str:
-        return (f"{len(self.finished)} of {self.total} sequences had finished (their tokens: "
-                "DistRunFailed.partial)")
+        return f"{len(self.finished)} of {self.total} sequences had finished"
 
 
 def carry_totals(before, after) -> None:
