@@ -4,9 +4,10 @@ Why. A move is described once: where the primitive that makes it knows its sourc
 The simulator prices the ops (`KVOps.moves`), the executors perform them (`KVOps.for_gpu`, `move_kv`), and no one
 derives them again by comparing a state before and after. An instance's log takes the ops of its decisions'
 primitives and of its runs' finishes (freed at its next boundary) and is emptied into one `KVOps` per boundary
-(`take`), in the execution order `KVOps` defines: each kind by sequence id, except migrations (the state's
-MIGRATEs in the order it carried them out, then resumes on another GPU by id) and reshards (by id, a group's move
-before its change of degree, as the primitives emitted them).
+(`take`), in the execution order `KVOps` defines: kind by kind, each kind's ops in the order the primitives emitted
+them. That is the order the executors need: the state's MIGRATEs in the order it carried them out (each arrival
+fits its destination then), before resumes on another GPU (which only arrive); a partitioned sequence's group
+moved to its new lead before its degree changes there.
 """
 
 from __future__ import annotations
@@ -53,26 +54,18 @@ class OpLog:
         """The ops so far as one `KVOps` of the instance's GPUs (the log is emptied)."""
         fields = {}
         for kind, names in COLUMNS.items():
-            blocks = self.rows[kind]
-            if kind == "migrate" and self.resumes:
-                resumes = _joined(self.resumes, len(names))
-                blocks = [*blocks, tuple(c[np.argsort(resumes[0], kind="stable")] for c in resumes)]
+            blocks = self.rows[kind] + self.resumes if kind == "migrate" else self.rows[kind]
             if not blocks:
                 continue
-            cols = _joined(blocks, len(names))
-            if kind != "migrate":
-                order = np.argsort(cols[0], kind="stable")
-                cols = [c[order] for c in cols]
-            prefix = "yield" if kind == "yield" else kind
-            for name, col in zip(names, cols):
-                fields[f"{prefix}_{name}"] = col
-        self.rows = {kind: [] for kind in COLUMNS}
-        self.resumes = []
+            for name, col in zip(names, _joined(blocks, len(names))):
+                fields[f"{kind}_{name}"] = col
+        self.clear()
         return KVOps(gpus, gpu_node=gpu_node, by_heads=by_heads, **fields)
 
     def clear(self) -> None:
-        self.rows = {kind: [] for kind in COLUMNS}
-        self.resumes = []
+        for blocks in self.rows.values():
+            blocks.clear()
+        self.resumes.clear()
 
 
 def _joined(blocks: list[tuple], n: int) -> list[np.ndarray]:

@@ -205,12 +205,15 @@ class ClusterState(FewIds, Accounts):
         here = src == gpus  # back on the GPU whose host copy it is: restored in place (host-resident: nothing)
         log = self.oplogs[instance]
         restore = here & ~host_resident
-        log.add("restore", ids[restore], src[restore], bytes_[restore])
-        away = ~here
-        if away.any():  # from the host copy another GPU's cache holds (on this node, or over the network)
-            n = int(away.sum())
-            log.add("resume", ids[away], src[away], gpus[away].astype(np.int64), remote[away], np.zeros(n, bool),
-                    ~host_resident[away], np.full(n, keep_host_copy), bytes_[away])
+        if restore.all():  # the usual admit: each back onto the device of the GPU it was yielded from
+            log.add("restore", ids, src, bytes_)
+        else:
+            log.add("restore", ids[restore], src[restore], bytes_[restore])
+            away = ~here
+            if away.any():  # from the host copy another GPU's cache holds (on this node, or over the network)
+                n = int(away.sum())
+                log.add("resume", ids[away], src[away], gpus[away].astype(np.int64), remote[away], np.zeros(n, bool),
+                        ~host_resident[away], np.full(n, keep_host_copy), bytes_[away])
         if remote.any():
             if keep_host_copy:  # the host copy is written again on the new node, from the KV that arrived there
                 self._migrate_host_copy(ids[remote], self.topo.gpu_node[gpus[remote]])
@@ -356,13 +359,16 @@ class ClusterState(FewIds, Accounts):
         before the state forgets where: evicted (recomputed later) or freed (finished)."""
         t, log = self.table, self.oplogs[instance]
         holder = t.kv_gpu[ids].astype(np.int64)
-        split = running & (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
-        if split.any():
-            n = int(split.sum())
-            log.add("join", ids[split], holder[split], t.tp[ids[split]].astype(np.int64), np.zeros(n, bool),
-                    np.zeros(n))
-        held = ~split & (holder >= 0)
-        log.add("evict" if evicted else "free", ids[held], holder[held])
+        held = holder >= 0
+        if self.partitioned_ever:
+            split = running & (t.tp[ids] > 1)
+            if split.any():
+                n = int(split.sum())
+                log.add("join", ids[split], holder[split], t.tp[ids[split]].astype(np.int64), np.zeros(n, bool),
+                        np.zeros(n))
+                held &= ~split
+        kind = "evict" if evicted else "free"
+        log.add(kind, ids, holder) if held.all() else log.add(kind, ids[held], holder[held])
         t.kv_gpu[ids] = -1
 
     def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
