@@ -25,12 +25,9 @@ Files, per run (`run_id`) and launch rank r:
 Cost per boundary: one pass over the cache's sequences comparing (sequence object, synced, host pages held)
 with the last index (a sequence's pages only grow while it is held; a released and re-added one is a new
 object) and, only when something changed, one write and rename (`publish` returns whether it wrote); a
-sequence's page array is rebuilt only when its pages change. `python benchmarks/shared_host_cost.py` on the
-loaded 2-core development machine (load average 2.0-2.1, two runs), 16-token pages, per call, unchanged /
-changed: 16 copies of 512 tokens 15-16 us / 0.11-0.13 ms; 256 of 2,048: 0.11-0.19 ms / 0.5-0.7 ms; 2,048 of
-2,048: 1.3-2.1 ms / 4.1-6.4 ms (a 2 MB index). End to end (2 processes, tiny_moe, best of 3 alternating runs)
-the BCT with shared host copies was 0.997x the anonymous pool's, inside this machine's run-to-run noise
-(+-20%): hence on by default.
+sequence's page array is rebuilt only when its pages change. `python benchmarks/shared_host_cost.py` measures
+a call's cost (benchmarks/results/shared_host_cost.md): tens of microseconds to a few milliseconds per boundary,
+and end to end a BCT within run-to-run noise of the anonymous pool's: hence on by default.
 
 Files are removed by their process at the end (`close`), by rank 0 once it has read a lost rank's
 (`remove_rank`), by the launcher's parent after the run whatever happened (`sweep`), and, for a run killed
