@@ -50,12 +50,6 @@ class Moves:
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
 
-    def plus_d2h(self, gpus: np.ndarray, nbytes: np.ndarray) -> "Moves":
-        """A new account with `nbytes` more written down from `gpus` (a prefill's KV, written to host by its run)."""
-        out = self.plus(Moves.none(self.h2d.size))
-        np.add.at(out.d2h, gpus, nbytes)
-        return out
-
     def plus(self, other: "Moves") -> "Moves":
         """A new account of both (idle boundaries' copies carried into the next run's)."""
         out = Moves.zeros(self.h2d.size)

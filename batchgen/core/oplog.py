@@ -37,7 +37,7 @@ class OpLog:
 
     def __init__(self) -> None:
         self.rows: dict[str, list[tuple]] = {kind: [] for kind in COLUMNS}
-        self.resumes: list[tuple] = []  # migrations of suspended sequences resumed on another GPU (ordered by id)
+        self.resumes: list[tuple] = []  # migrations of suspended sequences resumed on another GPU (after MIGRATEs)
 
     def add(self, kind: str, *columns) -> None:
         if columns[0].size:

@@ -214,7 +214,6 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         if plan.prefill_to_host:
             live = ~res.prefill_finished
             state.prefilled_to_host(inst, ids[live], gpus[live])
-            plan.moves = plan.moves.plus_d2h(gpus[live], state.kv_bytes(ids[live]))  # the run wrote them down
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
     if plan.chunk_ids.size:

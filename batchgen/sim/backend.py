@@ -282,13 +282,8 @@ class SimBackend:
         R = g.size
         if fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
             return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
-        kv = self.state.kv_bytes_per_token
-        t = self.state.table
-        d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished)
-        if plan.prefill_to_host and plan.prefill_ids.size:  # a prompt whose one token is its last stays on device
-            bound = t.remaining(plan.prefill_ids) > 1
-            d2h += np.bincount(plan.prefill_rank[bound], weights=t.context(plan.prefill_ids[bound]) * kv,
-                               minlength=R)
+        d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished) + prefill_to_host_bytes(
+            self.state, plan)
         lat = self.lat
         seconds = np.zeros(R)
         self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
@@ -306,6 +301,19 @@ class SimBackend:
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False
+
+
+def prefill_to_host_bytes(state: ClusterState, plan: StepPlan) -> np.ndarray:
+    """The run's own write-down of the prompts it prefills to host, per rank, read before the run: each prompt's
+    whole context (a recompute's generated tokens too), as the executors copy it after the forward. A prompt whose
+    one token is its last finishes there and is never written."""
+    R = plan.gpus.size
+    if not (plan.prefill_to_host and plan.prefill_ids.size):
+        return np.zeros(R)
+    t = state.table
+    bound = t.remaining(plan.prefill_ids) > 1
+    return np.bincount(plan.prefill_rank[bound], weights=t.context(plan.prefill_ids[bound]) * state.kv_bytes_per_token,
+                       minlength=R)
 
 
 def synced_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """One account of every move, for every policy: a job runs on the executor, and the KV bytes it copied (per GPU and
 tier, measured from the tensors: `ExecOutput.kv_account`) equal what the simulator prices for the same decisions:
-each run's primitives' bytes (`StepPlan.moves`, with those of idle boundaries before it) and its host_sync
-checkpoints (`batchgen.sim.backend.synced_bytes`, with the shards a partitioned sequence's lead gathers for them:
-`synced_gather_bytes`)."""
+each run's KV ops' bytes (`StepPlan.moves`, with those of idle boundaries before it), its prompts prefilled to
+host (`batchgen.sim.backend.prefill_to_host_bytes`) and its host_sync checkpoints (`synced_bytes`, with the
+shards a partitioned sequence's lead gathers for them: `synced_gather_bytes`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
-from batchgen.sim.backend import synced_bytes, synced_gather_bytes
+from batchgen.sim.backend import prefill_to_host_bytes, synced_bytes, synced_gather_bytes
 from conftest import make_job
 
 TIERS = ("h2d", "d2h", "peer", "network")
@@ -53,7 +53,8 @@ def priced_and_performed(name, monkeypatch):
     def executing(self, plan):
         plans.append(plan)
         result = yield from execute_plan(self, plan)  # priced as the simulator does, before the outcome is folded in
-        synced.append((plan.gpus, synced_bytes(self.state, plan, result.produced, result.finished),
+        synced.append((plan.gpus, synced_bytes(self.state, plan, result.produced, result.finished)
+                       + prefill_to_host_bytes(self.state, plan),
                        *synced_gather_bytes(self.state, plan, result.produced, result.finished)))
         return result
 
@@ -62,7 +63,7 @@ def priced_and_performed(name, monkeypatch):
     state = out.prepared.state
     G = state.topo.num_gpus
     priced = {t: np.zeros(G) for t in TIERS}
-    for plan in plans:  # read after the run: a prefill bound for host writes its bytes when it ends
+    for plan in plans:
         for t in TIERS:
             priced[t] += getattr(plan.moves, t)
     for gpus, d2h, peer, network in synced:
