@@ -69,8 +69,8 @@ class ClusterState(FewIds, Accounts):
     def take_ops(self, instance: int) -> KVOps:
         """The KV ops the instance's primitives emitted since its last boundary (its runs' finishes included),
         in execution order; the log is emptied."""
-        return self.oplogs[instance].take(self._instance_gpus[instance], self.topo.gpu_node[self._instance_gpus[
-            instance]], self.kv_split_by_heads)
+        gpus = self._instance_gpus[instance]
+        return self.oplogs[instance].take(gpus, self.topo.gpu_node[gpus], self.kv_split_by_heads)
 
     def kv_bytes(self, ids: np.ndarray) -> np.ndarray:
         """Bytes of the KV the sequences hold: every context token's but the newest generated one's, whose KV the
@@ -367,8 +367,10 @@ class ClusterState(FewIds, Accounts):
                 log.add("join", ids[split], holder[split], t.tp[ids[split]].astype(np.int64), np.zeros(n, bool),
                         np.zeros(n))
                 held &= ~split
-        kind = "evict" if evicted else "free"
-        log.add(kind, ids, holder) if held.all() else log.add(kind, ids[held], holder[held])
+        if held.all():
+            log.add("evict" if evicted else "free", ids, holder)
+        else:
+            log.add("evict" if evicted else "free", ids[held], holder[held])
         t.kv_gpu[ids] = -1
 
     def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
