@@ -155,7 +155,7 @@ class Comm:
         def wait() -> None:
             try:
                 work.wait()
-            except BaseException as e:  # noqa: BLE001: handed to the waiting thread
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
                 failed.append(e)
             finally:
                 done.set()

@@ -133,7 +133,7 @@ class Heartbeat:
                         known.append(r)
                         local.update(self._local_process(store, r))
                 values = store.multi_get([str(r) for r in known]) if known else []
-            except Exception as e:  # noqa: BLE001: the store stopped answering; it will not come back
+            except Exception as e:  # noqa: BLE001 (the store stopped answering; it will not come back)
                 if self.store_host_rank is not None and self.store_host_rank != self.rank:
                     self._mark({self.store_host_rank: f"the store it hosts stopped answering ({e})"})
                 return
@@ -147,12 +147,12 @@ class Heartbeat:
                     if r not in self._lost and seen[r][0] != _DONE and start_time(pid) != start]
             try:  # one that finished cleanly (said done) since its counter was read is not lost
                 gone = [r for r in gone if store.get(str(r)) != _DONE]
-            except Exception:  # noqa: BLE001: the store went away: the loop's next beat says whose it was
+            except Exception:  # noqa: BLE001 (the store went away: the loop's next beat says whose it was)
                 gone = []
             self._mark({r: f"its process (pid {local[r][0]}) is gone" for r in gone})
         try:
             store.set(str(self.rank), _DONE.decode())
-        except Exception:  # noqa: BLE001: the store may be gone at shutdown; nobody is waiting then
+        except Exception:  # noqa: BLE001 (the store may be gone at shutdown; nobody is waiting then)
             pass
 
     @staticmethod

@@ -51,7 +51,7 @@ def fence(store, rank: int, within_s: float = 5.0) -> tuple[bool, bool]:
         if not store.check([key]):
             return False, False
         host, pid, start = store.get(key).decode().rsplit(":", 2)
-    except Exception:  # noqa: BLE001: a store that cannot answer cannot tell us who it was
+    except Exception:  # noqa: BLE001 (a store that cannot answer cannot tell us who it was)
         return False, False
     if host != socket.gethostname() or not start:
         return False, False

@@ -194,7 +194,7 @@ def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[i
         try:
             if store.check([key]):
                 break
-        except Exception as e:  # noqa: BLE001: rank 0 hosts the store; it is gone with it
+        except Exception as e:  # noqa: BLE001 (rank 0 hosts the store; it is gone with it)
             raise WorkerLost(0, f"the store stopped answering ({e}) while waiting for the recovery decision") \
                 from None
         if time.monotonic() >= deadline:

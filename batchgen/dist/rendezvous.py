@@ -33,7 +33,7 @@ def await_peers(store, key: str, rank: int, ranks: Iterable[int], heartbeat: Hea
             raise WorkerLost(lost[0], f"{heartbeat.cause(lost[0])}, while the others waited for it ({what})")
         try:
             missing = [r for r in missing if not store.check([f"{key}/{r}"])]
-        except Exception as e:  # noqa: BLE001: the store's host (rank 0) is gone
+        except Exception as e:  # noqa: BLE001 (the store's host (rank 0) is gone)
             raise WorkerLost(heartbeat.store_host_rank, f"the store stopped answering ({e}) during {what}") from None
         if not missing:
             return
