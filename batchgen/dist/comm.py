@@ -11,7 +11,7 @@ timeout_s). How each kind is waited:
 - gloo send and receive: never a timed wait. gloo passes the timeout into the transfer itself and closes the
   pair when it expires ("Timed out waiting 200ms for send operation to complete", then "Application timeout
   caused pair closure" on every later use, and "Connection closed by peer" on the other side): a slice that
-  expired under load broke the very connection it polled, and both ends declared the other lost (issue 26).
+  expired under load broke the very connection it polled, and both ends declared the other lost.
   So a helper thread waits with the group's long timeout while this thread asks the heartbeat every slice.
 - NCCL: `is_completed` is polled (a timed-out wait may abort the communicator), then waited.
 
