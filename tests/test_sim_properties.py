@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from batchgen.core.sequences import FINISHED
@@ -73,6 +73,11 @@ def build(p):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs)
+@example({  # coroutine offloaded a sequence and rebalanced it in the same boundary: two moves of one sequence
+    "policy": "coroutine", "model": "mixtral_8x7b", "cluster": "h100_8", "num_gpus": 8, "instances": 1, "n": 105,
+    "max_in": 265, "max_out": 172, "seed": 1, "page_tokens": 64, "kv_gb": 0.5, "host_seqs": None,
+    "routing_skew": 0.0, "residency": "mixed", "b_moe": 2048, "cpu_attention": False, "chunked": False,
+    "token_budget": 16, "admission": "greedy", "reserve_max_tokens": 0})
 def test_every_sequence_finishes_once_with_its_length_and_memory_holds(p):
     try:
         job = build(p)

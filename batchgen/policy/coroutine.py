@@ -150,7 +150,8 @@ class CoroutinePolicy(PolicyDefaults):
                 self._refill(snap, d, own, room, slots_total, host_resident=False)
             if mode != "device":
                 self._refill(snap, d, own, room, slots_total, host_resident=True)
-        if not pending and not d.admits and not d.prefill_ids.size and not pooled:
+        # a sequence moves at most once per boundary: one offloaded now waits for the next to be rebalanced
+        if not pending and not d.admits and not d.prefill_ids.size and not pooled and not d.offload_ids.size:
             self._tail(snap, d, ids, rank, ctx, room)
         if pooled and not ids.size and not d.admits and not d.prefill_ids.size:
             self._unblock_host(snap, d, own, room)
@@ -310,7 +311,7 @@ class CoroutinePolicy(PolicyDefaults):
             target = (np.arange(n) * degree) % R
             current_tp = snap.active_tp[np.isin(snap.active_ids, ids)]
             if degree > 1 and not (np.array_equal(target, rank) and np.all(current_tp == degree)):
-                if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, d, ids, target, rank):
+                if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank):
                     moving = target != rank
                     d.move_ids, d.move_ranks = ids[moving], target[moving]
                     d.partition_ids, d.partition_degree = ids, np.full(n, degree)
@@ -319,7 +320,7 @@ class CoroutinePolicy(PolicyDefaults):
         if load.max() <= self.rebalance_ratio * max(load.mean(), 1.0):
             return
         target = _balance(ctx, R)
-        if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, d, ids, target, rank):
+        if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank):
             moving = target != rank
             d.move_ids, d.move_ranks = ids[moving], target[moving]
 
@@ -364,24 +365,23 @@ def _head_fits(snap: Snapshot, node: int, open_ranks: np.ndarray, room: "_Room",
     return snap.page_tokens + (head_ctx if dest != node else 0) <= room.host_free[dest]
 
 
-def _moves_fit(snap: Snapshot, d: Decision, ids: np.ndarray, target: np.ndarray, rank: np.ndarray) -> bool:
+def _moves_fit(snap: Snapshot, ids: np.ndarray, target: np.ndarray, rank: np.ndarray) -> bool:
     """Whether the running sequences `ids` can MIGRATE from `rank` to `target`: the executors carry moves out one
     at a time, each landing before its source lets go, so they must fit one at a time in some order (the one the
-    state takes, `one_at_a_time`) on the pages each rank holds once this decision's yields, evictions and offloads
-    have left. Full ranks swapping sequences may not: the state would refuse the moves."""
+    state takes, `one_at_a_time`) on the pages each rank holds once this decision's yields and evictions have
+    left (a decision that offloads does not migrate). Full ranks swapping sequences may not: the state would
+    refuse the moves."""
     R = snap.num_ranks
     pos = np.flatnonzero(_among(snap.active_ids, ids))  # ids are the kept running sequences, in snapshot order
     pages = snap.active_pages.astype(np.int64)
     tp = snap.active_tp.astype(np.int64)
     gone = np.ones(pages.size, bool)
     gone[pos] = False
-    gone |= _among(snap.active_ids, d.offload_ids)
     used = np.array(snap.pages_used, np.int64)
     for j in np.flatnonzero(gone & (pages > 0)):  # a few sequences, at the tail
         np.subtract.at(used, _group(int(snap.active_rank[j]), int(tp[j]), R), pages[j])
-    held = np.where(gone[pos], 0, pages[pos])
     moves = [(_group(int(r), int(g), R), np.full(g, p), _group(int(t), int(g), R), np.full(g, p))
-             for r, t, g, p in zip(rank, target, tp[pos], held) if r != t]
+             for r, t, g, p in zip(rank, target, tp[pos], pages[pos]) if r != t]
     return len(one_at_a_time(used, snap.pages_capacity, moves)) == len(moves)
 
 
