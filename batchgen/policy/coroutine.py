@@ -320,7 +320,8 @@ class CoroutinePolicy(PolicyDefaults):
         if load.max() <= self.rebalance_ratio * max(load.mean(), 1.0):
             return
         target = _balance(ctx, R)
-        if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank):
+        if (self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank)
+                and _growth_fits(snap, ids, target)):
             moving = target != rank
             d.move_ids, d.move_ranks = ids[moving], target[moving]
 
@@ -383,6 +384,23 @@ def _moves_fit(snap: Snapshot, ids: np.ndarray, target: np.ndarray, rank: np.nda
     moves = [(_group(int(r), int(g), R), np.full(g, p), _group(int(t), int(g), R), np.full(g, p))
              for r, t, g, p in zip(rank, target, tp[pos], pages[pos]) if r != t]
     return len(one_at_a_time(used, snap.pages_capacity, moves)) == len(moves)
+
+
+def _growth_fits(snap: Snapshot, ids: np.ndarray, target: np.ndarray) -> bool:
+    """Whether, once the running sequences `ids` run on `target` (the others where they are), every rank has the
+    pages for its device-resident sequences to grow by the run's page of tokens: the moves land whole, then the
+    run grows them where they landed."""
+    R, P = snap.num_ranks, snap.page_tokens
+    final = snap.active_rank.astype(np.int64)
+    kept = _among(snap.active_ids, ids)
+    final[kept] = target  # ids are the kept running sequences, in snapshot order
+    device = kept & ~snap.active_host_resident
+    grown = pages_for(snap.active_context + P, P)
+    tp = snap.active_tp.astype(np.int64)
+    need = np.bincount(final[device & (tp <= 1)], weights=grown[device & (tp <= 1)], minlength=R)
+    for j in np.flatnonzero(device & (tp > 1)):  # a few partitioned sequences, at the tail
+        np.add.at(need, _group(int(final[j]), int(tp[j]), R), grown[j])
+    return bool(np.all(need <= snap.pages_capacity))
 
 
 def _group(rank: int, tp: int, num_ranks: int) -> np.ndarray:
