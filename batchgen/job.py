@@ -20,6 +20,9 @@ from batchgen.workload import Workload
 
 @dataclass(frozen=True)
 class Job:
+    """A policy whose knobs are left to its engine's defaults (`Policy.for_gpu`) has them set here, from the
+    cluster's GPU, so that everything built from the job sees whole numbers."""
+
     model: ModelSpec
     cluster: ClusterSpec
     workload: Workload
@@ -36,6 +39,9 @@ class Job:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
         if self.routing_skew < 0:
             raise ValueError(f"routing_skew must be >= 0 (0 routes uniformly), got {self.routing_skew}")
+        for_gpu = getattr(self.policy, "for_gpu", None)
+        if callable(for_gpu):
+            object.__setattr__(self, "policy", for_gpu(self.cluster.gpu))
 
 
 @dataclass

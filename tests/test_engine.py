@@ -45,7 +45,7 @@ def test_every_instance_waiting_on_another_is_a_deadlock_named_after_the_policy(
 def test_a_policy_that_finishes_ends_every_loop_and_the_engine_checks_the_outcome():
     from batchgen.policy.continuous import ContinuousPolicy
 
-    env, engine = sim_engine(ContinuousPolicy())
+    env, engine = sim_engine(ContinuousPolicy(max_running=256, token_budget=8192))
     for loop in engine.loops():
         env.process(loop)
     env.run()
@@ -58,10 +58,10 @@ def test_a_way_of_running_the_backend_has_not_declared_is_refused():
 
     no_tbo = dataclasses.replace(Capabilities(), two_batch_overlap=False)
     with pytest.raises(ConfigError, match="two_batch_overlap=false"):
-        sim_engine(SGLangOptPolicy(), capabilities=no_tbo)
+        sim_engine(SGLangOptPolicy(two_batch_overlap=True), capabilities=no_tbo)
     no_tp = dataclasses.replace(Capabilities(), attention_tp=False)
     with pytest.raises(ConfigError, match="attention_tp=1"):
-        sim_engine(dataclasses.replace(SGLangOptPolicy(), two_batch_overlap=False, attention_tp=2),
+        sim_engine(SGLangOptPolicy(token_budget=8192, attention_tp=2),
                    capabilities=no_tp)
     from batchgen.policy.offload.flexgen import FlexGenPolicy
 

@@ -15,9 +15,12 @@ from conftest import make_job
 
 
 def _r1_job(tp, fraction=0.97, n=8):
+    """R1 on 8 H20 with the smaller vLLM caps (256 sequences, 8,192 tokens), whose activations leave every
+    degree from 2 up room for KV (the H20's own defaults, 1,024 and 16,384, leave none at degree 2)."""
     from batchgen.memory import MemorySettings
     return make_job("continuous", model="deepseek_r1", cluster="h20_8", inputs=np.full(n, 8192),
-                    outputs=np.full(n, 64), policy_overrides={"attention_tp": tp},
+                    outputs=np.full(n, 64),
+                    policy_overrides={"attention_tp": tp, "max_running": 256, "token_budget": 8192},
                     memory=MemorySettings(gpu_memory_fraction=fraction))
 
 
@@ -180,11 +183,11 @@ def test_planned_group_kv_matches_the_memory_budget():
 
 
 def test_two_batch_overlap_is_off_where_there_is_no_all_to_all_to_hide():
-    """SGLang's TBO hides the expert all-to-all: a dense model (each GPU its own replica) or an MoE model on
-    one-GPU instances runs whole forwards; an MoE model over several GPUs keeps it, also when one TP-attention
-    group spans them all (the experts' all-to-all is over the instance's GPUs)."""
+    """SGLang's TBO (asked for: SGLang leaves it off) hides the expert all-to-all: a dense model (each GPU its
+    own replica) or an MoE model on one-GPU instances runs whole forwards; an MoE model over several GPUs keeps
+    it, also when one TP-attention group spans them all (the experts' all-to-all is over the instance's GPUs)."""
     for model, gpus, tp, kept in (("llama2_7b", 8, 1, False), ("qwen3_30b_a3b", 1, 1, False),
                                   ("qwen3_30b_a3b", 8, 1, True), ("qwen3_30b_a3b", 4, 4, True)):
         job = make_job("sglang_opt", model=model, n=8, cluster_overrides={"num_gpus": gpus},
-                       policy_overrides={"attention_tp": tp})
+                       policy_overrides={"attention_tp": tp, "two_batch_overlap": True})
         assert prepare(job).policy.two_batch_overlap is kept, (model, gpus, tp)

@@ -204,6 +204,9 @@ class Policy(Protocol):
       runs what other instances hand over); default False.
     - `resolve_for_job(rig) -> Policy` returns the policy with its own search's choices (the offloading
       systems); None: nothing to resolve.
+    - `for_gpu(gpu) -> Policy` returns the policy with the knobs it left "auto" set to its engine's defaults on
+      that GPU (vLLM's and SGLang's batch caps: batchgen.policy.engine_defaults), when the job is built; None:
+      nothing to resolve.
     - `two_batch_overlap`: every forward as two micro-batches (SGLang's TBO; sglang_opt); default False.
     - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
     - `ffn_schedule`: how its decisions run the experts beside the attention micro-batches (`Decision.
@@ -221,6 +224,7 @@ class Policy(Protocol):
     instance_gpus: Callable[[int, int], int] | None
     route: Callable[[int, int], np.ndarray] | None
     resolve_for_job: Callable[[Any], "Policy"] | None
+    for_gpu: Callable[[Any], "Policy"] | None
     repeats: Callable[[Snapshot, Decision, Forecast], int] | None
     two_batch_overlap: bool
     attention_tp: int | str
@@ -238,6 +242,7 @@ class PolicyDefaults:
     instance_gpus = None
     route = None
     resolve_for_job = None
+    for_gpu = None
     two_batch_overlap = False
     attention_tp = 1
     ffn_schedule = "combined"

@@ -38,6 +38,7 @@ Decisions are taken at every sequence finish (iteration granularity) while promp
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -47,16 +48,19 @@ from batchgen import fastpath
 from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import check_attention_tp, pages_for, per_rank, shed_to_fit
+from batchgen.policy.engine_defaults import vllm_offline_caps
 
 
 @dataclass(frozen=True)
 class ContinuousPolicy(PolicyDefaults):
-    max_running: int = 256           # per rank (CUDA-graph / scheduler cap)
+    max_running: int | str = "auto"  # per rank (scheduler / CUDA-graph cap); auto: the engine's default for the
+    #                                  GPU (`engine_defaults`; vLLM's offline caps here)
     max_prefill_tokens: int = 16384  # per rank per forward
     admit_watermark: float = 0.01    # keep this share of KV pages free when admitting
     page_lookahead: int = 64         # decode iterations between memory checks when nothing waits
     chunked_prefill: bool = True     # forwards from a token budget: decodes first, then prompt chunks
-    token_budget: int = 8192         # chunked prefill: tokens per rank per forward (decodes + prompt chunks)
+    token_budget: int | str = "auto" # chunked prefill: tokens per rank per forward (decodes + prompt chunks); auto:
+    #                                  the engine's default for the GPU
     mixed_chunks: bool = True        # chunked prefill: chunks ride in a forward with every decode (vLLM; SGLang with
     #                                  --enable-mixed-chunk); false: a forward of chunks alone, decodes waiting for
     #                                  it, the whole budget for the chunks (SGLang's default)
@@ -75,8 +79,16 @@ class ContinuousPolicy(PolicyDefaults):
     can_stream_weights: bool = False
     uses_host_kv: bool = False
 
+    engine_knobs = ("max_running", "token_budget")  # knobs that take "auto": the engine's own default (for_gpu)
+
     def __post_init__(self):
+        for key in self.engine_knobs:
+            value = getattr(self, key)
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"policy.{key} must be a whole number or auto, got {value!r}")
         for key in ("max_running", "max_prefill_tokens", "page_lookahead", "token_budget", "clip_max_new_tokens"):
+            if getattr(self, key) == "auto":
+                continue
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         if self.admission not in ("greedy", "conservative"):
@@ -91,8 +103,22 @@ class ContinuousPolicy(PolicyDefaults):
             if getattr(self, key) < 0:
                 raise ValueError(f"policy.{key} must be >= 0, got {getattr(self, key)}")
 
+    def engine_defaults(self, gpu) -> dict:
+        """What the engine this policy stands for picks on `gpu` for each of `engine_knobs`: vLLM's offline caps."""
+        seqs, tokens = vllm_offline_caps(gpu)
+        return {"max_running": seqs, "token_budget": tokens}
+
+    def for_gpu(self, gpu) -> "ContinuousPolicy":
+        """This policy with its "auto" knobs set to the engine's defaults on `gpu` (batchgen.job.Job does it)."""
+        auto = {k: v for k, v in self.engine_defaults(gpu).items() if getattr(self, k) == "auto"}
+        return dataclasses.replace(self, **auto) if auto else self
+
     def batch_shape(self, max_context: int) -> BatchShape:
         """One batch for attention and experts: max_running sequences, or a prefill forward's token budget."""
+        unresolved = [k for k in self.engine_knobs if getattr(self, k) == "auto"]
+        if unresolved:
+            raise ValueError(f"policy.{unresolved[0]}=auto is the engine's default for the cluster's GPU: build a "
+                             "batchgen.job.Job (it resolves it) or call policy.for_gpu(gpu)")
         prefill = self.token_budget if self.chunked_prefill else self.max_prefill_tokens
         return BatchShape(gate_tokens=max(self.max_running, prefill), attn_seqs=self.max_running,
                           prefill_tokens=prefill)

@@ -40,7 +40,7 @@ def make_policy(cfg: Mapping[str, Any]) -> Policy:
         raise ValueError(f"policy {name} has no setting {', '.join(unknown)}: valid settings are "
                          f"{', '.join(sorted(knobs))}")
     for key, value in cfg.items():
-        if key != "name" and not (value == "auto" and key in _AUTO_KNOBS):
+        if key != "name" and not (value == "auto" and (key in _AUTO_KNOBS or key in getattr(cls, "engine_knobs", ()))):
             _check_type(name, key, value, type(getattr(cls, key)))
     return cls(**cfg)
 

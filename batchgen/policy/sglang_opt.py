@@ -1,21 +1,24 @@
-"""The paper's tuned SGLang configuration (SGLang-Opt): `continuous` with the knobs an expert sets.
+"""The paper's tuned SGLang configuration (SGLang-Opt): `continuous` as SGLang runs it by default, with what
+the paper says it tuned.
 
 What it keeps from `continuous` (the same decisions, no code of its own): chunked prefill, SGLang's
 conservative admission (new_token_ratio reserve), preemption by recompute, pinned data-parallel attention
-ranks. What it sets (PAPER_NOTES: 16 DP-attention ranks per group, memory fraction just below out-of-memory,
-the batch caps that implies, two-batch overlap):
+ranks. SGLang's own defaults (batchgen.policy.engine_defaults): the chunked-prefill size picked from the GPU's
+memory (`token_budget` auto), a prefill batch of chunks alone while the decodes wait (`mixed_chunks` false:
+--enable-mixed-chunk is off by default), no two-batch overlap (`two_batch_overlap` false:
+--enable-two-batch-overlap is off by default), a running cap derived from the KV pool (`max_running` 0, up to
+`running_cap`, SGLang's largest request pool, 4096, which also sizes the activations). What the paper tuned
+(PAPER_NOTES: 16 DP-attention ranks per group, memory fraction just below out-of-memory, CUDA graphs limited to
+the sizes used):
 
 - `gpu_memory_fraction`: replaces memory.gpu_memory_fraction for this job (the planner still subtracts the
   fixed reserve and the activations of the batch shape, so "just below OOM" is a fraction near 1);
-- `max_running` 0: no fixed cap (SGLang's 256 CUDA-graph / scheduler default is lifted): a rank runs as many
-  sequences as its KV pool admits, up to `running_cap` (SGLang's largest request pool, 4096), which also sizes
-  the activations;
-- `two_batch_overlap`: each forward split in two micro-batches so one's all-to-all overlaps the other's
-  compute; priced by the simulator (batchgen.pricing.tbo), where it only hides communication (so it is off where
-  there is no all-to-all: a dense model or one GPU per instance, `batchgen.job.prepare`). The decision is the
-  same; the executor runs every forward as the two micro-batches one after the other (same tokens: the overlap
-  itself needs two streams and several processes, so it is not performed on one process).
-Instances of 16 GPUs are the cluster's setting (cluster.gpus_per_instance=16), not the policy's.
+- instances of 16 GPUs are the cluster's setting (cluster.gpus_per_instance=16), not the policy's.
+
+`two_batch_overlap` true splits each forward in two micro-batches so one's all-to-all overlaps the other's
+compute, priced by the simulator (batchgen.pricing.tbo), where it only hides communication (so it is off where
+there is no all-to-all: a dense model or one GPU per instance, `batchgen.job.prepare`); the executors run
+forwards whole and refuse it.
 """
 
 from __future__ import annotations
@@ -27,18 +30,22 @@ from dataclasses import dataclass
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Decision, Snapshot
 from batchgen.policy.continuous import ContinuousPolicy
+from batchgen.policy.engine_defaults import sglang_chunked_prefill_size
 
 
 @dataclass(frozen=True)
 class SGLangOptPolicy(ContinuousPolicy):
-    max_running: int = 0                 # 0: derived from memory (the KV pool), at most running_cap
+    max_running: int | str = 0           # 0 (or auto): derived from memory (the KV pool), at most running_cap
     admission: str = "conservative"
     running_cap: int = 4096
     gpu_memory_fraction: float = 0.97    # of HBM (replaces memory.gpu_memory_fraction); 0: keep memory's
-    two_batch_overlap: bool = True
+    mixed_chunks: bool = False           # SGLang's --enable-mixed-chunk (off by default)
+    two_batch_overlap: bool = False      # SGLang's --enable-two-batch-overlap (off by default)
     name: str = "sglang_opt"
 
     def __post_init__(self):
+        if self.max_running == "auto":  # SGLang's own: derived from the KV pool
+            object.__setattr__(self, "max_running", 0)
         if self.max_running < 0:
             raise ValueError(f"policy.max_running must be >= 0 (0: derived from memory), got {self.max_running}")
         if not self.max_running:  # the rest of continuous's checks, with a placeholder cap
@@ -50,6 +57,11 @@ class SGLangOptPolicy(ContinuousPolicy):
         if not 0 <= self.gpu_memory_fraction <= 1:
             raise ValueError(f"policy.gpu_memory_fraction must be in [0, 1] (0: memory's), got "
                              f"{self.gpu_memory_fraction}")
+
+    def engine_defaults(self, gpu) -> dict:
+        """SGLang's own choices on `gpu`: the chunked-prefill size by device memory, the running cap from the KV
+        pool (max_running 0)."""
+        return {"max_running": 0, "token_budget": sglang_chunked_prefill_size(gpu)}
 
     def _capped(self, snap: Snapshot) -> ContinuousPolicy:
         """This policy with max_running set from the rank's KV pool: one page per sequence at least, so memory

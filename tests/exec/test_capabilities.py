@@ -19,7 +19,7 @@ def test_the_executor_declares_no_two_batch_overlap():
     assert caps.layerwise_offload is False and caps.host_resident_decode and caps.cpu_attention
 
 
-def test_sglang_opt_on_a_multi_gpu_instance_is_refused_before_any_weight(monkeypatch):
+def test_two_batch_overlap_on_a_multi_gpu_instance_is_refused_before_any_weight(monkeypatch):
     from batchgen.exec import run as exec_run
 
     def no_weights(*args, **kwargs):
@@ -27,7 +27,7 @@ def test_sglang_opt_on_a_multi_gpu_instance_is_refused_before_any_weight(monkeyp
 
     monkeypatch.setattr(exec_run, "build_model", no_weights)
     job = make_job("sglang_opt", n=4, inputs=np.full(4, 20), outputs=np.full(4, 4), page_tokens=8,
-                   cluster_overrides={"num_gpus": 2})
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"two_batch_overlap": True})
     with pytest.raises(ConfigError, match=r"backend=exec .*two_batch_overlap=false"):
         execute(job, ExecSettings(device="cpu", threads=1))
 
