@@ -3,7 +3,7 @@
     python experiments/paper_scale.py [--shape 12k_4k|6_5k_2_8k] [--num-sequences 10000] [--out DIR] [...]
 
 Runs coroutine on two 64-GPU instances (as the paper ran BatchGen), sglang_opt in 16-GPU groups (the paper's
-SGLang-Opt: 16 DP-attention ranks, memory fraction near OOM, memory-derived caps, two-batch overlap),
+SGLang-Opt: 16 DP-attention ranks, memory fraction near OOM, SGLang's defaults otherwise),
 continuous both on 64-GPU instances and in 16-GPU groups, and static, then prints one table, coroutine's BCT
 ratio over sglang_opt beside the paper's, and the numbers that explain it. The paper reports 1.71-1.82x (12K->4K) and 2.2-2.3x
 (6.5K->2.8K) lower BCT than SGLang-Opt on real hardware. paper_scale_<shape>.csv (one row per variant) and a
