@@ -1,5 +1,6 @@
 """Policies as pure decisions: tested on hand-made states, with no simulator running."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -385,13 +386,16 @@ def test_decisions_serialise_for_a_multi_process_backend():
             assert np.array_equal(a, b), f.name
 
 
-@pytest.mark.parametrize("long_prompt, moves", [(70, True), (78, False)])
-def test_coroutine_rebalances_the_tail_only_with_moves_the_executors_can_carry_out_one_at_a_time(long_prompt, moves):
-    """The tail: 0 alone on GPU 1 (9 or 10 of 12 pages), 1 and 2 on GPU 0 (3 + 2 pages). Balancing sends 0 to GPU 0
-    and 1, 2 to GPU 1, which fits at the end either way; one move at a time it fits only with 0 in 9 pages (1 leaves
-    for GPU 1 first, then 0 arrives, then 2). With 10 no order fits (0 arrives only once 1 has left, and 1 only once
-    0 has): the policy proposes no move, which the state would refuse."""
+@pytest.mark.parametrize("long_prompt, fits", [(70, True), (78, False)])
+def test_coroutine_moves_only_toward_less_loaded_ranks_and_in_an_order_the_executors_can_carry_out(long_prompt,
+                                                                                                  fits):
+    """The tail: 0 alone on GPU 1 (9 or 10 of 12 pages), 1 and 2 on GPU 0 (3 + 2 pages). The rebalance proposes
+    no move: swapping them would leave the larger load as large (71 against 38 tokens either way round), and a
+    sequence only goes toward a less loaded rank. The swap itself fits at the end either way; one move at a time
+    it fits only with 0 in 9 pages (1 leaves for GPU 1 first, then 0 arrives, then 2); with 10 no order fits (0
+    arrives only once 1 has left, and 1 only once 0 has), so `_moves_fit` refuses it, as the state would."""
     from batchgen.engine import apply_decision
+    from batchgen.policy.coroutine import _moves_fit
 
     job = make_job("coroutine", n=3, inputs=np.array([long_prompt, 22, 14]), outputs=np.full(3, 8), page_tokens=8,
                    cluster_overrides={"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2})
@@ -401,13 +405,13 @@ def test_coroutine_rebalances_the_tail_only_with_moves_the_executors_can_carry_o
     state.take_pending(0, ids)
     state.prefilled_to_gpu(0, ids, np.array([1, 0, 0]), lookahead_tokens=1)
     state.advance(ids, np.ones(3, np.int64), host_sync=False)
-    assert state.pages_used.tolist() == [5, 9 if moves else 10]
-    d = prepared.policy.decide(snapshot(state))
-    assert not d.admits and not d.partition_ids.size
-    if not moves:
-        assert not d.move_ids.size
-        return
-    assert sorted(zip(d.move_ids.tolist(), d.move_ranks.tolist())) == [(0, 0), (1, 1), (2, 1)]
-    apply_decision(state, 0, d, InstanceProgress(2))
-    assert state.table.where[:3].tolist() == [0, 1, 1]
-    state.check()
+    assert state.pages_used.tolist() == [5, 9 if fits else 10]
+    snap = snapshot(state)
+    d = prepared.policy.decide(snap)
+    assert not d.admits and not d.partition_ids.size and not d.move_ids.size
+    swap = np.array([0, 1, 1])
+    assert _moves_fit(snap, snap.active_ids, swap, snap.active_rank) is fits
+    if fits:
+        apply_decision(state, 0, dataclasses.replace(d, move_ids=ids, move_ranks=swap), InstanceProgress(2))
+        assert state.table.where[:3].tolist() == [0, 1, 1]
+        state.check()

@@ -319,7 +319,7 @@ class CoroutinePolicy(PolicyDefaults):
         load = np.bincount(rank, weights=ctx, minlength=R)
         if load.max() <= self.rebalance_ratio * max(load.mean(), 1.0):
             return
-        target = _balance(ctx, R)
+        target = _rebalance(ctx, rank, R)
         if (self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank)
                 and _growth_fits(snap, ids, target)):
             moving = target != rank
@@ -432,13 +432,26 @@ def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> i
     return n
 
 
-def _balance(ctx: np.ndarray, R: int) -> np.ndarray:
-    """Longest-processing-time assignment of sequences (by context) to ranks."""
-    order = np.argsort(-ctx, kind="stable")
-    target = np.empty(ctx.size, np.int64)
-    load = np.zeros(R)
-    for i in order:  # runs only in the tail, when at most a few sequences per rank remain
-        r = int(np.argmin(load))
-        target[i] = r
-        load[r] += ctx[i]
+def _rebalance(ctx: np.ndarray, rank: np.ndarray, R: int) -> np.ndarray:
+    """Targets from where the sequences run: while the most loaded rank (summed context) is over the mean, move
+    one of its sequences to the least loaded rank, the one that leaves the two most even, as long as that lowers
+    the larger of their loads. Each move lowers the loads' sum of squares, so sequences only go toward less
+    loaded ranks and never back and forth; an assignment made from scratch (longest first) would move most of
+    them at every rebalance as contexts grow."""
+    target = rank.astype(np.int64)
+    load = np.bincount(target, weights=ctx, minlength=R).astype(float)
+    level = max(load.mean(), 1.0)
+    for _ in range(4 * ctx.size):  # runs only in the tail, when at most a few sequences per rank remain
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        if load[hi] <= level:
+            break
+        on_hi = np.flatnonzero(target == hi)
+        movable = on_hi[ctx[on_hi] < gap]
+        if movable.size == 0:
+            break
+        i = int(movable[np.argmin(np.abs(ctx[movable] - gap / 2))])
+        target[i] = lo
+        load[hi] -= ctx[i]
+        load[lo] += ctx[i]
     return target
