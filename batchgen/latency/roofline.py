@@ -355,25 +355,33 @@ class Roofline:
     # ---- communication ----------------------------------------------------------------------------------
 
     def all_to_all(self, total_tokens):
-        """Dispatch + combine of one MoE layer across the instance's ep_ranks; 0 if ep_ranks == 1 or dense.
-
-        Each rank sends (total_tokens / R) * top_k hidden states, (R - 1) / R of them to other ranks, each
-        way; peers on the same node are reached over NVLink, the rest over the network, in parallel. Each of
-        the two phases costs collective_s + collective_per_peer_s * (R - 1) + its slower link's time.
-        """
+        """Dispatch + combine of one MoE layer across the instance's ep_ranks; 0 if ep_ranks == 1 or dense: each
+        rank sends (total_tokens / R) * top_k hidden states each way (`a2a_phase`)."""
         t = _arr(total_tokens, "total_tokens")
         r, m = self.ep_ranks, self.model
         if r == 1 or not m.is_moe:
             return _out(np.zeros_like(t))
-        sent = (t / r) * m.top_k * self._act_row * (r - 1) / r
-        local_peers = min(r, self.gpus_per_node) - 1
-        remote_peers = r - 1 - local_peers
-        intra_s = sent * local_peers / (r - 1) / self.gpu.nvlink_bw if local_peers else 0.0
-        inter_s = sent * remote_peers / (r - 1) / self.gpu.network_bw if remote_peers else 0.0
-        e = self._eff["all_to_all"]
-        link = np.maximum(intra_s, inter_s) / e.link
-        phase = e.collective_s + e.collective_per_peer_s * (r - 1) + link
+        phase = self.a2a_phase((t / r) * m.top_k * self._act_row, r)
         return _out(np.where(t > 0, 2.0 * phase, 0.0))
+
+    def a2a_phase(self, nbytes, ranks: int):
+        """One phase of an expert-parallel all-to-all over `ranks` GPUs in which each rank sends `nbytes` (every
+        copy, its own included) spread evenly over them, as expert-parallel kernels (DeepEP's) move them: every
+        peer at once, the peers on the same node over NVLink (the all_to_all module's link fraction, and its
+        per-peer latency for each of them, as fitted on one node), the rest over the network in parallel (the
+        network module's link fraction and latency, as fitted across nodes); the collective's fixed latency plus
+        the slower side. A per-peer latency over every remote peer would make a 64-way phase cost 0.3 ms before
+        a byte moves; DeepEP's published latencies grow from 77 to 194 us between 8 and 256 ranks, with the bytes
+        (batchgen.calibrate.a2a_check)."""
+        n = _arr(nbytes, "nbytes")
+        local_peers = min(ranks, self.gpus_per_node) - 1
+        remote_peers = ranks - 1 - local_peers
+        e, net = self._eff["all_to_all"], self._eff["network"]
+        intra_s = (e.collective_per_peer_s * local_peers
+                   + n * local_peers / ranks / (self.gpu.nvlink_bw * e.link)) if local_peers else 0.0
+        inter_s = (net.collective_s + n * remote_peers / ranks / (self.gpu.network_bw * net.link)
+                   if remote_peers else 0.0)
+        return _out(e.collective_s + np.maximum(intra_s, inter_s))
 
     def all_reduce(self, nbytes, peers):
         """Sum `nbytes` across `peers` GPUs of one node (the join of a PARTITIONed sequence's head shards after

@@ -50,7 +50,7 @@ def test_dist_runs_two_concurrent_instances(tmp_path):
 
 @pytest.mark.parametrize("policy,overrides,message", [
     ("coroutine", ("backend.procs=16",), "use at most 8 processes"),
-    ("sglang_opt", ("backend.procs=2",), "not supported under backend=dist"),
+    ("sglang_opt", ("backend.procs=2", "policy.two_batch_overlap=true"), "not supported under backend=dist"),
 ])
 def test_dist_refuses_what_it_does_not_run(tmp_path, policy, overrides, message):
     """Refused with a one-line error before any process starts."""
