@@ -93,9 +93,10 @@ def ratio_bars(ax, labels: list[str], values: list[float], ref: int, unit: str, 
         if ratios:
             text += f", {v / base:.2f}x" if i != ref and base else " (reference)"
         if paper and i in paper:
-            text += f"  [paper: {paper[i]}]"
-        ax.text(v, i, text, va="center", fontsize=8,
-                fontweight="bold" if paper and i in paper else "normal")
+            ax.text(v, i, text + "\n", va="center", fontsize=8, fontweight="bold")
+            ax.text(v, i, f"\n  paper: {paper[i]}", va="center", fontsize=8, color=PAPER_COLOR, fontweight="bold")
+            continue
+        ax.text(v, i, text, va="center", fontsize=8)
     if log:
         ax.set_xscale("log")
         ax.set_xlim(right=top * 60)
