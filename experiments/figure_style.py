@@ -49,9 +49,10 @@ def title(model: str, cluster: str, workload: str, requests: str | int, headline
 
 def plain(axis) -> None:
     """Tick labels as plain numbers with thousands separators: 12,000, never 1.2e+04."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     axis.set_major_formatter(FuncFormatter(lambda x, _: number(x)))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def number(x: float) -> str:
