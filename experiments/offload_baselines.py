@@ -42,7 +42,7 @@ PAPER = ("up to 9.6x lower BCT than the best offloading system; FlexGen and MoE-
          "40-1000x smaller (BatchGen paper, memory-limited rig)")
 COROUTINE_FIXED = [2048, 4096, 8192]   # b_moe tried where the planner does not plan the model
 COLUMNS = ["model", "workload", "policy", "knobs", "bct_s", "decode_tok_s", "decode_expert_batch", "h2d_gb",
-           "mean_running", "gpu_idle_frac", "prefill_frac", "speedup_vs_best_offload", "expert_batch_ratio"]
+           "mean_running", "gpu_idle_frac", "prefill_frac", "speedup_vs_best_offload", "expert_batch_ratio", "num_sequences"]
 
 
 def decode_tokens_per_s(row: dict) -> float:
