@@ -117,7 +117,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown step(s): {', '.join(sorted(unknown))}")
     out = args.out or (ROOT / "outputs" / "figures_quick" if args.quick else HERE / "figures")
-    work = args.work or ROOT / "outputs" / "make_figures" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    work = (args.work or ROOT / "outputs" / "make_figures" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     print(f"{len(chosen)} steps{' (quick)' if args.quick else ''}, {args.jobs} at a time; figures -> {out}; "
