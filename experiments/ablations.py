@@ -28,8 +28,10 @@ from batchgen.sim.run import simulate
 
 try:
     import figure_style as fs  # run as a script: experiments/ is on the path
+    from paper_scale import PAPER
 except ImportError:
     from experiments import figure_style as fs
+    from experiments.paper_scale import PAPER
 
 GROUPS = "cluster.gpus_per_instance=16"
 NO_MIGRATE = ["policy.migrate=false", "policy.migrate_across_instances=false"]
@@ -85,7 +87,8 @@ def plot(rows: list[dict], out: Path, shape: str) -> list[Path]:
     names = [r["row"] for r in rows]
     ref = next(i for i, r in enumerate(rows) if r["row"].endswith(SHIPPED))
     fig, (bct, shares) = fs.figure(2, width=6.0, height=4.6)
-    fs.ratio_bars(bct, names, [r["bct_s"] for r in rows], ref, "s",
+    opt = next(i for i, r in enumerate(rows) if r["row"].startswith("sglang_opt (SGLang defaults)"))
+    fs.ratio_bars(bct, names, [r["bct_s"] for r in rows], ref, "s", paper={opt: f"{PAPER[shape]} (SGLang-Opt)"},
                   colors=[fs.OURS if r["row"].startswith(("coroutine", "+")) else fs.OTHERS for r in rows])
     bct.set_xlabel("batch completion time (s); ratio = row's BCT / coroutine as shipped")
     fs.share_stack(shares, names, rows)
