@@ -10,7 +10,7 @@ and B_moe), host-resident KV where its plan takes it, MIGRATE (work stealing and
 size from the rest. The baseline rows: continuous (vLLM's defaults) in 16-GPU groups and on 2 x 64 instances,
 sglang_opt as shipped (SGLang's defaults, the paper's memory fraction), then with each option SGLang leaves off
 (--enable-mixed-chunk, --enable-two-batch-overlap). Each row's ratio is its BCT over coroutine as shipped.
-Writes ablations_<shape>.csv to --out.
+Writes ablations_<shape>.csv and its figure (PNG and PDF) to --out.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ from batchgen.confdir import conf_dir
 from batchgen.config import build_job
 from batchgen.results import summarize
 from batchgen.sim.run import simulate
+
+try:
+    import figure_style as fs  # run as a script: experiments/ is on the path
+    from paper_scale import PAPER
+except ImportError:
+    from experiments import figure_style as fs
+    from experiments.paper_scale import PAPER
 
 GROUPS = "cluster.gpus_per_instance=16"
 NO_MIGRATE = ["policy.migrate=false", "policy.migrate_across_instances=false"]
@@ -43,8 +50,9 @@ ROWS = [
     ("sglang_opt + mixed chunks, 8 x 16", "sglang_opt", [GROUPS, "policy.mixed_chunks=true"]),
     ("sglang_opt + two-batch overlap, 8 x 16", "sglang_opt", [GROUPS, "policy.two_batch_overlap=true"]),
 ]
-COLUMNS = ["row", "bct_s", "vs_shipped", "decode_expert_batch", "gpu_idle_frac", "gpu_comm_frac", "prefill_frac",
-           "mixed_frac", "mean_running", "migrations", "recomputes", "overrides"]
+COLUMNS = ["row", "bct_s", "vs_shipped", "decode_expert_batch", "gpu_busy_frac", "gpu_idle_frac", "gpu_comm_frac",
+           "prefill_frac", "mixed_frac", "mean_running", "migrations", "recomputes", "num_sequences", "overrides"]
+SHAPES = {"12k_4k": "12K->4K", "6_5k_2_8k": "6.5K->2.8K"}
 
 
 def run_rows(shape: str, num_sequences: int, extra: list[str]) -> list[dict]:
@@ -73,11 +81,29 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], out: Path, shape: str) -> list[Path]:
+    """Each row's BCT with its ratio to coroutine as shipped written on the bar, and its GPU time as compute /
+    communication / idle."""
+    names = [r["row"] for r in rows]
+    ref = next(i for i, r in enumerate(rows) if r["row"].endswith(SHIPPED))
+    fig, (bct, shares) = fs.figure(2, width=6.0, height=4.6)
+    opt = next(i for i, r in enumerate(rows) if r["row"].startswith("sglang_opt (SGLang defaults)"))
+    fs.ratio_bars(bct, names, [r["bct_s"] for r in rows], ref, "s", paper={opt: f"{PAPER[shape]} (SGLang-Opt)"},
+                  colors=[fs.OURS if r["row"].startswith(("coroutine", "+")) else fs.OTHERS for r in rows])
+    bct.set_xlabel("batch completion time (s); ratio = row's BCT / coroutine as shipped")
+    fs.share_stack(shares, names, rows)
+    shares.set_yticklabels([])
+    fig.suptitle(fs.title("deepseek_r1", "h20_128", f"longbench_{shape}", rows[0]["num_sequences"],
+                          "ablations: coroutine's mechanisms added one at a time (blue), the baselines' options (grey)"),
+                 fontsize=10)
+    return fs.save(fig, out, f"ablations_{shape}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="12k_4k", choices=("12k_4k", "6_5k_2_8k"))
     ap.add_argument("--num-sequences", type=int, default=10000)
-    ap.add_argument("--out", default="outputs/ablations", help="where the CSV goes")
+    ap.add_argument("--out", default="outputs/ablations", help="where the CSV and the figure go")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every row")
     args = ap.parse_args()
     rows = run_rows(args.shape, args.num_sequences, args.overrides)
@@ -88,7 +114,8 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {out / f'ablations_{args.shape}.csv'}")
+    plot(rows, out, args.shape)
+    print(f"wrote {out / f'ablations_{args.shape}.csv'} and the figure (.png, .pdf)")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ from batchgen.sim.run import simulate
 from batchgen.workload import Workload
 from batchgen.workload.distributions import make_distribution
 
+try:
+    import figure_style as fs  # run as a script: experiments/ is on the path
+except ImportError:
+    from experiments import figure_style as fs
+
 TAIL_RUNNING_PER_GPU = 0.5  # the paper's tail: at most this many active sequences per GPU
 RSA_PROBLEM_TOKENS = 1024
 RSA_OUTPUT = {"kind": "longtail", "mean": 4096, "p99_over_p95": 3.78, "max_over_p95": 9.2, "max": 8192}
@@ -72,7 +77,7 @@ def rl_rollout(extra: list[str]) -> list[dict]:
         job = compose_job(["+experiment=rl_rollout", "+policy=coroutine", f"policy.partition={partition}", *extra])
         start = time.perf_counter()
         out = simulate(job)
-        rows.append({"policy": "coroutine", "partition": partition, **tail_stats(out),
+        rows.append({"policy": "coroutine", "partition": partition, **tail_stats(out), "requests": len(job.workload),
                      "longest_output": int(job.workload.output_lens.max()), "wall_s": time.perf_counter() - start})
         print(f"done: rl_rollout partition={partition} BCT {rows[-1]['bct_s']:.0f} s", flush=True)
     return rows
@@ -115,40 +120,85 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def plot(run_dir: Path, rl: list[dict], tts: list[dict], finishes: dict[str, np.ndarray]) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+PAPER = {"tail_share": "30-80%", "tail_iteration": "-5 to -10% with FP8 decode", 30: "1.25-1.57x", 60: "1.66-1.75x"}
 
-    panels = [p for p in (rl, tts) if p]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), constrained_layout=True, squeeze=False)
-    axes = list(axes[0])
+
+def plot(run_dir: Path, rl: list[dict], tts: list[dict], finishes: dict[str, np.ndarray]) -> list[Path]:
+    """(e1) the paper's metric, the decode iteration time in the tail with and without PARTITION, beside the
+    rollout split into bulk and tail; (e2) sequences finished over time, the counts at 30 and 60 minutes and
+    their ratio marked beside the paper's ranges."""
+    panels = (2 if rl else 0) + (1 if tts else 0)
+    fig, axes = fs.figure(panels, width=5.0, height=4.4)
+    parts = []
     if rl:
+        off = next(r for r in rl if not r["partition"])
+        on = next(r for r in rl if r["partition"])
+        labels = ["without PARTITION", "with PARTITION"]
         ax = axes.pop(0)
-        labels = [f"partition={r['partition']}" for r in rl]
-        bulk = [r["bct_s"] * (1 - r["tail_share"]) for r in rl]
-        tail = [r["bct_s"] * r["tail_share"] for r in rl]
-        ax.bar(labels, bulk, label="before the tail")
-        ax.bar(labels, tail, bottom=bulk, label=f"tail (<= {TAIL_RUNNING_PER_GPU} running per GPU)")
-        ax.set_ylabel("simulated rollout time (s)")
-        ax.set_title("RL rollout, DeepSeek-R1, 16 x H20")
-        ax.legend(fontsize=8)
+        bars = ax.bar(labels, [off["tail_iteration_ms"], on["tail_iteration_ms"]], color=[fs.OTHERS, fs.OURS])
+        change = on["tail_iteration_ms"] / off["tail_iteration_ms"] - 1
+        for bar, text in zip(bars, (f"{off['tail_iteration_ms']:.1f} ms", f"{on['tail_iteration_ms']:.1f} ms\n"
+                                                                            f"({100 * change:+.0f}%)")):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.45 * off["tail_iteration_ms"])
+        ax.set_ylabel("decode iteration time in the tail (ms)")
+        ax.set_title(f"RL rollout: the tail's decode iteration\n(<= {TAIL_RUNNING_PER_GPU} running sequences per GPU)",
+                     fontsize=9)
+        fs.paper_note(ax, f"paper: PARTITION {PAPER['tail_iteration']}", loc="upper right")
+        ax = axes.pop(0)
+        bulk = [r["bct_s"] * (1 - r["tail_share"]) for r in (off, on)]
+        tail = [r["bct_s"] * r["tail_share"] for r in (off, on)]
+        ax.bar(labels, bulk, color="tab:blue", label="before the tail")
+        ax.bar(labels, tail, bottom=bulk, color="tab:orange", label="the tail")
+        for i, r in enumerate((off, on)):
+            ax.text(i, r["bct_s"], f"{r['bct_s']:,.0f} s\ntail {r['tail_share']:.0%}", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_ylim(0, 1.45 * max(off["bct_s"], on["bct_s"]))
+        ax.set_ylabel("rollout time (s)")
+        fs.plain(ax.yaxis)
+        ax.set_title(f"RL rollout: bulk and tail; {on['partitions']} partitions", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        fs.paper_note(ax, f"paper: the tail takes\n{PAPER['tail_share']} of the rollout", loc="upper right")
+        parts.append(f"RL rollout: {on['requests']:,} requests")
+        headline = (f"PARTITION: tail iteration {off['tail_iteration_ms']:.1f} -> {on['tail_iteration_ms']:.1f} ms "
+                    f"({100 * change:+.0f}%; paper {PAPER['tail_iteration']})")
     if tts:
         ax = axes.pop(0)
-        for policy, finish in sorted(finishes.items()):
-            t = np.sort(finish) / 60
-            ax.step(np.r_[0, t], np.arange(t.size + 1), where="post", label=policy)
+        policies = ["coroutine"] + sorted(p for p in finishes if p != "coroutine")
+        counts = {}
+        for policy in policies:
+            t = np.sort(finishes[policy]) / 60
+            ax.step(np.r_[0, t], np.arange(t.size + 1), where="post", label=policy,
+                    color=fs.OURS if policy == "coroutine" else fs.OTHERS)
+            for minute in (30, 60):
+                counts[policy, minute] = int((t <= minute).sum())
+                ax.plot(minute, counts[policy, minute], "o", color=fs.OURS if policy == "coroutine" else fs.OTHERS)
+                ax.annotate(f"{counts[policy, minute]:,}", (minute, counts[policy, minute]), fontsize=7,
+                            xytext=(-4, 4 if policy == "coroutine" else -10), textcoords="offset points", ha="right")
+        base = policies[1] if len(policies) > 1 else None
+        top = max(counts.values()) if counts else 1
         for minute in (30, 60):
             ax.axvline(minute, color="grey", linestyle=":", linewidth=1)
+            if base:
+                ratio = counts["coroutine", minute] / max(counts[base, minute], 1)
+                ax.text(minute + 0.5, 1.12 * top, f"{minute} min: {ratio:.2f}x\npaper: {PAPER[minute]}", fontsize=8,
+                        va="bottom", ha="left" if minute == 30 else "right", color="black")
+        ax.set_ylim(0, 1.45 * top)
+        ax.set_xlim(0, 62)
         ax.set_xlabel("simulated time (min)")
         ax.set_ylabel("sequences finished")
-        ax.set_title("Recursive self-aggregation")
-        ax.legend(fontsize=8)
-    paths = [run_dir / "long_tail.png", run_dir / "long_tail.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return paths
+        fs.plain(ax.yaxis)
+        ax.set_title(f"test-time scaling (RSA): sequences finished, coroutine / {base}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        per_round = tts[0]["sequences"]
+        parts.append(f"RSA: {per_round:,} requests a round")
+        if base:
+            tts_line = (f"RSA: {counts['coroutine', 30] / max(counts[base, 30], 1):.2f}x in 30 min "
+                        f"(paper {PAPER[30]}), {counts['coroutine', 60] / max(counts[base, 60], 1):.2f}x in 60 min "
+                        f"(paper {PAPER[60]})")
+            headline = f"{headline}; {tts_line}" if rl else tts_line
+    fig.suptitle(f"DeepSeek-R1 on 16 x H20, {'; '.join(parts)} (simulated)\n{headline}", fontsize=10)
+    return fs.save(fig, run_dir, "long_tail")
 
 
 def main() -> None:

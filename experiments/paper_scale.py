@@ -23,6 +23,11 @@ from batchgen.config import build_job
 from batchgen.results import explain, format_table, summarize
 from batchgen.sim.run import simulate
 
+try:
+    import figure_style as fs  # run as a script: experiments/ is on the path
+except ImportError:
+    from experiments import figure_style as fs
+
 PAPER = {"12k_4k": "1.71-1.82x", "6_5k_2_8k": "2.2-2.3x"}  # BatchGen's BCT over SGLang-Opt's, real hardware
 SHAPES = {"12k_4k": "12K->4K", "6_5k_2_8k": "6.5K->2.8K"}
 GROUPS = "cluster.gpus_per_instance=16"  # the paper's SGLang-Opt ran 16-GPU data-parallel groups
@@ -37,8 +42,8 @@ VARIANTS = [
 ]
 
 
-COLUMNS = ["variant", "policy", "gpus_per_instance", "bct_s", "tokens_per_s", "decode_expert_batch", "gpu_idle_frac",
-           "prefill_frac", "mixed_frac", "gpu_comm_frac", "recomputes", "mean_running"]
+COLUMNS = ["variant", "policy", "gpus_per_instance", "bct_s", "tokens_per_s", "decode_expert_batch", "gpu_busy_frac",
+           "gpu_idle_frac", "prefill_frac", "mixed_frac", "gpu_comm_frac", "recomputes", "mean_running", "num_sequences"]
 
 
 def label(policy: str, extra: list[str]) -> str:
@@ -46,28 +51,26 @@ def label(policy: str, extra: list[str]) -> str:
 
 
 def save(rows: list[dict], out: Path, shape: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The CSV, and a figure: BCT with each row's ratio to coroutine's and the paper's beside sglang_opt's, the
+    decode expert batch, and each row's GPU time as compute / communication / idle."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"paper_scale_{shape}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     names = [r["variant"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, title in zip(axes, ("bct_s", "decode_expert_batch", "gpu_idle_frac"),
-                              ("BCT (s)", "decode expert batch (tokens per expert)", "GPU idle share")):
-        ax.barh(names, [r.get(key, 0.0) for r in rows], color=["C0"] + ["C1"] * (len(rows) - 1))
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(labelsize=8)
-    fig.suptitle(f"DeepSeek-R1 on 128 H20, {SHAPES[shape]}, "
-                 f"{rows[0]['num_sequences']:,} requests (simulated)", fontsize=10)
-    fig.tight_layout()
-    for suffix in (".png", ".pdf"):
-        fig.savefig(out / f"paper_scale_{shape}{suffix}", dpi=120)
-    plt.close(fig)
+    fig, (bct, batch, shares) = fs.figure(3, width=5.2, height=3.6)
+    fs.ratio_bars(bct, names, [r["bct_s"] for r in rows], 0, "s", paper={1: PAPER[shape]})
+    bct.set_xlabel("batch completion time (s); ratio = row's BCT / coroutine's")
+    fs.ratio_bars(batch, names, [r.get("decode_expert_batch") or 0.0 for r in rows], 0, "", ratios=False)
+    batch.set_xlabel("decode expert batch (tokens per expert)")
+    batch.set_yticklabels([])
+    fs.share_stack(shares, names, rows)
+    shares.set_yticklabels([])
+    fig.suptitle(fs.title("deepseek_r1", "h20_128", f"longbench_{shape}", rows[0]["num_sequences"],
+                          f"coroutine {rows[1]['bct_s'] / rows[0]['bct_s']:.2f}x lower BCT than sglang_opt "
+                          f"(paper: {PAPER[shape]} lower than SGLang-Opt)"), fontsize=10)
+    fs.save(fig, out, f"paper_scale_{shape}")
     print(f"wrote {out / f'paper_scale_{shape}.csv'} and the figure (.png, .pdf)")
 
 

@@ -28,6 +28,11 @@ from batchgen.config import build_job
 from batchgen.results import summarize
 from batchgen.sim.run import simulate
 
+try:
+    import figure_style as fs  # run as a script: experiments/ is on the path
+except ImportError:
+    from experiments import figure_style as fs
+
 PAPER = {"bct_min_range": (38.6, 137.9), "best_ratio": "4:4", "batchgen_over_best": 2.2}
 RATIOS = "1:7,2:6,3:5,4:4,5:3,6:2,7:1"
 BASE = ["model=deepseek_r1", "cluster=h20_128", "workload=longbench_8k_2k", "output.sequences_csv=false",
@@ -107,8 +112,8 @@ def main() -> None:
 
 
 COLUMNS = ["point", "bct_min", "bct_s", "prefill_units_running", "decode_units_idle", "prefill_frac",
-           "gpu_idle_frac", "kv_shipped_gb", "migrations", "recomputes", "decode_expert_batch", "mean_expert_batch",
-           "mean_running", "tokens_per_s", "num_sequences", "wall_s"]
+           "gpu_busy_frac", "gpu_comm_frac", "gpu_idle_frac", "kv_shipped_gb", "migrations", "recomputes",
+           "decode_expert_batch", "mean_expert_batch", "mean_running", "tokens_per_s", "num_sequences", "wall_s"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -129,32 +134,52 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def plot(rows: list[dict], out_dir: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """BCT per P:D ratio with its ratio to coroutine's on the bar and the paper's numbers beside; each point's
+    GPU time as compute / communication / idle; and which side waits."""
+    from matplotlib.ticker import PercentFormatter
 
     pd_rows = [r for r in rows if ":" in r["point"]]
     co = next((r for r in rows if r["point"].startswith("coroutine")), None)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, s, b) = fs.figure(3, width=5.0, height=4.4)
     x = np.arange(len(pd_rows))
-    a.bar(x, [r["bct_min"] for r in pd_rows], color="tab:gray", label="pd_disagg (P:D in 16-GPU units)")
+    bars = a.bar(x, [r["bct_min"] for r in pd_rows], color=fs.OTHERS, label="pd_disagg")
+    best = min(pd_rows, key=lambda r: r["bct_s"]) if pd_rows else None
+    for bar, r in zip(bars, pd_rows):
+        text = f"{r['bct_min']:,.1f}" + (f"\n{r['bct_s'] / co['bct_s']:.2f}x" if co else "")
+        a.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=7,
+               fontweight="bold" if r is best else "normal")
     if co:
-        a.axhline(co["bct_min"], color="tab:red", label=f"coroutine 2x64: {co['bct_min']:.1f} min")
+        a.axhline(co["bct_min"], color=fs.OURS, label=f"coroutine 2 x 64: {co['bct_min']:,.1f} min")
     a.set_xticks(x, [r["point"] for r in pd_rows])
-    a.set_ylabel("BCT (min)")
-    a.set_title("DeepSeek-R1, 128 H20, 8K->2K (simulated)")
-    a.legend()
-    b.plot(x, [100 * r["prefill_units_running"] for r in pd_rows], "o-", label="prefill units running %")
-    b.plot(x, [100 * r["decode_units_idle"] for r in pd_rows], "s-", label="decode units waiting for KV %")
-    b.plot(x, [100 * r["gpu_idle_frac"] for r in pd_rows], "^-", label="GPU idle % (all ranks)")
+    a.set_xlabel("P:D (prefill : decode units, 16 GPUs each)")
+    a.set_ylabel("batch completion time (min)")
+    fs.plain(a.yaxis)
+    top = max([r["bct_min"] for r in rows] or [1.0])
+    a.set_ylim(0, 1.9 * top)
+    a.legend(fontsize=7, loc="upper left")
+    a.set_title("BCT; on the bars: BCT / coroutine's", fontsize=9)
+    lo, hi = PAPER["bct_min_range"]
+    fs.paper_note(a, f"paper: pd_disagg {lo}-{hi} min,\nbest {PAPER['best_ratio']};\nBatchGen "
+                     f"{PAPER['batchgen_over_best']}x over it", loc="upper right")
+    share_rows = pd_rows + ([co] if co else [])
+    fs.share_stack(s, [r["point"].replace("coroutine 2x64", "coroutine\n2 x 64") for r in share_rows], share_rows,
+                   horizontal=False)
+    s.set_xlabel("P:D (prefill : decode units), and coroutine")
+    s.tick_params(axis="x", labelsize=7)
+    b.plot(x, [r["prefill_units_running"] for r in pd_rows], "o-", label="prefill units running")
+    b.plot(x, [r["decode_units_idle"] for r in pd_rows], "s-", label="decode units waiting for KV")
     b.set_xticks(x, [r["point"] for r in pd_rows])
-    b.set_ylabel("% of the job's span")
-    b.set_title("why: which side waits")
-    b.legend()
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out_dir / f"pd_disagg.{ext}")
-    plt.close(fig)
+    b.set_xlabel("P:D (prefill : decode units, 16 GPUs each)")
+    b.set_ylabel("share of the job's span")
+    b.yaxis.set_major_formatter(PercentFormatter(1.0))
+    b.set_ylim(0, 1.05)
+    b.set_title("which side waits", fontsize=9)
+    b.legend(fontsize=7)
+    n = (co or rows[0])["num_sequences"]
+    headline = (f"coroutine {best['bct_s'] / co['bct_s']:.2f}x lower BCT than the best P:D ratio ({best['point']}); "
+                f"paper: {PAPER['batchgen_over_best']}x over {PAPER['best_ratio']}") if co and best else ""
+    fig.suptitle(fs.title("deepseek_r1", "h20_128", "longbench_8k_2k", n, headline), fontsize=10)
+    fs.save(fig, out_dir, "pd_disagg")
 
 
 def report(rows: list[dict]) -> None:
