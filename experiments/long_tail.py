@@ -3,7 +3,9 @@
     python experiments/long_tail.py [--part rl|tts|both] [--out DIR] [extra Hydra overrides...]
 
 RL rollout (`+experiment=rl_rollout`): 256 prompts of a reasoning model, outputs long-tailed to 64K tokens;
-coroutine with and without PARTITION. It reports the share of the rollout spent in the tail (at most 0.5 running
+coroutine with and without PARTITION, both with data-parallel attention (`policy.attention_tp=1`: PARTITION splits
+a straggler's heads over data-parallel ranks; a plan of tensor-parallel attention groups, which `auto` may pick,
+has no PARTITION). It reports the share of the rollout spent in the tail (at most 0.5 running
 sequences per GPU), the decode iteration time there, and the partitions taken. The paper: the tail takes 30-80%
 of rollout time; PARTITION with FP8 decode cuts iteration time 5-10%.
 
@@ -74,7 +76,8 @@ def tail_stats(out) -> dict:
 def rl_rollout(extra: list[str]) -> list[dict]:
     rows = []
     for partition in (True, False):
-        job = compose_job(["+experiment=rl_rollout", "+policy=coroutine", f"policy.partition={partition}", *extra])
+        job = compose_job(["+experiment=rl_rollout", "+policy=coroutine", "policy.attention_tp=1",
+                           f"policy.partition={partition}", *extra])
         start = time.perf_counter()
         out = simulate(job)
         rows.append({"policy": "coroutine", "partition": partition, **tail_stats(out), "requests": len(job.workload),
