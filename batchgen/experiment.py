@@ -66,7 +66,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         if out is None:  # a worker rank under torchrun: rank 0 writes the results
             return {}
     else:
-        out = simulate(job, progress=progress)
+        overlap = cfg.backend.get("overlap_copies", True)
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"backend.overlap_copies must be true or false, got {overlap!r}")
+        out = simulate(job, progress=progress, overlap_copies=overlap)
     plan = getattr(out.prepared, "plan", None)
     if plan is not None:
         print(plan_line(plan.describe(), out))

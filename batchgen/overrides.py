@@ -34,6 +34,9 @@ def _dataclass_keys(cls) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+SIM_KEYS = ["overlap_copies"]  # conf/backend/sim.yaml's settings, read by batchgen.experiment
+
+
 def _section_keys(section: str, cfg: Mapping[str, Any]) -> list[str] | None:
     """The keys the code reads from one section (None: not a section known here)."""
     if section == "memory":
@@ -56,7 +59,7 @@ def _section_keys(section: str, cfg: Mapping[str, Any]) -> list[str] | None:
         return _dataclass_keys(ClusterSpec)
     if section == "backend":
         name = _backend_name(cfg)
-        return ["name", *(_exec_keys() if name == "exec" else _dist_keys() if name == "dist" else [])]
+        return ["name", *(_exec_keys() if name == "exec" else _dist_keys() if name == "dist" else SIM_KEYS)]
     return None
 
 

@@ -1,5 +1,6 @@
 """Baselines at their engines' own defaults: continuous and sglang_opt take the batch caps vLLM and SGLang pick
-for the GPU they run on, and SGLang's options that are off by default are off."""
+for the GPU they run on, and SGLang's options that are off by default are off; and a simplification that favours
+a baseline (transfers hidden under compute) can be switched off to measure it."""
 
 import numpy as np
 import pytest
@@ -56,3 +57,16 @@ def test_a_policy_left_to_its_engine_says_how_to_resolve_it_when_used_unresolved
     with pytest.raises(ValueError, match="max_running=auto is the engine's default.*for_gpu"):
         ContinuousPolicy().batch_shape(1000)
     assert _job("continuous", "h100_8").policy.batch_shape(1000).attn_seqs == 1024
+
+
+def test_copies_paid_after_compute_cost_what_the_overlap_hid_and_nothing_where_nothing_moves():
+    """backend=sim's overlap_copies=false, for measuring what a simplification that hides transfers is worth."""
+    from batchgen.sim.run import simulate
+    from conftest import make_job
+
+    shipped = make_job("pd_disagg", "tiny_moe", "h100_8", n=80)
+    hidden, paid = (simulate(shipped, progress=False, overlap_copies=o) for o in (True, False))
+    bct = lambda out: float(np.nanmax(out.prepared.state.table.finish_time))  # noqa: E731
+    assert bct(paid) > bct(hidden)
+    still = make_job("continuous", "llama2_7b", "a100_8", n=20, cluster_overrides={"num_gpus": 1})
+    assert bct(simulate(still, progress=False, overlap_copies=False)) == bct(simulate(still, progress=False))

@@ -39,9 +39,12 @@ class SimBackend:
 
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
-                 capabilities: Capabilities | None = None, two_batch_overlap: bool = False):
+                 capabilities: Capabilities | None = None, two_batch_overlap: bool = False,
+                 overlap_copies: bool = True):
         """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.pricing.tbo), the
-        policy's choice (sglang_opt). `capabilities`: what the simulated engine can do; default everything the simulator prices
+        policy's choice (sglang_opt). `overlap_copies` false: the KV a run copies (migrations, shipped KV,
+        checkpoints) is paid after its compute instead of beside it, for every policy alike, to measure what the
+        overlap is worth. `capabilities`: what the simulated engine can do; default everything the simulator prices
         (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
         degree the heads allow). A validation run passes the executor's, so both see the same snapshots."""
         self.env = env
@@ -53,7 +56,7 @@ class SimBackend:
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self._similar_calls = lat.attention_padding > 0
         # a CPU "device" is the host's own cores: copies do not overlap its compute
-        self._serial = lat.gpu.kind == "cpu"
+        self._serial = lat.gpu.kind == "cpu" or not overlap_copies
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
         if weight_stream_s is None:
             weight_stream_s = float(lat.h2d(stream_bytes_per_iter)) if stream_bytes_per_iter else 0.0

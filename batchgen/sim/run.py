@@ -54,18 +54,20 @@ def rare_collections(young: int = 100_000) -> Iterator[None]:
 
 def simulate(job: Job, *, capabilities: Capabilities | None = None,
              kv_pages_per_gpu: int | None = None, on_step: StepObserver | None = None,
-             progress="auto") -> RunOutput:
+             progress="auto", overlap_copies: bool = True) -> RunOutput:
     """`capabilities` and `kv_pages_per_gpu`: another backend's (the executor's), so that the policy sees the
     same snapshots there and here and takes the same decisions (validation); None: the simulator's own.
     Each step record carries its seconds per module (attention, ffn, head), as the executor's do.
-    `progress`: a bar of sequences finished on stderr: auto (a terminal, or BATCHGEN_PROGRESS), True, False."""
+    `progress`: a bar of sequences finished on stderr: auto (a terminal, or BATCHGEN_PROGRESS), True, False.
+    `overlap_copies` false: the KV each run copies is paid after its compute (conf backend=sim's setting)."""
     start = time.perf_counter()
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
     policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner
     backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
-                         capabilities=capabilities, two_batch_overlap=policy.two_batch_overlap)
+                         capabilities=capabilities, two_batch_overlap=policy.two_batch_overlap,
+                         overlap_copies=overlap_copies)
     shown = SimProgress(env, state, len(job.workload), f"simulate {policy.name}", progress)
     engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
                     check_invariants=job.check_invariants, on_step=on_step,
