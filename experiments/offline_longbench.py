@@ -116,6 +116,9 @@ def main() -> None:
             print(f"  [{group.label}] ours: {ours}; paper: {PAPER.get(cluster, '-')}")
     plot(group_runs(runs, [k for k in swept if k != "policy"] + ["policy"]), out)
     print(f"sweep directory: {out} (sweep.csv, offline_longbench.png and .pdf)")
+    failed = [r for r in runs if r.policy == "coroutine" and not r.ok]
+    if failed or not any(r.ok for r in runs):  # a baseline that cannot fit a rig is a result; coroutine's is not
+        sys.exit(f"error: {len(failed) or len(runs)} run(s) failed, e.g. {(failed or runs)[0].error}")
 
 
 if __name__ == "__main__":
