@@ -78,8 +78,9 @@ class Heartbeat:
     @classmethod
     def for_context(cls, ctx, **kw) -> "Heartbeat":
         """The heartbeat of a `launch.DistContext`'s process, on its rendezvous store."""
+        prefix = getattr(ctx, "namespace", "") + kw.pop("prefix", "batchgen/hb")
         return cls(ctx.env.master_addr, ctx.env.master_port, ctx.rank, ctx.world_size,
-                   store_host_rank=ctx.store_host_rank, **kw)
+                   store_host_rank=ctx.store_host_rank, prefix=prefix, **kw)
 
     # ---- control --------------------------------------------------------------------------------------
     def start(self) -> "Heartbeat":

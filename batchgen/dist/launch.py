@@ -102,6 +102,11 @@ class DistContext:
     # the one-machine launcher's channel to its parent: report(payload) sends a progress message that outlives
     # this process (WorkerResult.progress); None under torchrun, which has no such parent
     report: Callable[[Any], None] | None = None
+    # the start of this attempt's keys in the store: torchrun's agent keeps its store across the restarts of
+    # --max-restarts, so an attempt's keys (gloo's addresses, heartbeats) must not be read by the next one. The
+    # attempt is counted in the store, per rank (every attempt starts each rank once): TORCHELASTIC_RESTART_COUNT
+    # is not it, since an agent whose own workers did not fail restarts them without counting a restart
+    namespace: str = ""
 
     @property
     def rank(self) -> int:
@@ -140,9 +145,13 @@ def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                           is_master=env.rank == 0 and not agent_store, timeout=timeout)
+    namespace = ""
+    if agent_store:  # a restarted attempt must not meet the last one's keys (see DistContext.namespace)
+        namespace = f"batchgen/start{store.add(f'batchgen/starts/rank{env.rank}', 1)}/"
+        store = dist.PrefixStore(namespace.rstrip("/"), store)
     backend = backend_for(device)
     join_group(backend, dist.PrefixStore("batchgen/pg", store), env.rank, env.world_size, timeout, device)
-    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store)
+    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store, namespace=namespace)
 
 
 def join_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,

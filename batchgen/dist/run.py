@@ -26,7 +26,7 @@ prices lower: `backend.shared_host_copies`, shared_host.py); the output records 
 lost, a refused smaller group) the run stops with one line saying who was lost and how many sequences had
 finished, their tokens in `DistRunFailed.partial` (one-machine launcher: rank 0 reports each finished sequence
 to its parent as it finishes, so they survive even rank 0). Under torchrun the elastic agent itself stops
-every worker when one exits, so recovery needs the one-machine launcher.
+every worker when one exits, so there recovery is torchrun's restart (--max-restarts) and a batch job's resume.
 
 With several instances the instance that lost a worker is dropped whole: its other processes leave the run,
 and the intact instances go on (their groups rebuilt, their KV kept); the dropped instance's sequences are
