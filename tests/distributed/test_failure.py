@@ -7,6 +7,7 @@ survivors must still name rank 0. A peer that is alive but never joins a collect
 collective timeout.
 """
 
+import importlib
 import itertools
 import multiprocessing
 import os
@@ -290,3 +291,26 @@ def test_the_heartbeat_outlives_an_error_on_the_store_host(monkeypatch):
     assert victim.exitcode == -signal.SIGKILL
     lost, state = rank0.value
     assert lost == 1 and "injected store error" in state, state
+
+
+def test_a_process_lost_during_start_up_stops_the_others_at_once(monkeypatch):
+    """A process that dies before the group exists (here SIGKILLed just before joining) would leave the others
+    waiting in the group's creation for its whole timeout (a store timeout): the launcher stops them at once and
+    says so."""
+    launch_module = importlib.import_module("batchgen.dist.launch")  # the module (the package exports a function)
+    join = launch_module.init_distributed
+
+    def dying(env, *args, **kw):
+        if env.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return join(env, *args, **kw)
+
+    monkeypatch.setattr(launch_module, "init_distributed", dying)
+    t0 = time.monotonic()
+    results = run_procs(_fail_on_rank_1, 3, expect_ok=False, timeout_s=60)
+    took = time.monotonic() - t0
+    assert results[1].exitcode == -signal.SIGKILL
+    for r in (results[0], results[2]):
+        assert not r.ok and "rank 1 ended during start-up (exit code -9)" in r.error and "nothing ran" in r.error, \
+            r.error
+    assert took < 15, f"{took:.1f} s"
