@@ -40,6 +40,7 @@ from batchgen.dist.errors import DistConfigError
 from batchgen.dist.groups import retired
 
 _PROGRESS = "progress"  # tags a progress message on the results queue (rank, _PROGRESS, pickled payload)
+_JOINED = "joined"  # (rank, _JOINED, None): the process is in the group
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -102,6 +103,11 @@ class DistContext:
     # the one-machine launcher's channel to its parent: report(payload) sends a progress message that outlives
     # this process (WorkerResult.progress); None under torchrun, which has no such parent
     report: Callable[[Any], None] | None = None
+    # the start of this attempt's keys in the store: torchrun's agent keeps its store across the restarts of
+    # --max-restarts, so an attempt's keys (gloo's addresses, heartbeats) must not be read by the next one. The
+    # attempt is counted in the store, per rank (every attempt starts each rank once): TORCHELASTIC_RESTART_COUNT
+    # is not it, since an agent whose own workers did not fail restarts them without counting a restart
+    namespace: str = ""
 
     @property
     def rank(self) -> int:
@@ -140,9 +146,13 @@ def init_distributed(env: DistEnv, device: str | torch.device = "cpu", timeout_s
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                           is_master=env.rank == 0 and not agent_store, timeout=timeout)
+    namespace = ""
+    if agent_store:  # a restarted attempt must not meet the last one's keys (see DistContext.namespace)
+        namespace = f"batchgen/start{store.add(f'batchgen/starts/rank{env.rank}', 1)}/"
+        store = dist.PrefixStore(namespace.rstrip("/"), store)
     backend = backend_for(device)
     join_group(backend, dist.PrefixStore("batchgen/pg", store), env.rank, env.world_size, timeout, device)
-    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store)
+    return DistContext(env, device, backend, timeout_s, None if agent_store else 0, store, namespace=namespace)
 
 
 def join_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -208,6 +218,7 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
     ctx, code = None, 0
     try:
         ctx = init_distributed(DistEnv.from_env(), device, timeout_s)
+        results.put((rank, _JOINED, None))
         ctx.report = lambda payload: results.put((rank, _PROGRESS, pickle.dumps(payload)))
         # plain pickle, by value: torch's queue would pass tensors as shared-memory handles, which die with
         # the process that made them
@@ -255,13 +266,18 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
     deadline = time.monotonic() + join_timeout_s
     progress: dict[int, list] = {r: [] for r in range(procs)}
 
+    joined: set[int] = set()
+
     def take(item) -> None:
         rank, value, error = item
         if isinstance(value, str) and value == _PROGRESS:
             progress[rank].append(pickle.loads(error))
+        elif isinstance(value, str) and value == _JOINED:
+            joined.add(rank)
         else:
             got[rank] = (value, error)
 
+    failed_start = None  # (rank, exit code) of a process that ended before joining the group
     while time.monotonic() < deadline:
         try:  # drain while waiting: a child blocks at exit until its queued result has been read
             take(results.get(timeout=0.05))
@@ -270,6 +286,11 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
             pass
         if not any(w.is_alive() for w in workers):
             break
+        if len(joined) < procs:  # the others would wait for it in the group's creation until timeout_s
+            dead = [r for r, w in enumerate(workers) if r not in joined and not w.is_alive()]
+            if dead:
+                failed_start = (dead[0], workers[dead[0]].exitcode)
+                break
     overdue = [r for r, w in enumerate(workers) if w.is_alive()]
     for r in overdue:
         workers[r].kill()
@@ -284,7 +305,11 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
     for r, w in enumerate(workers):
         value, error = got.get(r, (None, None))
         value = None if value is None else pickle.loads(value)
-        if r in overdue:
+        if r in overdue and failed_start is not None:
+            out.append(WorkerResult(r, None, value, f"stopped: rank {failed_start[0]} ended during start-up (exit code "
+                                    f"{failed_start[1]}) before every process had joined the group; nothing ran",
+                                    progress[r]))
+        elif r in overdue:
             out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed",
                                     progress[r]))
         else:

@@ -234,7 +234,8 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     env = DistEnv(new_rank, len(survivors), old.env.local_rank, old.env.master_addr, old.env.master_port)
     join_group(old.backend, dist.PrefixStore(f"batchgen/pg/gen{number}", old.store), new_rank, len(survivors),
                datetime.timedelta(seconds=old.timeout_s), old.device)
-    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report)
+    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report,
+                      old.namespace)
     heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
                                       prefix=f"batchgen/hb/gen{number}").start()
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))

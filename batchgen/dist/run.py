@@ -26,7 +26,7 @@ prices lower: `backend.shared_host_copies`, shared_host.py); the output records 
 lost, a refused smaller group) the run stops with one line saying who was lost and how many sequences had
 finished, their tokens in `DistRunFailed.partial` (one-machine launcher: rank 0 reports each finished sequence
 to its parent as it finishes, so they survive even rank 0). Under torchrun the elastic agent itself stops
-every worker when one exits, so recovery needs the one-machine launcher.
+every worker when one exits, so there recovery is torchrun's restart (--max-restarts) and a batch job's resume.
 
 With several instances the instance that lost a worker is dropped whole: its other processes leave the run,
 and the intact instances go on (their groups rebuilt, their KV kept); the dropped instance's sequences are
@@ -77,6 +77,7 @@ from batchgen.engine import Engine, finished_ids
 from batchgen.exec.fits import check_fits
 from batchgen.exec.threads import available_cores
 from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.models import invariant
 from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengths, _checked_params,
                                _checked_prompts, build_model, host_kw, host_pools, kv_pools, model_config,
                                text_decoder)
@@ -204,6 +205,12 @@ def torchrun_run_id(ctx: DistContext) -> str:
 
 def rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
               to_parent: bool = False, run_id: str | None = None, resumed=None, sink=None) -> DistOutput | None:
+    with invariant.mode(settings.batch_invariant):  # every process computes as the settings say
+        return _rank_main(ctx, job, settings, prompts, params, to_parent, run_id, resumed, sink)
+
+
+def _rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, params,
+               to_parent: bool = False, run_id: str | None = None, resumed=None, sink=None) -> DistOutput | None:
     """One process of the run: build its part, then rank 0 drives the engine and the others serve.
     `to_parent`: the output is pickled back to the launcher (the tokenizer's decode function stays here).
     The heartbeat runs throughout: a peer that dies is found within seconds (WorkerLost), not after timeout_s;

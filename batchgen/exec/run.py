@@ -31,6 +31,7 @@ from batchgen.exec.host_pool import HostPool, tokens_within
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, UnsupportedModelError,
                                   init_random, load_model, load_tokenizer)
+from batchgen.exec.models import invariant
 from batchgen.exec.models.loading import read_config
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.staging import BUFFERS, staging_pages
@@ -67,6 +68,8 @@ class ExecSettings:
     threads: int | str | None = None   # intra-op CPU threads: N, auto (the physical cores this process may use),
                                        # None (as the process has them; the CLI's default is auto)
     repeats: int = 1                   # run the job this many times; the run of median BCT is reported
+    batch_invariant: bool = False      # each token's result bitwise independent of its batch and of prefill vs
+                                       # decode (models/invariant.py): a recomputed sequence continues exactly
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -127,6 +130,16 @@ class ExecOutput(RunOutput):
 
 def model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
     """The model's architecture, from config.json or the spec: known before any weight is built."""
+    config = _model_config(job, settings)
+    if settings.batch_invariant:
+        try:
+            invariant.check_supported(config.architecture)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return config
+
+
+def _model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
     if settings.model_path:
         try:
             return read_config(settings.model_path)
@@ -296,7 +309,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     start = time.perf_counter()
     if isinstance(settings.repeats, bool) or not isinstance(settings.repeats, int) or settings.repeats < 1:
         raise ConfigError(f"backend.repeats={settings.repeats!r}: give a whole number >= 1")
-    with pinned_threads(resolve_threads(settings.threads)) as threads:
+    with pinned_threads(resolve_threads(settings.threads)) as threads, invariant.mode(settings.batch_invariant):
         cluster = effective_cluster(job)
         devices = settings.instance_devices(cluster.num_instances)
         dtype = settings.torch_dtype(devices)

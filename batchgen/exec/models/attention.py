@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
+from batchgen.exec.models import invariant
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from batchgen.exec.models.padding import gather_context, pad_queries
@@ -33,10 +34,10 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.sliding_window = c.sliding_window
         kw = dict(device=device, dtype=dtype)
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias, **kw)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, **kw)
+        self.q_proj = invariant.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.k_proj = invariant.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.v_proj = invariant.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.o_proj = invariant.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, **kw)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
@@ -63,7 +64,10 @@ class PagedAttention(nn.Module):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
 
-        out = self._attend(q, k_pool, v_pool, meta)
+        if invariant.enabled():
+            out = invariant.attend(q, k_pool, v_pool, meta, self.sliding_window)
+        else:
+            out = self._attend(q, k_pool, v_pool, meta)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim).to(hidden.device))
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
+from batchgen.exec.models import invariant
 from batchgen.exec.models.attention import KVCacheLayer, PagedAttention
 from batchgen.exec.models.config import ExecModelConfig, KVCacheGeometry
 from batchgen.exec.models.deepseek import DeepseekMoE
@@ -54,7 +55,7 @@ class MoEDecoder(nn.Module):
                                     for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw))
+                        else invariant.Linear(config.hidden_size, config.vocab_size, bias=False, **kw))
 
     # ---- module-level entry points ----
 
@@ -82,7 +83,10 @@ class MoEDecoder(nn.Module):
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [T, hidden] -> [T, vocab]. Pass only the rows you sample from."""
         hidden = self.norm(hidden)
-        return self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        lin = invariant.linear if invariant.enabled() else F.linear
+        return lin(hidden, self.embed_tokens.weight)
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCacheLayer]) -> torch.Tensor:

@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.exec.models import invariant
+from batchgen.exec.models.invariant import Linear
+
 
 class RMSNorm(nn.Module):
     """Statistics in fp32 whatever the model dtype, then back to the input dtype before the weight, as HF."""
@@ -62,9 +65,11 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
-        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
-        self.up_proj = nn.Linear(hidden, intermediate, **kw)
-        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.enabled():
+            return invariant.swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

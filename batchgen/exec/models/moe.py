@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.exec.models import invariant
 from batchgen.exec.models.config import ExecModelConfig
 
 _GROUPED: dict[tuple[str, torch.dtype], bool] = {}
@@ -57,7 +58,7 @@ class SparseMoE(nn.Module):
         E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.top_k, self.norm_topk_prob = E, config.top_k, config.norm_topk_prob
         kw = dict(device=device, dtype=dtype)
-        self.gate = nn.Linear(H, E, bias=False, **kw)  # the router
+        self.gate = invariant.Linear(H, E, bias=False, **kw)  # the router
         self.w_gate = nn.Parameter(torch.empty(E, I, H, **kw))
         self.w_up = nn.Parameter(torch.empty(E, I, H, **kw))
         self.w_down = nn.Parameter(torch.empty(E, H, I, **kw))
@@ -105,7 +106,7 @@ class SparseMoE(nn.Module):
         expert; expert parallelism (batchgen.dist) calls it on a shard (`expert_shard`) with the rows that
         arrived from all ranks, so both run the same kernels on the same rows."""
         out = None
-        if grouped_mm_available(x.device, x.dtype):
+        if grouped_mm_available(x.device, x.dtype) and not invariant.enabled():
             try:
                 out = self._grouped(x, torch.cumsum(counts, 0, dtype=torch.int32))
             except RuntimeError:  # a shape the kernel refuses (alignment): the loop from now on
@@ -123,7 +124,11 @@ class SparseMoE(nn.Module):
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(counts):
-            if n:
+            if n and invariant.enabled():
+                out[start:start + n] = invariant.swiglu(x[start:start + n], self.w_gate[e], self.w_up[e],
+                                                        self.w_down[e])
+                start += n
+            elif n:
                 xs = x[start:start + n]
                 h = F.silu(F.linear(xs, self.w_gate[e])) * F.linear(xs, self.w_up[e])
                 out[start:start + n] = F.linear(h, self.w_down[e])
