@@ -17,16 +17,17 @@ Where a sequence's KV is decides how its attention runs (`RankBatch.host_residen
   group (the lead and the next tp - 1 ranks), each over its head shard (`shards.py`), and the shards' partial
   outputs are summed (the all-reduce that joins them) before the residual.
 Timings never add synchronisation on CUDA: events are recorded around modules and read once, at the end of
-the forward (which waits for the logits anyway). On CPU the wall clock is read around each module.
+the forward (which waits for the logits anyway). On CPU the executor's clock (batchgen.exec.clock) is read around
+each module.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.exec import clock
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
@@ -334,9 +335,9 @@ def _chunks_within(pages: list[int], size: int, capacity: int | None):
 
 
 class _Timer:
-    """Seconds per bucket. CPU: the wall clock around each module. CUDA: events on the compute stream, read
-    after the forward, so that timing never synchronises (a sync per module would serialise the staging
-    restores with attention and bias what is measured)."""
+    """Seconds per bucket. CPU: the executor's clock (batchgen.exec.clock) around each module. CUDA: events on the
+    compute stream, read after the forward, so that timing never synchronises (a sync per module would serialise
+    the staging restores with attention and bias what is measured)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -348,7 +349,7 @@ class _Timer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return clock.now()
 
     def stop(self, start, bucket) -> None:
         if self.cuda:
@@ -356,7 +357,7 @@ class _Timer:
             end.record()
             self._marks.append((start, end, bucket))
         else:
-            self._totals[bucket] = self._totals.get(bucket, 0.0) + time.perf_counter() - start
+            self._totals[bucket] = self._totals.get(bucket, 0.0) + clock.now() - start
 
     def totals(self) -> dict:
         if self._marks:

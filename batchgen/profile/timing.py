@@ -1,9 +1,12 @@
-"""Timing one module call many times: warm-up, repeats in rounds, median and spread.
+"""Timing one module call many times: warm-up, repeats in rounds, a robust statistic and the spread.
 
 Points are measured in rounds (every point a few times per round, the whole grid round after round), so that a
-slow minute of a shared machine spreads over all points instead of biasing a few. CPU: the wall clock around
-each call. CUDA: events recorded around each call and read once per point and round (one synchronise per
-point, never one per call), as the executor's own timer does.
+slow minute of a shared machine spreads over all points instead of biasing a few. CPU: the executor's clock
+around each call (batchgen.exec.clock: with one thread, the thread's CPU time, which a neighbour cannot inflate),
+the wall clock beside it, and the minimum of the calls as the point's seconds: interference only ever adds to a
+call, so the fastest call is the module's own cost (the median keeps the neighbours in; see
+benchmarks/results/validation.md). CUDA: events recorded around each call and read once per point and round (one
+synchronise per point, never one per call), as the executor's own timer does, and the median.
 """
 from __future__ import annotations
 
@@ -14,12 +17,19 @@ from typing import Callable
 import numpy as np
 import torch
 
+from batchgen.exec import clock
+
 
 @dataclass
 class Samples:
     """Seconds of every timed call of one grid point (all rounds)."""
 
     seconds: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)  # the wall clock around the same calls (CPU only)
+
+    @property
+    def minimum(self) -> float:
+        return float(np.min(self.seconds))
 
     @property
     def median(self) -> float:
@@ -38,13 +48,16 @@ class Samples:
 
 
 class Clock:
-    """Times calls of a callable on one device without adding synchronisation between them."""
+    """Times calls of a callable on one device without adding synchronisation between them. `statistic`: what a
+    point's seconds are, `minimum` on CPU (its clock the executor's, batchgen.exec.clock), `median` on CUDA."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.statistic = "median" if self.cuda else "minimum"
+        self.last_wall: list[float] = []
 
     def time_calls(self, fn: Callable[[], object], calls: int) -> list[float]:
-        """Seconds of each of `calls` back-to-back calls of fn."""
+        """Seconds of each of `calls` back-to-back calls of fn (`last_wall`: their wall seconds, on CPU)."""
         if self.cuda:
             marks = []
             for _ in range(calls):
@@ -55,12 +68,16 @@ class Clock:
                 marks.append((start, end))
             marks[-1][1].synchronize()
             return [s.elapsed_time(e) / 1e3 for s, e in marks]
-        out = []
+        out, self.last_wall = [], []
         for _ in range(calls):
-            t0 = time.perf_counter()
+            w0, t0 = time.perf_counter(), clock.now()
             fn()
-            out.append(time.perf_counter() - t0)
+            out.append(clock.now() - t0)
+            self.last_wall.append(time.perf_counter() - w0)
         return out
+
+    def best(self, s: Samples) -> float:
+        return s.median if self.cuda else s.minimum
 
     def sync(self) -> None:
         if self.cuda:

@@ -23,7 +23,7 @@ CALIBRATION = CPU + "-{model}.json"  # one per model, shipped under batchgen/dat
 # The executor on this CPU, and the simulator of this CPU: one config for both backends (the same plan for
 # "auto" knobs, the same latency model for the plan and the prediction).
 BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=5",
-                         "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
+                         "backend.threads=1", "backend.clock=cpu", f"cluster.gpu={CPU}", "output.plot=false")
 # the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
 LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")
 # auto: conf/efficiency/cpu_epyc_milan_2c.yaml (the fitted factors) when it ships, else the data sheet's

@@ -96,7 +96,7 @@ def measure(cases: list[Case], progress=None, configs: list | None = None) -> li
     run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
     instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run).
     `configs`: the cases' configs as `compose_case` made them (composed here where not given)."""
-    from batchgen.exec.run import ExecSettings, execute, median_run
+    from batchgen.exec.run import ExecSettings, execute, representative_run
 
     jobs = []
     for case, cfg in zip(cases, configs if configs is not None else [compose_case(case) for case in cases],
@@ -113,7 +113,7 @@ def measure(cases: list[Case], progress=None, configs: list | None = None) -> li
                 runs[i].append(execute(job, dataclasses.replace(s, repeats=1)))
         if progress:
             progress(k + 1)
-    return [median_run(r) for r in runs]
+    return [representative_run(r) for r in runs]
 
 
 def compare(case: Case, measured, drift: float | None = None) -> CaseResult:
