@@ -88,7 +88,7 @@ def main() -> int:
     shift = {("wall", 0): 0.0, ("cpu", 1): 0.0}
     for i, name in enumerate(names):
         cols = []
-        for p, r in runs.items():
+        for r in runs.values():
             for k in ("wall", "cpu"):
                 med, mn = stats(r[k][i])
                 cols.append(f"{med * 1e3:8.3f} {mn * 1e3:8.3f}")

@@ -45,13 +45,13 @@ class Load:
     cpus: int
 
     def describe(self) -> str:
-        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
         load = "-" if self.loadavg is None else f"{self.loadavg:.2f}"
         return (f"load {load} on {self.cpus} CPUs, steal {pct(self.steal)}, other processes {pct(self.others)} "
                 f"of the CPUs over {self.seconds:.0f} s")
 
     def to_dict(self) -> dict:
-        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        r = lambda x: None if x is None else round(x, 4)
         return {"seconds": round(self.seconds, 1), "steal": r(self.steal), "busy": r(self.busy),
                 "others": r(self.others), "loadavg": self.loadavg, "cpus": self.cpus}
 
