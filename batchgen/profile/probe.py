@@ -99,20 +99,20 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
                 recorded.append(points[i]["seconds"])
         if not chosen:
             raise ValueError(f"{path}: none of its points is on the profiler's grid {settings['grid']!r} for this model")
-        # timed as the file was: its clock and statistic (a file from before the CPU clock: the wall's median)
+        # timed on the file's clock (a file from before the CPU clock: the wall's)
         kind = settings.get("clock", "wall") if clock_kind(device) == "cpu" else "wall"
         with using(kind):
-            samples = measure(chosen, Clock(device), settings.get("warmup", 2), repeats, rounds=2)
+            samples = measure(chosen, Clock(device, settings.get("evict_bytes", 0)), settings.get("warmup", 2),
+                              repeats, rounds=2)
     finally:
         torch.set_num_threads(before)
-    minimum = settings.get("statistic") == "minimum"
     by_module: dict[str, list[float]] = {}
     for case, s, seconds in zip(chosen, samples, recorded):
-        by_module.setdefault(case.module, []).append((s.minimum if minimum else s.median) / seconds)
+        by_module.setdefault(case.module, []).append(s.median / seconds)
     return Drift(Path(path), {m: statistics.median(r) for m, r in by_module.items()}, len(chosen))
 
 
 def _point(point: dict) -> str:
     """A grid point's coordinates as a key (a file's point also carries its measurement)."""
-    measured = ("seconds", "p10", "spread", "repeats", "wall_median")
+    measured = ("seconds", "p10", "minimum", "spread", "repeats", "wall_median")
     return json.dumps({k: v for k, v in point.items() if k not in measured}, sort_keys=True)

@@ -1,12 +1,15 @@
-"""Timing one module call many times: warm-up, repeats in rounds, a robust statistic and the spread.
+"""Timing one module call many times: warm-up, repeats in rounds, the median and the spread.
 
 Points are measured in rounds (every point a few times per round, the whole grid round after round), so that a
 slow minute of a shared machine spreads over all points instead of biasing a few. CPU: the executor's clock
-around each call (batchgen.exec.clock: with one thread, the thread's CPU time, which a neighbour cannot inflate),
-the wall clock beside it, and the minimum of the calls as the point's seconds: interference only ever adds to a
-call, so the fastest call is the module's own cost (the median keeps the neighbours in; see
-benchmarks/results/validation.md). CUDA: events recorded around each call and read once per point and round (one
-synchronise per point, never one per call), as the executor's own timer does, and the median.
+around each call (batchgen.exec.clock: with one thread, the thread's CPU time, which a neighbour taking the core
+cannot inflate), the wall clock beside it, and, untimed before each call, a read of a buffer as large as the
+model's weights, so that the call finds the caches as a run leaves them (the rest of the model has passed
+through since the module last ran). A point's seconds are the median of its calls: on the CPU clock what is
+left of the calls' spread is the machine's own (caches, the host's other guests), which a run's thousands of calls
+pay on average too; the minimum was 6-15% below the median per module and predicted whole runs 5-30% low per
+module (benchmarks/results/validation.md). CUDA: events recorded around each call and read once per point and
+round (one synchronise per point, never one per call), as the executor's own timer does.
 """
 from __future__ import annotations
 
@@ -48,13 +51,16 @@ class Samples:
 
 
 class Clock:
-    """Times calls of a callable on one device without adding synchronisation between them. `statistic`: what a
-    point's seconds are, `minimum` on CPU (its clock the executor's, batchgen.exec.clock), `median` on CUDA."""
+    """Times calls of a callable on one device without adding synchronisation between them (on CPU with the
+    executor's clock, batchgen.exec.clock)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, evict_bytes: int = 0):
+        """`evict_bytes` (CPU): before each timed call, untimed, read a buffer this large, so that the call finds
+        the caches as a run leaves them (the rest of the model passed through since the module last ran)."""
         self.cuda = device.type == "cuda"
-        self.statistic = "median" if self.cuda else "minimum"
         self.last_wall: list[float] = []
+        self._evict = (torch.ones(evict_bytes // 4, dtype=torch.float32)
+                       if evict_bytes and not self.cuda else None)
 
     def time_calls(self, fn: Callable[[], object], calls: int) -> list[float]:
         """Seconds of each of `calls` back-to-back calls of fn (`last_wall`: their wall seconds, on CPU)."""
@@ -70,14 +76,16 @@ class Clock:
             return [s.elapsed_time(e) / 1e3 for s, e in marks]
         out, self.last_wall = [], []
         for _ in range(calls):
+            self.evict()
             w0, t0 = time.perf_counter(), clock.now()
             fn()
             out.append(clock.now() - t0)
             self.last_wall.append(time.perf_counter() - w0)
         return out
 
-    def best(self, s: Samples) -> float:
-        return s.median if self.cuda else s.minimum
+    def evict(self) -> None:
+        if self._evict is not None:
+            self._evict.sum()
 
     def sync(self) -> None:
         if self.cuda:
