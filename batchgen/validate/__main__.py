@@ -9,8 +9,9 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.memory import ConfigError
-from batchgen.validate.cases import USAGE, cases_from_args
+from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
 from batchgen.validate.compare import calibrations, compare, compose_case, measure
+from batchgen.validate.fresh import fresh_path, profile_here
 from batchgen.validate.report import differences, header, row, summary_line
 
 
@@ -18,15 +19,22 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    fresh = fresh_path() if profiles_first(argv) else None
     try:
-        cases = cases_from_args(argv)
+        cases = cases_from_args(argv, fresh)
         # every config composes before any case runs: a typo fails in a second
         configs = [compose_case(case) for case in cases]
     except (ConfigError, HydraException, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from batchgen.profile.probe import describe, stale  # torch: imported once the configs are known to be good
+    from batchgen.exec.load import LoadMeter  # torch: imported once the configs are known to be good
+    from batchgen.profile.probe import describe, stale
 
+    meter = LoadMeter()
+    if fresh is not None:
+        print("profiling this machine first (the quick grid, then the in-run stage; latency.calibration=FILE "
+              "validates a stored calibration instead)", file=sys.stderr, flush=True)
+        profile_here(configs[0], fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
     tables = calibrations(configs)
     checks = [check(tables, "before the executor's runs")]
 
@@ -53,7 +61,11 @@ def main(argv: list[str]) -> int:
         print(line)
     for path in checked:
         print(describe([c[path] for c in checks]))
-    print(f"scaled by CPU share (contention removed, an estimate): {summary_line(results, cpu=True)}")
+    if any(r.clock == "wall" for r in results):
+        print(f"scaled by CPU share (contention removed, an estimate): {summary_line(results, cpu=True)}")
+    print(f"machine during the run: {meter.read().describe()}"
+          + (f"; this run's calibration: {fresh} (latency.calibration={fresh} predicts from it again)"
+             if fresh is not None else ""))
     if drift is not None:
         print(f"rescaled by the calibration check's factor {drift:.2f} (the machine's change of speed since it was "
               f"profiled taken out, an estimate): {summary_line(results, drift=True)}")

@@ -33,11 +33,13 @@ class CaseResult:
     case: Case
     measured: Side
     predicted: Side
-    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s is their median)
+    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s: their median; the CPU clock's minimum)
     cpu_share: float              # the median run's CPU seconds / (wall x threads): < 1 when the cores were taken
     difference: Difference | None  # where the decision traces part; None: equal
     boundaries: int
     drift: float | None = None    # this machine's seconds per calibrated second during the run (profile.probe)
+    clock: str = "wall"           # what the executor timed with (batchgen.exec.clock)
+    wall_s: float = 0.0           # the reported run's wall-clock BCT (beside a CPU-clock one)
 
     @property
     def error(self) -> float:
@@ -47,7 +49,10 @@ class CaseResult:
     @property
     def cpu_error(self) -> float:
         """The error against the measured BCT scaled by the CPU share: an estimate of what an idle machine
-        would have measured (one thread descheduled part of the time), to tell noise from model error."""
+        would have measured (one thread descheduled part of the time), to tell noise from model error. On the
+        CPU clock the measurement is already that: the error itself."""
+        if self.clock == "cpu":
+            return self.error
         return self.predicted.bct_s / (self.measured.bct_s * self.cpu_share) - 1.0 if self.cpu_share else self.error
 
     @property
@@ -94,7 +99,8 @@ def module_totals(records, total: float) -> dict[str, float]:
 def measure(cases: list[Case], progress=None, configs: list | None = None) -> list:
     """Each case's executor repeats, taken in rounds over all cases (case 1 run 1, case 2 run 1, ..., case 1
     run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
-    instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run).
+    instead of every repeat of one, and the medians hold. Returns each case's reported run
+    (exec.run.representative_run: on the CPU clock the fastest, else the median).
     `configs`: the cases' configs as `compose_case` made them (composed here where not given)."""
     from batchgen.exec.run import ExecSettings, execute, representative_run
 
@@ -127,4 +133,5 @@ def compare(case: Case, measured, drift: float | None = None) -> CaseResult:
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
                       Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
-                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace), drift)
+                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace), drift,
+                      measured.clock, measured.wall_bct_s)

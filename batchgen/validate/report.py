@@ -14,15 +14,17 @@ def _pct(x: float | None) -> str:
 
 
 def header() -> str:
-    cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "cpu".rjust(5), "predicted s".rjust(11),
-            "error".rjust(7), "err@cpu".rjust(7)]
+    """measured s: the executor's BCT (on the CPU clock, the working thread's CPU time of the fastest repeat; wall
+    s: that run's wall time); cpu: its CPU share (CPU seconds / wall seconds)."""
+    cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "wall s".rjust(7), "cpu".rjust(5),
+            "predicted s".rjust(11), "error".rjust(7), "err@cpu".rjust(7)]
     cols += [f"{p} meas/pred s (err)".rjust(26) for p in PARTS]
     return "  ".join(cols + ["decisions"])
 
 
 def row(r: CaseResult) -> str:
     cols = [r.case.name.ljust(24), f"{r.measured.bct_s:10.3f}", f"{100 * r.spread:6.1f}%",
-            f"{100 * r.cpu_share:4.0f}%", f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}",
+            f"{r.wall_s:7.3f}" if r.clock == "cpu" else "-".rjust(7), f"{100 * r.cpu_share:4.0f}%", f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}",
             f"{_pct(r.cpu_error):>7}"]
     for p in PARTS:
         meas, pred = r.measured.modules.get(p, 0.0), r.predicted.modules.get(p, 0.0)
