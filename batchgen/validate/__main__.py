@@ -10,7 +10,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.memory import ConfigError
 from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
-from batchgen.validate.compare import calibrations, compare, compose_case, measure
+from batchgen.validate.compare import calibrations, compare, compose_case, measure_rounds, pick_run
 from batchgen.validate.fresh import fresh_path, profile_here
 from batchgen.validate.report import differences, header, row, summary_line
 
@@ -42,20 +42,33 @@ def main(argv: list[str]) -> int:
         print(f"executor: round {k} of every case done", file=sys.stderr, flush=True)
         checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
     try:
-        measured = measure(cases, round_done, configs)
+        rounds = measure_rounds(cases, round_done, configs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # one table in the usual run (one model): where its checks find that it no longer describes this machine,
-    # their mean factor rescales every prediction (within the tolerance the factor is not told from noise)
     checked = [path for path in tables if all(path in c for c in checks)]
-    drift = statistics.mean(c[checked[0]].factor for c in checks) if len(tables) == len(checked) == 1 else None
-    if drift is not None and not stale(drift):
-        drift = None
+    one = checked[0] if len(tables) == len(checked) == 1 else None  # one table in the usual run (one model)
+    drift = speeds = None
+    if fresh is not None and one is not None:
+        # this run's own calibration: each round's runs are predicted for the machine as the checks before and
+        # after that round found it (seconds now per profiled second), so the calibration describes the machine
+        # at the moment of the runs
+        speeds = [statistics.mean((checks[k][one].factor, checks[k + 1][one].factor)) for k in range(len(checks) - 1)]
+    elif one is not None:
+        # a stored file: where its checks find that it no longer describes this machine, their mean factor
+        # rescales every prediction on a line of its own (within the tolerance it is not told from noise)
+        drift = statistics.mean(c[one].factor for c in checks)
+        drift = drift if stale(drift) else None
     print(header(), flush=True)
     results = []
-    for case, run in zip(cases, measured):
-        results.append(compare(case, run, drift))
+    for case, runs in zip(cases, rounds):
+        if speeds is not None:
+            run, speed = pick_run(runs, speeds[:len(runs)])
+            results.append(compare(case, run, drift, speed))
+        else:
+            from batchgen.exec.run import representative_run
+
+            results.append(compare(case, representative_run(runs), drift))
         print(row(results[-1]), flush=True)
     for line in differences(results):
         print(line)
@@ -66,6 +79,10 @@ def main(argv: list[str]) -> int:
     print(f"machine during the run: {meter.read().describe()}"
           + (f"; this run's calibration: {fresh} (latency.calibration={fresh} predicts from it again)"
              if fresh is not None else ""))
+    if speeds is not None:
+        print("each round's speed (seconds now per profiled second, the checks before and after it): "
+              + ", ".join(f"{f:.2f}x" for f in speeds)
+              + f"; without it: {summary_line(results, unscaled=True)}")
     if drift is not None:
         print(f"rescaled by the calibration check's factor {drift:.2f} (the machine's change of speed since it was "
               f"profiled taken out, an estimate): {summary_line(results, drift=True)}")
