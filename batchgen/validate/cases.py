@@ -43,8 +43,10 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   latency.calibration=FILE                  validate a stored calibration instead of profiling (or latency=roofline)
   any other override (model=..., workload.num_sequences=..., efficiency=..., ...) applies to every case
   Before the executor's runs and after each round, a few of the calibration's own points are timed again (a
-  couple of seconds): their factor says whether the calibration still describes this machine; where it does not,
-  a line before the last gives the errors with the predictions rescaled by it (the machine's change taken out)."""
+  couple of seconds): with this run's own calibration, their factor around each round scales that round's
+  predictions (the speed column; the line before the last: the errors without it); with a stored file, it says
+  whether the file still describes this machine, and where it does not a line before the last gives the errors
+  with the predictions rescaled by it."""
 
 
 @dataclass(frozen=True)
