@@ -51,9 +51,12 @@ def main(argv: list[str]) -> int:
     drift = speeds = None
     if fresh is not None and one is not None:
         # this run's own calibration: each round's runs are predicted for the machine as the checks before and
-        # after that round found it (seconds now per profiled second), so the calibration describes the machine
-        # at the moment of the runs
-        speeds = [statistics.mean((checks[k][one].factor, checks[k + 1][one].factor)) for k in range(len(checks) - 1)]
+        # after that round found it, relative to the first check, taken just after the in-run stage whose ratios
+        # already fit the calibration to the machine of that moment (so the calibration describes the machine at
+        # the moment of the runs, and a change between the grid and the in-run stage is not counted twice)
+        first = checks[0][one].factor
+        speeds = [statistics.mean((checks[k][one].factor, checks[k + 1][one].factor)) / first
+                  for k in range(len(checks) - 1)]
     elif one is not None:
         # a stored file: where its checks find that it no longer describes this machine, their mean factor
         # rescales every prediction on a line of its own (within the tolerance it is not told from noise)
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
           + (f"; this run's calibration: {fresh} (latency.calibration={fresh} predicts from it again)"
              if fresh is not None else ""))
     if speeds is not None:
-        print("each round's speed (seconds now per profiled second, the checks before and after it): "
+        print("each round's speed (seconds now per second of the first check, the checks before and after it): "
               + ", ".join(f"{f:.2f}x" for f in speeds)
               + f"; without it: {summary_line(results, unscaled=True)}")
     if drift is not None:
