@@ -44,7 +44,8 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   any other override (model=..., workload.num_sequences=..., efficiency=..., ...) applies to every case
   Before the executor's runs and after each round, a few of the calibration's own points are timed again (a
   couple of seconds): with this run's own calibration, their factor around each round scales that round's
-  predictions (the speed column; the line before the last: the errors without it); with a stored file, it says
+  predictions in the table (the speed column, and the line before the last; the last line is unscaled); with a
+  stored file, it says
   whether the file still describes this machine, and where it does not a line before the last gives the errors
   with the predictions rescaled by it."""
 

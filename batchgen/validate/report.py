@@ -15,8 +15,8 @@ def _pct(x: float | None) -> str:
 
 def header() -> str:
     """measured s: the executor's BCT (on the CPU clock, the working thread's CPU time of the fastest repeat; wall
-    s: that run's wall time); cpu: its CPU share (CPU seconds / wall seconds); speed: the factor the prediction
-    is scaled by (the calibration checks around that run's round); predicted s and the modules: scaled."""
+    s: that run's wall time); cpu: its CPU share (CPU seconds / wall seconds); speed: the calibration checks'
+    factor around that run's round, which predicted s, error and the modules are scaled by (the last line is not)."""
     cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "wall s".rjust(7), "cpu".rjust(5),
             "speed".rjust(6), "predicted s".rjust(11), "error".rjust(7), "err@cpu".rjust(7)]
     cols += [f"{p} meas/pred s (err)".rjust(26) for p in PARTS]
