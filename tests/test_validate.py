@@ -7,6 +7,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from batchgen.decisions import BoundaryDecision, first_difference, ranges, trace
 from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 from batchgen.sim.run import simulate
-from batchgen.validate.cases import LATENCY, cases_from_args
+from batchgen.validate.cases import cases_from_args, profiles_first
 from batchgen.validate.compare import CaseResult, Side
 from batchgen.validate.report import summary_line
 from tests.conftest import make_job
@@ -88,11 +89,20 @@ def test_simulated_modules_add_up_to_the_priced_run(padding):
         assert sum(r.modules.values()) == pytest.approx(r.duration, rel=1e-9)
 
 
-def test_cases_default_to_three_workloads_by_every_policy():
-    cases = cases_from_args([])
+def test_cases_default_to_three_workloads_by_every_policy_on_this_runs_own_calibration():
+    assert profiles_first([]) and profiles_first(["workload=small"])
+    cases = cases_from_args([], Path("fresh.json"))
     assert len({c.workload for c in cases}) >= 3 and {c.policy for c in cases} == set(policy_names())
-    assert all(LATENCY[0] in c.overrides and "backend.threads=1" in c.overrides for c in cases)
+    assert all("latency.calibration=fresh.json" in c.overrides and "backend.threads=1" in c.overrides
+               and "backend.clock=cpu" in c.overrides for c in cases)
     assert len(cases) == len(policy_names()) * len({c.workload for c in cases})
+
+
+def test_a_stored_calibration_on_the_command_line_replaces_the_runs_own():
+    args = ["latency.calibration=cpu_epyc_milan_2c-tiny_moe.json"]
+    assert not profiles_first(args) and not profiles_first(["latency=roofline"])
+    for c in cases_from_args(args):
+        assert "latency=table" in c.overrides and args[0] in c.overrides
 
 
 def test_cases_follow_the_command_line():
@@ -100,8 +110,8 @@ def test_cases_follow_the_command_line():
                              "latency=roofline", "backend.repeats=7"])
     assert [c.name for c in cases] == ["azure_conv/static", "azure_conv/coroutine"]
     for c in cases:
-        assert "latency=roofline" in c.overrides and LATENCY[1] not in c.overrides
-        assert c.overrides.index("backend.repeats=7") > c.overrides.index("backend.repeats=5")  # the user wins
+        assert "latency=roofline" in c.overrides and not any(o.startswith("latency.calibration") for o in c.overrides)
+        assert c.overrides.index("backend.repeats=7") > c.overrides.index("backend.repeats=3")  # the user wins
         assert "workload.trace=my.csv" in c.overrides
 
 

@@ -1,4 +1,5 @@
-"""The exec backend: the engine's runs executed on real tensors, timed by the wall clock.
+"""The exec backend: the engine's runs executed on real tensors, timed by the executor's clock (the wall clock, or
+the working thread's CPU time: batchgen.exec.clock).
 
 Placement decisions are already applied to the `ClusterState` when a run starts, and the plan carries them as
 explicit KV ops per GPU (batchgen.core.ops): `move_kv` carries them out, cache by cache (YIELD to the host copy,
@@ -20,7 +21,6 @@ declares no two-batch overlap (`exec_capabilities`) and the engine refuses a pol
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any, Generator
 
@@ -33,6 +33,7 @@ from batchgen.core.sequences import SUSPENDED, InvariantError
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult
 from batchgen.policy.base import Capabilities
+from batchgen.exec import clock
 from batchgen.exec.account import KVAccount
 from batchgen.exec.kv_cache import Migrated, PagedKVCache, migrate
 from batchgen.exec.runner import InstanceRunner, RankBatch
@@ -87,7 +88,7 @@ class ExecBackend:
         self.check = check
         self.moves = Counter()  # KV operations carried out: yield, offload, restore, migrate, evict, partition
         self.account = KVAccount(state.topo.num_gpus)  # the bytes they (and the runs' checkpoints) copied
-        self._t0 = time.perf_counter()
+        self._t0 = clock.now()
         model = runners[0].model
         self._is_moe = any(model.moe(l) is not None for l in range(model.num_layers))
         self.capabilities = exec_capabilities(model.config)
@@ -96,7 +97,7 @@ class ExecBackend:
 
     # ---- Backend protocol ---------------------------------------------------------------------------
     def now(self) -> float:
-        return time.perf_counter() - self._t0
+        return clock.now() - self._t0
 
     def execute(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         if plan.ops is None:
@@ -419,11 +420,11 @@ class ExecBackend:
     def _timed_sample(self, order: list[int], logits: torch.Tensor, stats, modules: Counter) -> list[int]:
         """Sample, and add the forward's module seconds to `modules`: attention (all ranks: they share one
         device here), ffn, and head = LM head + sampling (what validation compares per module)."""
-        start = time.perf_counter()
+        start = clock.now()
         sampled = self._sample(order, logits)
         modules["attention"] += float(sum(stats.rank_attention_s))
         modules["ffn"] += stats.ffn_s
-        modules["head"] += stats.head_s + time.perf_counter() - start
+        modules["head"] += stats.head_s + clock.now() - start
         return sampled
 
     def _result(self, plan, iterations, produced, finished, offsets, pre_finished, busy, expert_tokens, calls,

@@ -17,16 +17,17 @@ Where a sequence's KV is decides how its attention runs (`RankBatch.host_residen
   group (the lead and the next tp - 1 ranks), each over its head shard (`shards.py`), and the shards' partial
   outputs are summed (the all-reduce that joins them) before the residual.
 Timings never add synchronisation on CUDA: events are recorded around modules and read once, at the end of
-the forward (which waits for the logits anyway). On CPU the wall clock is read around each module.
+the forward (which waits for the logits anyway). On CPU the executor's clock (batchgen.exec.clock) is read around
+each module.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.exec import clock
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
@@ -157,9 +158,10 @@ class InstanceRunner:
                 self.partition.layer(self.model, layer, hidden, [p for p in pieces if p.kind == "shard"], timer)
             start = timer.start()
             if offload:  # an FFN per attention micro-batch (the weights already loaded for the layer)
-                for rows in _ffn_rows(pieces):
+                ffn_rows = _ffn_rows(pieces, mb)
+                for rows in ffn_rows:
                     hidden[rows] = self.model.ffn_block(layer, hidden[rows])
-                stats.ffn_calls += len(_ffn_rows(pieces))
+                stats.ffn_calls += len(ffn_rows)
             else:
                 hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
             timer.stop(start, "ffn")
@@ -288,12 +290,28 @@ class InstanceRunner:
             stats.appended_bytes += p.meta.num_tokens * p.cache.bytes_per_token
 
 
-def _ffn_rows(pieces: list["_Piece"]) -> list[slice]:
-    """The distinct row ranges of a forward's micro-batches, in order (a partition group's shards share one)."""
+def _ffn_rows(pieces: list["_Piece"], mb: int) -> list[slice]:
+    """The row ranges of a forward's FFN calls under an offloading schedule, in order: one per micro-batch of `mb`
+    sequences. Device decode pieces are attention calls of similar contexts (`_chunks_similar`), several to a
+    micro-batch: consecutive ones of a rank are joined and cut into micro-batches of `mb` rows (what the simulator
+    prices, `plan.decode._host_micro_batches`); any other piece is its own (a partition group's shards share one)."""
     out: list[slice] = []
+    span: list[int] | None = None  # [rank, first row, end] of consecutive device decode pieces
+
+    def flush() -> None:
+        if span is not None:
+            out.extend(slice(span[1] + lo, span[1] + hi) for lo, hi in _chunks(span[2] - span[1], mb))
+
     for p in pieces:
-        if not out or p.rows != out[-1]:
+        decode = p.kind == "device" and p.rows.stop - p.rows.start == len(p.seq_ids)
+        if decode and span is not None and span[0] == p.rank and span[2] == p.rows.start:
+            span[2] = p.rows.stop
+            continue
+        flush()
+        span = [p.rank, p.rows.start, p.rows.stop] if decode else None
+        if not decode and (not out or p.rows != out[-1]):
             out.append(p.rows)
+    flush()
     return out
 
 
@@ -334,9 +352,9 @@ def _chunks_within(pages: list[int], size: int, capacity: int | None):
 
 
 class _Timer:
-    """Seconds per bucket. CPU: the wall clock around each module. CUDA: events on the compute stream, read
-    after the forward, so that timing never synchronises (a sync per module would serialise the staging
-    restores with attention and bias what is measured)."""
+    """Seconds per bucket. CPU: the executor's clock (batchgen.exec.clock) around each module. CUDA: events on the
+    compute stream, read after the forward, so that timing never synchronises (a sync per module would serialise
+    the staging restores with attention and bias what is measured)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -348,7 +366,7 @@ class _Timer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return clock.now()
 
     def stop(self, start, bucket) -> None:
         if self.cuda:
@@ -356,7 +374,7 @@ class _Timer:
             end.record()
             self._marks.append((start, end, bucket))
         else:
-            self._totals[bucket] = self._totals.get(bucket, 0.0) + time.perf_counter() - start
+            self._totals[bucket] = self._totals.get(bucket, 0.0) + clock.now() - start
 
     def totals(self) -> dict:
         if self._marks:

@@ -5,19 +5,19 @@ own `prepare`, the hidden rows written back as `InstanceRunner.forward` does. FF
 the order `ffn_block` runs them (router = post-attention norm + gate + top-k + the residual add; experts; shared
 experts), a dense layer's whole `ffn_block`. LM head: `final_logits` + `sample` (greedy, the executor's
 default). Step: a whole decode iteration (`InstanceRunner.forward` + sampling + token bookkeeping, as
-`ExecBackend._decode` does) minus the modules timed inside it. Copies: `copy_` between host and device
-tensors (on a CPU device both are host memory: a memcpy).
+`ExecBackend._decode` does) minus the modules timed inside it, all on the executor's clock (batchgen.exec.clock).
+Copies: `copy_` between host and device tensors (on a CPU device both are host memory: a memcpy).
 
 Each case is set up, timed and torn down once per round, so KV pools hold one point's sequences at a time.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from batchgen.exec import clock
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import MoEDecoder
 from batchgen.exec.runner import InstanceRunner, RankBatch
@@ -48,7 +48,7 @@ class Case:
 
 @dataclass
 class SelfTimedCase(Case):
-    """A point whose call returns its own seconds (the step overhead: a wall time minus modules)."""
+    """A point whose call returns its own seconds (the step overhead: a whole iteration's time minus modules)."""
 
     def measure(self, clock: Clock, warmup: int, calls: int) -> list[float]:
         fn, cleanup = self.setup()
@@ -243,7 +243,7 @@ def _step_case(bench: Bench, B: int, context: int) -> Case:
         model.final_logits = head.wrap(MoEDecoder.final_logits.__get__(model))
 
         def call() -> float:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             batch = RankBatch(cache, [], [], [], [], [], [])
             for sid in ids:
                 batch.seq_ids.append(sid)
@@ -254,16 +254,16 @@ def _step_case(bench: Bench, B: int, context: int) -> Case:
             batch.host_resident = [False] * B
             logits, stats = runner.forward([batch])
             order = batch.seq_ids
-            t1 = time.perf_counter()
+            t1 = clock.now()
             toks = sample(torch.cat(logits), [GREEDY] * B, order, [len(generated[s]) for s in order]).tolist()
-            t2 = time.perf_counter()
+            t2 = clock.now()
             for sid, tok in zip(order, toks):
                 generated[sid].append(int(tok))
                 last[sid] = int(tok)
                 starts[sid] += 1
-            wall = time.perf_counter() - t0
+            whole = clock.now() - t0
             modules = sum(stats.rank_attention_s) + stats.ffn_s + head.take() + (t2 - t1)
-            return wall - modules
+            return whole - modules
 
         def cleanup():
             del model.final_logits  # back to the class's method
@@ -275,7 +275,7 @@ def _step_case(bench: Bench, B: int, context: int) -> Case:
 
 
 class _HeadTimer:
-    """Times `final_logits` inside a forward (wall clock on CPU, events on CUDA, read after the forward)."""
+    """Times `final_logits` inside a forward (the executor's clock on CPU, events on CUDA, read after the forward)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -291,9 +291,9 @@ class _HeadTimer:
                 b.record()
                 self._marks.append((a, b))
                 return out
-            t0 = time.perf_counter()
+            t0 = clock.now()
             out = fn(hidden)
-            self._s += time.perf_counter() - t0
+            self._s += clock.now() - t0
             return out
         return timed
 

@@ -73,7 +73,8 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
 
     from batchgen.profile.cases import Bench
     from batchgen.profile.grid import grid_named
-    from batchgen.profile.run import all_cases, build_profile_model, measure
+    from batchgen.exec.clock import using
+    from batchgen.profile.run import all_cases, build_profile_model, clock_kind, measure
     from batchgen.profile.timing import Clock
 
     calibration = json.loads(Path(path).read_text())
@@ -98,7 +99,11 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
                 recorded.append(points[i]["seconds"])
         if not chosen:
             raise ValueError(f"{path}: none of its points is on the profiler's grid {settings['grid']!r} for this model")
-        samples = measure(chosen, Clock(device), settings.get("warmup", 2), repeats, rounds=2)
+        # timed on the file's clock (a file from before the CPU clock: the wall's)
+        kind = settings.get("clock", "wall") if clock_kind(device) == "cpu" else "wall"
+        with using(kind):
+            samples = measure(chosen, Clock(device, settings.get("evict_bytes", 0)), settings.get("warmup", 2),
+                              repeats, rounds=2)
     finally:
         torch.set_num_threads(before)
     by_module: dict[str, list[float]] = {}
@@ -109,5 +114,5 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
 
 def _point(point: dict) -> str:
     """A grid point's coordinates as a key (a file's point also carries its measurement)."""
-    return json.dumps({k: v for k, v in point.items() if k not in ("seconds", "p10", "spread", "repeats")},
-                      sort_keys=True)
+    measured = ("seconds", "p10", "minimum", "spread", "repeats", "wall_median")
+    return json.dumps({k: v for k, v in point.items() if k not in measured}, sort_keys=True)

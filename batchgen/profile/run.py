@@ -14,6 +14,8 @@ import torch
 
 import batchgen
 from batchgen.latency.calibration_file import FORMAT
+from batchgen.exec.clock import using
+from batchgen.exec.load import LoadMeter
 from batchgen.exec.models import ExecModelConfig, MoEDecoder, init_random
 from batchgen.profile.cases import Bench, Case, attention_cases, copy_cases, ffn_cases, lm_head_cases, step_cases
 from batchgen.profile.grid import Grid
@@ -61,10 +63,28 @@ def measure(cases: list[Case], clock: Clock, warmup: int, repeats: int, rounds: 
     for r, calls in enumerate(split_repeats(repeats, rounds)):
         t0 = time.perf_counter()
         for case, s in zip(cases, samples):
+            clock.last_wall = []
             s.seconds.extend(case.measure(clock, warmup, calls))
+            s.wall.extend(clock.last_wall)
         if log:
             log(f"round {r + 1}: {len(cases)} points in {time.perf_counter() - t0:.1f} s")
     return samples
+
+
+EVICT_MAX_BYTES = 1 << 29  # a buffer read between timed calls at most this large (512 MiB)
+
+
+def evict_bytes(spec: ModelSpec, device: torch.device) -> int:
+    """CPU: the model's weight bytes (what a run reads between two calls of one layer's module), up to
+    EVICT_MAX_BYTES; CUDA: 0 (events time the kernels; the GPU's L2 is small beside any layer)."""
+    if device.type != "cpu":
+        return 0
+    return int(min(spec.total_params * spec.weight_bytes, EVICT_MAX_BYTES))
+
+
+def clock_kind(device: torch.device) -> str:
+    """The executor's clock for a profile on `device` with the threads now in force (batchgen.exec.clock)."""
+    return "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
 
 
 def profile(spec: ModelSpec, settings: ProfileSettings, log=None) -> dict:
@@ -72,34 +92,44 @@ def profile(spec: ModelSpec, settings: ProfileSettings, log=None) -> dict:
     before = torch.get_num_threads()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
+    kind, meter = clock_kind(settings.device), LoadMeter()
     try:
-        start = time.perf_counter()
-        torch.manual_seed(settings.seed)
-        model = build_profile_model(spec, settings.device, settings.dtype, settings.seed)
-        bench = Bench(model, settings.page_size, settings.seed)
-        cases = all_cases(bench, settings.grid, spec)
-        if log:
-            log(f"profiling {spec.name} on {settings.device} ({settings.dtype}, {torch.get_num_threads()} "
-                f"threads): {len(cases)} points x {settings.repeats} repeats, grid {settings.grid.name}")
-        samples = measure(cases, Clock(settings.device), settings.warmup, settings.repeats,
-                          settings.grid.rounds, log)
-        modules: dict[str, list[dict]] = {}
-        for case, s in zip(cases, samples):
-            # the step overhead is a difference of wall times: it can dip below 0 by noise on tiny batches
-            seconds = max(s.median, 0.0)
-            modules.setdefault(case.module, []).append(
-                {**case.point, "seconds": seconds, "p10": max(s.p10, 0.0), "spread": round(s.spread, 4),
-                 "repeats": len(s.seconds)})
-        return {"format": FORMAT, "key": device_key(spec, settings),
-                "settings": {"warmup": settings.warmup, "repeats": settings.repeats, "rounds": settings.grid.rounds,
-                             "grid": settings.grid.name, "page_tokens": settings.page_size,
-                             "layers_built": model.num_layers, "sampling": "greedy",
-                             "spread": "(p90 - p10) / median of the repeats", "p10": "10th percentile of the repeats",
-                             "seconds": "median per call of one layer's module (lm_head, step: per forward)",
-                             "wall_s": round(time.perf_counter() - start, 1)},
-                "modules": modules}
+        with using(kind):
+            return _profile(spec, settings, kind, meter, log)
     finally:
         torch.set_num_threads(before)
+
+
+def _profile(spec: ModelSpec, settings: ProfileSettings, kind: str, meter: LoadMeter, log) -> dict:
+    start = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    model = build_profile_model(spec, settings.device, settings.dtype, settings.seed)
+    bench = Bench(model, settings.page_size, settings.seed)
+    cases = all_cases(bench, settings.grid, spec)
+    if log:
+        log(f"profiling {spec.name} on {settings.device} ({settings.dtype}, {torch.get_num_threads()} "
+            f"threads, {kind} clock): {len(cases)} points x {settings.repeats} repeats, grid {settings.grid.name}")
+    clock = Clock(settings.device, evict_bytes(spec, settings.device))
+    samples = measure(cases, clock, settings.warmup, settings.repeats, settings.grid.rounds, log)
+    modules: dict[str, list[dict]] = {}
+    for case, s in zip(cases, samples):
+        # the step overhead is a difference of two times: it can dip below 0 by noise on tiny batches
+        point = {**case.point, "seconds": max(s.median, 0.0), "p10": max(s.p10, 0.0),
+                 "minimum": max(s.minimum, 0.0), "spread": round(s.spread, 4), "repeats": len(s.seconds)}
+        if s.wall:
+            point["wall_median"] = float(np.median(s.wall))
+        modules.setdefault(case.module, []).append(point)
+    return {"format": FORMAT, "key": device_key(spec, settings),
+            "settings": {"warmup": settings.warmup, "repeats": settings.repeats, "rounds": settings.grid.rounds,
+                         "grid": settings.grid.name, "page_tokens": settings.page_size,
+                         "layers_built": model.num_layers, "sampling": "greedy", "clock": kind,
+                         "evict_bytes": evict_bytes(spec, settings.device),
+                         "spread": "(p90 - p10) / median of the repeats", "p10": "10th percentile of the repeats",
+                         "seconds": f"median per call of one layer's module (lm_head, step: per forward), on the "
+                                    f"{kind} clock", "minimum": "the fastest call",
+                         "wall_median": "median wall seconds of the same calls (CPU clock only)",
+                         "load": meter.read().to_dict(), "wall_s": round(time.perf_counter() - start, 1)},
+            "modules": modules}
 
 
 def device_key(spec: ModelSpec, s: ProfileSettings) -> dict:

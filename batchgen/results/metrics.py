@@ -178,7 +178,8 @@ def _identity(out) -> dict[str, Any]:
 
 def _measurement(out) -> dict[str, Any]:
     """An executor run: what it ran on (resolved, never "auto") and how much its BCT moved between repeats.
-    bct_s is the median run's; bct_spread = (max - min) / median; a sweep compares the medians. cpu_share (CPU
+    bct_s is the median run's (with backend.clock=cpu, the fastest run's, on the working thread's CPU time: clock,
+    and bct_wall_runs_s beside it); bct_spread = (max - min) / bct_s; a sweep compares them. cpu_share (CPU
     seconds / (wall x threads)) well under 1 says other processes took the cores during the run."""
     if out.backend not in ("exec", "dist"):
         return {}
@@ -190,6 +191,9 @@ def _measurement(out) -> dict[str, Any]:
             "bct_runs_s": [_round(b) for b in runs], "bct_min_s": min(runs), "bct_max_s": max(runs),
             "bct_spread": _ratio(max(runs) - min(runs), median), "cpu_share": float(getattr(out, "cpu_share", 0.0)),
             "repeats_same_decisions": bool(getattr(out, "repeats_same_decisions", True)),
+            "clock": getattr(out, "clock", "wall"),
+            **({"bct_wall_runs_s": [_round(b) for b in out.repeat_wall_bcts], "load": out.load}
+               if getattr(out, "clock", "wall") == "cpu" else {}),
             **({"procs": int(out.procs), "rank_busy_s": [_round(x) for x in out.rank_busy_s],
                 "rank_comm_s": [_round(x) for x in out.rank_comm_s],
                 "rank_idle_s": [_round(x) for x in out.rank_idle_s],

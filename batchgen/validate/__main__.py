@@ -9,8 +9,9 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.memory import ConfigError
-from batchgen.validate.cases import USAGE, cases_from_args
-from batchgen.validate.compare import calibrations, compare, compose_case, measure
+from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
+from batchgen.validate.compare import calibrations, compare, compose_case, measure_rounds, pick_run
+from batchgen.validate.fresh import fresh_path, profile_here
 from batchgen.validate.report import differences, header, row, summary_line
 
 
@@ -18,15 +19,22 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    fresh = fresh_path() if profiles_first(argv) else None
     try:
-        cases = cases_from_args(argv)
+        cases = cases_from_args(argv, fresh)
         # every config composes before any case runs: a typo fails in a second
         configs = [compose_case(case) for case in cases]
     except (ConfigError, HydraException, OmegaConfBaseException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from batchgen.profile.probe import describe, stale  # torch: imported once the configs are known to be good
+    from batchgen.exec.load import LoadMeter  # torch: imported once the configs are known to be good
+    from batchgen.profile.probe import describe, stale
 
+    meter = LoadMeter()
+    if fresh is not None:
+        print("profiling this machine first (the quick grid, then the in-run stage; latency.calibration=FILE "
+              "validates a stored calibration instead)", file=sys.stderr, flush=True)
+        profile_here(configs[0], fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
     tables = calibrations(configs)
     checks = [check(tables, "before the executor's runs")]
 
@@ -34,30 +42,57 @@ def main(argv: list[str]) -> int:
         print(f"executor: round {k} of every case done", file=sys.stderr, flush=True)
         checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
     try:
-        measured = measure(cases, round_done, configs)
+        rounds = measure_rounds(cases, round_done, configs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # one table in the usual run (one model): where its checks find that it no longer describes this machine,
-    # their mean factor rescales every prediction (within the tolerance the factor is not told from noise)
     checked = [path for path in tables if all(path in c for c in checks)]
-    drift = statistics.mean(c[checked[0]].factor for c in checks) if len(tables) == len(checked) == 1 else None
-    if drift is not None and not stale(drift):
-        drift = None
+    one = checked[0] if len(tables) == len(checked) == 1 else None  # one table in the usual run (one model)
+    drift = speeds = None
+    if fresh is not None and one is not None:
+        # this run's own calibration: each round's runs are predicted for the machine as the checks before and
+        # after that round found it, relative to the first check, taken just after the in-run stage whose ratios
+        # already fit the calibration to the machine of that moment (so the calibration describes the machine at
+        # the moment of the runs, and a change between the grid and the in-run stage is not counted twice)
+        first = checks[0][one].factor
+        speeds = [statistics.mean((checks[k][one].factor, checks[k + 1][one].factor)) / first
+                  for k in range(len(checks) - 1)]
+    elif one is not None:
+        # a stored file: where its checks find that it no longer describes this machine, their mean factor
+        # rescales every prediction on a line of its own (within the tolerance it is not told from noise)
+        drift = statistics.mean(c[one].factor for c in checks)
+        drift = drift if stale(drift) else None
     print(header(), flush=True)
     results = []
-    for case, run in zip(cases, measured):
-        results.append(compare(case, run, drift))
+    for case, runs in zip(cases, rounds):
+        if speeds is not None:
+            run, speed = pick_run(runs, speeds[:len(runs)])
+            results.append(compare(case, run, drift, speed))
+        else:
+            from batchgen.exec.run import representative_run
+
+            results.append(compare(case, representative_run(runs), drift))
         print(row(results[-1]), flush=True)
     for line in differences(results):
         print(line)
     for path in checked:
         print(describe([c[path] for c in checks]))
-    print(f"scaled by CPU share (contention removed, an estimate): {summary_line(results, cpu=True)}")
+    if any(r.clock == "wall" for r in results):
+        print(f"scaled by CPU share (contention removed, an estimate): {summary_line(results, cpu=True)}")
+    print(f"machine during the run: {meter.read().describe()}"
+          + (f"; this run's calibration: {fresh} (latency.calibration={fresh} predicts from it again)"
+             if fresh is not None else ""))
+    if speeds is not None:
+        # the last line stays the prediction as profiled: the probes' small calls follow a neighbour's load more
+        # than whole runs do, and scaled by them the median error of three runs in a row spread 2.7 points where
+        # unscaled it spread 1.2 (benchmarks/results/validation.md)
+        print("each round's speed (seconds now per second of the first check, the checks before and after it): "
+              + ", ".join(f"{f:.2f}x" for f in speeds)
+              + f"; the predictions scaled by it (the speed column): {summary_line(results)}")
     if drift is not None:
         print(f"rescaled by the calibration check's factor {drift:.2f} (the machine's change of speed since it was "
               f"profiled taken out, an estimate): {summary_line(results, drift=True)}")
-    print(summary_line(results))
+    print(summary_line(results, unscaled=True))
     return 0
 
 

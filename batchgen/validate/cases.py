@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 
-# Small enough for a few minutes on 2 cores (5 repeats of 9 cases), varied enough to move every module:
+# Small enough for a few minutes on 2 cores (3 repeats of every policy on each), varied enough to move every module:
 # a synthetic long tail, and two real traces whose lengths no fit has seen (clipped: CPU time).
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "small": ("workload=small", "workload.num_sequences=24", "workload.input.low=32", "workload.input.high=256",
@@ -22,10 +23,10 @@ CPU = "cpu_epyc_milan_2c"
 CALIBRATION = CPU + "-{model}.json"  # one per model, shipped under batchgen/data/calibration/
 # The executor on this CPU, and the simulator of this CPU: one config for both backends (the same plan for
 # "auto" knobs, the same latency model for the plan and the prediction).
-BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=5",
-                         "backend.threads=1", f"cluster.gpu={CPU}", "output.plot=false")
-# the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...)
-LATENCY: tuple[str, ...] = ("latency=table", f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")
+BASE: tuple[str, ...] = ("model=tiny_moe", "backend=exec", "backend.device=cpu", "backend.repeats=3",
+                         "backend.threads=1", "backend.clock=cpu", f"cluster.gpu={CPU}", "output.plot=false")
+# the simulator's model of time, unless the command line picks another (latency=roofline, efficiency=...): a
+# calibration of this machine profiled first in the same run (batchgen.validate.fresh)
 # auto: conf/efficiency/cpu_epyc_milan_2c.yaml (the fitted factors) when it ships, else the data sheet's
 EFFICIENCY: tuple[str, ...] = ("efficiency=auto",)
 
@@ -33,14 +34,20 @@ EFFICIENCY: tuple[str, ...] = ("efficiency=auto",)
 NEEDS: dict[str, tuple[str, ...]] = {"pd_disagg": ("cluster.num_gpus=2",)}  # a prefill and a decode unit
 
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
-  Runs each workload x policy on the executor (CPU) and on the simulator (CPU calibration) and compares them.
+  Profiles this machine first (the quick grid and the in-run stage, about a minute; the file is kept under
+  outputs/validate/), then runs each workload x policy on the executor (CPU, one thread, timed on the thread's CPU
+  time, the fastest repeat) and on the simulator priced by that calibration, and compares them.
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
   policy=NAME[,NAME...]                     only these policies (default: all)
-  backend.repeats=N  backend.threads=N      executor repeats (default 5) and threads (default 1)
-  any other override (model=..., workload.num_sequences=..., latency=roofline, ...) applies to every case
+  backend.repeats=N  backend.threads=N      executor repeats (default 3) and threads (default 1)
+  latency.calibration=FILE                  validate a stored calibration instead of profiling (or latency=roofline)
+  any other override (model=..., workload.num_sequences=..., efficiency=..., ...) applies to every case
   Before the executor's runs and after each round, a few of the calibration's own points are timed again (a
-  couple of seconds): their factor says whether the calibration still describes this machine; where it does not,
-  a line before the last gives the errors with the predictions rescaled by it (the machine's change taken out)."""
+  couple of seconds): with this run's own calibration, their factor around each round scales that round's
+  predictions in the table (the speed column, and the line before the last; the last line is unscaled); with a
+  stored file, it says
+  whether the file still describes this machine, and where it does not a line before the last gives the errors
+  with the predictions rescaled by it."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +61,19 @@ class Case:
         return f"{self.workload}/{self.policy}"
 
 
-def cases_from_args(args: list[str]) -> list[Case]:
-    """Cases for the command line `args` (Hydra overrides); raises ConfigError for what validation cannot run."""
+def profiles_first(args: list[str]) -> bool:
+    """Whether validation profiles this machine first: unless the command line names a model of time."""
+    return not any(a.lstrip("+").split("=", 1)[0] in ("latency", "latency.calibration", "latency.name")
+                   for a in args)
+
+
+def cases_from_args(args: list[str], calibration: Path | None = None) -> list[Case]:
+    """Cases for the command line `args` (Hydra overrides); raises ConfigError for what validation cannot run.
+    `calibration`: the file the run's own profile will write (`profiles_first`), which every case's prediction
+    reads; the command line's latency=... / latency.calibration=FILE wins."""
     policies, workload, rest = list(policy_names()), None, []
-    model_of_time = {"latency": LATENCY, "efficiency": EFFICIENCY}
-    for arg in args:  # another model: its own calibration file
-        if arg.startswith("model="):
-            model_of_time["latency"] = ("latency=table", f"latency.calibration={CALIBRATION.format(model=arg[6:])}")
+    model_of_time = {"latency": ("latency=table", f"latency.calibration={calibration}") if calibration else (),
+                     "efficiency": EFFICIENCY}
     for arg in args:
         key, eq, value = arg.partition("=")
         if not eq or arg.startswith("-"):
@@ -73,8 +86,10 @@ def cases_from_args(args: list[str]) -> list[Case]:
                 raise ConfigError(f"policy={value}: choose among {', '.join(policy_names())} (comma-separated)")
         elif key == "workload":
             workload = value
-        elif key in model_of_time:
-            model_of_time[key] = (arg,)
+        elif key in ("latency", "latency.name", "efficiency"):
+            model_of_time["efficiency" if key == "efficiency" else "latency"] = (arg,)
+        elif key == "latency.calibration":
+            model_of_time["latency"] = ("latency=table", arg)
         elif key in ("backend", "backend.name"):
             raise ConfigError(f"{arg}: validation runs both backends itself; leave the backend out")
         else:

@@ -33,11 +33,16 @@ class CaseResult:
     case: Case
     measured: Side
     predicted: Side
-    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s is their median)
+    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s: their median; the CPU clock's minimum)
     cpu_share: float              # the median run's CPU seconds / (wall x threads): < 1 when the cores were taken
     difference: Difference | None  # where the decision traces part; None: equal
     boundaries: int
     drift: float | None = None    # this machine's seconds per calibrated second during the run (profile.probe)
+    clock: str = "wall"           # what the executor timed with (batchgen.exec.clock)
+    wall_s: float = 0.0           # the reported run's wall-clock BCT (beside a CPU-clock one)
+    speed: float | None = None    # the calibration checks' factor around the reported run's round, which
+                                  # `predicted` is scaled by (None: not scaled)
+    unscaled_s: float = 0.0       # the prediction before that scaling
 
     @property
     def error(self) -> float:
@@ -47,7 +52,10 @@ class CaseResult:
     @property
     def cpu_error(self) -> float:
         """The error against the measured BCT scaled by the CPU share: an estimate of what an idle machine
-        would have measured (one thread descheduled part of the time), to tell noise from model error."""
+        would have measured (one thread descheduled part of the time), to tell noise from model error. On the
+        CPU clock the measurement is already that: the error itself."""
+        if self.clock == "cpu":
+            return self.error
         return self.predicted.bct_s / (self.measured.bct_s * self.cpu_share) - 1.0 if self.cpu_share else self.error
 
     @property
@@ -55,6 +63,11 @@ class CaseResult:
         """The error of the prediction rescaled by the calibration check's factor: an estimate of the error left
         once the machine's change of speed since it was profiled is taken out (the model of time's own)."""
         return self.predicted.bct_s * self.drift / self.measured.bct_s - 1.0 if self.drift else self.error
+
+    @property
+    def unscaled_error(self) -> float:
+        """The error of the prediction from the calibration as profiled, before the checks' factor."""
+        return self.unscaled_s / self.measured.bct_s - 1.0 if self.speed else self.error
 
     @property
     def spread(self) -> float:
@@ -92,11 +105,29 @@ def module_totals(records, total: float) -> dict[str, float]:
 
 
 def measure(cases: list[Case], progress=None, configs: list | None = None) -> list:
+    """Each case's reported run (exec.run.representative_run) of `measure_rounds`."""
+    from batchgen.exec.run import representative_run
+
+    return [representative_run(r) for r in measure_rounds(cases, progress, configs)]
+
+
+def pick_run(runs: list, speeds: list[float]):
+    """Of a case's runs, one per round, the fastest once each is divided by its round's speed factor (this
+    machine's seconds per calibrated second then, from the calibration checks around the round): the run least
+    disturbed for the machine it ran on. Returns (that run, carrying every run's BCT, and its factor)."""
+    from batchgen.exec.run import median_run
+
+    normal = [bct(r) / f for r, f in zip(runs, speeds, strict=True)]
+    best = normal.index(min(normal))
+    return median_run(runs, pick=lambda bcts: bcts[best]), speeds[best]
+
+
+def measure_rounds(cases: list[Case], progress=None, configs: list | None = None) -> list[list]:
     """Each case's executor repeats, taken in rounds over all cases (case 1 run 1, case 2 run 1, ..., case 1
     run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
-    instead of every repeat of one, and the medians hold. Returns each case's median run (exec.run.median_run).
+    instead of every repeat of one, and the medians hold. Returns each case's runs, one per round.
     `configs`: the cases' configs as `compose_case` made them (composed here where not given)."""
-    from batchgen.exec.run import ExecSettings, execute, median_run
+    from batchgen.exec.run import ExecSettings, execute
 
     jobs = []
     for case, cfg in zip(cases, configs if configs is not None else [compose_case(case) for case in cases],
@@ -113,18 +144,21 @@ def measure(cases: list[Case], progress=None, configs: list | None = None) -> li
                 runs[i].append(execute(job, dataclasses.replace(s, repeats=1)))
         if progress:
             progress(k + 1)
-    return [median_run(r) for r in runs]
+    return runs
 
 
-def compare(case: Case, measured, drift: float | None = None) -> CaseResult:
+def compare(case: Case, measured, drift: float | None = None, speed: float | None = None) -> CaseResult:
     """The simulator's prediction for the job the executor measured, with the executor's capabilities and the
-    KV pool it allocated (the same snapshots, hence the same decisions)."""
+    KV pool it allocated (the same snapshots, hence the same decisions); `speed`: the factor the prediction (and
+    its modules) is scaled by, this machine's seconds per calibrated second during the measured run's round."""
     from batchgen.sim.run import simulate
 
     predicted = simulate(measured.job, capabilities=measured.capabilities,
                          kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu)
     m_bct, p_bct = bct(measured), bct(predicted)
     m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
-    return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)),
-                      Side(p_bct, module_totals(predicted.records, p_bct)), list(measured.repeat_bcts),
-                      measured.cpu_share, first_difference(m_trace, p_trace), len(m_trace), drift)
+    f = speed or 1.0
+    modules = {k: v * f for k, v in module_totals(predicted.records, p_bct).items()}
+    return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)), Side(p_bct * f, modules),
+                      list(measured.repeat_bcts), measured.cpu_share, first_difference(m_trace, p_trace),
+                      len(m_trace), drift, measured.clock, measured.wall_bct_s, speed, p_bct)

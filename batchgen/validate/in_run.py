@@ -26,6 +26,8 @@ def calibration_cases(model: str, device: str, threads: int | None, hardware: st
             f"backend.threads={threads if threads is not None else 'auto'}", f"cluster.gpu={hardware}",
             "output.plot=false", "efficiency=auto", "latency=table", f"latency.calibration={table.resolve()}",
             "workload=calibration")
+    if device == "cpu" and threads == 1:
+        base += ("backend.clock=cpu",)  # the working thread's CPU time, as the grid was timed
     return [Case("calibration", p, (*base, f"+policy={p}")) for p in POLICIES]
 
 

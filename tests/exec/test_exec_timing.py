@@ -109,3 +109,23 @@ def test_a_sweep_says_when_repeat_ranges_overlap():
     apart = dict(slow, bct_s=14.0, bct_min_s=13.5, bct_max_s=14.5)
     assert "within noise" in explain([fast, slow]) and "within noise" not in explain([fast, apart])
     assert "spread %" in format_table([fast]) and "25.0" in format_table([fast])
+
+
+def test_the_cpu_clock_reports_the_fastest_run_with_its_wall_time_beside():
+    """backend.clock=cpu: the run is timed in the working thread's CPU time (a neighbour cannot add to it), so the
+    fastest repeat is the one reported; every repeat's wall BCT and the machine's load are kept beside it."""
+    out = execute(tiny_job(), ExecSettings(device="cpu", threads=1, repeats=3, kv_budget_mb=1.0, clock="cpu"))
+    assert out.clock == "cpu" and bct(out) == min(out.repeat_bcts)
+    assert len(out.repeat_wall_bcts) == 3 and all(w > 0 for w in out.repeat_wall_bcts)
+    assert out.load is not None and set(out.load) >= {"steal", "loadavg"}
+    s = summarize(out)
+    assert s["clock"] == "cpu" and len(s["bct_wall_runs_s"]) == 3
+    modules = sum(sum(r.modules.values()) for r in out.records)
+    assert 0 < modules <= bct(out) * 1.001  # module timers read the same clock as the run
+
+
+def test_the_cpu_clock_needs_one_thread_on_a_cpu():
+    with pytest.raises(ConfigError, match="backend.threads=1"):
+        execute(tiny_job(), ExecSettings(device="cpu", threads=2, clock="cpu", kv_budget_mb=1.0))
+    with pytest.raises(ConfigError, match="wall or cpu"):
+        execute(tiny_job(), ExecSettings(device="cpu", threads=1, clock="tsc", kv_budget_mb=1.0))
