@@ -12,7 +12,6 @@ machine's free memory leaves for them; the state's host accounting is given what
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ import numpy as np
 import torch
 
 from batchgen.core.sequences import InvariantError
-from batchgen.decisions import trace_of
 from batchgen.engine import Engine, RunOutput, check_supported, finished_ids
 from batchgen.exec.account import KVAccount
 from batchgen.exec.backend import ExecBackend, exec_capabilities
@@ -34,6 +32,7 @@ from batchgen.exec.models import (ExecModelConfig, ModelLoadError, MoEDecoder, U
                                   init_random, load_model, load_tokenizer)
 from batchgen.exec.models import invariant
 from batchgen.exec.models.loading import read_config
+from batchgen.exec.repeats import representative_run
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.staging import BUFFERS, staging_pages
 from batchgen.exec.sampling import SamplingParams
@@ -44,7 +43,6 @@ from batchgen.job import Job, effective_cluster, prepare
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
 from batchgen.exec.load import LoadMeter
-from batchgen.results.metrics import bct
 
 FinishObserver = Callable[[np.ndarray, SequenceTokens], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -354,27 +352,6 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         r.threads, r.interop_threads = threads, torch.get_num_interop_threads()
     out = representative_run(runs)
     out.wall_s = time.perf_counter() - start
-    return out
-
-
-def representative_run(runs: list[ExecOutput]) -> ExecOutput:
-    """The fastest run when timed in CPU time (a neighbour can only add to it: the minimum is the work's own time),
-    else the median one; `median_run` says the rest."""
-    if runs and runs[0].clock == "cpu":
-        return median_run(runs, pick=min)
-    return median_run(runs)
-
-
-def median_run(runs: list[ExecOutput], pick=statistics.median_low) -> ExecOutput:
-    """The run of median BCT (the lower median for an even count: every number reported comes from one real
-    run), or the one `pick` picks, carrying every run's BCT, wall BCT and CPU share, and whether they all
-    decided alike."""
-    bcts = [bct(r) for r in runs]
-    out = runs[bcts.index(pick(bcts))]
-    out.repeat_bcts = bcts
-    out.repeat_wall_bcts = [r.wall_bct_s for r in runs]
-    out.repeat_cpu_shares = [r.cpu_share for r in runs]
-    out.repeats_same_decisions = all(trace_of(r.records) == trace_of(runs[0].records) for r in runs[1:])
     return out
 
 

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
             run, speed = pick_run(runs, speeds[:len(runs)])
             results.append(compare(case, run, drift, speed))
         else:
-            from batchgen.exec.run import representative_run
+            from batchgen.exec.repeats import representative_run
 
             results.append(compare(case, representative_run(runs), drift))
         print(row(results[-1]), flush=True)

@@ -105,8 +105,8 @@ def module_totals(records, total: float) -> dict[str, float]:
 
 
 def measure(cases: list[Case], progress=None, configs: list | None = None) -> list:
-    """Each case's reported run (exec.run.representative_run) of `measure_rounds`."""
-    from batchgen.exec.run import representative_run
+    """Each case's reported run (exec.repeats.representative_run) of `measure_rounds`."""
+    from batchgen.exec.repeats import representative_run
 
     return [representative_run(r) for r in measure_rounds(cases, progress, configs)]
 
@@ -115,7 +115,7 @@ def pick_run(runs: list, speeds: list[float]):
     """Of a case's runs, one per round, the fastest once each is divided by its round's speed factor (this
     machine's seconds per calibrated second then, from the calibration checks around the round): the run least
     disturbed for the machine it ran on. Returns (that run, carrying every run's BCT, and its factor)."""
-    from batchgen.exec.run import median_run
+    from batchgen.exec.repeats import median_run
 
     normal = [bct(r) / f for r, f in zip(runs, speeds, strict=True)]
     best = normal.index(min(normal))
