@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from batchgen.confdir import conf_dir
 from batchgen.memory import ConfigError
-from batchgen.overrides import check_known_keys, valid_top_level_keys
+from batchgen.overrides import SIM_KEYS, check_known_keys, valid_top_level_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "batchgen"
@@ -99,6 +99,8 @@ def context_for(key: str) -> tuple[str, ...]:
     section, _, name = key.partition(".")
     if section == "backend" and name in _dist_only_keys():
         return ("backend=dist",)
+    if section == "backend" and name in SIM_KEYS:
+        return ()  # the default backend, the simulator's own settings
     if section == "policy":
         for file in sorted((conf_dir() / "policy").glob("*.yaml")):
             if name.split(".")[0] in (OmegaConf.load(file) or {}):

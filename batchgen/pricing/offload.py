@@ -25,7 +25,9 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
         sp = scalar_pricer(lat)
         if sp is not None:
             out = price_offload_one_rank(sp, grid, micro_batch, pipelined)
-            if out is not None:
+            if out is not None:  # its time on floats; the module split's FFN per micro-batch, as below
+                active = out[0].expert_tokens > 0
+                out[0].modules["ffn"] = float(np.where(active, ffn_per_micro_batch(lat, grid, micro_batch), 0.0).sum())
                 return out
     p, calls = price_microbatched(lat, grid, micro_batch, cpu_attention=cpu_attention, pipelined=pipelined,
                                   prefetch_bytes=prefetch_bytes)
