@@ -8,7 +8,7 @@ import numpy as np
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
-from batchgen.pricing.microbatch import _host_micro_batches, price_microbatched
+from batchgen.pricing.microbatch import _costs, _host_micro_batches, price_microbatched
 from batchgen.pricing.cost import RunCost, module_split
 from batchgen.pricing.scalar import scalar_pricer
 from batchgen.pricing.scalar_offload import price_offload_one_rank
@@ -46,20 +46,17 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
 
 
 def ffn_per_micro_batch(lat: LatencyModel, grid: DecodeGrid, micro_batch: int) -> np.ndarray:
-    """FFN seconds per iteration (K,) of every layer when each attention micro-batch runs its own FFN, as
-    `price_microbatched`'s nodes cost it: a dense layer's FFN, or a MoE layer's shared experts and router (the
-    slowest rank) then its calls of all-to-all + routed experts."""
-    n_dense, n_moe = lat.layer_counts()
+    """FFN seconds per iteration (K,) of every layer when each attention micro-batch runs its own FFN: the DAG's
+    own FFN nodes (`_costs`), a dense layer's FFN or a MoE layer's shared experts and router (the slowest rank)
+    then its calls of all-to-all + routed experts, summed over the micro-batches."""
     hosted = bool(np.any(grid.host_tokens))
     tokens_in, ctx_in = (grid.host_tokens, grid.host_context) if hosted else (grid.dev_tokens, grid.dev_context)
-    tokens, _, launches = _host_micro_batches(np.asarray(tokens_in, float), np.asarray(ctx_in, float), micro_batch)
+    tokens, context, launches = _host_micro_batches(np.asarray(tokens_in, float), np.asarray(ctx_in, float),
+                                                    micro_batch)
     out = np.zeros(np.shape(grid.gate_tokens)[1])
-    for t, n in zip(tokens, launches):
-        if n_dense:
-            out = out + n_dense * np.max(np.asarray(lat.dense_ffn(t), float), axis=0)
-        if n_moe:
-            calls = np.asarray(n, float).max(axis=0)
-            each = t.sum(axis=0) / np.maximum(calls, 1.0)
-            local = np.max(np.asarray(lat.shared_experts(t) + lat.router(t), float), axis=0)
-            out = out + n_moe * (local + calls * (lat.all_to_all(each) + lat.experts(each)[0]))
+    for count, is_moe in zip(lat.layer_counts(), (False, True)):
+        if count and tokens.shape[0]:
+            c, _ = _costs(lat, tokens, context, launches, "device", is_moe, 1, 0.0)
+            for ffn, moe in zip(c.ffn, c.moe):
+                out = out + count * (np.max(np.asarray(ffn, float), axis=0) + moe)
     return out
