@@ -87,7 +87,7 @@ class ContinuousPolicy(PolicyDefaults):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"policy.{key} must be a whole number or auto, got {value!r}")
         for key in ("max_running", "max_prefill_tokens", "page_lookahead", "token_budget", "clip_max_new_tokens"):
-            if getattr(self, key) == "auto":
+            if key in self.engine_knobs and getattr(self, key) == "auto":
                 continue
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")

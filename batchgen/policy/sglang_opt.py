@@ -44,9 +44,7 @@ class SGLangOptPolicy(ContinuousPolicy):
     name: str = "sglang_opt"
 
     def __post_init__(self):
-        if self.max_running == "auto":  # SGLang's own: derived from the KV pool
-            object.__setattr__(self, "max_running", 0)
-        if self.max_running < 0:
+        if self.max_running != "auto" and self.max_running < 0:
             raise ValueError(f"policy.max_running must be >= 0 (0: derived from memory), got {self.max_running}")
         if not self.max_running:  # the rest of continuous's checks, with a placeholder cap
             dataclasses.replace(self, max_running=1)
