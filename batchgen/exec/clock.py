@@ -2,11 +2,12 @@
 
 Why. On a CPU device with one intra-op thread every tensor op runs on the calling thread, so that thread's CPU
 time (`time.thread_time`: user + system, advancing only while the thread runs) is the work's time, and a
-neighbour that takes the core away adds wall time but none of it. Beside a one-core CPU hog on a 2-core machine
-the median wall time of a module moved by tens of percent while the minimum of its thread CPU time stayed within
-a few (benchmarks/results/validation.md, `benchmarks/timing_under_load.py`). On an idle machine the two agree,
-so a run timed in CPU time is the run an idle machine would time on its wall clock: what validation compares
-with the simulator. A user's real run still reports the wall clock (the default): that is the time it took.
+neighbour that takes the core away adds wall time but none of it. That is what it buys at the scale of a run on
+a loaded machine, where the process waits for a core (one validation run measured 1.17 s on this clock and
+5.58 s on the wall); per call it is no steadier than the wall clock, since the host's own speed moves both
+(benchmarks/results/validation.md, `benchmarks/timing_under_load.py`). On an idle machine the two agree, so a
+run timed in CPU time is the run an idle machine would time on its wall clock: what validation compares with
+the simulator. A user's real run still reports the wall clock (the default): that is the time it took.
 
 `backend.clock=cpu` needs a CPU device and one thread (with more, the other threads' work is not on this clock);
 on CUDA the module timers use events either way and the run's time is the wall clock.
