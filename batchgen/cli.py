@@ -41,6 +41,20 @@ def checked_main(command: str) -> Callable[[Callable[[], None]], Callable[[], No
     return wrap
 
 
+def exit_at_once() -> None:
+    """End a command that finished: its files closed and its output flushed, then out without the interpreter's
+    teardown, which frees a large run's objects one by one (a fifth of a second for 20K sequences) only to
+    return the memory to the system anyway. Only after a normal return: errors and sys.exit take the usual
+    path."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def command_line_problem(argv: list[str], command: str) -> str | None:
     """One line naming the first override of `argv` that Hydra would reject and its fix, or None."""
     from hydra._internal.utils import get_args_parser
@@ -73,9 +87,11 @@ def command_line_problem(argv: list[str], command: str) -> str | None:
             keys.append(o)
     if not keys:
         return None
-    cfg = _composed(config, [_first_choice(o) for o in overrides
-                             if "." not in o.key_or_group and (conf_dir() / o.key_or_group).is_dir()
-                             and o.key_or_group not in DATA_DIRS and not o.is_delete()])
+    groups = [o for o in overrides if "." not in o.key_or_group and (conf_dir() / o.key_or_group).is_dir()
+              and o.key_or_group not in DATA_DIRS and not o.is_delete()]
+    if _plainly_set(config, keys, groups):
+        return None
+    cfg = _composed(config, [_first_choice(o) for o in groups])
     if cfg is None:
         return None
     for o in keys:
@@ -142,6 +158,41 @@ def _group_problem(o, group: str, defaults: set[str], command: str) -> str | Non
             hint = f" did you mean {' or '.join(close)}?" if close else ""
             return f"no {group} named {name};{hint} the {group} names are the files of {folder}: {', '.join(options)}"
     return None
+
+
+def _plainly_set(config: str, keys: list, groups: list) -> bool:
+    """Every key (set without +) is in the files the command composes, read as they are: the usual command
+    line, passed without composing the config a second time (Hydra composes it once more to run). Any file that
+    composes others or moves its package, or a key not found, leaves the answer to `_composed`."""
+    from omegaconf import OmegaConf
+
+    if any(o.is_add() or o.is_force_add() for o in keys):
+        return False
+    primary = OmegaConf.load(conf_dir() / f"{config}.yaml")
+    chosen = {str(k): str(v) for entry in primary.get("defaults", []) if isinstance(entry, Mapping)
+              for k, v in entry.items() if " " not in str(k) and "/" not in str(k)}
+    for o in groups:
+        names = _choices(o)
+        if not names:
+            return False
+        chosen[o.key_or_group] = names[0]
+    files: dict[str, Any] = {}
+    for o in keys:
+        section, _, rest = o.key_or_group.partition(".")
+        if rest and section in chosen:
+            path = conf_dir() / section / f"{chosen[section]}.yaml"
+            if section not in files:
+                text = path.read_text() if path.is_file() else ""
+                files[section] = None if not text or "@package" in text else OmegaConf.create(text)
+            node = files[section]
+            if node is None or "defaults" in node:
+                return False
+            found = OmegaConf.select(node, rest, default=ABSENT) is not ABSENT
+        else:
+            found = False
+        if not found and OmegaConf.select(primary, o.key_or_group, default=ABSENT) is ABSENT:
+            return False
+    return True
 
 
 def _composed(config: str, overrides: list[str]):

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from batchgen.cli import checked_main
+from batchgen.cli import checked_main, exit_at_once
 from batchgen.confdir import conf_dir
 from batchgen.config import build_job, progress_setting, skipped_outputs
 from batchgen.setup import model_path
@@ -31,12 +31,24 @@ ERROR_FILE = "error.txt"
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Build, validate, simulate and write one job; returns its summary."""
-    from batchgen.results import format_table, plot_timeline, summarize, write_results
-    from batchgen.sim.run import simulate
+    from batchgen.results import TimelinePlot
 
     job = build_job(cfg, base_dir=Path.cwd())
-    progress = progress_setting(cfg)
     skipped = skipped_outputs(cfg)
+    # forked now, before the run: it imports matplotlib while the run goes on
+    plot = TimelinePlot(run_dir / "timeline.png") if "timeline.png" not in skipped else None
+    try:
+        return _run(cfg, job, run_dir, skipped, plot)
+    finally:
+        if plot is not None:
+            plot.cancel()
+
+
+def _run(cfg: DictConfig, job, run_dir: Path, skipped: set[str], plot) -> dict:
+    from batchgen.results import format_table, summarize, write_results
+    from batchgen.sim.run import simulate
+
+    progress = progress_setting(cfg)
     if cfg.backend.name == "exec":
         from batchgen.exec.run import ExecSettings, execute
         from batchgen.progress import FinishProgress
@@ -80,10 +92,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
               + (" (attention_tp=auto chose it)" if asked == "auto" else "") + "; "
               + out.prepared.budget.describe(job.model))
     summary = summarize(out)
+    if plot is not None:
+        plot.draw(out)  # drawn there while the files are written here
     write_results(out, run_dir, summary, config=OmegaConf.to_container(cfg, resolve=True),
                   skip=skipped - {"timeline.png"})
-    if "timeline.png" not in skipped:
-        plot_timeline(out, run_dir / "timeline.png")
+    if plot is not None:
+        plot.wait()
     print(format_table([summary]))
     if out.backend == "dist":
         for rec in out.recoveries:
@@ -201,3 +215,4 @@ class SweepSummary(Callback):
 
 if __name__ == "__main__":
     main()
+    exit_at_once()

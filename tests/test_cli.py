@@ -152,3 +152,18 @@ def test_sweep_with_an_impossible_point_runs_the_rest_and_fails_at_the_end(tmp_p
     assert not (sweep / "1" / "results.json").exists()
     assert "sweep summary" in proc.stdout and "coroutine" in proc.stdout
     assert "run 1 failed" in proc.stderr and "+policy=coroutine" in proc.stderr
+
+
+def test_the_usual_command_line_is_checked_without_composing(monkeypatch):
+    """Keys found in the files the command composes pass without a second composition; a key not found
+    there still gets the composed check's line."""
+    import batchgen.cli as cli
+
+    composed = []
+    real = cli._composed
+    monkeypatch.setattr(cli, "_composed", lambda *a: composed.append(a) or real(*a))
+    assert cli.command_line_problem(["+policy=coroutine", "workload.num_sequences=20", "cluster.num_gpus=4",
+                                     "seed=3", "memory.gpu_memory_fraction=0.5"], "batchgen.experiment") is None
+    assert composed == []
+    problem = cli.command_line_problem(["+policy=coroutine", "workload.num_sequence=20"], "batchgen.experiment")
+    assert "did you mean workload.num_sequences" in problem and len(composed) == 1

@@ -158,6 +158,38 @@ def test_plot_is_a_png(runs, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_drawn_in_a_forked_process_is_the_same_file(runs, tmp_path):
+    """TimelinePlot forks before the run and draws in the child: the file equals the one drawn here; a child
+    whose input never comes exits without a file."""
+    from batchgen.results import TimelinePlot
+    from batchgen.results.forked import fork_is_safe
+
+    out = runs["coroutine"]
+    plot = TimelinePlot(tmp_path / "forked.png")
+    assert (plot._child.pid is not None) == fork_is_safe()
+    plot.draw(out)
+    assert plot.wait().read_bytes() == plot_timeline(out, tmp_path / "here.png").read_bytes()
+    unused = TimelinePlot(tmp_path / "never.png")
+    unused.cancel()
+    assert not (tmp_path / "never.png").exists()
+
+
+def test_a_failed_forked_plot_is_an_error(runs, tmp_path, capfd):
+    from batchgen.results.forked import Deferred, fork_is_safe
+
+    if not fork_is_safe():
+        pytest.skip("no safe fork here: the work runs in this process")
+
+    def fail(payload):
+        raise ValueError(f"bad payload {payload}")
+
+    child = Deferred(lambda: None, fail, "the test's work")
+    child.send(7)
+    with pytest.raises(RuntimeError, match="the test's work failed in its process"):
+        child.wait()
+    assert "bad payload 7" in capfd.readouterr().err
+
+
 def _texts(fig) -> list[str]:
     """Every text of a figure: titles, axis labels, tick labels, legend entries, annotations."""
     return [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_position"))]

@@ -9,10 +9,12 @@ record: the figure costs the same for any run length and short prefill steps are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from batchgen.results.forked import Deferred
 from batchgen.results.metrics import StepArrays, bct, step_arrays, where_it_ran
 
 BINS = 1000           # two points per bin with step drawing: ~2000 points per line
@@ -93,12 +95,61 @@ def _draw_running(ax, edges: np.ndarray, running: np.ndarray, finish: np.ndarray
     ax.legend(lines, [h.get_label() for h in lines], loc="upper right", fontsize=7, ncol=2)
 
 
+@dataclass
+class Timeline:
+    """What the figure draws: a few arrays of `BINS` values and the finish times, not the run's records, so
+    that a process which never saw the run (`TimelinePlot`'s) can draw it."""
+
+    edges: np.ndarray
+    series: dict[str, np.ndarray]   # instances x bins: util, comm, prefill, running
+    finish: np.ndarray              # finished sequences' finish times
+    title: str
+    measured: bool                  # by an executor, or simulated
+
+
+def timeline_of(out) -> Timeline:
+    s = step_arrays(out)
+    horizon = max(bct(out), float(s.end.max(initial=0.0)), 1e-9)
+    edges = np.linspace(0.0, horizon, BINS + 1)
+    finish = out.prepared.state.table.finish_time
+    return Timeline(edges, _instance_series(s, edges, out.prepared.state.topo.num_instances),
+                    finish[~np.isnan(finish)], title(out), out.backend in ("exec", "dist"))
+
+
 def plot_timeline(out, path: Path) -> Path:
     """Write timeline.png (see `timeline_figure`)."""
+    return _save(timeline_of(out), Path(path))
+
+
+class TimelinePlot:
+    """timeline.png drawn in a forked process (batchgen.results.forked), started before the run: matplotlib is
+    imported there while the run goes on, and the figure drawn while the caller writes its other files."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._child = Deferred(_import_pyplot, lambda t: _save(t, self.path), f"drawing {self.path}")
+
+    def draw(self, out) -> None:
+        self._child.send(timeline_of(out))
+
+    def wait(self) -> Path:
+        self._child.wait()
+        return self.path
+
+    def cancel(self) -> None:
+        self._child.cancel()
+
+
+def _import_pyplot() -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401 - imported ahead of the figure
+
+
+def _save(t: Timeline, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig = timeline_figure(out)
-    path = Path(path)
+    fig = draw_timeline(t)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -108,22 +159,19 @@ def plot_timeline(out, path: Path) -> Path:
 def timeline_figure(out):
     """The timeline as a matplotlib Figure: GPU time as compute, communication and idle above, the running set
     and the share finished below."""
-    import matplotlib
-    matplotlib.use("Agg")
+    return draw_timeline(timeline_of(out))
+
+
+def draw_timeline(t: Timeline):
+    _import_pyplot()
     import matplotlib.pyplot as plt
 
-    s = step_arrays(out)
-    horizon = max(bct(out), float(s.end.max(initial=0.0)), 1e-9)
-    edges = np.linspace(0.0, horizon, BINS + 1)
-    series = _instance_series(s, edges, out.prepared.state.topo.num_instances)
-    finish = out.prepared.state.table.finish_time
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), constrained_layout=True)
-    measured = out.backend in ("exec", "dist")
-    _draw_utilisation(top, edges, series, "rank" if measured else "GPU")
-    _draw_running(bottom, edges, series["running"], finish[~np.isnan(finish)], "measured" if measured else "simulated")
-    bottom.set_xlim(0, horizon)
+    _draw_utilisation(top, t.edges, t.series, "rank" if t.measured else "GPU")
+    _draw_running(bottom, t.edges, t.series["running"], t.finish, "measured" if t.measured else "simulated")
+    bottom.set_xlim(0, t.edges[-1])
     plain_seconds(bottom.xaxis)
-    fig.suptitle(title(out), fontsize=10)
+    fig.suptitle(t.title, fontsize=10)
     return fig
 
 
