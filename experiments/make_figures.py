@@ -38,6 +38,11 @@ class Step:
     est_s: float = 60.0  # full-size wall time on a 2-core machine, so that --jobs starts the longest first
 
 
+# experiments/ablations.py's experiments and their full-size wall seconds on a 2-core machine
+ABLATIONS = {"scale_12k_4k": 300, "scale_6_5k_2_8k": 150, "pd_disagg": 240, "longbench_h20_8": 30,
+             "longbench_h20_16": 30, "longbench_h200_8": 30, "memory_limited": 120, "rl_rollout": 120}
+
+
 def steps() -> list[Step]:
     out = []
     for shape in ("12k_4k", "6_5k_2_8k"):
@@ -45,11 +50,11 @@ def steps() -> list[Step]:
                         ["--shape", shape, "--num-sequences", "300"],
                         {f"paper_scale_{shape}.png": f"paper_scale_{shape}.png",
                          f"paper_scale_{shape}.csv": f"paper_scale_{shape}.csv"}, 130))
-    for shape in ("12k_4k", "6_5k_2_8k"):
-        out.append(Step(f"ablations_{shape}", "ablations.py", ["--shape", shape, "--num-sequences", "10000"],
-                        ["--shape", shape, "--num-sequences", "300"],
-                        {f"ablations_{shape}.png": f"ablations_{shape}.png",
-                         f"ablations_{shape}.csv": f"ablations_{shape}.csv"}, 300))
+    for name, est in ABLATIONS.items():
+        out.append(Step(f"ablations_{name}", "ablations.py", ["--experiment", name],
+                        ["--experiment", name, "--num-sequences", "60"],
+                        {f"ablations_{name}.png": f"ablations_{name}.png",
+                         f"ablations_{name}.csv": f"ablations_{name}.csv"}, est))
     out.append(Step("pd_disagg", "pd_disagg.py", ["--num-sequences", "10000"], ["--num-sequences", "300"],
                     {"pd_disagg.png": "pd_disagg.png", "pd_disagg.csv": "pd_disagg.csv"}, 480))
     out.append(Step("offline_longbench_500", "offline_longbench.py",
