@@ -100,7 +100,7 @@ def _longbench(cluster: str) -> Experiment:
         "1.31-1.85x (8 H20), 1.25-1.66x (16 H20, 8 H200)")
 
 
-PD_UNITS = ["+policy.prefill_units=4", "+policy.decode_units=4"]
+CHUNK = "policy.prefill_tokens_per_rank=8192"  # experiments/offload_baselines.py's coroutine on the A5000
 EXPERIMENTS = {
     "scale_12k_4k": _scale("12k_4k"),
     "scale_6_5k_2_8k": _scale("6_5k_2_8k"),
@@ -117,11 +117,11 @@ EXPERIMENTS = {
     "longbench_h20_16": _longbench("h20_16"),
     "longbench_h200_8": _longbench("h200_8"),
     "memory_limited": Experiment(
-        ("model=mixtral_8x7b", "cluster=a5000_1", "workload=gsm8k_512_256", "policy.prefill_tokens_per_rank=8192"),
-        [("coroutine: module batching alone", "coroutine", ["policy.kv_residency=device"]),
-         ("+ host-resident KV, attention on the GPU", "coroutine", ["policy.kv_residency=host",
+        ("model=mixtral_8x7b", "cluster=a5000_1", "workload=gsm8k_512_256"),
+        [("coroutine: module batching alone", "coroutine", [CHUNK, "policy.kv_residency=device"]),
+         ("+ host-resident KV, attention on the GPU", "coroutine", [CHUNK, "policy.kv_residency=host",
                                                                      "policy.attention=gpu"]),
-         (f"+ attention beside the KV on the CPU = {SHIPPED}", "coroutine", []),
+         (f"+ attention beside the KV on the CPU = {SHIPPED}", "coroutine", [CHUNK]),
          ("flexgen (its own search)", "flexgen", []),
          ("moe_lightning (its own search)", "moe_lightning", []),
          ("zero_inference", "zero_inference", [])],

@@ -29,6 +29,13 @@ def vllm_offline_caps(gpu) -> tuple[int, int]:
     return 256, 8192
 
 
+def kv_pool_running_cap(pages_capacity, running_cap: int) -> int:
+    """SGLang's running-request cap when none is set: what the rank's KV pool holds (one page per sequence at
+    least, so memory, through the admission's reserve, binds before the cap), at most `running_cap` (its
+    largest request pool)."""
+    return max(1, min(int(running_cap), int(pages_capacity.min())))
+
+
 def sglang_chunked_prefill_size(gpu) -> int:
     """SGLang's chunked_prefill_size on `gpu` (a HardwareSpec)."""
     mib = gpu.hbm_bytes / _MiB

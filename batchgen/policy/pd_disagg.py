@@ -12,8 +12,8 @@ node's suspended pool, until a decode unit takes it. Back-pressure: a prefill un
 its own GPUs' KV pool of prefilled, not yet shipped KV (real systems keep it on the prefill GPUs, or pre-allocate
 it on the decode side before prefilling, so a full decode side stalls prefill); past that it waits, idle.
 
-Decode unit: continuous batching exactly as `continuous` runs it (ContinuousPolicy: pages per rank, max_running,
-preemption of the newest by recompute when the running sequences outgrow their pages, the recompute prefilled
+Decode unit: continuous batching exactly as `continuous` runs it (ContinuousPolicy: pages per rank, a running cap
+that is SGLang's by default, derived from the rank's KV pool (`max_running` 0, at most `running_cap`), preemption of the newest by recompute when the running sequences outgrow their pages, the recompute prefilled
 there, chunked, as vLLM's decode instance does). When it preempts or recomputes nothing, it admits prefilled
 sequences from the prefill nodes' pools, FIFO, spread evenly over its ranks within their free pages and slots:
 an Admit of another node's pool, i.e. the engine's MIGRATE, which prices the KV over the network
@@ -23,6 +23,7 @@ running waits, idle: that is the decode side's idle time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -32,6 +33,7 @@ from batchgen.memory import BatchShape, ConfigError
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import fill_ranks, level_slots, pages_for, per_rank
 from batchgen.policy.continuous import ContinuousPolicy
+from batchgen.policy.engine_defaults import kv_pool_running_cap
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,8 @@ class PDDisaggPolicy(PolicyDefaults):
     unit_gpus: int = 0
     token_budget: int = 16384
     hold_share: float = 1.0
-    max_running: int = 256
+    max_running: int = 0          # decode ranks' running cap; 0: derived from the KV pool (SGLang's), up to running_cap
+    running_cap: int = 4096
     decode_token_budget: int = 8192
     admit_watermark: float = 0.01
     page_lookahead: int = 64
@@ -50,10 +53,12 @@ class PDDisaggPolicy(PolicyDefaults):
     uses_host_kv: bool = True
 
     def __post_init__(self):
-        for key in ("prefill_units", "decode_units", "token_budget", "max_running", "decode_token_budget",
-                    "page_lookahead"):
+        for key in ("prefill_units", "decode_units", "token_budget", "decode_token_budget", "page_lookahead",
+                    "running_cap"):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_running < 0:
+            raise ValueError(f"policy.max_running must be >= 0 (0: derived from the KV pool), got {self.max_running}")
         if self.unit_gpus < 0:
             raise ValueError(f"policy.unit_gpus must be >= 0 (0: the cluster split into prefill_units + "
                              f"decode_units equal units), got {self.unit_gpus}")
@@ -63,10 +68,25 @@ class PDDisaggPolicy(PolicyDefaults):
 
     @cached_property
     def _decode(self) -> ContinuousPolicy:
-        """The decode side is continuous batching with these knobs: one implementation of it, not a copy."""
-        return ContinuousPolicy(max_running=self.max_running, chunked_prefill=True,
+        """The decode side is continuous batching with these knobs: one implementation of it, not a copy (its
+        running cap set per pool size by `_decode_for` when max_running is 0)."""
+        return ContinuousPolicy(max_running=self.max_running or self.running_cap, chunked_prefill=True,
                                 token_budget=self.decode_token_budget, admit_watermark=self.admit_watermark,
                                 page_lookahead=self.page_lookahead)
+
+    def _decode_for(self, snap: Snapshot) -> ContinuousPolicy:
+        """The decode side with its running cap: max_running, or what the unit's KV pool holds."""
+        if self.max_running:
+            return self._decode
+        cap = kv_pool_running_cap(snap.pages_capacity, self.running_cap)
+        policy = self._by_cap.get(cap)
+        if policy is None:
+            policy = self._by_cap[cap] = dataclasses.replace(self._decode, max_running=cap)
+        return policy
+
+    @cached_property
+    def _by_cap(self) -> dict[int, ContinuousPolicy]:
+        return {}
 
     # -- layout: what the engine asks before the job runs ---------------------------------------------------
     @property
@@ -106,8 +126,8 @@ class PDDisaggPolicy(PolicyDefaults):
         """A prefill forward of token_budget tokens; a decode forward of max_running sequences (and a recompute
         chunk of decode_token_budget)."""
         prefill = max(self.token_budget, self.decode_token_budget)
-        return BatchShape(gate_tokens=max(self.max_running, prefill), attn_seqs=self.max_running,
-                          prefill_tokens=prefill)
+        running = self.max_running or self.running_cap  # the most a decode rank may run: its activations
+        return BatchShape(gate_tokens=max(running, prefill), attn_seqs=running, prefill_tokens=prefill)
 
     def decide(self, snap: Snapshot) -> Decision:
         return self._prefill(snap) if self.is_prefill(snap.instance) else self._decode_side(snap)
@@ -153,7 +173,8 @@ class PDDisaggPolicy(PolicyDefaults):
     # -- decode units ---------------------------------------------------------------------------------------
     def _decode_side(self, snap: Snapshot) -> Decision:
         """Continuous batching; when it neither preempts nor recomputes, admit shipped KV into free pages."""
-        d = self._decode.decide(snap)
+        decode = self._decode_for(snap)
+        d = decode.decide(snap)
         pools = [n for n in range(len(snap.suspended)) if len(snap.suspended[n])]
         if not pools:
             return d
@@ -161,16 +182,16 @@ class PDDisaggPolicy(PolicyDefaults):
         d.steps = self.page_lookahead
         if d.evict_ids.size or d.chunk_ids.size or d.prefill_ids.size:
             return d  # memory is short, or recomputes wait: they go first
-        self._admit(snap, d, pools)
+        self._admit(snap, d, pools, decode.max_running)
         return d
 
-    def _admit(self, snap: Snapshot, d: Decision, pools: list[int]) -> None:
+    def _admit(self, snap: Snapshot, d: Decision, pools: list[int], max_running: int) -> None:
         R, P = snap.num_ranks, snap.page_tokens
         count = snap.rank_count()
         need_running = pages_for(snap.active_context + self.page_lookahead, P)
         free = (snap.pages_capacity * (1 - self.admit_watermark)).astype(np.int64) - per_rank(
             snap.active_rank, need_running, R)
-        slots = np.maximum(self.max_running - count, 0)
+        slots = np.maximum(max_running - count, 0)
         for node in sorted(pools, key=lambda n: -len(snap.suspended[n])):
             open_ranks = np.flatnonzero((slots > 0) & (free > 0))
             if not open_ranks.size:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Decision, Snapshot
 from batchgen.policy.continuous import ContinuousPolicy
-from batchgen.policy.engine_defaults import sglang_chunked_prefill_size
+from batchgen.policy.engine_defaults import kv_pool_running_cap, sglang_chunked_prefill_size
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class SGLangOptPolicy(ContinuousPolicy):
         (the conservative admission's reserve) binds before the cap, as in a tuned SGLang."""
         if self.max_running:
             return self
-        cap = max(1, min(self.running_cap, int(snap.pages_capacity.min())))
+        cap = kv_pool_running_cap(snap.pages_capacity, self.running_cap)
         capped = self._by_cap.get(cap)
         if capped is None:
             capped = self._by_cap[cap] = dataclasses.replace(self, max_running=cap)
