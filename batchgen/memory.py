@@ -175,17 +175,9 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                 f"{usable / gb:.1f} GB of a {gpu.name}, and a node's share ({host_weights / gb:.0f} GB) exceeds "
                 f"its usable host memory ({host_usable / gb:.0f} GB): add GPUs (cluster.num_gpus) or host "
                 "memory (cluster.host_mem_gb_per_node)")
-        per_layer = (weights - _non_expert_bytes(model, lat)) / max(n_moe, 1)
-        ring = min(2, streamed_layers) * per_layer  # two slots: one computes while the next one loads
-        resident = weights - streamed_layers * per_layer + ring
+        resident, streamed_bytes, whole_layers = weight_layout(
+            model, lat, streamed_layers, usable - page_bytes if can_stream_weights else -1.0)
         fits_streaming = model.is_moe and resident + page_bytes <= usable
-        whole = whole_layer_streaming(model, lat)
-        if (not fits_streaming and can_stream_weights and model.is_moe and streamed_layers == n_moe
-                and whole[0] + page_bytes <= usable):
-            # even the non-expert weights do not fit (DeepSeek-V2 on a 24 GB GPU): every decoder layer streams
-            # whole (attention, shared experts, router and experts) through a ring of two layers
-            resident, per_layer = whole[0], whole[1] / max(n_moe, 1)
-            fits_streaming = whole_layers = True
         if not can_stream_weights or not fits_streaming:
             if model.is_moe:
                 how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
@@ -201,7 +193,7 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
                 f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_bytes / gb:.1f} GB are usable "
                 f"(policy {policy_name}): {how}")
-        streamed, weights = streamed_layers * per_layer, resident
+        streamed, weights = streamed_bytes, resident
     pages = int((usable - weights) // page_bytes)
     host_kv = 0
     if uses_host_kv:
@@ -211,6 +203,23 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
     return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers,
                         whole_layers=whole_layers)
+
+
+def weight_layout(model: ModelSpec, lat: LatencyModel, streamed_layers: int, room: float) -> tuple[float, float, bool]:
+    """(resident bytes, bytes streamed per iteration, whole layers) of one rank whose `streamed_layers` MoE layers'
+    experts stream from host through a ring of two layers (two slots: one computes while the next one loads).
+    Where even streaming every MoE layer's experts leaves more resident than `room` bytes but streaming every
+    decoder layer whole fits it (DeepSeek-V2 on a 24 GB GPU: its attention and shared experts alone exceed an
+    A5000), every layer streams whole. One account for the memory budget and the planner."""
+    weights = lat.weight_bytes_per_rank()
+    n_moe = model.num_moe_layers
+    per_layer = (weights - _non_expert_bytes(model, lat)) / max(n_moe, 1)
+    resident = weights - streamed_layers * per_layer + min(2, streamed_layers) * per_layer
+    if resident > room and model.is_moe and streamed_layers == n_moe:
+        whole_resident, whole_streamed = whole_layer_streaming(model, lat)
+        if whole_resident <= room:
+            return whole_resident, whole_streamed, True
+    return resident, streamed_layers * per_layer, False
 
 
 def whole_layer_streaming(model: ModelSpec, lat: LatencyModel) -> tuple[float, float]:

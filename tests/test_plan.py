@@ -266,6 +266,25 @@ def test_planner_streams_experts_only_when_they_do_not_fit():
     assert (plan.streamed_layers, plan.kv_residency, plan.host_bytes_per_iter) == (0, "device", 0.0)
 
 
+def test_planner_streams_whole_layers_where_the_memory_budget_does():
+    """DeepSeek-V2's attention and shared experts alone exceed an A5000: the memory budget then streams every
+    decoder layer whole, and the planner prices that same layout (it found no plan at all before)."""
+    from batchgen.memory import plan_memory
+
+    m, c = load_model("deepseek_v2"), load_cluster("a5000_1")
+    lat = Roofline(m, c.gpu, ep_ranks=1, gpus_per_node=1, host=c.host)
+    policy = CoroutinePolicy(prefill_tokens_per_rank=2048)
+    plan = plan_job(m, c, lat, MemorySettings(), policy, WorkloadStats(4000, 512, 256, 1536), page_tokens=64)
+    assert plan.streamed_layers == m.num_moe_layers
+    resolved = dataclasses.replace(policy, b_attn=plan.b_attn, b_moe=plan.b_moe, kv_residency=plan.kv_residency,
+                                   attention=plan.attention)
+    budget = plan_memory(m, c, lat, MemorySettings(), page_tokens=64, can_stream_weights=True, uses_host_kv=True,
+                         policy_name="coroutine", batch_shape=batch_shape_of(resolved, 1536), max_context=1536,
+                         streamed_layers=plan.streamed_layers)
+    assert budget.whole_layers
+    assert plan.device_gb["weights"] == pytest.approx(budget.weights_per_gpu_bytes / 1e9, abs=1e-3)
+
+
 def test_planner_is_fast_and_cached():
     import time
     m, c = load_model("qwen3_30b_a3b"), load_cluster("h20_16")

@@ -32,7 +32,7 @@ import numpy as np
 
 from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
-                             host_weight_bytes, staging_bytes)
+                             host_weight_bytes, staging_bytes, weight_layout)
 from batchgen.plan.decode import DecodeGrid, price_decode
 from batchgen.plan.waves import occupancy, output_sketch, price_points, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -203,7 +203,8 @@ def _batch_shape(policy: Any, b_attn: int, b_moe: int, residency: str, max_conte
 class _Cell:
     b_moe: int
     residency: str
-    streamed: int
+    streamed: int          # MoE layers whose weights stream
+    streamed_bytes: float  # weight bytes streamed per iteration, one rank
     n_dev: int
     n_host: int
     device: dict
@@ -265,12 +266,11 @@ class _Planner:
                               "up-projected on the GPU; use policy.attention=gpu or auto")
         return self._values(self.attention, ("gpu", "cpu") if cpu_ok else ("gpu",))
 
-    def resident_weights(self, streamed: int) -> float:
-        return self.weights - streamed * self.layer_experts + min(2, streamed) * self.layer_experts
-
-    def streamed_values(self, free: float, residency: str) -> list[int]:
-        """MoE layers to stream: the fewest that let the weights fit `free` bytes (with a page of KV), and for
-        device / mixed residency also more, to make room for device KV."""
+    def layouts(self, free: float, residency: str) -> list[tuple[int, float, float]]:
+        """(MoE layers streamed, resident weight bytes, bytes streamed per iteration) of each layout to try: the
+        fewest streamed layers that let the weights fit `free` bytes (with a page of KV), and for device / mixed
+        residency also more, to make room for device KV; every decoder layer streamed whole where even every MoE
+        layer's experts leave too much resident (batchgen.memory.weight_layout, as the memory budget has it)."""
         if self.weights + self.page_bytes <= free:
             k_min = 0
         elif not (self.can_stream and self.m.is_moe and self.layer_experts > 0):
@@ -279,10 +279,13 @@ class _Planner:
             k_min = max(2, math.ceil((self.weights + 2 * self.layer_experts + self.page_bytes - free)
                                      / self.layer_experts - 1e-9))
             if k_min > self.n_moe:
-                return []
+                resident, streamed, whole = weight_layout(self.m, self.lat, self.n_moe, free - self.page_bytes)
+                return [(self.n_moe, resident, streamed)] if whole else []
         if residency == "host" or not (self.can_stream and self.m.is_moe):
-            return [k_min]
-        return sorted({k_min, max(k_min, 2) + (self.n_moe - max(k_min, 2)) // 2, self.n_moe} - {1})
+            ks = [k_min]
+        else:
+            ks = sorted({k_min, max(k_min, 2) + (self.n_moe - max(k_min, 2)) // 2, self.n_moe} - {1})
+        return [(k, *weight_layout(self.m, self.lat, k, free - self.page_bytes)[:2]) for k in ks]
 
     def cells(self, b_attn: int) -> list[_Cell]:
         out = []
@@ -305,8 +308,8 @@ class _Planner:
                 staging = shape.staging_seqs if shape else 0
                 act = activation_bytes(m, shape, stats.max_context) if shape else 0.0
                 free = self.capacity - act
-                for k in self.streamed_values(free, residency):
-                    kv_free = free - self.resident_weights(k)
+                for k, resident, streamed in self.layouts(free, residency):
+                    kv_free = free - resident
                     cap = int(kv_free // self.seq_bytes)
                     if residency == "device":
                         # device KV bounds the running set (the policy yields what does not fit); below the
@@ -323,18 +326,20 @@ class _Planner:
                         n_dev, n_host = 0, running
                     if n_host and math.ceil(n_host / b_attn) > MAX_MICRO_BATCHES:
                         continue
-                    out.append(self._cell(b_moe, residency, k, n_dev, n_host, kv_free, act, staging))
+                    out.append(self._cell(b_moe, residency, (k, resident, streamed), n_dev, n_host, kv_free, act,
+                                          staging))
         return out
 
-    def _cell(self, b_moe, residency, k, n_dev, n_host, kv_free, act, staging) -> _Cell:
+    def _cell(self, b_moe, residency, layout, n_dev, n_host, kv_free, act, staging) -> _Cell:
+        k, resident, streamed = layout
         dev_kv = n_dev * self.seq_bytes if residency == "device" else max(kv_free, 0.0)
-        device = {"weights": self.resident_weights(k), "kv": dev_kv, "activations": act,
+        device = {"weights": resident, "kv": dev_kv, "activations": act,
                   "staging": staging_bytes(self.m, staging, self.stats.max_context),
                   "reserve": self.s.activation_reserve_gb * 1e9,
                   "capacity": self.c.gpu.hbm_bytes * self.s.gpu_memory_fraction}
         host = {"weights": self.host_weights, "kv": (n_dev + n_host) * self.groups_per_node * self.final_seq_bytes,
                 "capacity": self.host_usable}
-        return _Cell(b_moe, residency, k, n_dev, n_host, device, host)
+        return _Cell(b_moe, residency, k, streamed, n_dev, n_host, device, host)
 
     # ---- pricing -----------------------------------------------------------------------------------
 
@@ -344,7 +349,7 @@ class _Planner:
         n_host = np.array([[c.n_host for c in cells]], float)
         gate = n_dev + n_host
         grid = DecodeGrid(n_dev, n_dev * ctx, np.ceil(n_dev / b_attn), n_host, n_host * ctx, gate)
-        prefetch = np.array([c.streamed * self.layer_experts / max(self.n_moe, 1) for c in cells])
+        prefetch = np.array([c.streamed_bytes / max(self.n_moe, 1) for c in cells])
         p = price_decode(self.lat, grid, b_attn, cpu_attention=cpu, prefetch_bytes=prefetch, replicas=self.R)
         return p
 
@@ -422,7 +427,7 @@ class _Planner:
         else:
             copies = 1 if m.attention == "gqa" else self.degree
             per_seq = m.num_layers * (self.stats.typical_context + 1) * kv * copies
-        return self.R * c.n_host * per_seq + self.R * self.degree * c.streamed * self.layer_experts
+        return self.R * c.n_host * per_seq + self.R * self.degree * c.streamed_bytes
 
     def _why_nothing_fits(self) -> str:
         gb = 1e9
