@@ -89,6 +89,23 @@ def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_le
     return suffixes + int(prefix_len[grouped][first].sum())
 
 
+def distinct_prefix_tokens(sequences) -> int:
+    """Tokens of the prefix tree of `sequences` (token-id arrays): what a prefill that computes every common
+    prefix once computes, at any depth (a system prompt, then a few-shot block, then a repeated question). In
+    lexicographic order, each sequence shares with the tree exactly its longest common prefix with the one
+    before it, so the tree holds the sum of lengths less those."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
+    keys = [a.astype(">i8").tobytes() for a in arrays]  # big-endian: byte order is token order
+    order = sorted(range(len(arrays)), key=keys.__getitem__)
+    total = sum(a.size for a in arrays)
+    for prev, cur in zip(order, order[1:]):
+        a, b = arrays[prev], arrays[cur]
+        m = min(a.size, b.size)
+        differ = np.flatnonzero(a[:m] != b[:m])
+        total -= int(differ[0]) if differ.size else m
+    return total
+
+
 @dataclass(frozen=True)
 class PrefixSpec:
     """A validated `prefix` node of a workload config."""

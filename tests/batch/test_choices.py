@@ -1,0 +1,104 @@
+"""Requests with n choices (OpenAI's `n`): one record per request with choices 0..n-1, each choice its own
+sampling stream, usage counting the prompt once; the same records on a second run and after an interruption
+that left some choices ended and others mid-decode (the ended ones are kept, not rerun)."""
+
+import json
+
+import pytest
+
+from batchgen.batch.checkpoint import Checkpointer, partial_path
+from batchgen.batch.choices import choice_seed
+
+from .test_batch_job import (  # noqa: F401
+    chat,
+    comparable,
+    completion,
+    demo,
+    read_records,
+    run_in_process,
+    write_lines,
+)
+
+INVARIANT = ("backend.batch_invariant=true",)
+STOPS = list(range(100, 140))  # ~8% of the demo vocabulary: sampled choices end at different steps
+
+
+class Killed(BaseException):
+    """Not an Exception: nothing on the way may catch it, as nothing survives a SIGKILL."""
+
+
+def test_choice_seeds_keep_choice_0_and_differ_between_choices():
+    assert choice_seed(42, 0) == 42
+    seeds = {choice_seed(42, i) for i in range(64)}
+    assert len(seeds) == 64 and choice_seed(42, 5) == choice_seed(42, 5) != choice_seed(43, 5)
+
+
+def test_n_choices_shape_usage_and_determinism(demo, tmp_path):  # noqa: F811
+    lines = [completion("greedy", "The sea is", max_tokens=10, n=3, ignore_eos=True, return_token_ids=True),
+             completion("sampled", "The sea is", max_tokens=10, n=3, temperature=1.0, seed=7, ignore_eos=True,
+                        return_token_ids=True),
+             completion("one", "The sea is", max_tokens=10, temperature=1.0, seed=7, ignore_eos=True,
+                        return_token_ids=True),
+             chat("chat", "Hello there", max_tokens=6, n=2, temperature=0.9, return_token_ids=True),
+             completion("bad", "x", n=0)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run_in_process(demo, requests, first)
+    run_in_process(demo, requests, second)
+    records = comparable(read_records(first))
+    assert records == comparable(read_records(second))  # the same tokens, choice by choice, every run
+    greedy, sampled = records["greedy"]["response"]["body"], records["sampled"]["response"]["body"]
+    one, talk = records["one"]["response"]["body"], records["chat"]["response"]["body"]
+    for body, n in ((greedy, 3), (sampled, 3), (one, 1), (talk, 2)):
+        assert [c["index"] for c in body["choices"]] == list(range(n))
+    tokens = [c["token_ids"] for c in sampled["choices"]]
+    assert [c["token_ids"] for c in greedy["choices"]] == [greedy["choices"][0]["token_ids"]] * 3
+    assert len({tuple(t) for t in tokens}) == 3  # each choice its own stream
+    assert tokens[0] == one["choices"][0]["token_ids"]  # choice 0 samples with the request's own seed
+    prompt = len(sampled["choices"][0]["prompt_token_ids"])
+    assert sampled["usage"] == {"prompt_tokens": prompt, "completion_tokens": 30, "total_tokens": prompt + 30}
+    assert all(c["message"]["role"] == "assistant" for c in talk["choices"])
+    assert talk["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in talk["choices"])
+    assert talk["usage"]["prompt_tokens"] == len(talk["choices"][0]["prompt_token_ids"])
+    bad = records[("line", 5)]["error"]
+    assert bad["code"] == "invalid_parameter" and bad["message"].startswith("line 5: body.n must be an integer")
+
+
+def test_an_interrupted_job_with_choices_resumes_to_the_same_records(demo, tmp_path, monkeypatch,  # noqa: F811
+                                                                     capsys):
+    lines = [completion(f"r{k}", f"Tell me story {k} about the sea", max_tokens=30 + 7 * k, n=4, temperature=1.0,
+                        seed=k, stop_token_ids=STOPS) for k in range(10)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    baseline = tmp_path / "baseline.jsonl"
+    run_in_process(demo, requests, baseline, *INVARIANT)
+
+    save, seen = Checkpointer.save, []
+
+    def save_then_die(self, tokens):
+        save(self, tokens)
+        entries = json.loads(partial_path(self.output).read_text())["requests"]
+        choices = [c for e in entries.values() for c in e["choices"].values()]
+        seen.append(choices)
+        ended, decoding = sum("finish_reason" in c for c in choices), sum("finish_reason" not in c for c in choices)
+        if ended >= 3 and decoding >= 3:  # some requests half done: ended choices beside choices mid-decode
+            raise Killed
+
+    output = tmp_path / "results.jsonl"
+    monkeypatch.setattr(Checkpointer, "save", save_then_die)
+    with pytest.raises(Killed):
+        run_in_process(demo, requests, output, *INVARIANT, "job.checkpoint_s=0.001")
+    monkeypatch.setattr(Checkpointer, "save", save)
+    written = {r["custom_id"] for r in read_records(output)} if output.exists() else set()
+    assert len(written) < 10
+    ended = sum("finish_reason" in c for c in seen[-1])
+    capsys.readouterr()
+
+    run_in_process(demo, requests, output, *INVARIANT)
+    # the choices that had ended are not run again: only the others of the unwritten requests are
+    assert f"{4 * (10 - len(written)) - ended:,} sequences (choices)" in capsys.readouterr().out
+    records = read_records(output)
+    assert sorted(r["custom_id"] for r in records) == [f"r{k}" for k in range(10)]  # each once
+    assert comparable(records) == comparable(read_records(baseline))
+    assert not partial_path(output).exists()
+    for r in records:
+        assert [c["index"] for c in r["response"]["body"]["choices"]] == [0, 1, 2, 3]
