@@ -67,8 +67,9 @@ def test_shuffled_order_keeps_each_group_and_its_lengths():
     shuffled = build_workload(named("rl_rollout_grouped", num_sequences=64,
                                     prefix={"group_size": 16, "length": "prompt", "order": "shuffled"}), seed=1)
     assert not np.array_equal(grouped.prefix_group, shuffled.prefix_group)
-    pairs = lambda w: sorted(zip(w.prefix_group.tolist(), w.input_lens.tolist(), w.output_lens.tolist()))  # noqa
-    assert pairs(grouped) == pairs(shuffled)
+    def rows(w):
+        return sorted(zip(w.prefix_group.tolist(), w.input_lens.tolist(), w.output_lens.tolist()))
+    assert rows(grouped) == rows(shuffled)
 
 
 def test_max_input_clips_the_shared_prefix_with_the_prompt():

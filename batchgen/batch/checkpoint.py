@@ -20,9 +20,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from batchgen.batch.choices import Choice
 from batchgen.batch.output import Generated, openai_finish_reason

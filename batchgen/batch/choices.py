@@ -11,8 +11,8 @@ Sequences are the choices not finished yet, those of one request adjacent: seque
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 

@@ -171,8 +171,9 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
                                 *prefix_columns(todo, plan))
             summary.sequences = len(plan)
             summary.prefill_tokens_submitted = int(workload.input_lens.sum())
-            summary.prefill_tokens_distinct = distinct_prefix_tokens(
-                [np.concatenate([p, np.asarray(t, dtype=np.int64)]) if t else p for p, t in zip(prompts, resumed)])
+            if writes:  # only the writer prints a summary
+                summary.prefill_tokens_distinct = distinct_prefix_tokens(
+                    [np.concatenate([p, np.asarray(t, dtype=np.int64)]) if t else p for p, t in zip(prompts, resumed)])
             sink = JobSink(settings.output, todo, checkpoint_name(model_path), settings.fsync, settings.checkpoint_s,
                            settings.progress, plan, finished) if writes else None
             if plan:

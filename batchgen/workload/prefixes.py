@@ -22,6 +22,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -98,7 +99,7 @@ def distinct_prefix_tokens(sequences) -> int:
     keys = [a.astype(">i8").tobytes() for a in arrays]  # big-endian: byte order is token order
     order = sorted(range(len(arrays)), key=keys.__getitem__)
     total = sum(a.size for a in arrays)
-    for prev, cur in zip(order, order[1:]):
+    for prev, cur in pairwise(order):
         a, b = arrays[prev], arrays[cur]
         m = min(a.size, b.size)
         differ = np.flatnonzero(a[:m] != b[:m])

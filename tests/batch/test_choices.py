@@ -102,3 +102,33 @@ def test_an_interrupted_job_with_choices_resumes_to_the_same_records(demo, tmp_p
     assert not partial_path(output).exists()
     for r in records:
         assert [c["index"] for c in r["response"]["body"]["choices"]] == [0, 1, 2, 3]
+
+
+def test_the_estimate_simulates_every_choice(demo, tmp_path, capsys):  # noqa: F811
+    from .test_batch_job import estimate_output
+
+    lines = [completion(f"a{k}", "The quick brown fox", max_tokens=32, n=4) for k in range(10)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    out = estimate_output(capsys, f"model.path={demo}", f"job.input={requests}", "cluster=h100_8",
+                          "job.estimate_policies=[static]")
+    assert "Estimated completion of 10 requests (40 choices)" in out
+
+
+def test_a_request_whose_choices_all_ended_is_written_from_the_checkpoint(demo, tmp_path, capsys):  # noqa: F811
+    """Its record is written as saved, without running anything (the tokens here are not what the model would
+    sample: they can only come from the checkpoint)."""
+    from batchgen.batch.output import Generated
+    from batchgen.batch.requests import ModelInfo, read_requests
+
+    requests = write_lines(tmp_path / "requests.jsonl", [completion("a", [5, 6, 7], n=2, return_token_ids=True)])
+    output = tmp_path / "results.jsonl"
+    todo, _ = read_requests(requests, ModelInfo.from_dir(demo))
+    ended = {0: {0: Generated([1, 2, 3], "abc", "eos"), 1: Generated([4], "d", "length")}}
+    Checkpointer(output, todo, [], ended, interval_s=60).save(None)  # no sequence decoding: both choices ended
+    run_in_process(demo, requests, output)
+    (record,) = read_records(output)
+    choices = record["response"]["body"]["choices"]
+    assert [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in choices] == [
+        (0, "abc", [1, 2, 3], "stop"), (1, "d", [4], "length")]
+    assert record["response"]["body"]["usage"]["completion_tokens"] == 4
+    assert "0 sequences" not in capsys.readouterr().out and not partial_path(output).exists()
