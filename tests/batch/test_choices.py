@@ -132,3 +132,52 @@ def test_a_request_whose_choices_all_ended_is_written_from_the_checkpoint(demo, 
         (0, "abc", [1, 2, 3], "stop"), (1, "d", [4], "length")]
     assert record["response"]["body"]["usage"]["completion_tokens"] == 4
     assert "0 sequences" not in capsys.readouterr().out and not partial_path(output).exists()
+
+
+@pytest.mark.slow
+def test_n8_with_a_shared_system_prompt_killed_twice_then_resumed(demo, tmp_path):  # noqa: F811
+    """The issue's check with real SIGKILLs: every custom_id once, every choice in its record, records equal to an
+    uninterrupted run (batch-invariant mode, so resumed decodes are bitwise the uninterrupted ones)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .test_batch_job import SMALL_EXEC
+
+    system = "You are a careful assistant. Answer in one short paragraph and stay on topic. " * 3
+    lines = [{"custom_id": f"q{k}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "system", "content": system},
+                                    {"role": "user", "content": f"Question {k}: why is the sea salty?"}],
+                       "n": 8, "max_tokens": 40 + (k * 13) % 60, "temperature": 1.0, "stop_token_ids": STOPS[:10]}}
+             for k in range(24)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    baseline = tmp_path / "baseline.jsonl"
+    run_in_process(demo, requests, baseline, *INVARIANT)
+    output = tmp_path / "results.jsonl"
+    args = [sys.executable, "-m", "batchgen.run", *SMALL_EXEC, *INVARIANT, f"model.path={demo}",
+            f"job.input={requests}", f"job.output={output}", "job.checkpoint_s=0.2", f"hydra.run.dir={tmp_path}/h"]
+    env = {**os.environ, "BATCHGEN_PROGRESS": "0"}
+    kills = 0
+    for _ in range(2):
+        before = len(output.read_text().splitlines()) if output.exists() else 0
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (output.exists() and len(output.read_text().splitlines()) > before + 2
+                    and partial_path(output).exists()):
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+    assert kills >= 1, "the job finished before any kill: give it more work"
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = read_records(output)
+    assert sorted(r["custom_id"] for r in records) == sorted(f"q{k}" for k in range(24))
+    assert all(len(r["response"]["body"]["choices"]) == 8 for r in records)
+    assert comparable(records) == comparable(read_records(baseline))
