@@ -103,3 +103,27 @@ def test_the_shared_configs_build_at_full_size(name):
     counts = w.prefill_tokens()
     assert len(w) == named(name)["num_sequences"] and counts["prefill_tokens_distinct"] < counts[
         "prefill_tokens_submitted"] / 5
+
+
+def test_synthetic_prompts_share_their_groups_prefix_tokens():
+    from batchgen.exec.sequences import random_prompts
+    from batchgen.workload.prefixes import distinct_prefix_tokens
+
+    w = Workload("w", [6, 9, 7, 5, 4], [1] * 5, prefix_group=[0, 1, 0, 1, -1], prefix_len=[4, 5, 4, 5, 0])
+    plain = random_prompts(w.input_lens, 1000, seed=3)
+    shared = random_prompts(w.input_lens, 1000, seed=3, prefix_group=w.prefix_group, prefix_len=w.prefix_len)
+    assert shared[0][:4].tolist() == shared[2][:4].tolist() and shared[1][:5].tolist() == shared[3][:5].tolist()
+    assert [p.tolist() for p in shared[:2] + shared[4:]] == [p.tolist() for p in plain[:2] + plain[4:]]
+    assert shared[2][4:].tolist() == plain[2][4:].tolist()  # the suffixes are each sequence's own draws
+    assert distinct_prefix_tokens(shared) == w.prefill_tokens()["prefill_tokens_distinct"]
+
+
+def test_distinct_prefix_tokens_counts_a_prefix_tree():
+    from batchgen.workload.prefixes import distinct_prefix_tokens
+
+    assert distinct_prefix_tokens([]) == 0
+    assert distinct_prefix_tokens([[7, 8, 9]] * 4) == 3  # one prompt four times (n samples)
+    # a system prompt [1, 2] before two few-shot blocks, each before two questions: 2 + 2 * 1 + 4 * 1
+    assert distinct_prefix_tokens([[1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 5], [1, 2, 4, 6]]) == 8
+    assert distinct_prefix_tokens([[1, 2], [1, 2, 3]]) == 3  # a prompt that is another's prefix
+    assert distinct_prefix_tokens([[256, 1], [1, 256]]) == 4  # token order, not byte order of small ids
