@@ -143,9 +143,11 @@ def estimate_job(cfg: DictConfig) -> None:
     if not requests:
         raise ConfigError(f"job.input={src}: no valid request to estimate ({len(errors)} bad lines; run the job "
                           "to get an error record for each)")
-    inp = EstimateInput(np.array([len(r.prompt_ids) for r in requests]), np.array([r.params.max_tokens for r in requests]),
-                        np.array([r.params.ignore_eos for r in requests]),
-                        approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer))
+    choices = np.array([r.n for r in requests])  # every choice of a request is a sequence of its own
+    inp = EstimateInput(np.repeat([len(r.prompt_ids) for r in requests], choices),
+                        np.repeat([r.params.max_tokens for r in requests], choices),
+                        np.repeat([r.params.ignore_eos for r in requests], choices),
+                        approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer), requests=len(requests))
     names = list(job.get("estimate_policies") or [])
     unknown = [n for n in names if n not in policy_names()]
     if not names or unknown:

@@ -101,6 +101,8 @@ def context_for(key: str) -> tuple[str, ...]:
         return ("backend=dist",)
     if section == "backend" and name in SIM_KEYS:
         return ()  # the default backend, the simulator's own settings
+    if section == "workload" and name.startswith("prefix"):  # a workload with shared prefixes, of either size key
+        return ("workload=fewshot_eval",) if name == "prefix.groups" else ("workload=rl_rollout_grouped",)
     if section == "policy":
         for file in sorted((conf_dir() / "policy").glob("*.yaml")):
             if name.split(".")[0] in (OmegaConf.load(file) or {}):

@@ -268,3 +268,24 @@ def test_device_timeline_slices_add_up_to_the_totals(runs, summaries, tmp_path):
     assert rows.shape[0] == 100 * gpus
     # the mean busy share over slices and GPUs is the run's busy share
     assert busy.mean() == pytest.approx(summary["gpu_busy_frac"], rel=1e-2)
+
+
+def test_results_json_counts_prefill_tokens_with_and_without_sharing(tmp_path):
+    """A shared-prefix workload's results.json says how many prompt tokens were submitted and how many are
+    distinct (each group's prefix once); a workload that shares nothing has the two equal."""
+    from batchgen.workload.spec import WorkloadSpec
+
+    cfg = {"name": "g", "num_sequences": 32, "input": {"kind": "uniform", "low": 64, "high": 256},
+           "output": {"kind": "uniform", "low": 4, "high": 32}, "prefix": {"group_size": 8, "length": "prompt"}}
+    shared = WorkloadSpec.from_config(cfg).build(0, progress=False)
+    plain = build_workload({k: v for k, v in cfg.items() if k != "prefix"}, seed=0)
+    docs = {}
+    for name, workload in (("shared", shared), ("plain", plain)):
+        out = simulate(Job(load_model("tiny_moe"), load_cluster("h100_8"), workload, make_policy({"name": "static"})))
+        write_results(out, tmp_path / name, summarize(out), skip=("decisions.csv",))
+        docs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    groups = shared.input_lens[::8]
+    assert docs["shared"]["prefill_tokens_submitted"] == docs["shared"]["prompt_tokens"] == 8 * int(groups.sum())
+    assert docs["shared"]["prefill_tokens_distinct"] == int(groups.sum())
+    assert docs["plain"]["prefill_tokens_distinct"] == docs["plain"]["prefill_tokens_submitted"] == int(
+        plain.input_lens.sum())

@@ -68,12 +68,14 @@ SHARE_MIN_REQUESTS = 20_000
 
 @dataclass(frozen=True)
 class EstimateInput:
-    """What the input file says about every request: prompt tokens, max_tokens and ignore_eos."""
+    """What the input file says about every sequence (a request's choice: one per request unless it asks for n):
+    prompt tokens, max_tokens and ignore_eos."""
 
-    prompt_lens: np.ndarray   # int64 >= 1 per request
-    max_tokens: np.ndarray    # int64 >= 1 per request
-    ignore_eos: np.ndarray    # bool per request
+    prompt_lens: np.ndarray   # int64 >= 1 per sequence
+    max_tokens: np.ndarray    # int64 >= 1 per sequence
+    ignore_eos: np.ndarray    # bool per sequence
     approximate_prompts: bool = False  # prompt lengths were guessed (no tokenizer): the printout says so
+    requests: int | None = None  # the requests those sequences answer (None: one sequence each)
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt_lens)
@@ -356,7 +358,8 @@ def format_estimate(rows: Sequence[EstimateRow], inp: EstimateInput, output: Map
                     cluster: ClusterSpec) -> str:
     """A table of the predicted completion time per policy, and the assumptions it rests on."""
     n = len(inp)
-    lines = [f"Estimated completion of {n:,} requests ({int(inp.prompt_lens.sum()):,} prompt tokens) of "
+    what = f"{n:,} requests" if inp.requests in (None, n) else f"{inp.requests:,} requests ({n:,} choices)"
+    lines = [f"Estimated completion of {what} ({int(inp.prompt_lens.sum()):,} prompt tokens) of "
              f"{model.name} on {cluster.name} ({cluster.num_gpus} x {cluster.gpu.name}), simulated:", ""]
     ok = [r for r in rows if r.ok]
     best = min((r.bct_s for r in ok), default=math.nan)

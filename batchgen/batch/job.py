@@ -2,7 +2,8 @@
 results file already holds, run the rest on the executor and append each result the moment its sequence ends.
 
 The results file is the job's only state: a job killed at any instant is resumed by running the same command
-again (nothing is recomputed that was written, and nothing is written twice), and a finished one says so.
+again (nothing is recomputed that was written, and nothing is written twice), and a finished one says so. The
+checkpoint beside it (checkpoint.py) only saves work: the choices of unwritten requests, ended or not.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.batch.checkpoint import load_partial, remove_partial
+from batchgen.batch.choices import plan_choices, prefix_columns
 from batchgen.batch.output import ResultLog, error_record
 from batchgen.batch.requests import LineError, ModelInfo, read_requests
 from batchgen.batch.sink import JobSink
@@ -89,6 +91,9 @@ class JobSummary:
     repaired_bytes: int = 0  # a torn last line cut off the results file (a previous run was killed mid-write)
     resumed: int = 0         # requests that continued from the tokens an interrupted run had saved
     resumed_tokens: int = 0
+    sequences: int = 0       # choices this run decoded (a request with n choices has up to n)
+    prefill_tokens_submitted: int = 0  # prompt (+ saved) tokens of those sequences, each prefilled on its own
+    prefill_tokens_distinct: int = 0   # the same with every common prefix counted once (a prefix tree's tokens)
 
     def format(self) -> str:
         rate = self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
@@ -97,6 +102,10 @@ class JobSummary:
                  f"tokens in {self.prompt_tokens:,}, tokens out {self.output_tokens:,}, wall time {self.wall_s:.1f} s"
                  + (f" ({rate:,.1f} tokens/s out)" if self.completed else ""),
                  f"results: {self.output}"]
+        if self.sequences:
+            lines.insert(2, f"{self.sequences:,} sequences (choices); prefill tokens submitted "
+                            f"{self.prefill_tokens_submitted:,}, distinct {self.prefill_tokens_distinct:,} (every "
+                            "shared prefix once)")
         if self.resumed:
             lines.append(f"({self.resumed:,} requests continued from the {self.resumed_tokens:,} tokens an interrupted "
                          "run had generated)")
@@ -133,6 +142,7 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
     writes=False: this process only learns the remaining requests (a torchrun worker, rank > 0): it reads the
     results file and the checkpoint without changing them, writes no error record, and passes no sink."""
     from batchgen.workload import Workload
+    from batchgen.workload.prefixes import distinct_prefix_tokens
 
     start = time.perf_counter()
     info = ModelInfo.from_dir(model_path)
@@ -147,17 +157,32 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
         todo = [r for r in requests if r.custom_id not in log.done_ids]
         summary.already_done = len(requests) - len(todo)
         if todo:
-            resumed = load_partial(settings.output, todo)
-            summary.resumed = sum(1 for t in resumed if t)
-            summary.resumed_tokens = sum(len(t) for t in resumed)
+            saved = load_partial(settings.output, todo)
+            summary.resumed = sum(1 for s in saved if s)
+            summary.resumed_tokens = sum(s.token_count() for s in saved)
+            finished = [s.finished for s in saved]
+            plan = plan_choices(todo, finished)
+            resumed = [saved[c.request].tokens.get(c.index, []) for c in plan]
+            prompts = [todo[c.request].prompt_ids for c in plan]
             done_before = np.array([len(t) for t in resumed], dtype=np.int64)
             workload = Workload(f"batch:{settings.input.name}",
-                                np.array([len(r.prompt_ids) for r in todo]) + done_before,
-                                np.array([r.params.max_tokens for r in todo]) - done_before)
+                                np.array([len(p) for p in prompts], dtype=np.int64) + done_before,
+                                np.array([c.params.max_tokens for c in plan], dtype=np.int64) - done_before,
+                                *prefix_columns(todo, plan))
+            summary.sequences = len(plan)
+            summary.prefill_tokens_submitted = int(workload.input_lens.sum())
+            if writes:  # only the writer prints a summary
+                summary.prefill_tokens_distinct = distinct_prefix_tokens(
+                    [np.concatenate([p, np.asarray(t, dtype=np.int64)]) if t else p for p, t in zip(prompts, resumed)])
             sink = JobSink(settings.output, todo, checkpoint_name(model_path), settings.fsync, settings.checkpoint_s,
-                           settings.progress) if writes else None
-            counts = execute(build_job(workload), [r.prompt_ids for r in todo], [r.params for r in todo], resumed,
-                             sink)
+                           settings.progress, plan, finished) if writes else None
+            if plan:
+                counts = execute(build_job(workload), prompts, [c.params for c in plan], resumed, sink)
+            elif sink is not None:  # every choice had ended before: write the records the killed run did not
+                with sink.open() as out:
+                    counts = out.counts
+            else:
+                counts = None
             if counts is not None:
                 summary.completed = counts.completed
                 summary.prompt_tokens, summary.output_tokens = counts.prompt_tokens, counts.output_tokens

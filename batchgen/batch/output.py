@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -73,31 +74,56 @@ def openai_finish_reason(reason: str) -> str:
     raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_FINISH)}")
 
 
-def _usage(prompt_ids: Sequence[int], token_ids: Sequence[int]) -> dict:
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
-            "total_tokens": len(prompt_ids) + len(token_ids)}
+@dataclass(frozen=True)
+class Generated:
+    """One choice of an answer: its tokens, its text (None without a tokenizer) and batchgen's finish reason."""
+
+    token_ids: Sequence[int]
+    text: str | None
+    finish_reason: str
 
 
-def _body(prefix: str, obj: str, choice: dict, *, custom_id: str, model: str, created: int,
-          prompt_ids: Sequence[int], token_ids: Sequence[int], finish_reason: str, return_token_ids: bool) -> dict:
-    choice = {"index": 0, **choice, "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
+def _usage(prompt_ids: Sequence[int], choices: Sequence[Generated]) -> dict:
+    """As OpenAI counts n choices: the prompt once, the completions of every choice summed."""
+    completion = sum(len(g.token_ids) for g in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
+
+
+def _choice(chat: bool, index: int, g: Generated, prompt_ids: Sequence[int], return_token_ids: bool) -> dict:
+    text = g.text or ""
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    choice = {"index": index, **content, "logprobs": None, "finish_reason": openai_finish_reason(g.finish_reason)}
     if return_token_ids:  # vLLM's convention for returning token ids in an OpenAI response: on the choice
-        choice["token_ids"] = [int(t) for t in token_ids]
+        choice["token_ids"] = [int(t) for t in g.token_ids]
         choice["prompt_token_ids"] = [int(t) for t in prompt_ids]
+    return choice
+
+
+def answer_body(*, chat: bool, custom_id: str, model: str, created: int, prompt_ids: Sequence[int],
+                choices: Sequence[Generated], return_token_ids: bool) -> dict:
+    """An OpenAI ChatCompletion (chat) or Completion object with one choice per element of `choices`, in order
+    (`choices[i].index` == i). A choice without text (a model without a tokenizer) has text "", and only its
+    token ids (if asked for) carry the answer."""
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     return {"id": f"{prefix}-{_hex(prefix, custom_id, n=32)}", "object": obj, "created": created, "model": model,
-            "choices": [choice], "usage": _usage(prompt_ids, token_ids)}
+            "choices": [_choice(chat, i, g, prompt_ids, return_token_ids) for i, g in enumerate(choices)],
+            "usage": _usage(prompt_ids, choices)}
+
+
+def _one(chat: bool, *, text: str | None, token_ids: Sequence[int], finish_reason: str, **fields) -> dict:
+    return answer_body(chat=chat, choices=[Generated(token_ids, text, finish_reason)], **fields)
 
 
 def completion_body(*, text: str | None, **fields) -> dict:
-    """An OpenAI Completion object (the answer to /v1/completions). `text` is None for a model without a
-    tokenizer; the text is then "" and only the token ids (if asked for) carry the answer. `fields`: custom_id,
-    model, created, prompt_ids, token_ids, finish_reason (batchgen's), return_token_ids."""
-    return _body("cmpl", "text_completion", {"text": text or ""}, **fields)
+    """A one-choice Completion object (the answer to /v1/completions). `fields`: custom_id, model, created,
+    prompt_ids, token_ids, finish_reason (batchgen's), return_token_ids."""
+    return _one(False, text=text, **fields)
 
 
 def chat_body(*, text: str | None, **fields) -> dict:
-    """An OpenAI ChatCompletion object (the answer to /v1/chat/completions); see `completion_body`."""
-    return _body("chatcmpl", "chat.completion", {"message": {"role": "assistant", "content": text or ""}}, **fields)
+    """A one-choice ChatCompletion object (the answer to /v1/chat/completions); see `completion_body`."""
+    return _one(True, text=text, **fields)
 
 
 def encode_record(record: dict) -> bytes:

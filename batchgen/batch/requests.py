@@ -9,11 +9,12 @@ still counted, so line numbers are the file's). A line is
 * chat: `body.messages` is rendered with the model's chat template (chat.py) and encoded WITHOUT adding
   special tokens again (the template wrote them).
 
-Per-request parameters: max_tokens (chat also max_completion_tokens, preferred when both are given),
+Per-request parameters: n (choices of the same prompt, 1 to MAX_N; batchgen/batch/choices.py), max_tokens (chat
+also max_completion_tokens, preferred when both are given),
 temperature, top_p, top_k (-1 means off, as in vLLM), seed, stop (a string or a list of strings),
 stop_token_ids (vLLM's extension), ignore_eos (default false: the request ends at EOS), return_token_ids.
 null counts as absent. Keys we do not know (model, user, metadata, ...) are ignored; keys that ask for
-something this engine does not do (n != 1, stream, logprobs, echo, best_of > 1, penalties, logit_bias,
+something this engine does not do (stream, logprobs, echo, best_of > 1, penalties, logit_bias,
 suffix, tools, a non-text response_format, ...) are unsupported_parameter errors rather than silently
 producing something else.
 
@@ -68,6 +69,7 @@ ERROR_CODES = ("invalid_json", "missing_field", "invalid_method", "invalid_url",
                "no_chat_template")
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16
+MAX_N = 128  # OpenAI's own limit on choices per request
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -128,8 +130,9 @@ class Request:
     custom_id: str
     url: str  # COMPLETIONS or CHAT
     prompt_ids: np.ndarray  # int64, >= 1 token, read-only
-    params: SamplingParams  # max_tokens resolved; seed always set
+    params: SamplingParams  # max_tokens resolved; seed always set (choice 0's; choices.py derives the others')
     return_token_ids: bool
+    n: int = 1  # choices: sequences of this prompt, each with its own seed
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class _Pending:
     add_special_tokens: bool
     ids: np.ndarray | None
     max_tokens: int | None  # explicit
-    kwargs: dict
+    kwargs: dict  # SamplingParams' keyword arguments, and n
     return_token_ids: bool
 
 
@@ -176,8 +179,6 @@ def _nonzero(v) -> bool:
 
 # body key -> (is the value asking for something we do not do?, what to tell the user)
 _UNSUPPORTED = {
-    "n": (lambda v: v is not None and v != 1,
-          "only n=1 is supported; write one line per sample, each with its own custom_id (and seed)"),
     "best_of": (lambda v: v is not None and v != 1, "only best_of=1 is supported; remove it"),
     "stream": (lambda v: bool(v), "streaming is not supported in a batch; remove it"),
     "logprobs": (lambda v: v is not None and v is not False, "log probabilities are not returned; remove it"),
@@ -300,6 +301,11 @@ def _sampling_kwargs(body: dict, model: ModelInfo) -> tuple[int | None, dict, bo
         max_tokens, field = get("max_tokens"), "max_tokens"
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise _Bad("invalid_parameter", f"body.{field} must be an integer >= 1, got {json.dumps(max_tokens)[:40]}")
+    n = get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise _Bad("invalid_parameter", f"body.n must be an integer from 1 to {MAX_N} (choices of this prompt), got "
+                                        f"{json.dumps(n)[:40]}: write more lines for more samples")
+    kwargs["n"] = 1 if n is None else n
     ret = get("return_token_ids")
     if ret is not None and not isinstance(ret, bool):
         raise _Bad("invalid_parameter", f"body.return_token_ids must be true or false, got {json.dumps(ret)[:40]}")
@@ -381,7 +387,8 @@ def _finish(p: _Pending, ids: np.ndarray, model: ModelInfo, job_seed: int, defau
         max_tokens = min(OPENAI_COMPLETIONS_MAX_TOKENS, room)
     else:
         max_tokens = room
-    kwargs = p.kwargs
+    kwargs = dict(p.kwargs)
+    n = kwargs.pop("n", 1)
     if "seed" not in kwargs:
         kwargs["seed"] = derive_seed(job_seed, p.custom_id)
     try:
@@ -389,7 +396,7 @@ def _finish(p: _Pending, ids: np.ndarray, model: ModelInfo, job_seed: int, defau
     except ValueError as e:
         return bad("invalid_parameter", f"body.{e}")
     ids.flags.writeable = False
-    return Request(p.line, p.custom_id, p.url, ids, params, p.return_token_ids)
+    return Request(p.line, p.custom_id, p.url, ids, params, p.return_token_ids, n)
 
 
 def _encode(model: ModelInfo, texts: list[str], add_special_tokens: bool) -> list[np.ndarray]:

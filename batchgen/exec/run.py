@@ -371,7 +371,8 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig, promp
     """The prompts every repeat runs (synthetic when None), after checking they fit the model."""
     w = job.workload
     if prompts is None:
-        return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1)
+        return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1, prefix_group=w.prefix_group,
+                              prefix_len=w.prefix_len)
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     lens = [len(p) + d for p, d in zip(prompts, done_before)]
     if len(prompts) != len(w) or lens != [int(n) for n in w.input_lens]:

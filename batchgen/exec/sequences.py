@@ -11,10 +11,19 @@ from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.stopping import StopChecker
 
 
-def random_prompts(input_lens: np.ndarray, vocab_size: int, seed: int) -> list[np.ndarray]:
-    """Synthetic prompts of the workload's lengths: what a length-only workload needs to run on real tensors."""
+def random_prompts(input_lens: np.ndarray, vocab_size: int, seed: int, prefix_group: np.ndarray | None = None,
+                   prefix_len: np.ndarray | None = None) -> list[np.ndarray]:
+    """Synthetic prompts of the workload's lengths: what a length-only workload needs to run on real tensors.
+    Where the workload says sequences share a prefix (batchgen/workload/prefixes.py), their first prefix_len
+    tokens are the group's first member's; the draws are the same either way."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, int(n), dtype=np.int64) for n in input_lens]
+    prompts = [rng.integers(0, vocab_size, int(n), dtype=np.int64) for n in input_lens]
+    if prefix_group is not None and prefix_len is not None:
+        first: dict[int, np.ndarray] = {}
+        for i in np.flatnonzero(np.asarray(prefix_group) >= 0).tolist():
+            shared = first.setdefault(int(prefix_group[i]), prompts[i])
+            prompts[i][: int(prefix_len[i])] = shared[: int(prefix_len[i])]
+    return prompts
 
 
 @dataclass

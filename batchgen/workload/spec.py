@@ -1,6 +1,7 @@
 """A workload as arrays, and its construction from the Hydra ``workload`` config node.
 
-A batch job has every request present at t=0, so a workload is just two length arrays. It is a struct of
+A batch job has every request present at t=0, so a workload is two length arrays, plus two columns that say
+which prompts share a prefix (batchgen.workload.prefixes). It is a struct of
 numpy arrays rather than a list of request objects because it must scale to millions of requests: building,
 copying and slicing it stays vectorised.
 """
@@ -19,6 +20,7 @@ import numpy as np
 from batchgen.progress import bar
 
 from .distributions import Distribution, make_distribution
+from .prefixes import PrefixSpec, check_prefix_columns, prefill_tokens_distinct, prefill_tokens_submitted
 from .traces import SHIPPED_DIR, load_trace, shipped_traces
 
 
@@ -43,12 +45,15 @@ class Workload:
     ``output_lens`` is ground truth for the simulator; a policy must never read it, since a real engine only
     learns a sequence's length when it stops. The arrays are read-only copies, so a Workload can be shared
     between runs without one run changing another's input. An empty workload is allowed (a shard of a
-    small job may get no requests).
+    small job may get no requests). ``prefix_group`` and ``prefix_len`` (None: no sharing) say which
+    sequences share how many leading prompt tokens (batchgen.workload.prefixes).
     """
 
     name: str
     input_lens: np.ndarray
     output_lens: np.ndarray
+    prefix_group: np.ndarray | None = None
+    prefix_len: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         inputs = _as_lengths("input_lens", self.input_lens)
@@ -57,11 +62,20 @@ class Workload:
             raise ValueError(
                 f"input_lens and output_lens must have the same length, got {inputs.size} and {outputs.size}"
             )
+        group, shared = check_prefix_columns(inputs, self.prefix_group, self.prefix_len)
         object.__setattr__(self, "input_lens", inputs)
         object.__setattr__(self, "output_lens", outputs)
+        object.__setattr__(self, "prefix_group", group)
+        object.__setattr__(self, "prefix_len", shared)
 
     def __len__(self) -> int:
         return int(self.input_lens.size)
+
+    def prefill_tokens(self) -> dict[str, int]:
+        """Prompt tokens as submitted, and with each group's shared prefix counted once."""
+        return {"prefill_tokens_submitted": prefill_tokens_submitted(self.input_lens),
+                "prefill_tokens_distinct": prefill_tokens_distinct(self.input_lens, self.prefix_group,
+                                                                   self.prefix_len)}
 
     def summary(self) -> dict[str, Any]:
         """Headline statistics, flat so they drop straight into a results table or a log line.
@@ -80,7 +94,7 @@ class Workload:
         return out
 
 
-VALID_KEYS = ("name", "num_sequences", "input", "output", "trace", "max_input", "max_output")
+VALID_KEYS = ("name", "num_sequences", "input", "output", "trace", "max_input", "max_output", "prefix")
 
 
 def _optional_positive_int(key: str, value: Any) -> int | None:
@@ -117,6 +131,7 @@ class WorkloadSpec:
     trace: str | None = None
     max_input: int | None = None
     max_output: int | None = None
+    prefix: PrefixSpec | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> WorkloadSpec:
@@ -131,6 +146,9 @@ class WorkloadSpec:
         clips = {k: _optional_positive_int(k, cfg.get(k)) for k in ("max_input", "max_output")}
         trace = cfg.get("trace")
         if trace is not None:
+            if cfg.get("prefix") is not None:
+                raise ValueError(f"workload.trace={trace} with workload.prefix: a trace gives its own lengths; "
+                                 "shared prefixes are drawn for 'input'/'output' workloads only")
             if cfg.get("input") is not None or cfg.get("output") is not None:
                 raise ValueError(f"workload.trace={trace} with workload {cfg.get('name')!r}, which draws lengths from "
                                  "'input'/'output' distributions: give one or the other, not both (a trace workload: "
@@ -151,7 +169,11 @@ class WorkloadSpec:
                 dists[side] = make_distribution(cfg[side])
             except ValueError as e:
                 raise ValueError(f"workload.{side}: {e}") from None
-        return cls(name=str(cfg.get("name") or "workload"), num_sequences=num_sequences, **dists, **clips)
+        prefix = None if cfg.get("prefix") is None else PrefixSpec.from_config(cfg["prefix"])
+        if prefix is not None:
+            prefix.group_ids(num_sequences)  # a size that does not fit fails now, before anything is drawn
+        return cls(name=str(cfg.get("name") or "workload"), num_sequences=num_sequences, **dists, **clips,
+                   prefix=prefix)
 
     def build(self, seed: int, base_dir: Path | None = None, progress: Any = "auto") -> Workload:
         """Draw (or read) the arrays. Same seed, same arrays, with or without a progress bar (`progress`: auto,
@@ -159,12 +181,14 @@ class WorkloadSpec:
 
         Input, output and trace-row sampling each get their own stream spawned from the seed, so changing
         the input distribution does not reshuffle the output lengths: two configs that differ in one side
-        only stay comparable request by request.
+        only stay comparable request by request. Shared prefixes draw from two more streams (prefix lengths, the
+        order of the sequences), spawned after those three, so a workload without them draws what it always did.
         """
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         input_rng, output_rng, row_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
-
+        if self.prefix is not None:
+            return self._build_shared(seed, input_rng, output_rng, progress)
         if self.trace is not None:
             inputs, outputs = self._read_trace(row_rng, base_dir)
         else:
@@ -180,6 +204,22 @@ class WorkloadSpec:
         if self.max_output is not None:
             outputs = np.minimum(outputs, self.max_output)
         return Workload(self.name, inputs, outputs)
+
+    def _build_shared(self, seed: int, input_rng, output_rng, progress: Any) -> Workload:
+        """A workload whose groups share a prefix: a shared prefix clipped by max_input stays the group's."""
+        assert self.input is not None and self.output is not None and self.num_sequences is not None
+        prefix_rng, order_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)[3:])
+        n = self.num_sequences
+        with bar(2 * n, f"workload {self.name}", unit="seq", setting=progress, unit_scale=True) as shown:
+            counter = None if shown.disable else shown
+            inputs, group, shared, order = self.prefix.draw(n, self.input, input_rng, prefix_rng, order_rng,
+                                                            progress=counter)
+            outputs = self.output.sample(n, output_rng, progress=counter)
+        if self.max_input is not None:
+            inputs, shared = np.minimum(inputs, self.max_input), np.minimum(shared, self.max_input)
+        if self.max_output is not None:
+            outputs = np.minimum(outputs, self.max_output)
+        return Workload(self.name, inputs[order], outputs[order], group[order], shared[order])
 
     def _read_trace(self, rng: np.random.Generator, base_dir: Path | None) -> tuple[np.ndarray, np.ndarray]:
         path = resolve_trace(self.trace, base_dir)

@@ -27,13 +27,15 @@ def demo(tmp_path_factory):
 
 
 def mixed_requests(n: int, longest: int = 40) -> list:
-    """Completions and chats, greedy and sampled (with and without a seed), some with stop strings, and one bad
-    line."""
+    """Completions and chats, greedy and sampled (with and without a seed), some with stop strings, some with
+    three choices, and one bad line."""
     lines = []
     for k in range(n):
         body = {"temperature": 0.8, "seed": k} if k % 3 == 0 else {"temperature": 0.7} if k % 7 == 0 else {}
         if k % 5 == 0:
             body["stop"] = ["."]
+        if k % 6 == 3:
+            body["n"] = 3
         make = chat if k % 4 == 1 else completion
         lines.append(make(f"r{k}", f"Request {k}: summarize the following text", max_tokens=10 + k % longest,
                           **body))

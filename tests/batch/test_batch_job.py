@@ -251,22 +251,34 @@ def test_cli_says_what_is_wrong_with_exit_code_2(tmp_path):
 
 def test_partial_tokens_are_kept_only_for_the_same_request(demo, tmp_path):
     from batchgen.batch.checkpoint import Checkpointer, load_partial, partial_path
+    from batchgen.batch.choices import plan_choices
+    from batchgen.batch.output import Generated
     from batchgen.batch.requests import ModelInfo, read_requests
     from batchgen.exec.sequences import SequenceTokens
 
     info = ModelInfo.from_dir(demo)
     src = write_lines(tmp_path / "in.jsonl", [completion("a", [3, 4, 5], max_tokens=9),
-                                             completion("b", [6, 7], max_tokens=9)])
+                                             completion("b", [6, 7], max_tokens=9, n=3)])
     todo, _ = read_requests(src, info)
     out = tmp_path / "out.jsonl"
-    assert load_partial(out, todo) == [[], []]  # no file yet
-    tokens = SequenceTokens([r.prompt_ids for r in todo], [r.params for r in todo], (), resumed=[[11, 12], []])
-    Checkpointer(out, todo, interval_s=60).save(tokens)
-    assert load_partial(out, todo) == [[11, 12], []]
+    assert not any(load_partial(out, todo))  # no file yet
+    plan = plan_choices(todo, [{}, {}])
+    assert [(c.request, c.index) for c in plan] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    tokens = SequenceTokens([todo[c.request].prompt_ids for c in plan], [c.params for c in plan], (),
+                            resumed=[[11, 12], [], [13], []])
+    ended = {1: {0: Generated([14, 15], "xy", "eos")}}  # request b's choice 0 ended; its record waits for 1 and 2
+    Checkpointer(out, todo, plan, ended, interval_s=60).save(tokens)
+    a, b = load_partial(out, todo)
+    assert (a.tokens, a.finished) == ({0: [11, 12]}, {})
+    assert (b.tokens, b.finished) == ({1: [13]}, {0: Generated([14, 15], "xy", "eos")})
+    assert b.token_count() == 3
     changed, _ = read_requests(write_lines(tmp_path / "in2.jsonl", [completion("a", [3, 4, 6], max_tokens=9)]), info)
-    assert load_partial(out, changed) == [[]]  # the request changed: its old tokens are not reused
-    partial_path(out).write_text('{"format": "batchgen-partial/1", "requ')  # torn: start over, no error
-    assert load_partial(out, todo) == [[], []]
+    assert not load_partial(out, changed)[0]  # the request changed: its old tokens are not reused
+    partial_path(out).write_text('{"format": "batchgen-partial/1", "requests": {"a": {"digest": "%s", "tokens": '
+                                 '[11]}}}' % json.loads(partial_path(out).read_text())["requests"]["a"]["digest"])
+    assert load_partial(out, todo)[0].tokens == {0: [11]}  # the first format: choice 0 still decoding
+    partial_path(out).write_text('{"format": "batchgen-partial/2", "requ')  # torn: start over, no error
+    assert not any(load_partial(out, todo))
 
 
 def estimate_output(capsys, *overrides: str) -> str:

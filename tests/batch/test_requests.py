@@ -189,7 +189,12 @@ BAD = [  # (line text, code, fragments of the message)
     (line(comp(ignore_eos="yes")), "invalid_parameter", ["ignore_eos"]),
     (line(comp(return_token_ids=1)), "invalid_parameter", ["return_token_ids"]),
     (line(comp(stop_token_ids=[600])), "invalid_parameter", ["stop_token_ids", "600"]),
-    (line(comp(n=2)), "unsupported_parameter", ["body.n=2", "one line per sample"]),
+    (line(comp(n=0)), "invalid_parameter", ["body.n must be an integer from 1 to 128", "got 0"]),
+    (line(comp(n=-3)), "invalid_parameter", ["body.n", "got -3"]),
+    (line(comp(n=129)), "invalid_parameter", ["body.n", "got 129", "write more lines"]),
+    (line(comp(n=2.5)), "invalid_parameter", ["body.n", "got 2.5"]),
+    (line(chat(n="4"), url=CHAT), "invalid_parameter", ["body.n", 'got "4"']),
+    (line(comp(n=True)), "invalid_parameter", ["body.n", "got true"]),
     (line(comp(stream=True)), "unsupported_parameter", ["body.stream"]),
     (line(comp(logprobs=0)), "unsupported_parameter", ["body.logprobs"]),
     (line(chat(logprobs=True), url=CHAT), "unsupported_parameter", ["body.logprobs"]),
@@ -307,3 +312,9 @@ def test_tokenizer_larger_than_model_vocab(model):
     err(line(comp("The quick brown fox jumps over the lazy dog")), m, "invalid_parameter",
         "tokenizer does not match")
     ok(line(comp([1, 2, 3])), m)
+
+
+def test_n_choices_are_carried(model):
+    assert ok(line(comp(n=3)), model).n == 3
+    assert ok(line(chat(n=128), url=CHAT), model).n == 128
+    assert ok(line(comp(n=None)), model).n == ok(line(comp()), model).n == 1

@@ -1,0 +1,178 @@
+"""Shared prompt prefixes of a workload: which sequences share one, how long it is, and what sharing saves.
+
+Batch jobs repeat themselves: an RL step samples n completions of each prompt, an evaluation puts the same
+k-shot examples before every question of a subject, a data-generation job puts one long system prompt before
+every request. A workload says so with two per-sequence columns:
+
+* `prefix_group`: the id of the sequences it shares a prefix with (-1: none);
+* `prefix_len`: how many leading tokens of its prompt are identical in every member of its group (0: none).
+
+One level of sharing is enough for the shapes above; a prompt shared whole (n samples) has prefix_len equal
+to its input length. The counts here need no scheduling: `prefill_tokens_submitted` is what a system without
+sharing prefills, `prefill_tokens_distinct` what one that computes each shared prefix once must prefill.
+
+The `prefix` key of a workload config draws the columns (`PrefixSpec`): `groups` (how many) or `group_size`
+(sequences per group), and `length`: `prompt` (the whole prompt is shared: `input` is drawn once per group) or
+a length distribution drawn once per group (then `input` is each sequence's own suffix, after the prefix).
+Members of a group are adjacent unless `order: shuffled`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from .distributions import Distribution, make_distribution
+
+NO_GROUP = -1
+ORDERS = ("grouped", "shuffled")
+VALID_KEYS = ("groups", "group_size", "length", "order")
+WHOLE_PROMPT = "prompt"
+
+
+def check_prefix_columns(input_lens: np.ndarray, group: Any, prefix_len: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Both columns as read-only int64 arrays (None: no sharing), after checking they describe one shared prefix
+    per group that fits every member's prompt."""
+    n = input_lens.size
+    group = np.full(n, NO_GROUP, dtype=np.int64) if group is None else np.array(group, dtype=np.int64, ndmin=1)
+    prefix_len = np.zeros(n, dtype=np.int64) if prefix_len is None else np.array(prefix_len, dtype=np.int64, ndmin=1)
+    for name, col in (("prefix_group", group), ("prefix_len", prefix_len)):
+        if col.shape != input_lens.shape:
+            raise ValueError(f"{name} must have one value per sequence ({n}), got shape {col.shape}")
+    if n:
+        _first_bad(group < NO_GROUP, "prefix_group must be a group id >= 0, or -1 for none", group)
+        _first_bad(prefix_len < 0, "prefix_len must be >= 0", prefix_len)
+        _first_bad((group == NO_GROUP) & (prefix_len != 0),
+                   "prefix_len must be 0 where prefix_group is -1 (no group, nothing shared)", prefix_len)
+        _first_bad(prefix_len > input_lens, "a shared prefix longer than the prompt: prefix_len must be <= "
+                                            "input_len", prefix_len, input_lens)
+        grouped = group != NO_GROUP
+        if grouped.any():
+            ids, first = np.unique(group[grouped], return_inverse=True)
+            lo = np.full(ids.size, np.iinfo(np.int64).max)
+            hi = np.full(ids.size, -1)
+            np.minimum.at(lo, first, prefix_len[grouped])
+            np.maximum.at(hi, first, prefix_len[grouped])
+            if (lo != hi).any():
+                g = int(ids[np.argmax(lo != hi)])
+                raise ValueError(f"prefix_len must be the same for every member of a group: group {g} has "
+                                 f"{int(lo[ids == g][0])} and {int(hi[ids == g][0])}")
+    for col in (group, prefix_len):
+        col.setflags(write=False)
+    return group, prefix_len
+
+
+def _first_bad(bad: np.ndarray, what: str, values: np.ndarray, limit: np.ndarray | None = None) -> None:
+    if bad.any():
+        i = int(np.argmax(bad))
+        extra = "" if limit is None else f" (input_len {int(limit[i])})"
+        raise ValueError(f"{what}; got {int(values[i])} at sequence {i}{extra}")
+
+
+def prefill_tokens_submitted(input_lens: np.ndarray) -> int:
+    """Prompt tokens as submitted: what a system that shares nothing prefills."""
+    return int(np.asarray(input_lens, dtype=np.int64).sum())
+
+
+def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_len: np.ndarray) -> int:
+    """Each group's shared prefix once, plus every sequence's own suffix: what a system that computes a shared
+    prefix once must prefill."""
+    suffixes = int((input_lens - prefix_len).sum())
+    grouped = group != NO_GROUP
+    if not grouped.any():
+        return suffixes
+    _, first = np.unique(group[grouped], return_index=True)
+    return suffixes + int(prefix_len[grouped][first].sum())
+
+
+def distinct_prefix_tokens(sequences) -> int:
+    """Tokens of the prefix tree of `sequences` (token-id arrays): what a prefill that computes every common
+    prefix once computes, at any depth (a system prompt, then a few-shot block, then a repeated question). In
+    lexicographic order, each sequence shares with the tree exactly its longest common prefix with the one
+    before it, so the tree holds the sum of lengths less those."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
+    keys = [a.astype(">i8").tobytes() for a in arrays]  # big-endian: byte order is token order
+    order = sorted(range(len(arrays)), key=keys.__getitem__)
+    total = sum(a.size for a in arrays)
+    for prev, cur in pairwise(order):
+        a, b = arrays[prev], arrays[cur]
+        m = min(a.size, b.size)
+        differ = np.flatnonzero(a[:m] != b[:m])
+        total -= int(differ[0]) if differ.size else m
+    return total
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    """A validated `prefix` node of a workload config."""
+
+    groups: int | None = None
+    group_size: int | None = None
+    length: Distribution | None = None  # None: the whole prompt is shared
+    order: str = "grouped"
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PrefixSpec:
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"workload.prefix must be a mapping like {{group_size: 16, length: prompt}}, got {cfg!r}")
+        unknown = sorted(set(cfg) - set(VALID_KEYS))
+        if unknown:
+            raise ValueError(f"unknown workload.prefix key(s) {unknown}; valid keys: {', '.join(VALID_KEYS)}")
+        sizes = [k for k in ("groups", "group_size") if cfg.get(k) is not None]
+        if len(sizes) != 1:
+            raise ValueError("workload.prefix needs exactly one of groups (how many groups) and group_size "
+                             f"(sequences per group), got {sizes or 'neither'}")
+        value = cfg[sizes[0]]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"workload.prefix.{sizes[0]} must be an integer >= 1, got {value!r}")
+        length = cfg.get("length")
+        if length is None:
+            raise ValueError("workload.prefix.length is missing: 'prompt' (each group's whole prompt is shared) "
+                             "or a length distribution, e.g. {kind: fixed, value: 2048}")
+        if length != WHOLE_PROMPT:
+            try:
+                length = make_distribution(length)
+            except ValueError as e:
+                raise ValueError(f"workload.prefix.length: {e} (or 'prompt': the whole prompt is shared)") from None
+        else:
+            length = None
+        order = cfg.get("order", "grouped")
+        if order not in ORDERS:
+            raise ValueError(f"workload.prefix.order must be one of {', '.join(ORDERS)}, got {order!r}")
+        return cls(**{sizes[0]: int(value)}, length=length, order=order)
+
+    def group_ids(self, n: int) -> np.ndarray:
+        """Each sequence's group, members adjacent: equal blocks (the first ones one longer when n does not
+        divide evenly)."""
+        if self.group_size is not None:
+            if n % self.group_size:
+                raise ValueError(f"workload.num_sequences={n} is not a multiple of workload.prefix.group_size="
+                                 f"{self.group_size}: give prompts x samples sequences")
+            return np.repeat(np.arange(n // self.group_size, dtype=np.int64), self.group_size)
+        if self.groups > n:
+            raise ValueError(f"workload.prefix.groups={self.groups} is more than workload.num_sequences={n}: every "
+                             "group needs at least one sequence")
+        sizes = np.full(self.groups, n // self.groups, dtype=np.int64)
+        sizes[: n % self.groups] += 1
+        return np.repeat(np.arange(self.groups, dtype=np.int64), sizes)
+
+    def draw(self, n: int, input: Distribution, input_rng: np.random.Generator, prefix_rng: np.random.Generator,
+             order_rng: np.random.Generator, progress=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(input_lens, prefix_group, prefix_len, order): `order` permutes the sequences (outputs included)."""
+        group = self.group_ids(n)
+        count = int(group[-1]) + 1 if n else 0
+        if self.length is None:  # one prompt per group, shared whole
+            inputs = input.sample(count, input_rng)[group]
+            prefix = inputs.copy()
+            if progress is not None:
+                progress.update(n)
+        else:
+            prefix = self.length.sample(count, prefix_rng)[group]
+            inputs = prefix + input.sample(n, input_rng, progress=progress)
+        order = order_rng.permutation(n) if self.order == "shuffled" else np.arange(n)
+        return inputs, group, prefix, order

@@ -1,0 +1,129 @@
+"""Workloads whose prompts share a prefix: the columns, the configs that draw them, and the prefill counts."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from batchgen.workload import Workload, build_workload
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "workload"
+SHARED = ("rl_rollout_grouped", "fewshot_eval", "system_prompt_shared")
+
+
+def named(name: str, **changes) -> dict:
+    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{name}.yaml")), **changes}
+
+
+def test_a_workload_without_prefixes_shares_nothing():
+    w = Workload("w", [5, 7, 9], [1, 1, 1])
+    assert w.prefix_group.tolist() == [-1, -1, -1] and w.prefix_len.tolist() == [0, 0, 0]
+    assert w.prefill_tokens() == {"prefill_tokens_submitted": 21, "prefill_tokens_distinct": 21}
+
+
+def test_distinct_prefill_counts_each_groups_prefix_once():
+    # group 0: three prompts sharing 4 tokens; group 1: two sharing their whole 6-token prompt; one alone
+    w = Workload("w", [10, 5, 4, 6, 6, 3], [1] * 6, prefix_group=[0, 0, 0, 1, 1, -1], prefix_len=[4, 4, 4, 6, 6, 0])
+    assert w.prefill_tokens() == {"prefill_tokens_submitted": 34,
+                                  "prefill_tokens_distinct": 4 + (6 + 1 + 0) + 6 + 3}
+
+
+@pytest.mark.parametrize("group, shared, needle", [
+    ([0, 0], [4, 6], "same for every member of a group: group 0 has 4 and 6"),
+    ([0, 0], [4, 9], "longer than the prompt.*got 9 at sequence 1 \\(input_len 8\\)"),
+    ([-1, 0], [2, 2], "must be 0 where prefix_group is -1"),
+    ([0, -2], [0, 0], "group id >= 0, or -1"),
+    ([0, 0], [-1, -1], "prefix_len must be >= 0"),
+    ([0], [1], "one value per sequence"),
+])
+def test_bad_columns_are_refused(group, shared, needle):
+    with pytest.raises(ValueError, match=needle):
+        Workload("w", [5, 8], [1, 1], prefix_group=group, prefix_len=shared)
+
+
+def test_rl_rollout_groups_share_the_whole_prompt():
+    w = build_workload(named("rl_rollout_grouped", num_sequences=64), seed=3)
+    assert np.array_equal(w.prefix_group, np.repeat(np.arange(4), 16))
+    assert np.array_equal(w.prefix_len, w.input_lens)
+    assert all(len(set(w.input_lens[w.prefix_group == g].tolist())) == 1 for g in range(4))
+    counts = w.prefill_tokens()
+    assert counts["prefill_tokens_distinct"] * 16 == counts["prefill_tokens_submitted"]
+    assert w.output_lens.max() > 4 * np.median(w.output_lens)  # rl_rollout's long tail, not one length per group
+
+
+def test_fewshot_and_system_prompt_share_a_prefix_before_distinct_suffixes():
+    few = build_workload(named("fewshot_eval", num_sequences=570), seed=0)
+    assert sorted(set(few.prefix_group.tolist())) == list(range(57)) and np.bincount(few.prefix_group).min() == 10
+    assert (few.input_lens - few.prefix_len).min() >= 32 and few.output_lens.max() <= 32
+    sys_prompt = build_workload(named("system_prompt_shared", num_sequences=100), seed=0)
+    assert set(sys_prompt.prefix_len.tolist()) == {4096} and set(sys_prompt.prefix_group.tolist()) == {0}
+    suffixes = int((sys_prompt.input_lens - 4096).sum())
+    assert sys_prompt.prefill_tokens()["prefill_tokens_distinct"] == 4096 + suffixes
+
+
+def test_shuffled_order_keeps_each_group_and_its_lengths():
+    grouped = build_workload(named("rl_rollout_grouped", num_sequences=64), seed=1)
+    shuffled = build_workload(named("rl_rollout_grouped", num_sequences=64,
+                                    prefix={"group_size": 16, "length": "prompt", "order": "shuffled"}), seed=1)
+    assert not np.array_equal(grouped.prefix_group, shuffled.prefix_group)
+    def rows(w):
+        return sorted(zip(w.prefix_group.tolist(), w.input_lens.tolist(), w.output_lens.tolist()))
+    assert rows(grouped) == rows(shuffled)
+
+
+def test_max_input_clips_the_shared_prefix_with_the_prompt():
+    w = build_workload(named("system_prompt_shared", num_sequences=10, max_input=1000), seed=0)
+    assert set(w.input_lens.tolist()) == {1000} and set(w.prefix_len.tolist()) == {1000}
+
+
+@pytest.mark.parametrize("prefix, needle", [
+    ({"group_size": 16, "length": "prompt"}, "not a multiple of workload.prefix.group_size=16"),
+    ({"groups": 0, "length": "prompt"}, "groups must be an integer >= 1, got 0"),
+    ({"groups": 100, "length": "prompt"}, "groups=100 is more than workload.num_sequences=40"),
+    ({"groups": 2, "group_size": 20, "length": "prompt"}, "exactly one of groups"),
+    ({"groups": 2}, "prefix.length is missing"),
+    ({"groups": 2, "length": {"kind": "fixed", "value": 0}}, "prefix.length: value must be >= 1"),
+    ({"groups": 2, "length": "prompt", "order": "random"}, "order must be one of grouped, shuffled"),
+    ({"groups": 2, "length": "prompt", "share": 3}, r"unknown workload.prefix key\(s\) \['share'\]"),
+])
+def test_bad_prefix_configs_fail_before_drawing(prefix, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_workload(named("rl_rollout_grouped", num_sequences=40, prefix=prefix), seed=0)
+
+
+def test_a_trace_workload_cannot_draw_prefixes():
+    with pytest.raises(ValueError, match="shared prefixes are drawn for 'input'/'output' workloads only"):
+        build_workload({"name": "t", "trace": "azure_conv_2023.csv", "prefix": {"groups": 1, "length": "prompt"}}, 0)
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_the_shared_configs_build_at_full_size(name):
+    w = build_workload(named(name), seed=0, progress=False)
+    counts = w.prefill_tokens()
+    assert len(w) == named(name)["num_sequences"] and counts["prefill_tokens_distinct"] < counts[
+        "prefill_tokens_submitted"] / 5
+
+
+def test_synthetic_prompts_share_their_groups_prefix_tokens():
+    from batchgen.exec.sequences import random_prompts
+    from batchgen.workload.prefixes import distinct_prefix_tokens
+
+    w = Workload("w", [6, 9, 7, 5, 4], [1] * 5, prefix_group=[0, 1, 0, 1, -1], prefix_len=[4, 5, 4, 5, 0])
+    plain = random_prompts(w.input_lens, 1000, seed=3)
+    shared = random_prompts(w.input_lens, 1000, seed=3, prefix_group=w.prefix_group, prefix_len=w.prefix_len)
+    assert shared[0][:4].tolist() == shared[2][:4].tolist() and shared[1][:5].tolist() == shared[3][:5].tolist()
+    assert [p.tolist() for p in shared[:2] + shared[4:]] == [p.tolist() for p in plain[:2] + plain[4:]]
+    assert shared[2][4:].tolist() == plain[2][4:].tolist()  # the suffixes are each sequence's own draws
+    assert distinct_prefix_tokens(shared) == w.prefill_tokens()["prefill_tokens_distinct"]
+
+
+def test_distinct_prefix_tokens_counts_a_prefix_tree():
+    from batchgen.workload.prefixes import distinct_prefix_tokens
+
+    assert distinct_prefix_tokens([]) == 0
+    assert distinct_prefix_tokens([[7, 8, 9]] * 4) == 3  # one prompt four times (n samples)
+    # a system prompt [1, 2] before two few-shot blocks, each before two questions: 2 + 2 * 1 + 4 * 1
+    assert distinct_prefix_tokens([[1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 5], [1, 2, 4, 6]]) == 8
+    assert distinct_prefix_tokens([[1, 2], [1, 2, 3]]) == 3  # a prompt that is another's prefix
+    assert distinct_prefix_tokens([[256, 1], [1, 256]]) == 4  # token order, not byte order of small ids
