@@ -11,6 +11,8 @@ from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
 from batchgen.latency.arrays import _FLOAT, _arr, _fits, _out, _uniform
 from batchgen.latency.gemm import gemm_seconds
+from batchgen.latency.tp_attention import shard_spec
+from batchgen.specs.host import DEFAULT_HOST
 
 _LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token count from a cached curve
 _GEMM_LOOKUP_MAX = 1 << 16  # ... and so do smaller ones up to this many tokens (a serving engine's forwards)
@@ -43,7 +45,6 @@ class Roofline:
             raise ValueError(f"ep_ranks={ep_ranks} spans nodes of {gpus_per_node} GPUs, but {gpu.name} has no "
                              "network (network_bw == 0)")
         if host is None:
-            from batchgen.specs.host import DEFAULT_HOST
             host = DEFAULT_HOST
         self.model, self.gpu, self.eff, self.host = model, gpu, eff, host
         self.ep_ranks, self.gpus_per_node = int(ep_ranks), int(gpus_per_node)
@@ -77,8 +78,6 @@ class Roofline:
         PARTITIONed sequence's group projects and attends with. Built once per degree."""
         shard = self._head_shards.get(degree)
         if shard is None:
-            from batchgen.latency.tp_attention import shard_spec
-
             shard = self._head_shards[degree] = Roofline(
                 shard_spec(self.model, degree), self.gpu, self.eff, ep_ranks=self.ep_ranks,
                 gpus_per_node=self.gpus_per_node, routing_skew=self.routing_skew, use_fp8=self.use_fp8,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
+from batchgen.latency.tp_attention import partition_attention_decode
 from batchgen.plan.layer import LayerCosts, compute_time, layer_time
 
 # At most this many host-resident micro-batches get their own DAG nodes per layer; beyond it (a B_attn tiny
@@ -38,8 +39,6 @@ class Shards:
 
 def shard_attention(lat: LatencyModel, shards: tuple[Shards, ...]) -> np.ndarray | float:
     """Seconds per layer of the head shards' attention on each rank and iteration (0.0 without shards)."""
-    from batchgen.latency.tp_attention import partition_attention_decode
-
     total = 0.0
     for s in shards:
         total = total + partition_attention_decode(lat, s.degree, s.tokens, s.context, s.launches, s.longest)
