@@ -24,7 +24,7 @@ import numpy as np
 
 from batchgen.latency import formulas
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
-from batchgen.plan.decode import DecodeGrid, _host_micro_batches
+from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches
 from batchgen.pricing.cost import RunCost
 from batchgen.pricing.scalar import ScalarRoofline
 
@@ -176,8 +176,6 @@ def _microbatched(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipeli
     """(DecodePrice, calls, LM head seconds per iteration): every micro-batch's attention and FFN priced in one
     vector call each (the roofline's formulas are elementwise), the chain added node by node in the DAG's order:
     on Python floats for a one-iteration grid (the planner's), on (K,) vectors otherwise."""
-    from batchgen.plan.decode import DecodePrice
-
     n_dense = sp.lat.layer_counts()[0]
     g = np.asarray(grid.gate_tokens, float)[0]
     K = g.size
