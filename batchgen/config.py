@@ -58,7 +58,7 @@ def check_context(model, workload) -> None:
         return
     room = context - longest_in
     fix = (f"set workload.max_output={room} (the context less the longest prompt)" if room > 0 else
-           f"set workload.max_input below the context (and workload.max_output to fit prompt + output in it)")
+           "set workload.max_input below the context (and workload.max_output to fit prompt + output in it)")
     raise ConfigError(f"workload {workload.name} has outputs of up to {longest_out:,} tokens and prompts of up to "
                       f"{longest_in:,} (a sequence of {longest:,}), but {model.name}'s context is {context:,} "
                       f"tokens (prompt + output): {fix}, or pick a model with a longer context")

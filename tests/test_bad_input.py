@@ -10,6 +10,7 @@ long as they name the bad value and the valid ones.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,21 @@ def test_outputs_past_the_context_name_the_cap_that_fits(tmp_path, workload):
     assert int((w.input_lens + w.output_lens).max()) <= job.model.max_context
     # the largest cap that surely fits: the context less the longest prompt
     assert int(fix.split("=")[1]) == job.model.max_context - int(w.input_lens.max()) == int(w.output_lens.max())
+
+
+@pytest.mark.parametrize("overrides", [
+    ("workload.prefix.length.high=38000",),
+    ("model=tiny_moe", "model.max_context=131072", "workload.prefix.length.high=99999")],
+                         ids=["qwen3-38k-prefixes", "tiny_moe-99k-prefixes"])
+def test_activations_past_the_gpu_are_named_not_the_weights(tmp_path, overrides):
+    """static pads every prefill to the longest prompt: with few-shot prefixes of up to 38K (99K) tokens its
+    activations alone pass the GPU. The error says so, with their size; not "needs 0.0 GB of weights"."""
+    msg = config_error(tmp_path, "+policy=static", "workload=fewshot_eval", *overrides)
+    assert_mentions(msg, "activations of policy static's batch shape", "prompt tokens per prefill forward",
+                    "workload.max_input", "smaller batches")
+    assert "spread the experts" not in msg and not re.search(r"-[\d.]+ GB", msg)  # no negative "usable" GB
+    act, usable = (float(x) for x in re.findall(r"([\d.]+) GB (?:per GPU|usable)", msg))
+    assert act > usable > 70  # an H100's 85.5 GB x 0.9 less the 1 GB reserve
 
 
 # ---------------------------------------------------------------------------------------------------------------
