@@ -37,12 +37,31 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | N
     try:
         workload = build_workload(cfg.workload, seed=typed(cfg, "seed", int, 0), base_dir=base_dir,
                                   progress=progress_setting(cfg))
+        check_context(model, workload)
         return Job(model=model, cluster=setup.cluster, workload=workload, policy=setup.policy,
                    memory=setup.memory, efficiency=setup.efficiency, latency=setup.latency,
                    page_tokens=setup.page_tokens, routing_skew=setup.routing_skew,
                    check_invariants=setup.check_invariants)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+
+
+def check_context(model, workload) -> None:
+    """Prompt + output must fit the model's context; the workload's lengths are never clipped silently, so the
+    error names the cap that fixes it (rl_rollout's 64K outputs vs Qwen3-30B-A3B's 40,960 positions)."""
+    if not len(workload):
+        return
+    longest_in, longest_out = int(workload.input_lens.max()), int(workload.output_lens.max())
+    longest = int((workload.input_lens + workload.output_lens).max())
+    context = model.max_context
+    if longest <= context:
+        return
+    room = context - longest_in
+    fix = (f"set workload.max_output={room} (the context less the longest prompt)" if room > 0 else
+           "set workload.max_input below the context (and workload.max_output to fit prompt + output in it)")
+    raise ConfigError(f"workload {workload.name} has outputs of up to {longest_out:,} tokens and prompts of up to "
+                      f"{longest_in:,} (a sequence of {longest:,}), but {model.name}'s context is {context:,} "
+                      f"tokens (prompt + output): {fix}, or pick a model with a longer context")
 
 
 def executor_element_bytes(cfg: DictConfig) -> float | None:

@@ -179,6 +179,10 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             model, lat, streamed_layers, usable - page_bytes if can_stream_weights else -1.0)
         fits_streaming = model.is_moe and resident + page_bytes <= usable
         if not can_stream_weights or not fits_streaming:
+            need = resident if can_stream_weights else weights
+            if act and need + page_bytes <= usable + act:  # they would fit but for the activations
+                raise ConfigError(_activations_exceed(model, gpu, settings, policy_name, batch_shape, act,
+                                                      usable + act, need, max_context))
             if model.is_moe:
                 how = ("spread the experts over more GPUs (cluster.num_gpus, and cluster.gpus_per_instance if "
                        "it is set), use a GPU with more memory"
@@ -203,6 +207,19 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
     return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers,
                         whole_layers=whole_layers)
+
+
+def _activations_exceed(model, gpu, settings, policy_name, shape, act, room, weights, max_context) -> str:
+    """The weights would fit but the batch shape's activations leave no room: say so, not "weights don't fit"."""
+    gb = 1e9
+    forward = (f"{shape.prefill_tokens:,} prompt tokens per prefill forward" if shape.prefill_tokens >= shape.gate_tokens
+               else f"{shape.gate_tokens:,} tokens at the gate per decode forward")
+    return (f"the activations of policy {policy_name}'s batch shape ({forward}, sequences of up to "
+            f"{max_context:,} tokens) take {act / gb:.1f} GB per GPU: with {model.name}'s {weights / gb:.1f} GB of "
+            f"weights per GPU they exceed the {room / gb:.1f} GB usable on a {gpu.name} ({gpu.hbm_bytes / gb:.1f} GB"
+            f" x memory.gpu_memory_fraction={settings.gpu_memory_fraction} less memory.activation_reserve_gb="
+            f"{settings.activation_reserve_gb}): shorten the longest sequences (workload.max_input / "
+            "workload.max_output) or give the policy smaller batches")
 
 
 def weight_layout(model: ModelSpec, lat: LatencyModel, streamed_layers: int, room: float) -> tuple[float, float, bool]:

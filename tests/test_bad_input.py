@@ -10,6 +10,7 @@ long as they name the bad value and the valid ones.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,39 @@ def test_prompt_longer_than_context(tmp_path):
     assert_mentions(msg, "sequence", "llama2_7b", "4,096", "workload.max_input")
 
 
+@pytest.mark.parametrize("workload", ["rl_rollout", "rl_rollout_grouped"])
+def test_outputs_past_the_context_name_the_cap_that_fits(tmp_path, workload):
+    """rl_rollout's outputs reach 65,536 tokens, past Qwen3-30B-A3B's 40,960: the error names both and the
+    workload.max_output that fits, and that override builds a job whose longest sequence fits the context."""
+    cfg = compose_cfg("+policy=coroutine", f"workload={workload}")
+    with pytest.raises(ConfigError) as info:
+        build_job(cfg, base_dir=tmp_path)
+    msg = str(info.value)
+    assert_mentions(msg, workload, "qwen3_30b_a3b", "40,960", "65,536", "workload.max_output=")
+    assert "\n" not in msg
+    fix = next(w for w in msg.split() if w.startswith("workload.max_output="))
+    job = build_job(compose_cfg("+policy=coroutine", f"workload={workload}", fix), base_dir=tmp_path)
+    w = job.workload
+    assert int((w.input_lens + w.output_lens).max()) <= job.model.max_context
+    # the largest cap that surely fits: the context less the longest prompt
+    assert int(fix.split("=")[1]) == job.model.max_context - int(w.input_lens.max()) == int(w.output_lens.max())
+
+
+@pytest.mark.parametrize("overrides", [
+    ("workload.prefix.length.high=38000",),
+    ("model=tiny_moe", "model.max_context=131072", "workload.prefix.length.high=99999")],
+                         ids=["qwen3-38k-prefixes", "tiny_moe-99k-prefixes"])
+def test_activations_past_the_gpu_are_named_not_the_weights(tmp_path, overrides):
+    """static pads every prefill to the longest prompt: with few-shot prefixes of up to 38K (99K) tokens its
+    activations alone pass the GPU. The error says so, with their size; not "needs 0.0 GB of weights"."""
+    msg = config_error(tmp_path, "+policy=static", "workload=fewshot_eval", *overrides)
+    assert_mentions(msg, "activations of policy static's batch shape", "prompt tokens per prefill forward",
+                    "workload.max_input", "smaller batches")
+    assert "spread the experts" not in msg and not re.search(r"-[\d.]+ GB", msg)  # no negative "usable" GB
+    act, usable = (float(x) for x in re.findall(r"([\d.]+) GB (?:per GPU|usable)", msg))
+    assert act > usable > 70  # an H100's 85.5 GB x 0.9 less the 1 GB reserve
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Files.
 
@@ -289,13 +323,14 @@ def test_check_invariants_wrong_type(tmp_path):
      ("fit nowhere",)),
     (("+policy=continuous", "model=deepseek_r1", "cluster=h100_8", SMALL), ("coroutine",)),
     (("+policy=continuous", "model=llama2_7b", "workload=longbench_12k_4k"), ("sequence", "4,096")),
+    (("+policy=coroutine", "workload=rl_rollout_grouped"), ("40,960", "65,536", "workload.max_output=")),
     (("+policy=coroutine", "policy.b_moe=abc"), ("policy.b_moe", "abc")),
     (("+policy=coroutine", "latency=table", "latency.calibration=nope.json"), ("nope.json", "batchgen.profile")),
     (("+policy=coroutine", "latency=table", "latency.calibration=cpu_epyc_milan_2c-tiny_moe.json"),
      ("tiny_moe", "qwen3_30b_a3b", "batchgen.profile model=qwen3_30b_a3b")),
     (("+policy=coroutine", "backend=exec", "model=deepseek_r1"), ("671.0B parameters", "model=tiny_moe")),
 ], ids=["no-policy", "zero-gpus", "negative-length", "missing-trace", "fits-nowhere", "continuous-too-big",
-        "context", "wrong-type", "missing-calibration", "calibration-of-another-model", "exec-model-too-large"])
+        "context", "output-past-context", "wrong-type", "missing-calibration", "calibration-of-another-model", "exec-model-too-large"])
 def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, words):
     line = assert_clean_cli_error(tmp_path, run_cli(tmp_path, *args))
     assert_mentions(line, *words)

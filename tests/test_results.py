@@ -289,3 +289,28 @@ def test_results_json_counts_prefill_tokens_with_and_without_sharing(tmp_path):
     assert docs["shared"]["prefill_tokens_distinct"] == int(groups.sum())
     assert docs["plain"]["prefill_tokens_distinct"] == docs["plain"]["prefill_tokens_submitted"] == int(
         plain.input_lens.sum())
+
+
+def test_table_shows_prefill_counts_only_for_a_workload_that_shares_a_prefix():
+    """A shared-prefix run's table row carries both counts; a run without groups prints the table it always
+    did (the counts are in its results.json, not in the table)."""
+    from batchgen.workload.spec import WorkloadSpec
+
+    cfg = {"name": "g", "num_sequences": 32, "input": {"kind": "uniform", "low": 64, "high": 256},
+           "output": {"kind": "uniform", "low": 4, "high": 32}, "prefix": {"group_size": 8, "length": "prompt"}}
+    rows = {}
+    for name, workload in (("shared", WorkloadSpec.from_config(cfg).build(0, progress=False)),
+                           ("plain", build_workload({k: v for k, v in cfg.items() if k != "prefix"}, seed=0))):
+        out = simulate(Job(load_model("tiny_moe"), load_cluster("h100_8"), workload, make_policy({"name": "static"})))
+        rows[name] = summarize(out)
+    head, _, line = format_table([rows["shared"]]).splitlines()
+    cells = dict(zip(re.split(r"\s{2,}", head), line.split()))
+    assert cells["prefill tok"] == f"{rows['shared']['prefill_tokens_submitted']:,}"
+    assert cells["distinct tok"] == f"{rows['shared']['prefill_tokens_distinct']:,}"
+    assert rows["shared"]["prefill_tokens_distinct"] * 8 == rows["shared"]["prefill_tokens_submitted"]
+    plain = format_table([rows["plain"]])
+    assert "prefill tok" not in plain and "distinct tok" not in plain
+    without = {k: v for k, v in rows["plain"].items() if not k.startswith("prefill_tokens_")}
+    assert plain == format_table([without])  # the same table as before the counts existed
+    both = format_table([rows["shared"], rows["plain"]]).splitlines()  # a sweep over both: each run's counts
+    assert f"{rows['plain']['prefill_tokens_submitted']:,}" in both[3]

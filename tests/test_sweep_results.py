@@ -245,3 +245,21 @@ def test_real_sweep_through_the_cli(tmp_path):
     assert (sweep / "sweep.png").is_file() and (sweep / "sweep.pdf").is_file()
     summary = proc.stdout[proc.stdout.index("== sweep summary =="):]
     assert "[model=tiny_moe]" in summary and "[model=small_moe]" in summary and "comm %" in summary
+
+
+def test_prefill_counts_in_the_csv_beside_the_prompt_tokens_and_in_the_table(tmp_path):
+    """workload=rl_rollout,rl_rollout_grouped: sweep.csv has both counts after prompt_tokens for every run, the
+    grouped table shows them because one run shares its prompts; a sweep that shares nothing has no such column."""
+    counts = {"rl_rollout": (4096, 4096), "rl_rollout_grouped": (4096, 256)}
+    jobs = [(["+policy=coroutine", f"workload={w}"], result("coroutine", 10.0, prompt_tokens=s,
+             prefill_tokens_submitted=s, prefill_tokens_distinct=d)) for w, (s, d) in counts.items()]
+    text, _ = summarize_sweep(fake_sweep(tmp_path / "sweep", jobs), plot=False)
+    header = next(csv.reader((tmp_path / "sweep" / "sweep.csv").open()))
+    at = header.index("prompt_tokens")
+    assert header[at + 1:at + 3] == ["prefill_tokens_submitted", "prefill_tokens_distinct"]
+    rows = {r["workload"]: r for r in read_csv(tmp_path / "sweep" / "sweep.csv")}
+    assert rows["rl_rollout_grouped"]["prefill_tokens_distinct"] == "256"
+    assert "distinct tok" in text and "4,096" in text and "256" in text
+    plain = [(["+policy=coroutine", f"workload.num_sequences={n}"], result("coroutine", 10.0,
+              prefill_tokens_submitted=n, prefill_tokens_distinct=n)) for n in (100, 200)]
+    assert "prefill tok" not in summarize_sweep(fake_sweep(tmp_path / "plain", plain), plot=False)[0]

@@ -31,6 +31,8 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("running", "mean_running", lambda v: f"{v:,.0f}"),
     ("gate tokens", "mean_gate_tokens", lambda v: f"{v:,.0f}"),
     ("host GB/iter", "host_bytes_per_decode_iter", lambda v: f"{v / 1e9:,.1f}"),
+    ("prefill tok", "prefill_tokens_submitted", lambda v: f"{v:,}"),  # shown only where a prefix is shared
+    ("distinct tok", "prefill_tokens_distinct", lambda v: f"{v:,}"),
     ("yields", "yields", str),
     ("migrations", "migrations", str),
     ("recomputes", "recomputes", str),
@@ -50,11 +52,22 @@ def _cell(row: Row, key: str, fmt: Callable[[Any], str]) -> str:
 # Always shown; any other column that no row has a value for (the executor's spread in a simulated run, the
 # ratio outside a sweep) is left out.
 KEEP = ("policy", "bct_s")
+# Every results.json has these; they are shown only when some run's workload shares a prefix, so a table of
+# runs that share nothing stays as narrow as before.
+SHARING = ("prefill_tokens_submitted", "prefill_tokens_distinct")
+
+
+def shares_prefix(row: Row) -> bool:
+    """The run's workload has prefix groups that save prefill: fewer distinct prompt tokens than submitted."""
+    submitted, distinct = row.get("prefill_tokens_submitted"), row.get("prefill_tokens_distinct")
+    return submitted is not None and distinct is not None and distinct < submitted
 
 
 def format_table(rows: list[Row]) -> str:
     """Fixed width, one line per run; every header is defined in docs/simulator.md (The summary table)."""
-    columns = [c for c in COLUMNS if c[1] in KEEP or any(r.get(c[1]) is not None for r in rows)]
+    sharing = any(shares_prefix(r) for r in rows)
+    columns = [c for c in COLUMNS if c[1] in KEEP or (c[1] not in SHARING or sharing)
+               and any(r.get(c[1]) is not None for r in rows)]
     cells = [[h for h, _, _ in columns]] + [[_cell(r, k, f) for _, k, f in columns] for r in rows]
     widths = [max(len(line[j]) for line in cells) for j in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths)))
