@@ -253,6 +253,10 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                         policy_name=policy.name)
             raise
         policy = plan.resolve(policy)
+    if policy.comm_overlap and getattr(policy, "kv_residency", "device") != "device":
+        raise ConfigError(f"policy.comm_overlap prices device-resident decode only; this job's KV is "
+                          f"{policy.kv_residency}-resident: set policy.kv_residency=device, or "
+                          "policy.comm_overlap=false")
     budget = _budget(job, lat, gpus, policy, plan.streamed_layers if plan else None, kv_pages_per_gpu, pool_fix,
                      host_kv_tokens, host_fix)
     topo = topology(c)

@@ -76,7 +76,8 @@ class DistBackend(ExecBackend):
         size = min(len(r) for r in self.instance_ranks)
         degrees = tuple(d for d in self.capabilities.partition_degrees if d <= size)
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
-                                                two_batch_overlap=False, attention_tp=False, micro_batch_ffn=False)
+                                                two_batch_overlap=False, comm_overlap=False, attention_tp=False,
+                                                micro_batch_ffn=False)
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]

@@ -96,13 +96,16 @@ class RunOutput:
 
 
 def check_supported(policy: Policy, capabilities: Capabilities) -> None:
-    """A policy that asks for a way of running forwards (two-batch overlap, tensor-parallel attention, an FFN per
-    micro-batch) the backend has not declared is refused before the run, with the knob to change."""
+    """A policy that asks for a way of running forwards (two-batch overlap, the all-to-all overlapped across
+    micro-batches, tensor-parallel attention, an FFN per micro-batch) the backend has not declared is refused before the run, with the knob to change."""
     from batchgen.memory import ConfigError
 
     if policy.two_batch_overlap and not capabilities.two_batch_overlap:
         raise ConfigError(f"policy {policy.name} runs two-batch overlap, which this backend does not: set "
                           "policy.two_batch_overlap=false")
+    if policy.comm_overlap and not capabilities.comm_overlap:
+        raise ConfigError(f"policy {policy.name} overlaps the expert all-to-all with the next micro-batch's compute, "
+                          "which this backend does not: set policy.comm_overlap=false")
     if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
         raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
                           f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")

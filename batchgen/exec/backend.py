@@ -56,7 +56,7 @@ def exec_capabilities(config) -> Capabilities:
     device pages, which policies budget for), padded batches, two-batch overlap (every forward runs whole)."""
     heads = (config.num_heads,) if config.is_mla else (config.num_heads, config.num_kv_heads)
     return Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
-                        cpu_attention=not config.is_mla, two_batch_overlap=False,
+                        cpu_attention=not config.is_mla, two_batch_overlap=False, comm_overlap=False,
                         partition_degrees=tuple(d for d in range(1, 9) if all(h % d == 0 for h in heads)))
 
 

@@ -91,8 +91,10 @@ def _host_micro_batches(host_tokens: np.ndarray, host_context: np.ndarray, micro
 
 
 def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, moe: bool,
-                prefetch_s=0.0, replicas: int = 1) -> LayerCosts:
-    """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid."""
+                prefetch_s=0.0, replicas: int = 1, overlap: bool = False) -> LayerCosts:
+    """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid. `overlap`: each
+    device-resident micro-batch's all-to-all beside the next one's compute (`overlapped_all_to_all`; a grid with
+    host-resident sequences is refused: their DAG does not model it)."""
     t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
     dev_attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
     if grid.shards:
@@ -102,7 +104,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
         ffn = lat.shared_experts(gate) + lat.router(gate)
         total = gate.sum(axis=0) * replicas
         slowest, _ = lat.experts(total)
-        moe_s = lat.all_to_all(total) + slowest
+        moe_s = exposed_all_to_all(lat, grid, total, dev_attn + ffn + grid.tp_join, slowest, overlap) + slowest
     else:
         ffn, moe_s, prefetch_s = lat.dense_ffn(gate), 0.0, 0.0
     ffn = ffn + grid.tp_join  # partitioned attention's all-reduce, on the GPU stream before the FFN
@@ -118,8 +120,34 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
                       serial=lat.gpu.kind == "cpu", **kw)
 
 
+def overlapped_all_to_all(lat: LatencyModel, total, lead, experts, micro_batches):
+    """The expert all-to-all of one MoE layer that its compute does not hide, per iteration, when each attention
+    micro-batch's dispatch is sent as soon as it is computed (while the next micro-batch's attention runs) and
+    each combine as soon as the experts end (the next layer's first micro-batch waits for its own only).
+
+    With M micro-batches of equal share, a = lead / M of attention each (`lead`: the slowest rank's work before
+    the barrier), d = one phase of one micro-batch's all-to-all (M of them cost more than one whole: each pays
+    the collective's latency), the layer takes the longer of its chain, max(lead + d, a + M d) + experts + d,
+    and of its communication stream, 2 M d; less the compute, lead + experts. M = 1 leaves it serial."""
+    m = np.maximum(micro_batches, 1.0)
+    d = lat.all_to_all(total / m) / 2.0
+    chain = np.maximum(lead + d, lead / m + m * d) + experts + d
+    return np.maximum(chain, 2.0 * m * d) - lead - experts
+
+
+def exposed_all_to_all(lat: LatencyModel, grid: DecodeGrid, total, work, experts, overlap: bool):
+    """A MoE layer's all-to-all that compute does not hide: all of it, or with `overlap` what
+    `overlapped_all_to_all` leaves of it behind `work` (each rank's compute before the barrier)."""
+    if not overlap:
+        return lat.all_to_all(total)
+    if np.any(grid.host_tokens):
+        raise ValueError("the micro-batches' all-to-all overlap is priced for device-resident decode only")
+    lead = work.max(axis=0) if np.ndim(work) == 2 else work
+    return overlapped_all_to_all(lat, total, lead, experts, np.max(grid.dev_micro_batches, axis=0))
+
+
 def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool = False,
-                 prefetch_bytes=0.0, replicas: int = 1) -> DecodePrice:
+                 prefetch_bytes=0.0, replicas: int = 1, overlap: bool = False) -> DecodePrice:
     """Lockstep decode iterations over the grid, each layer priced on its DAG.
 
     prefetch_bytes: expert weights each rank streams host -> device per MoE layer (0: resident weights); a
@@ -142,7 +170,7 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
         if not count:
             continue
         c = layer_costs(lat, grid, micro_batch, cpu_attention=cpu_attention, moe=is_moe, prefetch_s=prefetch_s,
-                        replicas=replicas)
+                        replicas=replicas, overlap=overlap)
         lt, ct = layer_time(c), compute_time(c)
         iteration = iteration + count * lt
         hidden_not = np.maximum(lt - ct, 0.0)
@@ -152,7 +180,8 @@ def price_decode(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_a
             total = gate.sum(axis=0) * replicas
             _, mean = lat.experts(total)
             busy = busy + count * mean
-            comm = comm + count * lat.all_to_all(total)
+            comm = comm + count * exposed_all_to_all(lat, grid, total, c.dev_attn + c.ffn, lat.experts(total)[0],
+                                                     overlap)
             moe_layer = np.broadcast_to(lt, (K,)).astype(float)
     iteration = np.where(active, iteration, 0.0)
     exposed = np.where(active, exposed, 0.0)

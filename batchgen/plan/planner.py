@@ -217,6 +217,7 @@ class _Planner:
         self.b_attn, self.b_moe, self.residency, self.attention = (getattr(policy, k, AUTO) for k in PLANNED)
         self.stats, self.P = stats, page_tokens
         self.can_stream = bool(getattr(policy, "can_stream_weights", False))
+        self.overlap = bool(getattr(policy, "comm_overlap", False))  # priced for device-resident cells only
         m = model
         # a rank is a TP-attention group of `degree` GPUs where the latency model says so (tp_attention.py):
         # memory is per GPU, batches and KV pools per group, experts spread over every GPU of the instance
@@ -252,8 +253,12 @@ class _Planner:
         return sorted(values)
 
     def residencies(self) -> tuple[str, ...]:
-        # a CPU device is the host: "host-resident" KV would sit in the same memory, restored by memcpy
-        return self._values(self.residency, ("device",) if self.on_cpu else RESIDENCY_ORDER)
+        # a CPU device is the host: "host-resident" KV would sit in the same memory, restored by memcpy; the
+        # micro-batches' all-to-all overlap is priced for device-resident KV only
+        if self.overlap and self.residency not in (AUTO, "device"):
+            raise ConfigError(f"policy.comm_overlap prices device-resident decode only: set "
+                              f"policy.kv_residency=device or auto (not {self.residency}), or policy.comm_overlap=false")
+        return self._values(self.residency, ("device",) if self.on_cpu or self.overlap else RESIDENCY_ORDER)
 
     @property
     def on_cpu(self) -> bool:
@@ -350,7 +355,8 @@ class _Planner:
         gate = n_dev + n_host
         grid = DecodeGrid(n_dev, n_dev * ctx, np.ceil(n_dev / b_attn), n_host, n_host * ctx, gate)
         prefetch = np.array([c.streamed_bytes / max(self.n_moe, 1) for c in cells])
-        p = price_decode(self.lat, grid, b_attn, cpu_attention=cpu, prefetch_bytes=prefetch, replicas=self.R)
+        p = price_decode(self.lat, grid, b_attn, cpu_attention=cpu, prefetch_bytes=prefetch, replicas=self.R,
+                         overlap=self.overlap)
         return p
 
     def run(self) -> Plan:

@@ -60,6 +60,8 @@ class Capabilities:
     attention_tp: bool = True
     # an FFN per attention micro-batch, or pipelined against it (a policy's ffn_schedule other than combined)
     micro_batch_ffn: bool = True
+    # each attention micro-batch's expert all-to-all sent while the next one computes (a policy's comm_overlap)
+    comm_overlap: bool = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,8 @@ class Policy(Protocol):
       that GPU (vLLM's and SGLang's batch caps: batchgen.policy.engine_defaults), when the job is built; None:
       nothing to resolve.
     - `two_batch_overlap`: every forward as two micro-batches (SGLang's TBO; sglang_opt); default False.
+    - `comm_overlap`: each attention micro-batch's expert dispatch sent while the next micro-batch computes, and
+      its combine while the next layer starts (batchgen.plan.decode.overlapped_all_to_all); default False.
     - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
     - `ffn_schedule`: how its decisions run the experts beside the attention micro-batches (`Decision.
       ffn_schedule`: `combined`, one expert batch per layer; the offloading systems' `micro_batch` or
@@ -227,6 +231,7 @@ class Policy(Protocol):
     for_gpu: Callable[[Any], "Policy"] | None
     repeats: Callable[[Snapshot, Decision, Forecast], int] | None
     two_batch_overlap: bool
+    comm_overlap: bool
     attention_tp: int | str
     ffn_schedule: str
 
@@ -244,6 +249,7 @@ class PolicyDefaults:
     resolve_for_job = None
     for_gpu = None
     two_batch_overlap = False
+    comm_overlap = False
     attention_tp = 1
     ffn_schedule = "combined"
 

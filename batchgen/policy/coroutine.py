@@ -69,6 +69,7 @@ class CoroutinePolicy(PolicyDefaults):
     partition_min_context: int = 32768
     max_partition_degree: int = 8
     attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
+    comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (simulator only)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
@@ -86,6 +87,8 @@ class CoroutinePolicy(PolicyDefaults):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         check_attention_tp(self.attention_tp)
+        if not isinstance(self.comm_overlap, bool):
+            raise ValueError(f"policy.comm_overlap must be true or false, got {self.comm_overlap!r}")
         if not 0 < self.host_watermark <= 1:
             raise ValueError(f"policy.host_watermark must be in (0, 1], got {self.host_watermark}")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
+from batchgen.plan.decode import DecodeGrid, Shards, overlapped_all_to_all, price_decode, shard_attention
 from batchgen.pricing.cost import RunCost, module_split, module_totals
 from batchgen.pricing.tbo import price_tbo
 
@@ -348,16 +348,18 @@ def _static_runs(rank: np.ndarray, length: np.ndarray, micro_batch: int, R: int,
     return calls, work
 
 
-def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0, tbo: bool = False) -> RunCost:
+def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0, tbo: bool = False,
+          overlap: bool = False) -> RunCost:
     """Seconds per iteration for an instance in lockstep, and each rank's own busy time. `join`: seconds per
     layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
     that layer's FFN and counts as communication. A latency model whose rank is a TP-attention group
     (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
-    forward split in two overlapped micro-batches (batchgen.pricing.tbo; not with streamed weights)."""
+    forward split in two overlapped micro-batches (batchgen.pricing.tbo; not with streamed weights). `overlap`:
+    each attention micro-batch's all-to-all beside the next one's compute (plan.decode.overlapped_all_to_all)."""
     if tbo and weight_stream_s <= 0:
-        if load.shards:
-            raise ValueError("two-batch overlap with PARTITIONed sequences is not priced: a policy runs one or "
-                             "the other")
+        if load.shards or overlap:
+            raise ValueError("two-batch overlap with PARTITIONed sequences or with the micro-batches' overlap is "
+                             "not priced: a policy runs one or the other")
         return price_tbo(lat, load, join)
     n_dense, n_moe = lat.layer_counts()
     if getattr(lat, "attention_tp", 1) > 1:
@@ -384,8 +386,10 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         local_ffn = lat.shared_experts(gate) + lat.router(gate)
         local = attn + local_ffn
         slowest, mean = lat.experts(total)
-        a2a = lat.all_to_all(total)
-        iteration += n_moe * ((local + join).max(axis=0) + a2a + slowest)
+        lead = (local + join).max(axis=0)
+        a2a = (overlapped_all_to_all(lat, total, lead, slowest, load.micro_batches.max(axis=0)) if overlap
+               else lat.all_to_all(total))  # what the compute does not hide
+        iteration += n_moe * (lead + a2a + slowest)
         busy += n_moe * (local + mean)
         comm = n_moe * a2a
         ffn += n_moe * (np.max(local_ffn, axis=0) + a2a + slowest)

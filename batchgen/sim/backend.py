@@ -40,9 +40,11 @@ class SimBackend:
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
                  capabilities: Capabilities | None = None, two_batch_overlap: bool = False,
-                 overlap_copies: bool = True):
+                 overlap_copies: bool = True, comm_overlap: bool = False):
         """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.pricing.tbo), the
-        policy's choice (sglang_opt). `overlap_copies` false: the KV a run copies (migrations, shipped KV,
+        policy's choice (sglang_opt). `comm_overlap`: each attention micro-batch's expert all-to-all beside the
+        next one's compute (`plan.decode.overlapped_all_to_all`), the policy's choice (coroutine's comm_overlap; device-
+        resident runs only: `batchgen.job.prepare` refuses it with host-resident KV). `overlap_copies` false: the KV a run copies (migrations, shipped KV,
         checkpoints) is paid after its compute instead of beside it, for every policy alike, to measure what the
         overlap is worth. `capabilities`: what the simulated engine can do; default everything the simulator prices
         (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
@@ -53,6 +55,7 @@ class SimBackend:
         self.state = state
         self.lat = lat
         self.tbo = bool(two_batch_overlap)
+        self.comm_overlap = bool(comm_overlap)
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self._similar_calls = lat.attention_padding > 0
         # a CPU "device" is the host's own cores: copies do not overlap its compute
@@ -272,7 +275,7 @@ class SimBackend:
                 cost = price_vector(sp, load, weight_stream_s)
             if cost is not None:
                 return cost
-        return price(self.lat, load, weight_stream_s, join, tbo=self.tbo)
+        return price(self.lat, load, weight_stream_s, join, tbo=self.tbo, overlap=self.comm_overlap)
 
     @property
     def host_bytes_per_iteration(self) -> float:
