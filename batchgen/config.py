@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from batchgen.job import Job
@@ -52,7 +53,9 @@ def check_context(model, workload) -> None:
     if not len(workload):
         return
     longest_in, longest_out = int(workload.input_lens.max()), int(workload.output_lens.max())
-    longest = int((workload.input_lens + workload.output_lens).max())
+    total = workload.input_lens + workload.output_lens
+    worst = int(np.argmax(total))
+    longest = int(total[worst])
     context = model.max_context
     if longest <= context:
         return
@@ -60,7 +63,7 @@ def check_context(model, workload) -> None:
     fix = (f"set workload.max_output={room} (the context less the longest prompt)" if room > 0 else
            "set workload.max_input below the context (and workload.max_output to fit prompt + output in it)")
     raise ConfigError(f"workload {workload.name} has outputs of up to {longest_out:,} tokens and prompts of up to "
-                      f"{longest_in:,} (a sequence of {longest:,}), but {model.name}'s context is {context:,} "
+                      f"{longest_in:,} (sequence {worst} needs {longest:,}), but {model.name}'s context is {context:,} "
                       f"tokens (prompt + output): {fix}, or pick a model with a longer context")
 
 
