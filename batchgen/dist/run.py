@@ -413,8 +413,13 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             lost_ranks = [r for r in range(gen.size) if r not in survivors]
             dead, fenced = _fence([gen.members[r] for r in lost_ranks if r not in released], gen.ctx.store)
             before = gen
-            gen = _regroup(current, survivors, settings)
-            worker, _, kept = _build_rank(gen, job_next, settings, params, worker, files)
+            try:
+                gen = _regroup(current, survivors, settings)
+                worker, _, kept = _build_rank(gen, job_next, settings, params, worker, files)
+            except WorkerLost as again:  # a second loss before the new group runs: stop now, saying so
+                _fence_found_lost(current[-1], again)
+                raise _with_partial(RecoveryRefused(
+                    f"cannot go on after {err}: {again}, during the recovery; {partial.summary}"), partial) from again
             table = prepared.state.table
             split = KVLedger.of(prepared.state).split
             keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
