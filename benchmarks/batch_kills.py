@@ -2,18 +2,24 @@
 of an uninterrupted single-process job?
 
     python benchmarks/batch_kills.py [--requests 2000] [--procs 4] [--kills 5] [--trials 1]
-        [--mode invariant|default] [--input FILE] [--window 0.15 0.85 | --window-s 3 6] [--checkpoint-s 1]
-        [--kv-mb 8] [--seed 0] [--workdir DIR]
+        [--mode invariant|default] [--input FILE] [--points records|time] [--window 0.15 0.85 | --window-s 3 6]
+        [--checkpoint-s 1] [--kv-mb 8] [--seed 0] [--workdir DIR]
 
 It writes the demo model (`python -m batchgen.batch.demo`: random weights, a real tokenizer), and `--requests`
 requests (completions and chats, half greedy and half sampled, some with stop strings or ignore_eos, short
 outputs), or reads `--input`. It runs the single-process job (`python -m batchgen.run`, backend=exec) once: the
-reference. It runs the `backend=dist backend.procs=N` job once undisturbed (its wall time sets the kill window).
-Then each of `--trials` trials starts the dist job on a fresh output, SIGKILLs its whole process group (launcher
-and workers, as a lost node or `kill -9 -PGID` would) at a moment drawn uniformly from the window (fractions of
-the undisturbed run's wall time, or `--window-s` seconds), `--kills` times (each start resumes from the results
-file and the checkpoint the previous one left), and finally lets it run to the end. A kill that would come after
-the run ended is not sent (a run that finished needs no resume); those are counted apart.
+reference; and the `backend=dist backend.procs=N` job once undisturbed. Then each of `--trials` trials starts
+the dist job on a fresh output and SIGKILLs its whole process group (launcher and workers, as a lost node or
+`kill -9 -PGID` would) `--kills` times, each start resuming from the results file and the checkpoint the last
+one left, and finally lets it run to the end. Where each kill lands:
+
+- `--points records` (default): random points of the job's progress: K record counts drawn uniformly from
+  5-95% of the requests (sorted); each run is killed a random 0-2 x `--checkpoint-s` seconds after its results
+  file reached the next one, or one more record than it started with (so that every resumed run gets further);
+- `--points time`: a moment drawn uniformly from `--window` (fractions of the undisturbed dist run's wall
+  time) or `--window-s` (seconds after the start).
+
+A kill that would come after the run ended is not sent (that run finished the job); those are counted apart.
 
 Each trial's output is checked against the reference: every custom_id exactly once, and each record equal to the
 reference's (all fields but the wall-clock `created`). `--mode invariant` runs every job with
@@ -126,34 +132,49 @@ def lines_in(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def killed_run(cmd: list[str], output: Path, log: Path, at_s: float) -> dict | None:
-    """Start the job in a session of its own and SIGKILL the whole group `at_s` seconds in; None when the run
-    ended first (no kill sent)."""
+def saved_tokens(output: Path) -> int:
+    """Tokens the checkpoint holds (of requests still decoding), 0 when there is none or it is torn."""
+    try:
+        saved = json.loads(output.with_name(output.name + ".partial").read_text())["requests"]
+        return sum(len(e["tokens"]) for e in saved.values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def killed_run(cmd: list[str], output: Path, log: Path, at_s: float | None, at_records: int = 0,
+               jitter_s: float = 0.0) -> dict | None:
+    """Start the job in a session of its own and SIGKILL the whole group `at_s` seconds in (or `jitter_s` after
+    the results file reached `at_records` records); None when the run ended first (no kill sent)."""
     with log.open("a") as out:
-        out.write(f"\n--- start, kill at {at_s:.2f} s\n")
+        out.write(f"\n--- start, kill at {at_s:.2f} s\n" if at_s is not None else
+                  f"\n--- start, kill {jitter_s:.2f} s after record {at_records}\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     t0 = time.monotonic()
     try:
-        proc.wait(timeout=at_s)
+        if at_s is None:  # and at least one record later than the last run's
+            at_records = max(at_records, lines_in(output) + 1)
+            while lines_in(output) < at_records and proc.poll() is None:
+                time.sleep(0.02)
+            at_s = time.monotonic() - t0 + jitter_s
+        proc.wait(timeout=max(0.0, at_s - (time.monotonic() - t0)))
         if proc.returncode:
             sys.exit(f"a run failed ({proc.returncode}) before its kill; see {log}")
         return None
     except subprocess.TimeoutExpired:
         pass
-    before = lines_in(output)
     workers = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    at = time.monotonic() - t0
     deadline = time.monotonic() + 10
     while alive(workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     left = alive(workers)
     if left:
         sys.exit(f"processes {left} outlived the SIGKILL of their group")
-    partial = output.with_name(output.name + ".partial")
-    return {"at_s": round(time.monotonic() - t0, 2), "records": before, "workers": len(workers),
-            "checkpoint": partial.exists()}
+    return {"at_s": round(at, 2), "records": lines_in(output), "workers": len(workers),
+            "tokens": saved_tokens(output)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, nargs=2, default=(0.15, 0.85),
                    help="kill moments, as fractions of the undisturbed dist run's wall time")
     p.add_argument("--window-s", type=float, nargs=2, help="kill moments in seconds after the start instead")
+    p.add_argument("--points", choices=("records", "time"), default="records",
+                   help="records: each kill a random time after a random record count; time: a random moment of "
+                        "the window")
     p.add_argument("--checkpoint-s", type=float, default=1.0)
     p.add_argument("--kv-mb", type=int, default=8, help="KV budget per process (small: yields and migrations)")
     p.add_argument("--lost-after-s", type=float, default=30.0)
@@ -205,9 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         output = work / f"trial{t}.jsonl"
         cmd = command(args, model, requests, output, dist=True)
         landed = []
-        for _ in range(args.kills):
-            lo, hi = args.window_s or (args.window[0] * dist_s, args.window[1] * dist_s)
-            k = killed_run(cmd, output, log, rng.uniform(lo, hi))
+        targets = sorted(rng.randint(len(ref) // 20, len(ref) * 19 // 20) for _ in range(args.kills))
+        for target in targets:
+            if args.points == "records":
+                k = killed_run(cmd, output, log, None, target, rng.uniform(0, 2 * args.checkpoint_s))
+            else:
+                lo, hi = args.window_s or (f * dist_s for f in args.window)
+                k = killed_run(cmd, output, log, rng.uniform(lo, hi))
             if k is None:
                 late += 1
                 break
@@ -222,8 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         equal += same
         total += len(ref)
         trials_equal += same == len(ref) and once
-        points = ", ".join(f"{k['at_s']} s ({k['records']} records, checkpoint {'yes' if k['checkpoint'] else 'no'})"
-                           for k in landed)
+        points = ", ".join(f"{k['at_s']} s ({k['records']} records, {k['tokens']} tokens saved)" for k in landed)
         diff = [k for k, v in ref.items() if got.get(k) != v][:5]
         print(f"trial {t}: kills at {points or 'none'}; ids_once={once} equal={same}/{len(ref)}"
               + (f" first differing: {diff}" if diff else ""), flush=True)
