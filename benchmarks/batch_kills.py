@@ -8,10 +8,11 @@ of an uninterrupted single-process job?
 It writes the demo model (`python -m batchgen.batch.demo`: random weights, a real tokenizer), and `--requests`
 requests (completions and chats, half greedy and half sampled, some with stop strings or ignore_eos, short
 outputs), or reads `--input`. It runs the single-process job (`python -m batchgen.run`, backend=exec) once: the
-reference; and the `backend=dist backend.procs=N` job once undisturbed. Then each of `--trials` trials starts
-the dist job on a fresh output and SIGKILLs its whole process group (launcher and workers, as a lost node or
-`kill -9 -PGID` would) `--kills` times, each start resuming from the results file and the checkpoint the last
-one left, and finally lets it run to the end. Where each kill lands:
+reference; and the `backend=dist backend.procs=N` job once undisturbed (`--procs 1`: the killed job is the
+single-process one). Then each of `--trials` trials starts the job on a fresh output and SIGKILLs its whole
+process group (launcher and workers, as a lost node or `kill -9 -PGID` would) `--kills` times, each start
+resuming from the results file and the checkpoint the last one left, and finally lets it run to the end. Where
+each kill lands:
 
 - `--points records` (default): random points of the job's progress: K record counts drawn uniformly from
   5-95% of the requests (sorted); each run is killed a random 0-2 x `--checkpoint-s` seconds after its results
@@ -72,9 +73,11 @@ def mixed_requests(n: int, seed: int) -> list[dict]:
 
 def command(args, model: Path, requests: Path, output: Path, dist: bool) -> list[str]:
     cmd = [sys.executable, "-m", "batchgen.run", "+policy=coroutine", "backend.device=cpu", "backend.threads=1",
-           f"backend.kv_budget_mb={args.kv_mb}", f"model.path={model}", f"job.input={requests}",
-           f"job.output={output}", f"job.checkpoint_s={args.checkpoint_s}"]
-    if dist:
+           f"model.path={model}", f"job.input={requests}", f"job.output={output}",
+           f"job.checkpoint_s={args.checkpoint_s}"]
+    if args.kv_mb:
+        cmd.append(f"backend.kv_budget_mb={args.kv_mb}")
+    if dist and args.procs > 1:
         cmd[3:3] = ["backend=dist", f"backend.procs={args.procs}", f"backend.lost_after_s={args.lost_after_s}"]
     if args.mode == "invariant":
         cmd.append("backend.batch_invariant=true")
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="records: each kill a random time after a random record count; time: a random moment of "
                         "the window")
     p.add_argument("--checkpoint-s", type=float, default=1.0)
-    p.add_argument("--kv-mb", type=int, default=8, help="KV budget per process (small: yields and migrations)")
+    p.add_argument("--kv-mb", type=int, default=8,
+                   help="KV budget per process (small: yields and migrations; 0: the backend's default)")
     p.add_argument("--lost-after-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("outputs/batch_kills"))
@@ -215,12 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     reference = work / "reference.jsonl"
     ref_s = run_to_end(command(args, model, requests, reference, dist=False), log, 3600)
     ref, _ = comparable(reference)
-    undisturbed = work / "undisturbed.jsonl"
-    dist_s = run_to_end(command(args, model, requests, undisturbed, dist=True), log, 3600)
-    und, _ = comparable(undisturbed)
-    print(f"{len(ref)} records; reference (1 process) {ref_s:.1f} s; dist undisturbed ({args.procs} processes) "
-          f"{dist_s:.1f} s, equal {sum(und.get(k) == v for k, v in ref.items())}/{len(ref)}; mode {args.mode}",
-          flush=True)
+    if args.procs > 1:
+        undisturbed = work / "undisturbed.jsonl"
+        dist_s = run_to_end(command(args, model, requests, undisturbed, dist=True), log, 3600)
+        und, _ = comparable(undisturbed)
+        print(f"{len(ref)} records; reference (1 process) {ref_s:.1f} s; dist undisturbed ({args.procs} processes) "
+              f"{dist_s:.1f} s, equal {sum(und.get(k) == v for k, v in ref.items())}/{len(ref)}; mode {args.mode}",
+              flush=True)
+    else:  # the killed job is the single-process one itself
+        dist_s = ref_s
+        print(f"{len(ref)} records; reference (1 process) {ref_s:.1f} s; killed job: the same; mode {args.mode}",
+              flush=True)
 
     rng = random.Random(args.seed)
     kills = late = trials_equal = equal = total = 0
