@@ -14,10 +14,12 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    Before it goes on, rank 0 fences every lost rank (fence.py): a process still running on its machine
    (stalled, not dead) is killed, so that it neither rewrites the host copies rank 0 is about to read nor
    keeps the launcher waiting after the run; only a rank known dead (or released, below) is restored from.
-3. `regroup`: the old heartbeat stops, every old group is destroyed (gloo lets pending operations on it go)
-   but its objects are retired, not freed (`groups.retire`), and the survivors, renumbered in launch-rank
-   order (rank 0 stays 0), join a new default group over a `PrefixStore` of the same store with the generation
-   in its prefix; a new heartbeat runs under its own prefix with the new numbering.
+3. `regroup`: every old group is destroyed (gloo lets pending operations on it go) but its objects are
+   retired, not freed (`groups.retire`), and the survivors, renumbered in launch-rank order (rank 0 stays 0),
+   join a new default group over a `PrefixStore` of the same store with the generation in its prefix; a new
+   heartbeat runs under its own prefix with the new numbering. The old heartbeat runs on until every survivor
+   has rebuilt its part (step 4) and rank 0 commits the new generation (rejoin.py): a survivor lost before
+   that sends them all back to step 2 without it (the next generation number, the old numbering).
 4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
    the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -171,21 +174,23 @@ def instance_survivors(alive: list[int], size: int, num_instances: int, members:
     return [r for i in intact for r in range(i * size, (i + 1) * size)]
 
 
-def publish(gen: Generation, survivors: list[int] | None, reason: str = "", released: list[int] = ()) -> None:
-    """Rank 0: the next generation's members (ranks of `gen`) and the live ranks that leave with a dropped
-    instance, or None with the reason the run stops."""
-    gen.ctx.store.set(KEY.format(gen.number + 1),
+def publish(gen: Generation, survivors: list[int] | None, reason: str = "", released: list[int] = (),
+            number: int | None = None) -> None:
+    """Rank 0: generation `number`'s members (ranks of `gen`; default the next generation) and the live ranks
+    that leave with a dropped instance, or None with the reason the run stops."""
+    gen.ctx.store.set(KEY.format(gen.number + 1 if number is None else number),
                       json.dumps({"survivors": survivors, "reason": reason, "released": list(released)}))
 
 
-def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[int] | None:
+def await_decision(gen: Generation, err: WorkerLost, timeout_s: float, number: int | None = None
+                   ) -> list[int] | None:
     """A worker after WorkerLost: rank 0's list of survivors for the next generation (None: this rank is
     released with its dropped instance, and leaves the run). Raises the WorkerLost
     itself when rank 0 is the lost one (nobody is left to decide), RecoveryRefused when rank 0 stops the run or
     leaves this rank out, WorkerLost naming rank 0 when no decision comes within `timeout_s`."""
     if err.rank == 0:
         raise err
-    key = KEY.format(gen.number + 1)
+    key = KEY.format(gen.number + 1 if number is None else number)
     hb, store = gen.heartbeat, gen.ctx.store
     deadline = time.monotonic() + timeout_s
     while True:
@@ -213,14 +218,20 @@ def await_decision(gen: Generation, err: WorkerLost, timeout_s: float) -> list[i
 
 
 # ---- the new group -----------------------------------------------------------------------------------------
-def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_after_s: float) -> Generation:
-    """Leave every group of `gen` and join the survivors' new one (this process must be among them); a new
-    heartbeat for it. The survivors first meet on the store under the old heartbeat (rendezvous.py), so that one
-    lost meanwhile ends the regroup at once with WorkerLost instead of a store timeout; init_process_group then
-    waits at most the collective timeout."""
-    await_peers(gen.ctx.store, f"batchgen/regroup/gen{gen.number + 1}", gen.rank, survivors, gen.heartbeat,
-                gen.ctx.timeout_s, f"the regroup into generation {gen.number + 1}")
-    gen.heartbeat.stop()
+def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_after_s: float,
+            number: int | None = None) -> Generation:
+    """Leave every group of `gen` and join the survivors' new one, generation `number` (default the next; this
+    process must be among them), with a new heartbeat. `gen`'s heartbeat watches the whole regroup, and is left
+    running for the caller to stop once the new generation is committed (rejoin.py), so that a survivor lost at
+    any moment ends it within seconds with WorkerLost (in `gen`'s numbering), never with a store timeout: the
+    survivors first meet on the store (rendezvous.py); the group is created on a thread while this one polls the
+    heartbeat (a creation waits on the store for every member, unbounded by any heartbeat); and they meet once
+    more after starting the new heartbeat, so that the new generation begins only when every member beats in it
+    (a member that never beat in it could never be found lost there)."""
+    number = gen.number + 1 if number is None else number
+    what = f"the regroup into generation {number}"
+    store = gen.ctx.store
+    await_peers(store, f"batchgen/regroup/gen{number}", gen.rank, survivors, gen.heartbeat, gen.ctx.timeout_s, what)
     if gen.ctx.backend == "nccl":  # a communicator whose peer died may block a plain destroy
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
@@ -228,17 +239,53 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     if dist.is_initialized():
         retire(dist.group.WORLD)
         dist.destroy_process_group()
-    number = gen.number + 1
+    # group names count from 0 on every member: an abandoned attempt's creation (rejoin.py) counted one here
+    dist.distributed_c10d._world.group_count = 0
     old = gen.ctx
     new_rank = survivors.index(gen.rank)
     env = DistEnv(new_rank, len(survivors), old.env.local_rank, old.env.master_addr, old.env.master_port)
-    join_group(old.backend, dist.PrefixStore(f"batchgen/pg/gen{number}", old.store), new_rank, len(survivors),
-               datetime.timedelta(seconds=old.timeout_s), old.device)
-    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, old.store, old.report,
+    # its own connection to the store: a creation stuck on a lost member's key holds its connection until the
+    # collective timeout, and every other call on that connection (the fencing's, the error's) would wait too
+    client = dist.TCPStore(old.env.master_addr, old.env.master_port, is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=old.timeout_s))
+    pg_store = dist.PrefixStore(f"{old.namespace}batchgen/pg/gen{number}", client)
+    _watched(lambda: join_group(old.backend, pg_store, new_rank, len(survivors),
+                                datetime.timedelta(seconds=old.timeout_s), old.device),
+             gen, survivors, f"while the survivors created their new group ({what})")
+    ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, store, old.report,
                       old.namespace)
     heartbeat = Heartbeat.for_context(ctx, interval_s=interval_s, dead_after_s=dead_after_s,
                                       prefix=f"batchgen/hb/gen{number}").start()
+    # on a loss here the new heartbeat is left running, not stopped: a stopped one would tell the members that
+    # went on that this process finished, and they would wait for it; its end (the process stops) is a loss
+    await_peers(store, f"batchgen/joined/gen{number}", gen.rank, survivors, gen.heartbeat, old.timeout_s, what)
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
+
+
+def _watched(create, gen: Generation, survivors: list[int], when: str) -> None:
+    """Run `create` (a process group's creation) on a thread; raise WorkerLost as soon as `gen`'s heartbeat
+    finds a survivor lost. The thread, blocked on the store for the lost member's key, is retired (groups.py):
+    it ends at the collective timeout, or with the process."""
+    outcome: list = []
+
+    def run():
+        try:
+            create()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="regroup", daemon=True)
+    thread.start()
+    hb, peers = gen.heartbeat, [r for r in survivors if r != gen.rank]
+    while thread.is_alive():
+        lost = hb.lost(peers)
+        if lost:
+            retire(thread)
+            raise WorkerLost(lost[0], f"{hb.cause(lost[0])}, {when}")
+        thread.join(hb.interval_s / 5)
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
 
 
 # ---- the engine's state over the survivors -------------------------------------------------------------------

@@ -58,13 +58,14 @@ from batchgen.dist.comm import Comm
 from batchgen.dist.ep_moe import ExpertParallelMoE, check_pipeline
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
-from batchgen.dist.fence import fence, register
+from batchgen.dist.fence import register
 from batchgen.dist.groups import control_groups, instance_groups, retire
 from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, die_with_parent, init_distributed,
                                   launch)
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
-                                    publish, regroup, requeue, settle)
+                                    publish, requeue, settle)
+from batchgen.dist.rejoin import RegroupAborted, attempt, fence_found_lost, fence_ranks, with_partial
 from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
 from batchgen.dist.settle import keep_plan, settle_caches
@@ -304,15 +305,18 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     return worker, is_moe, kept
 
 
-def _regroup(current: list, survivors: list[int], settings: DistSettings) -> Generation:
-    gen = regroup(current[-1], survivors, interval_s=settings.heartbeat_s, dead_after_s=_dead_after(settings))
+def _attempt(current: list, survivors: list[int], number: int, settings: DistSettings, build):
+    """Regroup into generation `number` and build there (rejoin.attempt); the new generation becomes current once
+    committed. Raises RegroupAborted."""
+    gen, built = attempt(current[-1], survivors, number, build, interval_s=settings.heartbeat_s,
+                         dead_after_s=_dead_after(settings))
     current.append(gen)
-    return gen
+    return gen, built
 
 
 def _serve(current: list, job: Job, settings: DistSettings, params, files=None, resumed=None) -> None:
     """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
-    survivors, join their new group, rebuild and serve again."""
+    survivors, join their new group, rebuild and serve again (again without a survivor lost meanwhile)."""
     params = _checked_params(job, settings, params, _done_before(job, resumed))
     gen = current[-1]
     worker, _, _ = _build_rank(gen, job, settings, params, files=files)
@@ -323,13 +327,20 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None, 
         except WorkerLost as err:
             if not settings.recover:
                 raise
-            survivors = await_decision(gen, err, settings.timeout_s)
-            if survivors is None:  # its instance lost a member and was dropped: this process leaves the run,
-                if files is not None:  # its host copies left for rank 0 to restore from (it may be reading)
-                    files.hand_over()
-                return None
-        gen = _regroup(current, survivors, settings)
-        worker, _, kept = _build_rank(gen, reduced_job(job, gen.size), settings, params, worker, files)
+            number = gen.number + 1
+            while True:  # attempts at the next generation, each without the ranks lost in the one before
+                survivors = await_decision(gen, err, settings.timeout_s, number)
+                if survivors is None:  # its instance lost a member and was dropped: this process leaves the run,
+                    if files is not None:  # its host copies left for rank 0 to restore from (it may be reading)
+                        files.hand_over()
+                    return None
+                try:
+                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker:
+                                                   _build_rank(g, reduced_job(job, g.size), settings, params, old,
+                                                               files)[::2])
+                    break
+                except RegroupAborted as again:
+                    err, number = again.cause, number + 1
         if kept:
             settle_caches(worker)
         if files is not None:  # the index names what the settled (or fresh) cache holds
@@ -391,30 +402,38 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             done = np.array([st.finished for st in tokens.stops], bool)
             partial = PartialOutput.of(tokens, done, pieces.records)
             if not settings.recover:  # a stalled worker would keep the launcher waiting: make it dead first
-                _fence_found_lost(gen, err)
+                fence_found_lost(gen, err)
                 stopped = WorkerLost(err.rank, err.cause)
                 stopped.args = (f"{stopped}; {partial.summary}",)
-                raise _with_partial(stopped, partial) from err
-            survivors, released, refusal = None, [], ""
-            try:
-                alive = decide_survivors(gen, err)
-                cluster = effective_cluster(job)
-                survivors = instance_survivors(alive, cluster.instance_size, cluster.num_instances, gen.members)
-                released = [r for r in alive if r not in survivors]
-                job_next = reduced_job(job, len(survivors))
-                check_dist(job_next, dataclasses.replace(settings, procs=len(survivors)), launched=False)
-            except (RecoveryRefused, ConfigError) as e:
-                refusal = str(e).splitlines()[0]
-            publish(gen, None if refusal else survivors, refusal, [] if refusal else released)
-            if refusal:
-                _fence_found_lost(gen, err)
-                raise _with_partial(RecoveryRefused(f"cannot go on after {err}: {refusal}; {partial.summary}"),
-                                    partial) from err
-            lost_ranks = [r for r in range(gen.size) if r not in survivors]
-            dead, fenced = _fence([gen.members[r] for r in lost_ranks if r not in released], gen.ctx.store)
-            before = gen
-            gen = _regroup(current, survivors, settings)
-            worker, _, kept = _build_rank(gen, job_next, settings, params, worker, files)
+                raise with_partial(stopped, partial) from err
+            before, number, dead, fenced, cause = gen, gen.number + 1, [], [], str(err)
+            while True:  # attempts at the next generation, each without the ranks lost in the one before
+                survivors, released, refusal = None, [], ""
+                try:
+                    alive = decide_survivors(before, err)
+                    cluster = effective_cluster(job)
+                    survivors = instance_survivors(alive, cluster.instance_size, cluster.num_instances,
+                                                   before.members)
+                    released = [r for r in alive if r not in survivors]
+                    job_next = reduced_job(job, len(survivors))
+                    check_dist(job_next, dataclasses.replace(settings, procs=len(survivors)), launched=False)
+                except (RecoveryRefused, ConfigError) as e:
+                    refusal = str(e).splitlines()[0]
+                publish(before, None if refusal else survivors, refusal, [] if refusal else released, number)
+                if refusal:
+                    fence_found_lost(before, err)
+                    raise with_partial(RecoveryRefused(f"cannot go on after {cause}: {refusal}; {partial.summary}"),
+                                       partial) from err
+                lost_ranks = [r for r in range(before.size) if r not in survivors]
+                d, f = fence_ranks([before.members[r] for r in lost_ranks if r not in released
+                                    and before.members[r] not in dead], before.ctx.store)
+                dead, fenced = dead + d, fenced + f
+                try:
+                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker,
+                                                   j=job_next: _build_rank(g, j, settings, params, old, files)[::2])
+                    break
+                except RegroupAborted as again:  # another survivor lost meanwhile: regroup without it
+                    err, number, cause = again.cause, number + 1, f"{cause}; then {again.cause}"
             table = prepared.state.table
             split = KVLedger.of(prepared.state).split
             keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
@@ -435,7 +454,7 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
             if prepared is not launched:
                 fold_peaks(launched.state, prepared.state, before.members)
             recoveries.append(Recovery(gen.number, [before.members[r] for r in lost_ranks if r not in released],
-                                       list(gen.members), caught, str(err), finished, held - restored, requeued,
+                                       list(gen.members), caught, cause, finished, held - restored, requeued,
                                        on_lost, restored=restored, restorable=restorable,
                                        released=[before.members[r] for r in released], fenced=fenced,
                                        at_unix=caught_unix))
@@ -458,28 +477,3 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                       rank_comm_s=[t.comm_s for t in totals], rank_idle_s=[t.idle_s for t in totals],
                       rank_moves=[t.moves for t in totals], rank_cpu_s=[t.cpu_s for t in totals],
                       recoveries=recoveries)
-
-
-def _fence(lost: list[int], store) -> tuple[list[int], list[int]]:
-    """Rank 0: every lost (launch) rank's process made dead before the run goes on (fence.py). Returns the
-    ranks known dead, and those of them that were still running (stalled) and were killed."""
-    dead, killed = [], []
-    for r in lost:
-        is_dead, signalled = fence(store, r)
-        if is_dead:
-            dead.append(r)
-        if signalled:
-            killed.append(r)
-    return dead, killed
-
-
-def _fence_found_lost(gen: Generation, err: WorkerLost) -> None:
-    """Rank 0, stopping the run: fence the rank the error named and every rank the heartbeat calls lost."""
-    peers = [r for r in range(gen.size) if r != gen.rank]
-    _fence([gen.members[r] for r in set(gen.heartbeat.lost(peers)) | {err.rank} if r in peers], gen.ctx.store)
-
-
-def _with_partial(error: BaseException, partial: PartialOutput) -> BaseException:
-    """The launcher sends `error.partial` back with the error (launch._worker)."""
-    error.partial = partial
-    return error
