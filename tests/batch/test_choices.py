@@ -18,13 +18,9 @@ from .test_batch_job import (  # noqa: F401
     run_in_process,
     write_lines,
 )
+from .test_resume_invariant import INVARIANT, Killed
 
-INVARIANT = ("backend.batch_invariant=true",)
 STOPS = list(range(100, 140))  # ~8% of the demo vocabulary: sampled choices end at different steps
-
-
-class Killed(BaseException):
-    """Not an Exception: nothing on the way may catch it, as nothing survives a SIGKILL."""
 
 
 def test_choice_seeds_keep_choice_0_and_differ_between_choices():
