@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from batchgen.latency import Efficiency, LatencyModel, Roofline, load_efficiency
-from batchgen.pricing.costs import decode_load, price
+from batchgen.pricing.costs import decode_load
+from batchgen.pricing.price import price
 from batchgen.specs.catalog import load_efficiency_dict, load_hardware, load_model
 from conftest import make_job
 

@@ -178,7 +178,8 @@ def test_a_partitioned_sequence_attends_with_a_head_shard_of_the_weights_on_each
     """A shard projects and attends for 1/degree of the heads (exec.models.tensor_parallel), so each rank of
     the group reads that share of the head-indexed weights: at one query the shard's attention is cheaper than
     the whole sequence's on one rank, and it is what the shard's shapes price, on every rank of the group."""
-    from batchgen.pricing.costs import decode_load, price
+    from batchgen.pricing.costs import decode_load
+    from batchgen.pricing.price import price
 
     for model in ("qwen3_30b_a3b", "deepseek_r1"):
         lat = prepare(make_job("coroutine", model=model)).latency

@@ -11,7 +11,8 @@ from batchgen.plan import (Dag, DecodeGrid, LayerCosts, WorkloadStats, build_lay
                            plan_job, price_decode)
 from batchgen.plan.planner import Candidate, choose
 from batchgen.policy.coroutine import CoroutinePolicy
-from batchgen.pricing.costs import decode_load, price
+from batchgen.pricing.costs import decode_load
+from batchgen.pricing.price import price
 from batchgen.specs import HardwareSpec, HostSpec, load_cluster, load_model
 
 # ---- the DAG -------------------------------------------------------------------------------------------------

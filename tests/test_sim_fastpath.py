@@ -118,11 +118,11 @@ def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
     assert_same(fast, ref)
 
 
-# ---- the one-rank scalar path (batchgen.pricing.scalar) against the numpy code it mirrors, bit for bit ----------
+# ---- one rank's runs on floats (batchgen.pricing.price.price_cells / price_steady) against the grid, bit for bit ----
 
 def _scalar_setup(model="llama2_7b"):
     from batchgen.job import prepare
-    from batchgen.pricing.scalar import scalar_pricer
+    from batchgen.pricing.scalar_offload import scalar_pricer
 
     rng = np.random.default_rng(0)
     job = make_job("continuous", model, "a100_8", rng.integers(8, 3000, 4), rng.integers(1, 600, 4),
@@ -138,13 +138,22 @@ def _same_cost(a, b):
     assert a.modules == b.modules
 
 
-@pytest.mark.parametrize("tbo", [False, True])
-def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
-    from batchgen.pricing.costs import decode_load, mixed_load, price
-    from batchgen.pricing.scalar import decode_rows, mixed_rows, price_row, rows_of
+def _grid_price(lat, load, *args, **kw):
+    from batchgen.pricing.price import price
 
-    lat, sp = _scalar_setup()
-    assert sp is not None
+    with fastpath.reference():  # the (1 x K) grid, as many ranks are priced
+        return price(lat, load, *args, **kw)
+
+
+@pytest.mark.parametrize("model", ["llama2_7b", "tiny_moe"])
+@pytest.mark.parametrize("tbo", [False, True])
+def test_one_rank_cells_price_decode_and_mixed_runs_as_the_grid(tbo, model):
+    from batchgen.pricing.costs import decode_load, mixed_load
+    from batchgen.pricing.one_rank import decode_cells, mixed_cells
+    from batchgen.pricing.price import CELL_FIELDS, price, price_cells
+
+    lat, _ = _scalar_setup(model)
+    fields = lambda load: [getattr(load, f)[0].tolist() for f in CELL_FIELDS]  # noqa: E731
     rng = np.random.default_rng(7)
     for trial in range(150):
         n = int(rng.integers(0, 300))
@@ -153,40 +162,34 @@ def test_scalar_price_of_decode_and_mixed_runs_is_numpys(tbo):
         # a run to the first finish (everyone alive throughout) or sequences ending part-way
         alive = np.full(n, K) if trial % 2 else rng.integers(1, K + 1, n)
         mb = int(rng.choice([0, 0, 7, 64]))
+        stream = float(rng.choice([0.0, 0.0, 0.01]))
         rank, tp, zero = np.zeros(n, np.int64), np.ones(n, np.int64), np.zeros(1, np.int64)
         if n:
             load = decode_load(rank, context, alive, tp, 1, K, mb, zero, zero)
-            rows = decode_rows(context, alive, K, mb)
-            assert rows == rows_of(load)
-            _same_cost(price_row(sp, rows, False, tbo=tbo), price(lat, load, tbo=tbo))
+            cells = decode_cells(context, alive, K, mb)
+            assert cells == fields(load)
+            want = _grid_price(lat, load, stream, tbo=tbo)
+            _same_cost(price_cells(lat, cells, None, stream, tbo=tbo), want)
+            _same_cost(price(lat, load, stream, tbo=tbo), want)
         c = int(rng.integers(1, 6))
         start = rng.integers(0, 3000, c) * (rng.random(c) < 0.5)
         length = np.maximum(rng.integers(-3, 3000, c), 1)
         completes = rng.random(c) < 0.5
         load = mixed_load(np.zeros(c, np.int64), start, length, completes, rank, context, 1, mb)
-        rows = mixed_rows(start, length, completes, context, mb)
-        assert rows == rows_of(load)
-        _same_cost(price_row(sp, rows, True, tbo=tbo), price(lat, load, tbo=tbo))
+        cells, heads = mixed_cells(start, length, completes, context, mb)
+        assert cells == fields(load) and heads == load.head_rows[0].tolist()
+        _same_cost(price_cells(lat, cells, heads, stream, tbo=tbo), _grid_price(lat, load, stream, tbo=tbo))
 
 
-def test_scalar_path_stays_off_where_it_does_not_mirror_the_roofline():
-    from batchgen.pricing.scalar import scalar_pricer
-
-    lat, _ = _scalar_setup("tiny_moe")
-    assert scalar_pricer(lat) is None  # an MoE model: the expert all-to-all is numpy's
-    lat, sp = _scalar_setup()
-    with fastpath.reference():
-        assert scalar_pricer(lat) is None
-    assert scalar_pricer(lat) is sp
-
-
-def test_vector_price_of_long_one_rank_runs_is_numpys():
+@pytest.mark.parametrize("model,tbo", [("llama2_7b", False), ("tiny_moe", False), ("tiny_moe", True)])
+def test_steady_price_of_long_one_rank_runs_is_the_grids(model, tbo):
     """Runs of many iterations in which only the context changes (a run to the first finish, a static batch with
-    padding rows): `price_vector` equals `costs.price` bit for bit, and declines a run whose batch changes."""
-    from batchgen.pricing.costs import decode_load, price
-    from batchgen.pricing.scalar import price_vector
+    padding rows): `price_steady` equals the grid's price bit for bit; a run whose batch changes is not steady."""
+    from batchgen.pricing.costs import decode_load
+    from batchgen.pricing.one_rank import steady
+    from batchgen.pricing.price import price_steady
 
-    lat, sp = _scalar_setup()
+    lat, _ = _scalar_setup(model)
     rng = np.random.default_rng(3)
     for trial in range(100):
         n, K = int(rng.integers(1, 300)), int(rng.integers(13, 80))
@@ -195,11 +198,40 @@ def test_vector_price_of_long_one_rank_runs_is_numpys():
         pad_ctx = pad * int(rng.integers(1, 4000))
         mb = int(rng.choice([0, 16]))
         load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb, pad, pad_ctx)
-        _same_cost(price_vector(sp, load, 0.0), price(lat, load))
-        _same_cost(price_vector(sp, load, 0.01), price(lat, load, 0.01))
+        _same_cost(price_steady(lat, steady(load), K, tbo=tbo), _grid_price(lat, load, tbo=tbo))
+        _same_cost(price_steady(lat, steady(load), K, 0.01, tbo=tbo), _grid_price(lat, load, 0.01, tbo=tbo))
     ragged = decode_load(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([20, 30, 40]), np.ones(3, np.int64),
                          1, 40, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
-    assert price_vector(sp, ragged) is None  # sequences end part-way: not this path's
+    assert steady(ragged) is None  # sequences end part-way
+
+
+def test_all_alive_price_is_the_grids():
+    """`one_rank.all_alive` (every row through the whole run: a static batch with its padding rows, a run to the
+    first finish) priced by `price_steady` equals the grid `costs.decode_load` builds, bit for bit, with the same
+    gate-token total; with padded attention kernels too (the longest context enters the price)."""
+    from batchgen.pricing.costs import decode_load
+    from batchgen.pricing.one_rank import all_alive
+    from batchgen.pricing.price import price_steady
+
+    lat, _ = _scalar_setup()
+    padded = Roofline(lat.model, lat.gpu, dataclasses.replace(lat.eff, attention_padding=0.4),
+                      ep_ranks=lat.ep_ranks, gpus_per_node=lat.gpus_per_node, host=lat.host)
+    rng = np.random.default_rng(9)
+    for trial in range(100):
+        model = padded if trial % 4 == 3 else lat
+        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 90))
+        context = rng.integers(1, 6000 if trial % 4 != 3 else 300, n)  # padding rows longer than every row
+        if trial % 3 == 0:  # a static batch: every row over the longest context
+            context = np.full(n, context.max())
+        pad = int(rng.integers(1, 40)) if trial % 2 else 0
+        pad_ctx = pad * int(rng.integers(1, 5000)) + int(rng.integers(0, max(pad, 1)))  # a mean with a fraction
+        mb = int(rng.choice([0, 7, 64]))
+        stream = float(rng.choice([0.0, 0.02]))
+        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb,
+                           np.array([pad]), np.array([pad_ctx]))
+        alive = all_alive(context, K, mb, pad, pad_ctx)
+        _same_cost(price_steady(model, alive, K, stream), _grid_price(model, load, stream))
+        assert np.full((1, K), alive.gate_tokens).sum() == load.gate_tokens.sum()
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -273,36 +305,6 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
             assert x.shape == y.shape and np.array_equal(x, y), (trial, f, x, y)
         assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
         assert np.array_equal(fast_calls, ref_calls)
-
-
-def test_all_alive_price_is_the_grids():
-    """`price_all_alive` (every row through the whole run: a static batch with its padding rows, a run to the
-    first finish) equals `price_vector` of the grid `costs.decode_load` builds, bit for bit, with the same
-    gate-token total."""
-    from batchgen.pricing.costs import decode_load
-    from batchgen.pricing.scalar import price_all_alive, price_vector, scalar_pricer
-
-    lat, sp = _scalar_setup()
-    padded = Roofline(lat.model, lat.gpu, dataclasses.replace(lat.eff, attention_padding=0.4),
-                      ep_ranks=lat.ep_ranks, gpus_per_node=lat.gpus_per_node, host=lat.host)
-    sp_padded = scalar_pricer(padded)  # padded attention kernels: the longest context enters the price
-    assert sp_padded is not None and sp_padded.pad == 0.4
-    rng = np.random.default_rng(9)
-    for trial in range(100):
-        pricer = sp_padded if trial % 4 == 3 else sp
-        n, K = int(rng.integers(1, 300)), int(rng.integers(13, 90))
-        context = rng.integers(1, 6000 if trial % 4 != 3 else 300, n)  # padding rows longer than every row
-        if trial % 3 == 0:  # a static batch: every row over the longest context
-            context = np.full(n, context.max())
-        pad = int(rng.integers(1, 40)) if trial % 2 else 0
-        pad_ctx = pad * int(rng.integers(1, 5000)) + int(rng.integers(0, max(pad, 1)))  # a mean with a fraction
-        mb = int(rng.choice([0, 7, 64]))
-        stream = float(rng.choice([0.0, 0.02]))
-        load = decode_load(np.zeros(n, np.int64), context, np.full(n, K), np.ones(n, np.int64), 1, K, mb,
-                           np.array([pad]), np.array([pad_ctx]))
-        cost, gate_total = price_all_alive(pricer, context, K, mb, pad, pad_ctx, stream)
-        _same_cost(cost, price_vector(pricer, load, stream))
-        assert gate_total == load.gate_tokens.sum()
 
 
 def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
@@ -609,11 +611,18 @@ def test_one_pass_boundaries_leave_observed_and_multi_gpu_runs_to_the_general_co
     assert taken and all(run is None for run in taken)
 
 
-def test_one_pass_boundaries_price_on_numpy_where_the_scalar_path_declines(monkeypatch):
-    """A run the scalar roofline declines (a token count beyond its curves) is priced by the numpy loads in the
-    one-pass path too, with the same result."""
-    import batchgen.sim.fused as fused
+def test_cells_beyond_the_gemm_curves_are_priced_as_the_grid():
+    """A forward whose token count is past the GEMM curves (a 70K-token prompt chunk) or fractional is priced
+    directly on floats, with the grid's values."""
+    from batchgen.pricing.costs import mixed_load
+    from batchgen.pricing.one_rank import mixed_cells
+    from batchgen.pricing.price import price_cells
 
-    monkeypatch.setattr(fused, "price_row", lambda *args: None)
-    fast, ref = both_ways(dataclasses.replace(vidur_like("continuous", n=40), check_invariants=False))
-    assert_same(fast, ref)
+    lat, _ = _scalar_setup()
+    for length in (70_000, 65_537, 3):
+        start, completes, context = np.array([0]), np.array([True]), np.array([100, 4000])
+        load = mixed_load(np.zeros(1, np.int64), start, np.array([length]), completes, np.zeros(2, np.int64),
+                          context, 1, 0)
+        cells, heads = mixed_cells(start, np.array([length]), completes, context, 0)
+        _same_cost(price_cells(lat, cells, heads), _grid_price(lat, load))
+    assert lat.lm_head(2.5) == lat.lm_head(np.array([2.5]))[0]  # a fractional row count: the direct GEMMs

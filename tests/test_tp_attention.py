@@ -9,7 +9,8 @@ import pytest
 
 from batchgen.job import prepare, resolve_attention_tp
 from batchgen.memory import ConfigError
-from batchgen.pricing.costs import decode_load, price
+from batchgen.pricing.costs import decode_load
+from batchgen.pricing.price import price
 from batchgen.sim.run import simulate
 from conftest import make_job
 

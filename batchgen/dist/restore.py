@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.dist.shared_host import PublishedIndex, SharedHostFiles, index_path, remove_rank
-from batchgen.pricing.costs import prefill_load, price
+from batchgen.pricing.costs import prefill_load
+from batchgen.pricing.price import price
 
 
 @dataclass(frozen=True)

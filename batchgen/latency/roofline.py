@@ -9,7 +9,7 @@ from batchgen import fastpath
 from batchgen.latency import formulas
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
-from batchgen.latency.arrays import _FLOAT, _arr, _fits, _out, _uniform
+from batchgen.latency.arrays import _FLOAT, _arr, _fits, _out, _uniform, maximum_for, positive
 from batchgen.latency.gemm import gemm_seconds
 from batchgen.latency.tp_attention import shard_spec
 from batchgen.specs.host import DEFAULT_HOST
@@ -18,6 +18,7 @@ _LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token coun
 _GEMM_LOOKUP_MAX = 1 << 16  # ... and so do smaller ones up to this many tokens (a serving engine's forwards)
 _EXPERT_CHUNK = 4096
 _LARGE_EXPERT_MEMO = 1 << 16  # prefill batch sizes whose expert times `experts` keeps
+_CELLS_KEPT = 1 << 16  # one-cell GEMM times `_gemm_cell` keeps
 _EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 
 
@@ -32,6 +33,9 @@ class Roofline:
     Each module runs at its own factors (`Efficiency.for_module`); weight GEMMs follow tiles and waves where
     the GPU's SM count is known (`batchgen.latency.gemm`).
     """
+
+    # one cell's amounts priced on Python floats cost less than a one-element grid (batchgen.pricing.price)
+    prices_floats = True
 
     def __init__(self, model, gpu, eff: Efficiency = Efficiency(), *, ep_ranks: int = 1,
                  gpus_per_node: int = 8, routing_skew: float = 0.0, use_fp8: bool = False, host=None) -> None:
@@ -65,7 +69,10 @@ class Roofline:
         self._rank_p = self._expert_shares_by_rank() if model.is_moe else None
         self._ranks_alike = model.is_moe and bool((self._rank_p == self._rank_p[:1]).all())
         self._attention_gemms = tuple(self._attention_shapes_of_model())
+        self._layers = (model.num_dense_layers, model.num_moe_layers)
+        self._rates = {module: self.stream_rates(module) for module in ("attention_decode", "attention_prefill")}
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
+        self._cells: dict = {}   # (module, launches, tokens) -> seconds of one cell (_gemm_cell)
         self._large_experts: dict[float, tuple[float, float]] = {}  # gate batch -> (worst, mean): experts
         self._head_shards: dict[int, Roofline] = {}  # degree -> head_shard(degree)
 
@@ -94,6 +101,8 @@ class Roofline:
     def _weight_gemms(self, module: str, tokens, shapes, calls=1):
         """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
         per GEMM), at the module's factors."""
+        if type(tokens) is float and type(calls) in (float, int):
+            return self._gemm_cell(module, tokens, shapes, float(calls))
         launches = _uniform(calls, tokens) if fastpath.ENABLED else None
         if launches is not None and all(type(k) is int and type(n) is int for k, n in shapes):
             fast = self._gemm_lookup(module, tokens, shapes, launches)
@@ -125,6 +134,22 @@ class Roofline:
         if not (t.size > _LOOKUP_ABOVE or top <= _GEMM_LOOKUP_MAX) or not (index == t).all():
             return None
         return self._gemm_curve(module, tuple(shapes), launches, top)[index]
+
+    def _gemm_cell(self, module: str, tokens: float, shapes, launches: float) -> float:
+        """`_weight_gemms` of one cell: the curve's value, as the grid reads it, kept per (module, launches,
+        tokens) (a serving engine's forwards repeat their batch sizes)."""
+        key = (module, launches, tokens)
+        out = self._cells.get(key)
+        if out is None:
+            if (tokens <= _GEMM_LOOKUP_MAX and tokens == math.floor(tokens) and launches == math.floor(launches)
+                    and all(type(k) is int and type(n) is int for k, n in shapes)):
+                out = float(self._gemm_curve(module, tuple(shapes), launches, int(tokens))[int(tokens)])
+            else:
+                out = float(self._gemms_direct(module, np.asarray(tokens), shapes, np.asarray(launches)))
+            if len(self._cells) >= _CELLS_KEPT:
+                self._cells.clear()
+            self._cells[key] = out
+        return out
 
     def _gemms_direct(self, module: str, t, shapes, c):
         e = self._eff[module]
@@ -161,7 +186,7 @@ class Roofline:
         if max_context is None:
             return exact
         pad = self.eff.attention_padding
-        return exact if pad == 0 else formulas.padded(exact, padded, pad, np.maximum)
+        return exact if pad == 0 else formulas.padded(exact, padded, pad, maximum_for(exact, padded))
 
     def attention_decode(self, tokens, context_sum, micro_batches=1, max_context=None):
         """Decode attention for `tokens` sequences (one query each) whose context lengths sum to `context_sum`
@@ -178,9 +203,9 @@ class Roofline:
                 ctx = self._padded(ctx, t * longest, max_context)
         proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
         seconds = formulas.decode_attention(t, ctx, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
-                                            m.attention_score_flops_decode, *self.stream_rates("attention_decode"),
-                                            np.maximum)
-        return _out(np.where(t > 0, seconds, 0.0))
+                                            m.attention_score_flops_decode, *self._rates["attention_decode"],
+                                            maximum_for(t, ctx, mb))
+        return _out(positive(t, seconds))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         """Prefill attention over `tokens` prompt tokens; `context_sq_sum` = sum over prompts of length^2.
@@ -189,6 +214,8 @@ class Roofline:
         square of the longest (`sequences` x `max_context`^2, no causal saving); each prompt token's KV is
         written once.
         """
+        if type(tokens) is float and tokens == 0.0:  # one cell with nothing prefilled (a decode's)
+            return 0.0
         t, sq, mb = _arr(tokens, "tokens"), _arr(context_sq_sum, "context_sq_sum"), _arr(micro_batches, "micro_batches")
         m = self.model
         pairs = 0.5 * sq
@@ -196,13 +223,16 @@ class Roofline:
             seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
             if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact pairs
                 pairs = self._padded(pairs, seqs * (longest * longest), max_context)
-        if fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
+        if type(t) is float:
+            if not t > 0:
+                return 0.0
+        elif fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
             return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
         proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
         seconds = formulas.prefill_attention(t, pairs, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
-                                             m.attention_score_flops_prefill, *self.stream_rates("attention_prefill"),
-                                             np.maximum)
-        return _out(np.where(t > 0, seconds, 0.0))
+                                             m.attention_score_flops_prefill, *self._rates["attention_prefill"],
+                                             maximum_for(t, pairs, mb))
+        return _out(positive(t, seconds))
 
     @property
     def _attention_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -228,12 +258,17 @@ class Roofline:
         tokens; 0 when inter == 0."""
         t = _arr(tokens, "tokens")
         if inter <= 0:
-            return _out(np.zeros_like(t))
+            return 0.0 if type(t) is float else _out(np.zeros_like(t))
         h = self.model.hidden_size
-        return _out(np.where(t > 0, self._weight_gemms(module, t, [(h, 2 * inter), (inter, h)]), 0.0))
+        return _out(positive(t, self._weight_gemms(module, t, ((h, 2 * inter), (inter, h)))))
 
     def dense_ffn(self, tokens):
         """A dense layer's FFN on this rank's tokens (weights replicated on every rank)."""
+        if type(tokens) is float:  # one cell: a pure function of the token count, which recurs
+            out = self._cells.get(("dense_ffn", tokens))
+            if out is None:
+                out = self._cells[("dense_ffn", tokens)] = self._ffn("dense_ffn", tokens, self.model.intermediate_size)
+            return out
         return self._ffn("dense_ffn", tokens, self.model.intermediate_size)
 
     def shared_experts(self, tokens):
@@ -245,23 +280,29 @@ class Roofline:
         """The gate's linear layer and top-k on this rank's tokens; 0 for a dense model."""
         t = _arr(tokens, "tokens")
         if not self.model.is_moe:
-            return _out(np.zeros_like(t))
-        return _out(np.where(t > 0, self._weight_gemms("router", t, [(self.model.hidden_size,
-                                                                      self.model.num_experts)]), 0.0))
+            return 0.0 if type(t) is float else _out(np.zeros_like(t))
+        return _out(positive(t, self._weight_gemms("router", t, ((self.model.hidden_size, self.model.num_experts),))))
 
     def lm_head(self, tokens):
         """Final projection and sampling, once per step (not per layer): fp32 logits written and read back."""
-        t = _arr(tokens, "tokens")
+        if type(tokens) is float:  # one cell: a pure function of the row count, which recurs
+            out = self._cells.get(("lm_head", tokens))
+            if out is None:
+                out = self._cells[("lm_head", tokens)] = self._lm_head(_arr(tokens, "tokens"))
+            return out
+        return self._lm_head(_arr(tokens, "tokens"))
+
+    def _lm_head(self, t):
         m = self.model
         e = self._eff["lm_head"]
-        proj = self._weight_gemms("lm_head", t, [(m.hidden_size, m.vocab_size)])
+        proj = self._weight_gemms("lm_head", t, ((m.hidden_size, m.vocab_size),))
         seconds = formulas.lm_head(t, proj, m.vocab_size, self.gpu.hbm_bw * e.memory, e.kernel_s)
-        return _out(np.where(t > 0, seconds, 0.0))
+        return _out(positive(t, seconds))
 
     def step_overhead(self, sequences):
         """The engine's time per forward outside the modules: step_s + step_per_sequence_s * sequences."""
         n = _arr(sequences, "sequences")
-        return _out(np.where(n > 0, formulas.step_overhead(n, self.eff.step_s, self.eff.step_per_sequence_s), 0.0))
+        return _out(positive(n, formulas.step_overhead(n, self.eff.step_s, self.eff.step_per_sequence_s)))
 
     def boundary_overhead(self, sequences):
         """The engine's time at one scheduling boundary: boundary_s + boundary_per_sequence_s * sequences."""
@@ -309,6 +350,11 @@ class Roofline:
         mean is for idle accounting. Costs are expectations (see the package docstring). Dense -> (0, 0).
         """
         t = _arr(total_tokens, "total_tokens")
+        if type(t) is float:  # one cell: the grid's value of a one-element batch
+            if not self.model.is_moe:
+                return 0.0, 0.0
+            worst, mean = self.experts(np.array([t]))
+            return float(worst[0]), float(mean[0])
         if not self.model.is_moe:
             return _out(np.zeros_like(t)), _out(np.zeros_like(t))
         top = float(t.max(initial=0.0))
@@ -469,7 +515,7 @@ class Roofline:
 
     def layer_counts(self) -> tuple[int, int]:
         """(num_dense_layers, num_moe_layers)."""
-        return self.model.num_dense_layers, self.model.num_moe_layers
+        return self._layers
 
     def weight_bytes_per_rank(self) -> float:
         """Bytes of weights one rank holds: every non-expert weight (replicated) + embeddings + LM head + its

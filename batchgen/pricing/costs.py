@@ -9,7 +9,7 @@ own compute so the idle share is visible.
 Decode runs with host-resident sequences (KV restored per layer and micro-batch, or attention on the host CPU)
 or with streamed expert weights are priced layer by layer on the per-layer DAG of batchgen.plan, where
 transfers overlap compute only as far as their dependencies allow (`price_host`); every other run is a chain
-of modules and keeps the plain sum (`price`), which the DAG reduces to when nothing moves.
+of modules and keeps the plain sum (batchgen.pricing.price), which the DAG reduces to when nothing moves.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import numpy as np
 
 from batchgen import fastpath
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, Shards, overlapped_all_to_all, price_decode, shard_attention
-from batchgen.pricing.cost import RunCost, module_split, module_totals
-from batchgen.pricing.tbo import price_tbo
+from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
+from batchgen.pricing.cost import RunCost, module_split
 
 
 @dataclass
@@ -346,68 +345,6 @@ def _static_runs(rank: np.ndarray, length: np.ndarray, micro_batch: int, R: int,
     np.add.at(calls, run_rank, 1.0)
     np.add.at(work, run_rank, members * (longest ** 2 if square else longest))
     return calls, work
-
-
-def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0, tbo: bool = False,
-          overlap: bool = False) -> RunCost:
-    """Seconds per iteration for an instance in lockstep, and each rank's own busy time. `join`: seconds per
-    layer each rank spends in the collective that joins partitioned attention (`partition_join`); it delays
-    that layer's FFN and counts as communication. A latency model whose rank is a TP-attention group
-    (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
-    forward split in two overlapped micro-batches (batchgen.pricing.tbo; not with streamed weights). `overlap`:
-    each attention micro-batch's all-to-all beside the next one's compute (plan.decode.overlapped_all_to_all)."""
-    if tbo and weight_stream_s <= 0:
-        if load.shards or overlap:
-            raise ValueError("two-batch overlap with PARTITIONed sequences or with the micro-batches' overlap is "
-                             "not priced: a policy runs one or the other")
-        return price_tbo(lat, load, join)
-    n_dense, n_moe = lat.layer_counts()
-    if getattr(lat, "attention_tp", 1) > 1:
-        join = join + lat.attention_join(load.attn_tokens + load.prefill_tokens)
-    attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
-            + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1, load.prefill_max, load.prefill_seqs))
-    if load.shards:
-        attn = attn + shard_attention(lat, load.shards)
-    gate = load.gate_tokens
-    head = lat.lm_head(load.sequences if load.head_rows is None else load.head_rows)
-    busy = np.zeros(gate.shape) + head
-    iteration = (head + lat.step_overhead(load.sequences)).max(axis=0)
-    comm = np.zeros(gate.shape[1])
-    comm_rank = np.zeros(gate.shape) + join * (n_dense + n_moe)
-    ffn = np.zeros(gate.shape[1])  # slowest rank's FFN work per iteration, all layers (the module split)
-    if n_dense:
-        dense_ffn = lat.dense_ffn(gate)
-        dense = attn + dense_ffn
-        iteration += n_dense * (dense + join).max(axis=0)
-        busy += n_dense * dense
-        ffn += n_dense * dense_ffn.max(axis=0)
-    if n_moe:
-        total = gate.sum(axis=0)
-        local_ffn = lat.shared_experts(gate) + lat.router(gate)
-        local = attn + local_ffn
-        slowest, mean = lat.experts(total)
-        lead = (local + join).max(axis=0)
-        a2a = (overlapped_all_to_all(lat, total, lead, slowest, load.micro_batches.max(axis=0)) if overlap
-               else lat.all_to_all(total))  # what the compute does not hide
-        iteration += n_moe * (lead + a2a + slowest)
-        busy += n_moe * (local + mean)
-        comm = n_moe * a2a
-        ffn += n_moe * (np.max(local_ffn, axis=0) + a2a + slowest)
-    if weight_stream_s > 0:
-        iteration = np.maximum(iteration, weight_stream_s)  # streamed weights overlap compute layer by layer
-    gate_sum = gate.sum(axis=0)
-    active = gate_sum > 0
-    every = fastpath.ENABLED and bool(active.all())  # the usual run: no masking needed (the same sums)
-    if not every:
-        iteration = np.where(active, iteration, 0.0)
-    # masked even when every iteration ran: the masked copy's layout sets numpy's summation order
-    rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
-    per_rank_attn = attn if np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
-    attention = (n_dense + n_moe) * per_rank_attn.max(axis=0)
-    modules = module_totals({"attention": attention, "ffn": ffn, "head": head.max(axis=0)},
-                             None if every else active)
-    return RunCost(iteration, busy.sum(axis=1), rank_comm, gate_sum if every else np.where(active, gate_sum, 0.0),
-                   modules)
 
 
 def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,

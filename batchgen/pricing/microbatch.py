@@ -38,8 +38,7 @@ from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
-from batchgen.pricing.scalar import scalar_pricer
-from batchgen.pricing.scalar_offload import microbatched_one_rank
+from batchgen.pricing.scalar_offload import microbatched_one_rank, scalar_pricer
 
 GPU, H2D, D2H, CPU, WEIGHTS = "gpu", "h2d", "d2h", "cpu", "weights"
 

@@ -10,8 +10,7 @@ from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
 from batchgen.pricing.microbatch import _costs, _host_micro_batches, price_microbatched
 from batchgen.pricing.cost import RunCost, module_split
-from batchgen.pricing.scalar import scalar_pricer
-from batchgen.pricing.scalar_offload import price_offload_one_rank
+from batchgen.pricing.scalar_offload import price_offload_one_rank, scalar_pricer
 
 
 def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, pipelined: bool,

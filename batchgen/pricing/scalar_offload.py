@@ -11,7 +11,7 @@ Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the
 (a max over predecessors picks a value without rounding), every cost is the roofline's formula on the same
 operands in the same order over the iterations (elementwise on (K,) vectors instead of (1, K) grids), GEMM times
 are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
-same layout. It applies where `pricing.scalar.scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
+same layout. It applies where `scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
 no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
 returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
 planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
@@ -22,11 +22,48 @@ from __future__ import annotations
 
 import numpy as np
 
+from batchgen import fastpath
 from batchgen.latency import formulas
-from batchgen.latency.roofline import _GEMM_LOOKUP_MAX
+from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches
 from batchgen.pricing.cost import RunCost
-from batchgen.pricing.scalar import ScalarRoofline
+
+
+class ScalarRoofline:
+    """The roofline's constants the chain reads (see `Roofline` for what each is)."""
+
+    def __init__(self, lat: Roofline):
+        m, gpu = lat.model, lat.gpu
+        self.lat = lat
+        self.kvb = m.kv_bytes_per_token_per_layer
+        self.act_row = lat._act_row
+        self.flops_decode = m.attention_score_flops_decode
+        self.attn_shapes = tuple(lat._attention_shapes)
+        h, inter = m.hidden_size, m.intermediate_size
+        self.head_shapes = ((h, m.vocab_size),)
+        self.vocab = m.vocab_size
+        self.ffn_shapes = ((h, 2 * inter), (inter, h)) if inter > 0 else None
+        e_head = lat._eff["lm_head"]
+        self.head_bw = gpu.hbm_bw * e_head.memory
+        self.head_kernel = e_head.kernel_s
+        self.step_s, self.step_seq_s = lat.eff.step_s, lat.eff.step_per_sequence_s
+        self.stream = {"attention_decode": lat.stream_rates("attention_decode")}
+        self.shapes_ok = all(type(k) is int and type(n) is int
+                             for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
+                             for k, n in shapes)
+
+
+def scalar_pricer(lat) -> ScalarRoofline | None:
+    """The chain's constants of `lat` where the chain applies (a plain `Roofline` of a dense model), built once
+    per model."""
+    if not fastpath.ENABLED or type(lat) is not Roofline:
+        return None
+    cached = lat.__dict__.get("_scalar_pricer", False)
+    if cached is False:
+        sp = ScalarRoofline(lat)
+        cached = sp if (lat.layer_counts()[1] == 0 and not lat.model.is_moe and sp.shapes_ok) else None
+        lat.__dict__["_scalar_pricer"] = cached
+    return cached
 
 
 class _NotHere(Exception):

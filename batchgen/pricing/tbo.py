@@ -22,27 +22,32 @@ without the overlap, which needs two streams and several processes: the overlap 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.pricing.cost import RunCost, module_totals
+from batchgen.latency.arrays import rint
 
 
 def split(load):
-    """The two micro-batches of a rank load, split by sequences: the first takes ceil(S/2) of each rank's S
-    sequences, the second the rest (none where a rank runs one); every amount of work goes with its share of the
-    sequences (token counts rounded to whole rows), the longest lengths stay with both."""
+    """The two micro-batches of a rank load (a grid, or one rank's iteration as floats), split by sequences: the
+    first takes ceil(S/2) of each rank's S sequences, the second the rest (none where a rank runs one); every
+    amount of work goes with its share of the sequences (token counts rounded to whole rows), the longest lengths
+    stay with both."""
     seqs = load.sequences
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(seqs > 0, np.ceil(seqs / 2.0) / seqs, 0.0)
+    if type(seqs) is float:
+        share = math.ceil(seqs / 2.0) / seqs if seqs > 0 else 0.0
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(seqs > 0, np.ceil(seqs / 2.0) / seqs, 0.0)
     first, second = {}, {}
     for name in ("attn_tokens", "gate_tokens", "prefill_tokens", "prefill_seqs", "sequences", "head_rows"):
         total = getattr(load, name)
         if total is None:  # head_rows: one per sequence, split with them
             first[name] = second[name] = None
             continue
-        first[name] = np.round(total * share)
+        first[name] = rint(total * share)
         second[name] = total - first[name]
     for name in ("attn_context", "prefill_sq"):
         first[name] = getattr(load, name) * share
@@ -50,59 +55,58 @@ def split(load):
     return [dataclasses.replace(load, **first), dataclasses.replace(load, **second)]
 
 
-def _half_parts(lat: LatencyModel, h, join_h):
-    """(attention, local FFN, dense FFN, head, overhead) per rank and (experts' slowest, mean, all-to-all) of one
-    micro-batch."""
-    attn = (lat.attention_decode(h.attn_tokens, h.attn_context, h.micro_batches, h.attn_max)
-            + lat.attention_prefill(h.prefill_tokens, h.prefill_sq, 1, h.prefill_max, h.prefill_seqs))
-    if getattr(lat, "attention_tp", 1) > 1:
-        join_h = join_h + lat.attention_join(h.attn_tokens + h.prefill_tokens)
-    gate = h.gate_tokens
-    head = lat.lm_head(h.sequences if h.head_rows is None else h.head_rows)
-    return attn, gate, head, lat.step_overhead(h.sequences), join_h
-
-
-def price_tbo(lat: LatencyModel, load, join=0.0):
-    """RunCost of a run whose every forward is split in two overlapped micro-batches (see module docstring)."""
-
+def forward_tbo(lat: LatencyModel, load, join, one: bool) -> tuple:
+    """`price.forward`'s per-iteration parts for a run whose every forward is split in two overlapped
+    micro-batches (see the module docstring); with `one`, of one rank's one iteration on floats."""
+    over = (lambda x: x) if one else (lambda x: x if type(x) is float else x.max(axis=0))  # noqa: E731
     n_dense, n_moe = lat.layer_counts()
-    shape = load.gate_tokens.shape
-    iteration, busy = np.zeros(shape[1]), np.zeros(shape)
-    comm, ffn, attention, head_s = (np.zeros(shape[1]) for _ in range(4))
+    shape = () if one else load.gate_tokens.shape
+    zero = 0.0 if one else np.zeros(shape[1])
+    iteration, busy = zero, (0.0 if one else np.zeros(shape))
+    comm = ffn = attention = head_s = zero
     c_moe, m_moe = [], []
     for h in split(load):
-        share = np.divide(h.sequences, load.sequences, out=np.zeros(shape), where=load.sequences > 0)
-        join_h = np.broadcast_to(np.asarray(join, float) * (share if np.ndim(join) else 1.0), shape)
-        attn, gate, head, overhead, join_h = _half_parts(lat, h, join_h)
-        busy += head
-        iteration += (head + overhead).max(axis=0)
-        head_s += np.max(head, axis=0)
-        attention += (n_dense + n_moe) * np.max(np.broadcast_to(attn, shape), axis=0)
+        if one:
+            join_h = join * (h.sequences / load.sequences if load.sequences > 0 else 0.0) if np.ndim(join) else join
+        else:
+            share = np.divide(h.sequences, load.sequences, out=np.zeros(shape), where=load.sequences > 0)
+            join_h = np.broadcast_to(np.asarray(join, float) * (share if np.ndim(join) else 1.0), shape)
+        attn = (lat.attention_decode(h.attn_tokens, h.attn_context, h.micro_batches, h.attn_max)
+                + lat.attention_prefill(h.prefill_tokens, h.prefill_sq, 1.0, h.prefill_max, h.prefill_seqs))
+        if getattr(lat, "attention_tp", 1) > 1:
+            join_h = join_h + lat.attention_join(h.attn_tokens + h.prefill_tokens)
+        gate = h.gate_tokens
+        head = lat.lm_head(h.sequences if h.head_rows is None else h.head_rows)
+        overhead = lat.step_overhead(h.sequences)
+        busy = busy + head
+        iteration = iteration + over(head + overhead)
+        head_s = head_s + over(head)
+        attention = attention + (n_dense + n_moe) * over(attn if one else np.broadcast_to(attn, shape))
         if n_dense:
             dense_ffn = lat.dense_ffn(gate)
-            iteration += n_dense * (attn + dense_ffn + join_h).max(axis=0)  # nothing to overlap: one half, then the other
-            busy += n_dense * (attn + dense_ffn)
-            ffn += n_dense * np.max(dense_ffn, axis=0)
-            comm += n_dense * join_h.max(axis=0)
+            iteration = iteration + n_dense * over(attn + dense_ffn + join_h)  # nothing to overlap: one, then the other
+            busy = busy + n_dense * (attn + dense_ffn)
+            ffn = ffn + n_dense * over(dense_ffn)
+            comm = comm + n_dense * over(join_h)
         if n_moe:
-            total = gate.sum(axis=0)
+            total = gate if one else gate.sum(axis=0)
             local_ffn = lat.shared_experts(gate) + lat.router(gate)
             slowest, mean = lat.experts(total)
-            c_moe.append((attn + local_ffn).max(axis=0) + slowest)  # the half's compute, slowest rank
-            m_moe.append(lat.all_to_all(total) + join_h.max(axis=0))  # the half's communication
-            busy += n_moe * (attn + local_ffn + mean)
-            ffn += n_moe * (np.max(local_ffn, axis=0) + slowest)
+            c_moe.append(over(attn + local_ffn) + slowest)  # the half's compute, slowest rank
+            m_moe.append(lat.all_to_all(total) + over(join_h))  # the half's communication
+            busy = busy + n_moe * (attn + local_ffn + mean)
+            ffn = ffn + n_moe * (over(local_ffn) + slowest)
     if n_moe:
         (c_a, c_b), (m_a, m_b) = c_moe, m_moe
         # per layer: one compute stream (both halves), one communication stream, and each half's own chain
-        layer = np.maximum.reduce([c_a + c_b, m_a + m_b, c_a + m_a, c_b + m_b])
+        streams = (c_a + c_b, m_a + m_b, c_a + m_a, c_b + m_b)
+        layer = (max(streams) if all(type(x) is float for x in streams)
+                 else np.maximum(np.maximum(streams[0], streams[1]), np.maximum(streams[2], streams[3])))
         exposed = n_moe * (layer - c_a - c_b) + m_b  # the last half's last all-to-all has nothing left to hide it
-        iteration += n_moe * layer + m_b
-        comm += exposed
-        ffn += exposed
-    active = load.gate_tokens.sum(axis=0) > 0
-    iteration = np.where(active, iteration, 0.0)
-    rank_comm = np.full(shape[0], float(comm[active].sum()))
-    modules = module_totals({"attention": attention, "ffn": ffn, "head": head_s}, active)
-    return RunCost(iteration, busy.sum(axis=1), rank_comm,
-                   np.where(active, load.gate_tokens.sum(axis=0), 0.0), modules)
+        iteration = iteration + (n_moe * layer + m_b)
+        comm = comm + exposed
+        ffn = ffn + exposed
+    # every rank waits for the instance's communication (no join of its own beyond it)
+    comm_rank = 0.0 if one else np.zeros(shape)
+    return (iteration, busy, comm, comm_rank, attention, ffn, head_s,
+            load.gate_tokens if one else load.gate_tokens.sum(axis=0))

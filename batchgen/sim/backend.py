@@ -22,10 +22,10 @@ from batchgen.policy.base import Capabilities
 from batchgen.sim import fused, repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
 from batchgen.pricing.offload import price_offload
-from batchgen.pricing.scalar import (MAX_ITERATIONS, decode_rows, mixed_rows, price_all_alive, price_row, price_vector,
-                                 rows_of, scalar_pricer)
+from batchgen.pricing import one_rank
 from batchgen.pricing.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
-                                prefill_load, price, price_host)
+                                    prefill_load, price_host)
+from batchgen.pricing.price import CELL_ITERATIONS, price, price_cells, price_steady
 
 
 class SimBackend:
@@ -55,6 +55,8 @@ class SimBackend:
         self.state = state
         self.lat = lat
         self.tbo = bool(two_batch_overlap)
+        # one rank's runs are built and priced on floats where the latency model takes them cheaply
+        self.cells = bool(getattr(lat, "prices_floats", False)) and fastpath.ENABLED
         self.comm_overlap = bool(comm_overlap)
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self._similar_calls = lat.attention_padding > 0
@@ -115,14 +117,12 @@ class SimBackend:
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             iterations = 1
             produced = filled(ids.size, 1, np.int64) if fastpath.ENABLED else np.ones(ids.size, np.int64)
-            sp = self._scalar() if R == 1 and not self._similar_calls else None
-            cost = None
-            if sp is not None:  # one rank: the forward's load and price on Python floats (same values)
-                rows = mixed_rows(plan.chunk_start, plan.chunk_len, plan.chunk_completes, decode_context,
-                                  plan.micro_batch)
-                cost = price_row(sp, rows, True, self.weight_stream_s, self.tbo)
-                gate_total = rows[2][0]
-            if cost is None:
+            if R == 1 and self.cells:  # one rank: the forward's load built and priced on floats
+                cells, heads = one_rank.mixed_cells(plan.chunk_start, plan.chunk_len, plan.chunk_completes,
+                                                    decode_context, plan.micro_batch)
+                cost = price_cells(self.lat, cells, heads, self.weight_stream_s, 0.0, self.tbo, self.comm_overlap)
+                gate_total = cells[2][0]
+            else:
                 load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                                   plan.decode_rank, decode_context, R, plan.micro_batch, self._similar_calls)
                 cost = self._price(load, self.weight_stream_s)
@@ -156,23 +156,22 @@ class SimBackend:
                 self.count_decode_traffic(h2d, d2h)
             else:
                 cost = None
-                if (R == 1 and iterations <= MAX_ITERATIONS and not plan.padded and ids.size
-                        and type(join) is float and join == 0.0 and not self._similar_calls
-                        and not (plan.pad_rows.any() if plan.padded or not fastpath.ENABLED else False)
-                        and (plain or int(plan.decode_tp.max()) == 1)):
-                    sp = self._scalar()
-                    if sp is not None:  # one rank, a short run: load and price on Python floats
-                        rows = decode_rows(context, alive, iterations, plan.micro_batch)
-                        cost = price_row(sp, rows, False, self.weight_stream_s, self.tbo)
-                        gate_total = sum(rows[2])
-                elif (R == 1 and iterations > MAX_ITERATIONS and ids.size and type(join) is float and join == 0.0
-                      and not (self.tbo and self.weight_stream_s <= 0) and (plan.padded or not self._similar_calls)
-                      and int(plan.decode_tp.max()) == 1 and int(alive.min()) == iterations):
-                    sp = scalar_pricer(self.lat)
-                    if sp is not None:  # one rank, every row through the whole run: its amounts in closed form
-                        cost, gate_total = price_all_alive(sp, context, iterations, plan.micro_batch,
-                                                           int(plan.pad_rows[0]), int(plan.pad_context[0]),
-                                                           self.weight_stream_s)
+                one = (R == 1 and ids.size and type(join) is float and join == 0.0 and self.cells
+                       and (plain or int(plan.decode_tp.max()) == 1))
+                if one and iterations <= CELL_ITERATIONS and not plan.padded and not self._similar_calls:
+                    # one rank, a short run: its load built and priced on floats
+                    cells = one_rank.decode_cells(context, alive, iterations, plan.micro_batch)
+                    cost = price_cells(self.lat, cells, None, self.weight_stream_s, 0.0, self.tbo,
+                                       self.comm_overlap)
+                    gate_total = sum(cells[2])
+                elif (one and iterations > CELL_ITERATIONS and (plan.padded or not self._similar_calls)
+                      and int(alive.min()) == iterations):
+                    # one rank, every row through the whole run: its amounts in closed form
+                    load = one_rank.all_alive(context, iterations, plan.micro_batch, int(plan.pad_rows[0]),
+                                              int(plan.pad_context[0]))
+                    cost = price_steady(self.lat, load, iterations, self.weight_stream_s, 0.0, self.tbo,
+                                        self.comm_overlap)
+                    gate_total = np.full((1, iterations), load.gate_tokens).sum()
                 if cost is None:
                     load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                        plan.micro_batch, plan.pad_rows, plan.pad_context,
@@ -221,9 +220,9 @@ class SimBackend:
         return compute, boundary, boundary + run, run / compute if compute > 0 else 0.0
 
     def fuses(self) -> bool:
-        """Whether a one-GPU instance's plain boundaries may run as one pass (batchgen.sim.fused): priced on the
-        scalar roofline, no similar-context calls, no weights streamed."""
-        return (self._scalar() is not None and not self._similar_calls and self.stream_bytes_per_iter == 0
+        """Whether a one-GPU instance's plain boundaries may run as one pass (batchgen.sim.fused): priced on
+        floats, no similar-context calls, no weights streamed."""
+        return (self.cells and not self._similar_calls and self.stream_bytes_per_iter == 0
                 and self._prefetch_per_layer == 0)
 
     def boundary(self, engine, instance: int, decision, progress, now: float, folded):
@@ -255,26 +254,7 @@ class SimBackend:
         """`plan`'s run and the n identical runs after it, one event ((ids, result) per run; batchgen.engine.repeat)."""
         return repeated.execute_repeated(self, plan, n)
 
-    def _scalar(self):
-        """`scalar_pricer(self.lat)`, looked up once per fast-path setting."""
-        cached = self.__dict__.get("_sp")
-        if cached is None or cached[0] is not fastpath.ENABLED:
-            cached = self._sp = (fastpath.ENABLED, scalar_pricer(self.lat))
-        return cached[1]
-
     def _price(self, load, weight_stream_s: float, join=0.0):
-        """`costs.price` of a run; one-rank runs of a dense model on Python floats (batchgen.pricing.scalar, the
-        same values bit for bit) where that path applies."""
-        sp = scalar_pricer(self.lat)
-        if sp is not None and type(join) is float and join == 0.0 and load.gate_tokens.shape[0] == 1:
-            rows = rows_of(load)
-            cost = None
-            if rows is not None:
-                cost = price_row(sp, rows, load.head_rows is not None, weight_stream_s, self.tbo)
-            elif not (self.tbo and weight_stream_s <= 0):  # a long run: constant parts once, context as vectors
-                cost = price_vector(sp, load, weight_stream_s)
-            if cost is not None:
-                return cost
         return price(self.lat, load, weight_stream_s, join, tbo=self.tbo, overlap=self.comm_overlap)
 
     @property

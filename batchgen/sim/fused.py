@@ -9,9 +9,9 @@ not use, the same columns gathered in three places. Here the boundary's work is 
 three functions do it, on the few arrays it needs.
 
 Where. Only where each step is the general code's own operation on the same operands: a simulated instance of
-one GPU (its sequences all on rank 0), priced by the scalar roofline (batchgen.pricing.scalar: a dense model, no
-similar-context calls, no weights streamed), nothing on host, never partitioned, no padding; a decision that
-runs up to `_FEW_CHUNKS` prompt chunks beside every decode, or decodes for at most `MAX_ITERATIONS` iterations
+one GPU (its sequences all on rank 0), priced on floats (batchgen.pricing.price.price_cells: a latency model that
+takes them, no similar-context calls, no weights streamed), nothing on host, never partitioned, no padding; a
+decision that runs up to `_FEW_CHUNKS` prompt chunks beside every decode, or decodes for at most `CELL_ITERATIONS` iterations
 until the first finish or its steps, and calls no other primitive; a policy that declares no repeats and no
 step observer (a progress bar, a batch job). Everything else returns None before anything changed and takes the
 general path. tests/test_sim_fastpath.py runs jobs both ways and requires the same decisions, times and step
@@ -30,9 +30,9 @@ from batchgen.engine.apply import _FEW_CHUNKS, _kv_ops, _take_chunks
 from batchgen.engine.loop import StepRecord
 from batchgen.engine.plan import filled
 from batchgen.policy.base import Decision
-from batchgen.pricing.costs import decode_load, mixed_load
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
-from batchgen.pricing.scalar import MAX_ITERATIONS, decode_rows, mixed_rows, price_row
+from batchgen.pricing import one_rank
+from batchgen.pricing.price import CELL_ITERATIONS, price_cells
 
 if TYPE_CHECKING:  # pragma: no cover
     from batchgen.engine import Engine, InstanceProgress
@@ -87,7 +87,7 @@ def boundary(backend: "SimBackend", engine: "Engine", instance: int, d: Decision
     steps = max(int(d.steps), 1)
     k = min(steps, int(remaining.min())) if d.stop == "first_finish" else steps
     k = max(k, 1)
-    if k > MAX_ITERATIONS:
+    if k > CELL_ITERATIONS:
         return None
     return _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, remaining, steps, k)
 
@@ -101,15 +101,9 @@ def _decode(backend, engine, instance, d, progress, now, folded, ids, decoded, r
     run = _Run(instance, "decode", d, _EMPTY, ids, steps)
     _kv_ops(state, engine.ledger, instance, d, state.instance_gpus(instance), {}, ids)  # the finishes' frees
     produced = np.minimum(remaining, K)
-    rows = decode_rows(context, produced, K, d.micro_batch)
-    cost = price_row(backend._scalar(), rows, False, backend.weight_stream_s, backend.tbo)
-    if cost is None:
-        load = decode_load(np.zeros(ids.size, np.int64), context, produced, filled(ids.size, 1, t.tp.dtype), 1, K,
-                           d.micro_batch, _ZERO_RANK, _ZERO_RANK, False)
-        cost = backend._price(load, backend.weight_stream_s, 0.0)
-        gate_total = load.gate_tokens.sum()
-    else:
-        gate_total = sum(rows[2])
+    cells = one_rank.decode_cells(context, produced, K, d.micro_batch)
+    cost = price_cells(backend.lat, cells, None, backend.weight_stream_s, 0.0, backend.tbo, backend.comm_overlap)
+    gate_total = sum(cells[2])
     backend.decode_iterations += int((cost.iteration_s > 0).sum())
     compute, boundary, duration, scale = backend.timing(cost, ids.size)
     finished = produced == remaining
@@ -138,15 +132,9 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
                                           chunk["chunk_completes"])
     run = _Run(instance, "mixed" if ids.size else "prefill", d, chunk_ids, ids, 1)
     _kv_ops(state, engine.ledger, instance, d, gpus, chunk, ids)
-    rows = mixed_rows(starts, lens, completes, context, d.micro_batch)
-    cost = price_row(backend._scalar(), rows, True, backend.weight_stream_s, backend.tbo)
-    if cost is None:
-        load = mixed_load(chunk["chunk_rank"], starts, lens, completes, np.zeros(ids.size, np.int64), context, 1,
-                          d.micro_batch, False)
-        cost = backend._price(load, backend.weight_stream_s)
-        gate_total = load.gate_tokens.sum()
-    else:
-        gate_total = rows[2][0]
+    cells, heads = one_rank.mixed_cells(starts, lens, completes, context, d.micro_batch)
+    cost = price_cells(backend.lat, cells, heads, backend.weight_stream_s, 0.0, backend.tbo, backend.comm_overlap)
+    gate_total = cells[2][0]
     compute, boundary, duration, scale = backend.timing(cost, ids.size + chunk_ids.size)
     finished = t.output_len[ids] - decoded == 1
     if finished.any():

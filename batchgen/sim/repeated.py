@@ -25,8 +25,7 @@ import numpy as np
 
 from batchgen.engine import StepPlan, StepResult
 from batchgen.pricing.costs import RunCost, decode_grid
-from batchgen.pricing.scalar import scalar_pricer
-from batchgen.pricing.scalar_offload import chain_vectors
+from batchgen.pricing.scalar_offload import chain_vectors, scalar_pricer
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False

@@ -23,7 +23,8 @@ import numpy as np
 
 from batchgen.memory import ConfigError, plan_memory
 from batchgen.plan.decode import DecodeGrid
-from batchgen.pricing.costs import prefill_load, price
+from batchgen.pricing.costs import prefill_load
+from batchgen.pricing.price import price
 from batchgen.pricing.microbatch import price_microbatched
 
 TIE = 0.01
