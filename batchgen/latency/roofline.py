@@ -70,7 +70,13 @@ class Roofline:
         self._ranks_alike = model.is_moe and bool((self._rank_p == self._rank_p[:1]).all())
         self._attention_gemms = tuple(self._attention_shapes_of_model())
         self._layers = (model.num_dense_layers, model.num_moe_layers)
-        self._rates = {module: self.stream_rates(module) for module in ("attention_decode", "attention_prefill")}
+        # (KV bytes per token, activation row bytes, score FLOPs per context token, achieved FLOP/s, bytes/s,
+        # seconds per launch) of decode and of prefill attention: `formulas`' constants, read every forward
+        kvb = model.kv_bytes_per_token_per_layer
+        self._attention_constants = tuple(
+            (kvb, self._act_row, flops, *self.stream_rates(module))
+            for module, flops in (("attention_decode", model.attention_score_flops_decode),
+                                  ("attention_prefill", model.attention_score_flops_prefill)))
         self._curves: dict = {}  # (module, GEMM shapes, launches) -> seconds by token count (_gemm_curve)
         self._cells: dict = {}   # (module, launches, tokens) -> seconds of one cell (_gemm_cell)
         self._large_experts: dict[float, tuple[float, float]] = {}  # gate batch -> (worst, mean): experts
@@ -196,15 +202,12 @@ class Roofline:
         once, each query appends one token's KV, and the score kernel is one launch per micro-batch.
         """
         t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
-        m = self.model
         if max_context is not None:
             longest = _arr(max_context, "max_context")
             if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact sum
                 ctx = self._padded(ctx, t * longest, max_context)
-        proj = self._weight_gemms("attention_decode", t, self._attention_shapes, mb)
-        seconds = formulas.decode_attention(t, ctx, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
-                                            m.attention_score_flops_decode, *self._rates["attention_decode"],
-                                            maximum_for(t, ctx, mb))
+        proj = self._weight_gemms("attention_decode", t, self._attention_gemms, mb)
+        seconds = formulas.decode_attention(t, ctx, mb, proj, *self._attention_constants[0], maximum_for(t, ctx, mb))
         return _out(positive(t, seconds))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
@@ -217,7 +220,6 @@ class Roofline:
         if type(tokens) is float and tokens == 0.0:  # one cell with nothing prefilled (a decode's)
             return 0.0
         t, sq, mb = _arr(tokens, "tokens"), _arr(context_sq_sum, "context_sq_sum"), _arr(micro_batches, "micro_batches")
-        m = self.model
         pairs = 0.5 * sq
         if max_context is not None and sequences is not None:
             seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
@@ -228,9 +230,8 @@ class Roofline:
                 return 0.0
         elif fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
             return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
-        proj = self._weight_gemms("attention_prefill", t, self._attention_shapes, mb)
-        seconds = formulas.prefill_attention(t, pairs, mb, proj, m.kv_bytes_per_token_per_layer, self._act_row,
-                                             m.attention_score_flops_prefill, *self._rates["attention_prefill"],
+        proj = self._weight_gemms("attention_prefill", t, self._attention_gemms, mb)
+        seconds = formulas.prefill_attention(t, pairs, mb, proj, *self._attention_constants[1],
                                              maximum_for(t, pairs, mb))
         return _out(positive(t, seconds))
 

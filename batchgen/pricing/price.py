@@ -76,6 +76,11 @@ def price_cells(lat: LatencyModel, fields: list[list[float]], head_rows: list[fl
     if len(columns) == 1:
         return _cost_of_one(*columns[0])
     parts = np.array(columns).T.copy()  # one contiguous row per part (the grid's layout: the same sums)
+    if np.minimum.reduce(parts[7]) > 0:  # every iteration ran: each row's total in one reduction (row by row)
+        iteration, busy, comm, comm_rank, attention, ffn, head, _ = np.add.reduce(parts, axis=1).tolist()
+        totals = np.array([busy, comm + comm_rank])
+        return RunCost(parts[0], totals[0:1], totals[1:2], parts[7],
+                       {"attention": attention, "ffn": ffn, "head": head})
     return _cost(parts[0], parts[1:2], parts[2], parts[3:4], parts[4], parts[5], parts[6], parts[7])
 
 
@@ -158,10 +163,11 @@ def _cost_of_one(iteration, busy, comm, comm_rank, attention, ffn, head, gate) -
 def _cost(iteration, busy, comm, comm_rank, attention, ffn, head, gate) -> RunCost:
     """The run's cost from its per-iteration parts (`forward`; busy and comm_rank per rank and iteration): the
     iterations in which no token reached the gate did not run."""
+    if np.minimum.reduce(gate) > 0:  # the usual run: nothing to mask (every part a contiguous row: the same sums)
+        add = np.add.reduce  # ndarray.sum's own reduction, without its Python wrapper
+        return RunCost(iteration, add(busy, axis=1), float(add(comm)) + add(comm_rank, axis=1), gate,
+                       {"attention": float(add(attention)), "ffn": float(add(ffn)), "head": float(add(head))})
     active = gate > 0
-    if active.all():  # the usual run: nothing to mask (every part is a contiguous row: the same sums)
-        return RunCost(iteration, busy.sum(axis=1), float(comm.sum()) + comm_rank.sum(axis=1), gate,
-                       {"attention": float(attention.sum()), "ffn": float(ffn.sum()), "head": float(head.sum())})
     rank_comm = float(comm[active].sum()) + comm_rank[:, active].sum(axis=1)
     modules = module_totals({"attention": attention, "ffn": ffn, "head": head}, active)
     return RunCost(np.where(active, iteration, 0.0), busy.sum(axis=1), rank_comm, np.where(active, gate, 0.0),
