@@ -3,7 +3,7 @@
 The simulator spends most of its time on small arrays (one rank, one iteration: a serving engine's forward),
 where numpy's per-call overhead, not the arithmetic, sets the pace. The hot paths therefore carry shortcuts
 (GEMM times read from a cached curve, zero grids priced as zeros, no copies priced when nothing moved, masks
-instead of sorts, one-rank runs priced on Python floats (batchgen.pricing.scalar), an offloading system's one-rank
+instead of sorts, one-rank runs priced on Python floats (batchgen.pricing.price.price_cells), an offloading system's one-rank
 runs priced as the chain its DAG reduces to (batchgen.pricing.scalar_offload), a block policy's identical decode
 runs as one event with each boundary replayed (batchgen.engine.repeat), a one-GPU instance's plain boundary applied,
 priced and recorded in one pass (batchgen.sim.fused), ...), each taken only where its result is the

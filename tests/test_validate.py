@@ -81,7 +81,7 @@ def test_idle_changes_fold_into_the_next_decision_and_ids_print_as_ranges():
 @pytest.mark.parametrize("padding", [0.0, 1.0])
 def test_simulated_modules_add_up_to_the_priced_run(padding):
     """With a data-sheet roofline (no per-forward or per-boundary overhead) and device-resident KV, a run's
-    modules are its whole duration: the module split mirrors costs.price (padded attention kernels too)."""
+    modules are its whole duration: the module split mirrors pricing.price (padded attention kernels too)."""
     from batchgen.latency import Efficiency
     out = simulate(make_job("continuous", n=30, efficiency=Efficiency(attention_padding=padding)))
     for r in out.records:

@@ -1,7 +1,7 @@
 """The roofline's formulas for the modules a forward prices per iteration, each written once.
 
-Why one place. The simulator prices a one-rank run on Python floats (batchgen.pricing.scalar) and every other run
-on numpy arrays (`Roofline`); both call these functions, with `max` or `np.maximum` as `maximum`, so they perform
+Why one place. `Roofline` prices a one-rank run's iterations on Python floats and every other run on numpy arrays
+(batchgen.pricing.price); both call these functions, with `max` or `np.maximum` as `maximum`, so they perform
 the same operations in the same order and agree to the bit (IEEE arithmetic is the same in both). A function
 takes amounts of work (tokens, context, launches) and the model's and GPU's constants, already achieved (peak x
 efficiency); the caller handles empty cells (no token: no cost) and the weight GEMMs' time (`proj`).

@@ -1,7 +1,7 @@
 """Two-batch overlap (TBO, SGLang's --enable-two-batch-overlap): each forward split into two micro-batches so
 that one's expert all-to-all (and TP-attention all-reduce) runs while the other computes.
 
-Priced from the same latency model as `costs.price`, on each micro-batch's load (the split is by sequences:
+Priced from the same latency model as `price.price`, on each micro-batch's load (the split is by sequences:
 the first takes ceil(S/2) of a rank's S sequences and their share of its tokens, context and prompt work, the
 second the rest, nothing on a rank that runs one sequence):
 

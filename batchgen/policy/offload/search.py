@@ -7,7 +7,7 @@ way the simulator will price it: the device budget of `plan_memory` for its batc
 activations of one micro-batch, staging buffers), device pages for the whole block's KV at the workload's longest
 sequence when KV stays on the GPU (these systems reserve prompt + generation length up front), host memory for
 it otherwise; one decode iteration at the typical context on `batchgen.pricing.microbatch`'s DAG, and the block's
-prefill with the layer weights streamed once (`batchgen.pricing.costs.price`). Throughput = block x mean output /
+prefill with the layer weights streamed once (`batchgen.pricing.price.price`). Throughput = block x mean output /
 (prefill + mean output x iteration). This stands in for FlexGen's LP over its cost model and MoE-Lightning's
 hierarchical roofline: the same terms (weight, KV and activation transfers, CPU and GPU compute per layer,
 memory constraints), computed by one model here so that the search agrees with the simulator.
