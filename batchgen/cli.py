@@ -36,9 +36,30 @@ def checked_main(command: str) -> Callable[[Callable[[], None]], Callable[[], No
             if problem:
                 print(f"error: {problem}", file=sys.stderr)
                 sys.exit(2)
+            if not sets_hydra_mode(sys.argv[1:]):
+                _skip_mode_probe()
             hydra_main()
         return main
     return wrap
+
+
+# a command line that could set `hydra.mode`: another config or search path, or Hydra's own settings
+_MODE_ARGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "hydra.mode", "hydra/")
+
+
+def sets_hydra_mode(argv: list[str]) -> bool:
+    """Whether `hydra.mode` may be set by this command line (batchgen's own config files never set it:
+    tests/test_cli.py composes every one)."""
+    return any(arg.startswith(_MODE_ARGS[:6]) or any(k in arg for k in _MODE_ARGS[6:]) for arg in argv)
+
+
+def _skip_mode_probe() -> None:
+    """Hydra composes the whole config once only to read `hydra.mode` (its `get_mode`), then again to run; where
+    nothing sets it the answer is None (Hydra then takes --multirun or a single run, as the flags say), known
+    without composing."""
+    from hydra._internal.hydra import Hydra
+
+    Hydra.get_mode = lambda self, config_name, overrides: None
 
 
 def exit_at_once() -> None:

@@ -167,3 +167,32 @@ def test_the_usual_command_line_is_checked_without_composing(monkeypatch):
     assert composed == []
     problem = cli.command_line_problem(["+policy=coroutine", "workload.num_sequence=20"], "batchgen.experiment")
     assert "did you mean workload.num_sequences" in problem and len(composed) == 1
+
+
+def test_no_config_of_ours_sets_hydra_mode_so_its_probe_can_be_skipped():
+    """`cli._skip_mode_probe` answers Hydra's `get_mode` with None without composing: true only while no config
+    file of batchgen's sets `hydra.mode` (each primary config, and each experiment, composed for real here), and
+    only for command lines that cannot set it."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    from batchgen.cli import sets_hydra_mode
+    from batchgen.confdir import conf_dir
+
+    probe = Hydra.__dict__["get_mode"]  # Hydra's own (a process that ran a command has it replaced)
+    if probe.__name__ == "<lambda>":
+        pytest.skip("Hydra.get_mode was replaced in this process")
+    experiments = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+    hydra = Hydra.create_main_hydra2(task_name="probe", config_search_path=create_config_search_path(str(conf_dir())))
+    try:
+        for config, overrides in [("config", ["+policy=coroutine"]), ("run", ["+policy=coroutine"])] + [
+                ("config", [f"+experiment={name}"]) for name in experiments]:
+            assert probe(hydra, config, overrides) is None, (config, overrides)
+        assert probe(hydra, "config", ["+policy=coroutine", "hydra.mode=MULTIRUN"]) is not None  # it can tell
+    finally:
+        GlobalHydra.instance().clear()  # as Hydra's own entry points leave it
+    assert not sets_hydra_mode(["+policy=continuous", "workload.num_sequences=20000", "hydra.run.dir=out"])
+    assert not sets_hydra_mode(["-m", "+policy=continuous,coroutine"])
+    for args in (["hydra.mode=MULTIRUN"], ["--config-dir", "mine"], ["-cd=mine"], ["hydra/launcher=joblib"]):
+        assert sets_hydra_mode(args), args
