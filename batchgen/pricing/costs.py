@@ -148,19 +148,25 @@ def similar_runs(rank: np.ndarray, context: np.ndarray, micro_batch: int) -> np.
 
 def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, micro_batch: int, R: int,
                 K: int) -> tuple[np.ndarray, np.ndarray]:
-    """(calls, padded work) per rank and iteration of decode attention called on runs of similar contexts:
-    the runs are cut at the run's start (contexts grow together) and each pays its live sequences x its
-    longest live context; work / queries is the effective longest context the latency model sees."""
-    run = similar_runs(rank, context, micro_batch)
-    runs = int(run.max()) + 1 if run.size else 0
-    run_rank = np.zeros(runs, np.int64)
-    run_rank[run] = rank
-    alive = _alive(run, alive_for, np.ones(run.size), runs, K)
-    longest = _longest_alive(run, alive_for, context.astype(float), runs, K)
-    calls = np.zeros((R, K))
-    work = np.zeros((R, K))
-    np.add.at(calls, run_rank, (alive > 0).astype(float))
-    np.add.at(work, run_rank, alive * longest)
+    """(calls, padded work) per rank and iteration of decode attention called on runs of similar contexts, cut
+    as the executor cuts them (batchgen.exec.runner) at every forward: over the sequences still running, at
+    their contexts then; each run pays its sequences x its longest context, and work / queries is the
+    effective longest context the latency model sees."""
+    calls, work = np.zeros((R, K)), np.zeros((R, K))
+    grown = context.astype(float)
+    for k in range(K):
+        live = alive_for > k
+        if not live.any():
+            break  # nobody runs from here on
+        r, c = rank[live], grown[live] + k
+        run = similar_runs(r, c, micro_batch)
+        runs = int(run.max()) + 1
+        longest = np.zeros(runs)
+        np.maximum.at(longest, run, c)
+        run_rank = np.zeros(runs, np.int64)
+        run_rank[run] = r
+        calls[:, k] = np.bincount(run_rank, minlength=R)
+        work[:, k] = np.bincount(run_rank, weights=np.bincount(run, minlength=runs) * longest, minlength=R)
     return calls, work
 
 
