@@ -122,13 +122,13 @@ def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
 
 def _scalar_setup(model="llama2_7b"):
     from batchgen.job import prepare
-    from batchgen.pricing.scalar_offload import scalar_pricer
+    from batchgen.pricing.scalar_offload import chain_applies
 
     rng = np.random.default_rng(0)
     job = make_job("continuous", model, "a100_8", rng.integers(8, 3000, 4), rng.integers(1, 600, 4),
                    cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
     lat = prepare(job).latency
-    return lat, scalar_pricer(lat)
+    return lat, chain_applies(lat)
 
 
 def _same_cost(a, b):
@@ -243,7 +243,7 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
     from batchgen.pricing.offload import price_offload
     from batchgen.pricing.scalar_offload import price_offload_one_rank
 
-    lat, sp = _scalar_setup()
+    lat, _ = _scalar_setup()
     rng = np.random.default_rng(11)
     taken = 0
     for trial in range(120):
@@ -256,7 +256,7 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
         if trial % 10 == 1:  # a run whose last iterations have nobody left (steps past every finish)
             grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K + 5, mb, zero, zero)
         fast = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
-        taken += price_offload_one_rank(sp, grid, mb, pipelined) is not None
+        taken += price_offload_one_rank(lat, grid, mb, pipelined) is not None
         with fastpath.reference():
             ref = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
         _same_cost(fast[0], ref[0])
@@ -264,7 +264,7 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
     assert taken == 120  # every one of these runs took the chain
     hosted = decode_grid(np.zeros(3, np.int64), np.array([5, 9, 700]), np.array([4, 4, 4]), np.ones(3, np.int64),
                          np.ones(3, bool), 1, 4, 0, np.zeros(1, np.int64), np.zeros(1, np.int64))
-    assert price_offload_one_rank(sp, hosted, 0, pipelined) is None
+    assert price_offload_one_rank(lat, hosted, 0, pipelined) is None
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -278,7 +278,7 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
     from batchgen.pricing.costs import decode_grid
     from batchgen.pricing.scalar_offload import microbatched_one_rank
 
-    lat, sp = _scalar_setup()
+    lat, _ = _scalar_setup()
     rng = np.random.default_rng(5)
     one = lambda v: np.full((1, 1), float(v))  # noqa: E731
     for trial in range(80):
@@ -296,7 +296,7 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
                                np.ones(n, np.int64), np.zeros(n, bool), 1, K, mb, zero, zero)
         kw = dict(cpu_attention=hosted and trial % 8 == 1, pipelined=pipelined,
                   prefetch_bytes=float(rng.choice([0.0, 1e6])), replicas=int(rng.choice([1, 8])))
-        assert (microbatched_one_rank(sp, grid, mb, pipelined, kw["replicas"]) is None) == hosted
+        assert (microbatched_one_rank(lat, grid, mb, pipelined, kw["replicas"]) is None) == hosted
         fast, fast_calls = price_microbatched(lat, grid, mb, **kw)
         with fastpath.reference():
             ref, ref_calls = price_microbatched(lat, grid, mb, **kw)

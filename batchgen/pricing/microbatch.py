@@ -38,7 +38,7 @@ from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
-from batchgen.pricing.scalar_offload import microbatched_one_rank, scalar_pricer
+from batchgen.pricing.scalar_offload import chain_applies, microbatched_one_rank
 
 GPU, H2D, D2H, CPU, WEIGHTS = "gpu", "h2d", "d2h", "cpu", "weights"
 
@@ -209,8 +209,7 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     iteration (K,), which the per-expert batch is measured by. One row of a dense model with device KV: priced
     as the chain this DAG reduces to (batchgen.pricing.scalar_offload, the same values bit for bit)."""
     if fastpath.ENABLED and np.shape(grid.gate_tokens)[0] == 1:
-        sp = scalar_pricer(lat)
-        out = microbatched_one_rank(sp, grid, micro_batch, pipelined, replicas) if sp is not None else None
+        out = microbatched_one_rank(lat, grid, micro_batch, pipelined, replicas) if chain_applies(lat) else None
         if out is not None:
             return out
     n_dense, n_moe = lat.layer_counts()

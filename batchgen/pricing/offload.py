@@ -10,7 +10,7 @@ from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
 from batchgen.pricing.microbatch import _costs, _host_micro_batches, price_microbatched
 from batchgen.pricing.cost import RunCost, module_split
-from batchgen.pricing.scalar_offload import price_offload_one_rank, scalar_pricer
+from batchgen.pricing.scalar_offload import chain_applies, price_offload_one_rank
 
 
 def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, pipelined: bool,
@@ -20,14 +20,11 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     chain without the DAG object (batchgen.pricing.scalar_offload, the same values bit for bit)."""
     if grid.shards:
         raise ValueError("an offloading system's schedule with PARTITIONed sequences is not priced")
-    if grid.gate_tokens.shape[0] == 1:
-        sp = scalar_pricer(lat)
-        if sp is not None:
-            out = price_offload_one_rank(sp, grid, micro_batch, pipelined)
-            if out is not None:  # its time on floats; the module split's FFN per micro-batch, as below
-                active = out[0].expert_tokens > 0
-                out[0].modules["ffn"] = float(np.where(active, ffn_per_micro_batch(lat, grid, micro_batch), 0.0).sum())
-                return out
+    out = price_offload_one_rank(lat, grid, micro_batch, pipelined) if chain_applies(lat) else None
+    if out is not None:  # the chain's time; the module split's FFN per micro-batch, as below
+        active = out[0].expert_tokens > 0
+        out[0].modules["ffn"] = float(np.where(active, ffn_per_micro_batch(lat, grid, micro_batch), 0.0).sum())
+        return out
     p, calls = price_microbatched(lat, grid, micro_batch, cpu_attention=cpu_attention, pipelined=pipelined,
                                   prefetch_bytes=prefetch_bytes)
     gate = grid.gate_tokens

@@ -8,12 +8,10 @@ the dense model's 0-second expert node), the weight ring costs nothing (a dense 
 sync node waits for one rank only. A layer's steady-state time is then the second layer's chain minus the first's.
 
 Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order
-(a max over predecessors picks a value without rounding), every cost is the roofline's formula on the same
-operands in the same order over the iterations (elementwise on (K,) vectors instead of (1, K) grids), GEMM times
-are read from the very curves the roofline reads, and every sum over iterations is numpy's on arrays of the
-same layout. It applies where `scalar_pricer` does (a plain `Roofline`, a dense model) with one rank,
-no host-resident sequence and whole token counts within the GEMM curves; elsewhere `price_offload_one_rank`
-returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
+(a max over predecessors picks a value without rounding), every cost is the roofline's own (elementwise on (K,)
+vectors instead of (1, K) grids), and every sum over iterations is numpy's on arrays of the same layout. It
+applies where `chain_applies` (a plain `Roofline`, a dense model) with one rank and no host-resident sequence;
+elsewhere `price_offload_one_rank` returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
 planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
 DAG on random grids.
 """
@@ -23,117 +21,31 @@ from __future__ import annotations
 import numpy as np
 
 from batchgen import fastpath
-from batchgen.latency import formulas
-from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
+from batchgen.latency.roofline import Roofline
 from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches
 from batchgen.pricing.cost import RunCost
 
 
-class ScalarRoofline:
-    """The roofline's constants the chain reads (see `Roofline` for what each is)."""
-
-    def __init__(self, lat: Roofline):
-        m, gpu = lat.model, lat.gpu
-        self.lat = lat
-        self.kvb = m.kv_bytes_per_token_per_layer
-        self.act_row = lat._act_row
-        self.flops_decode = m.attention_score_flops_decode
-        self.attn_shapes = tuple(lat._attention_shapes)
-        h, inter = m.hidden_size, m.intermediate_size
-        self.head_shapes = ((h, m.vocab_size),)
-        self.vocab = m.vocab_size
-        self.ffn_shapes = ((h, 2 * inter), (inter, h)) if inter > 0 else None
-        e_head = lat._eff["lm_head"]
-        self.head_bw = gpu.hbm_bw * e_head.memory
-        self.head_kernel = e_head.kernel_s
-        self.step_s, self.step_seq_s = lat.eff.step_s, lat.eff.step_per_sequence_s
-        self.stream = {"attention_decode": lat.stream_rates("attention_decode")}
-        self.shapes_ok = all(type(k) is int and type(n) is int
-                             for shapes in (self.attn_shapes, self.head_shapes, self.ffn_shapes or ())
-                             for k, n in shapes)
+def chain_applies(lat) -> bool:
+    """Whether a one-rank device-KV run of `lat` is priced as its chain: a plain `Roofline` of a dense model."""
+    return fastpath.ENABLED and type(lat) is Roofline and lat.layer_counts()[1] == 0 and not lat.model.is_moe
 
 
-def scalar_pricer(lat) -> ScalarRoofline | None:
-    """The chain's constants of `lat` where the chain applies (a plain `Roofline` of a dense model), built once
-    per model."""
-    if not fastpath.ENABLED or type(lat) is not Roofline:
-        return None
-    cached = lat.__dict__.get("_scalar_pricer", False)
-    if cached is False:
-        sp = ScalarRoofline(lat)
-        cached = sp if (lat.layer_counts()[1] == 0 and not lat.model.is_moe and sp.shapes_ok) else None
-        lat.__dict__["_scalar_pricer"] = cached
-    return cached
-
-
-class _NotHere(Exception):
-    pass
-
-
-def _gemm(sp: ScalarRoofline, module: str, tokens: np.ndarray, shapes: tuple, launches) -> np.ndarray:
-    """The roofline's GEMM seconds for each cell of `tokens` (K,) in `launches` (a number or (K,)) launches, read
-    from its curves; cells without tokens hold 0 (the callers mask them)."""
-    index = tokens.astype(np.int64)
-    top = int(index.max(initial=0))
-    if top > _GEMM_LOOKUP_MAX or not (index == tokens).all():
-        raise _NotHere
-    lat = sp.lat
-    if not isinstance(launches, np.ndarray):
-        return lat._gemm_curve(module, shapes, float(launches), top)[index]
-    on = tokens > 0
-    used = launches[on]
-    if not used.size:
-        return np.zeros(tokens.shape)
-    first = used[0]
-    if first == np.floor(first) and (used == first).all():  # one launch count (the usual run)
-        return np.where(on, lat._gemm_curve(module, shapes, float(first), top)[index], 0.0)
-    out = np.zeros(tokens.shape)
-    for n in np.unique(used):
-        if n != np.floor(n):
-            raise _NotHere
-        cells = on & (launches == n)
-        out[cells] = lat._gemm_curve(module, shapes, float(n), top)[index[cells]]
-    return out
-
-
-def _attention_decode(sp: ScalarRoofline, t: np.ndarray, ctx: np.ndarray, mb: np.ndarray) -> np.ndarray:
-    """`Roofline.attention_decode(t, ctx, mb)` (no longest context) on (K,) vectors."""
-    proj = _gemm(sp, "attention_decode", t, sp.attn_shapes, mb)
-    seconds = formulas.decode_attention(t, ctx, mb, proj, sp.kvb, sp.act_row, sp.flops_decode,
-                                        *sp.stream["attention_decode"], np.maximum)
-    return np.where(t > 0, seconds, 0.0)
-
-
-def _dense_ffn(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
-    if sp.ffn_shapes is None:
-        return np.zeros(t.shape)
-    return np.where(t > 0, _gemm(sp, "dense_ffn", t, sp.ffn_shapes, 1.0), 0.0)
-
-
-def _lm_head(sp: ScalarRoofline, t: np.ndarray) -> np.ndarray:
-    proj = _gemm(sp, "lm_head", t, sp.head_shapes, 1.0)
-    return np.where(t > 0, formulas.lm_head(t, proj, sp.vocab, sp.head_bw, sp.head_kernel), 0.0)
-
-
-def price_offload_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
+def price_offload_one_rank(lat: Roofline, grid: DecodeGrid, micro_batch: int, pipelined: bool):
     """`pricing.offload.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
     calls per iteration), or None where this path does not mirror it (see the module docstring)."""
 
-    gate2 = grid.gate_tokens
-    if gate2.shape[0] != 1 or grid.host_tokens.any():
+    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
         return None
-    try:
-        out = _one_micro_batch(sp, grid, micro_batch, RunCost)
-        return out if out is not None else _price(sp, grid, micro_batch, pipelined, RunCost)
-    except _NotHere:
-        return None
+    out = _one_micro_batch(lat, grid, micro_batch, RunCost)
+    return out if out is not None else _price(lat, grid, micro_batch, pipelined, RunCost)
 
 
-def _one_micro_batch(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, RunCost):
+def _one_micro_batch(lat: Roofline, grid: DecodeGrid, micro_batch: int, RunCost):
     """`_price` where the run is one micro-batch of every query, each sequence one gate token (the usual run:
     ZeRO-Inference's whole batch, a FlexGen block of one micro-batch); None where that does not hold
     (`chain_vectors`)."""
-    chain = chain_vectors(sp, grid, micro_batch)
+    chain = chain_vectors(lat, grid, micro_batch)
     return None if chain is None else chain.cost(slice(None), RunCost)
 
 
@@ -159,35 +71,28 @@ class Chain:
         return cost, 0.0, 0.0, np.zeros(iteration.size)
 
 
-def chain_vectors(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int) -> Chain | None:
+def chain_vectors(lat: Roofline, grid: DecodeGrid, micro_batch: int) -> Chain | None:
     """Per-iteration amounts of a one-rank device-KV run that is one micro-batch of every query, with the
     operations that provably change no value left out: x + 0.0 and 0 + x are x for x >= +0 (every cost here),
     1.0 x kernel_s is kernel_s, and a mask is the identity where the masked cells are 0 already. Per iteration
     k with t_k queries (on: t_k > 0): the micro-batch is the queries themselves with their context and one
     launch (t_k <= micro_batch), so its attention is the module split's too; a layer's chain is attention then
     FFN, end1 = a + f and end2 = (end1 + a) + f. None where any of that does not hold."""
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = lat.layer_counts()[0]
     g = grid.gate_tokens[0]
     dev_t = grid.dev_tokens[0]
-    index = g.astype(np.int64)
-    top = int(index.max(initial=0))
-    if (not n_dense or top <= 0 or top > _GEMM_LOOKUP_MAX or (micro_batch > 0 and top > micro_batch)
-            or g.dtype != np.float64 or not (index == g).all() or not (dev_t == g).all()):
+    top = float(g.max(initial=0.0))
+    if (not n_dense or top <= 0 or (micro_batch > 0 and top > micro_batch) or g.dtype != np.float64
+            or not (dev_t == g).all()):
         return None
     on = g > 0
     launches = on.astype(float)  # one per iteration with queries: ceil(t / micro_batch) = 1 for 0 < t <= micro_batch
     if not (grid.dev_micro_batches[0] == launches).all():
         return None
-    lat = sp.lat
-    dev_c = grid.dev_context[0]
-    a = np.where(on, formulas.decode_attention(
-        g, dev_c, 1.0, lat._gemm_curve("attention_decode", sp.attn_shapes, 1.0, top)[index], sp.kvb, sp.act_row,
-        sp.flops_decode, *sp.stream["attention_decode"], np.maximum), 0.0)
-    f = (np.where(on, lat._gemm_curve("dense_ffn", sp.ffn_shapes, 1.0, top)[index], 0.0)
-         if sp.ffn_shapes is not None else np.zeros(g.shape))
-    head = np.where(on, formulas.lm_head(g, lat._gemm_curve("lm_head", sp.head_shapes, 1.0, top)[index], sp.vocab,
-                                         sp.head_bw, sp.head_kernel), 0.0)
-    step = np.where(on, formulas.step_overhead(g, sp.step_s, sp.step_seq_s), 0.0)
+    a = lat.attention_decode(g, grid.dev_context[0], 1.0)
+    f = lat.dense_ffn(g)
+    head = lat.lm_head(g)
+    step = lat.step_overhead(g)
     end1 = a + f  # also the micro-batch's GPU work (attention + FFN)
     lt = ((end1 + a) + f) - end1
     iteration = np.where(on, (head + step) + n_dense * lt, 0.0)
@@ -196,40 +101,37 @@ def chain_vectors(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int) -> Cha
     return Chain(iteration, busy, exposed, np.where(on, g, 0.0), n_dense * a, n_dense * f, head)
 
 
-def microbatched_one_rank(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,
+def microbatched_one_rank(lat: Roofline, grid: DecodeGrid, micro_batch: int, pipelined: bool,
                           replicas: int = 1):
     """`pricing.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
     simulator's one-rank runs, the planner's typical iteration), or None where this path does not mirror it."""
     if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
         return None
-    try:
-        price, calls, _ = _microbatched(sp, grid, micro_batch, pipelined, replicas)
-    except _NotHere:
-        return None
+    price, calls, _ = _microbatched(lat, grid, micro_batch, pipelined, replicas)
     return price, calls
 
 
-def _microbatched(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, replicas: int = 1):
+def _microbatched(lat: Roofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, replicas: int = 1):
     """(DecodePrice, calls, LM head seconds per iteration): every micro-batch's attention and FFN priced in one
     vector call each (the roofline's formulas are elementwise), the chain added node by node in the DAG's order:
     on Python floats for a one-iteration grid (the planner's), on (K,) vectors otherwise."""
-    n_dense = sp.lat.layer_counts()[0]
+    n_dense = lat.layer_counts()[0]
     g = np.asarray(grid.gate_tokens, float)[0]
     K = g.size
     dev_t = np.asarray(grid.dev_tokens, float)[0]
     dev_c = np.asarray(grid.dev_context, float)[0]
     tokens, context, launches = _host_micro_batches(dev_t[None], dev_c[None], micro_batch)  # (M, 1, K)
     active = g > 0
-    lm_head = _lm_head(sp, g)
-    step = np.where(g > 0, sp.step_s + sp.step_seq_s * g, 0.0)
+    lm_head = lat.lm_head(g)
+    step = lat.step_overhead(g)
     iteration = lm_head + step
     busy = lm_head.copy()
     exposed = np.zeros(K)
     m = tokens.shape[0]
     if n_dense and m:
         t = tokens[:, 0, :].ravel()
-        attn = _attention_decode(sp, t, context[:, 0, :].ravel(), launches[:, 0, :].ravel()).reshape(m, K)
-        ffn = _dense_ffn(sp, t).reshape(m, K)
+        attn = lat.attention_decode(t, context[:, 0, :].ravel(), launches[:, 0, :].ravel()).reshape(m, K)
+        ffn = lat.dense_ffn(t).reshape(m, K)
         attn, ffn = (attn[:, 0].tolist(), ffn[:, 0].tolist()) if K == 1 else (list(attn), list(ffn))
         order = []  # the GPU stream's nodes in the DAG's order of issue (moe: the dense layer's 0-second node)
         if pipelined:
@@ -266,15 +168,15 @@ def _microbatched(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipeli
     return price, np.zeros(K), lm_head
 
 
-def _price(sp: ScalarRoofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
+def _price(lat: Roofline, grid: DecodeGrid, micro_batch: int, pipelined: bool, RunCost):
     """`price_offload` from `_microbatched`: the module split from the same latency model (device attention)."""
-    n_dense = sp.lat.layer_counts()[0]
-    p, calls, lm_head = _microbatched(sp, grid, micro_batch, pipelined)
+    n_dense = lat.layer_counts()[0]
+    p, calls, lm_head = _microbatched(lat, grid, micro_batch, pipelined)
     g = np.asarray(grid.gate_tokens, float)[0]
     active = g > 0
-    dev_attn = _attention_decode(sp, np.asarray(grid.dev_tokens, float)[0], np.asarray(grid.dev_context, float)[0],
+    dev_attn = lat.attention_decode(np.asarray(grid.dev_tokens, float)[0], np.asarray(grid.dev_context, float)[0],
                                  np.asarray(grid.dev_micro_batches, float)[0])
-    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(g.size) + n_dense * _dense_ffn(sp, g),
+    per_iteration = {"attention": n_dense * dev_attn, "ffn": np.zeros(g.size) + n_dense * lat.dense_ffn(g),
                      "head": lm_head}
     modules = {k: float(np.where(active, v, 0.0).sum()) for k, v in per_iteration.items()}
     cost = RunCost(p.iteration_s, p.rank_busy, np.full(1, float(p.comm_s.sum())), np.where(active, g, 0.0), modules)

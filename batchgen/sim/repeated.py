@@ -25,7 +25,7 @@ import numpy as np
 
 from batchgen.engine import StepPlan, StepResult
 from batchgen.pricing.costs import RunCost, decode_grid
-from batchgen.pricing.scalar_offload import chain_vectors, scalar_pricer
+from batchgen.pricing.scalar_offload import chain_applies, chain_vectors
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False
@@ -78,13 +78,12 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
 def _priced_together(backend, plan: StepPlan, remaining0: np.ndarray, context0: np.ndarray, n: int, P: int):
     """j -> (cost, h2d, d2h, calls, gate tokens) of run j from one chain priced over all the runs, or None
     where the chain does not apply (the runs are then priced one by one)."""
-    sp = scalar_pricer(backend.lat)
-    if sp is None or plan.gpus.size != 1:
+    if not chain_applies(backend.lat) or plan.gpus.size != 1:
         return None
     K = (n + 1) * P
     grid = decode_grid(plan.decode_rank, context0, np.minimum(remaining0, K), plan.decode_tp,
                        np.zeros(remaining0.size, bool), 1, K, plan.micro_batch, plan.pad_rows, plan.pad_context)
-    chain = chain_vectors(sp, grid, plan.micro_batch)
+    chain = chain_vectors(backend.lat, grid, plan.micro_batch)
     if chain is None:
         return None
     gate = grid.gate_tokens
