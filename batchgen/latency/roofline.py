@@ -109,7 +109,8 @@ class Roofline(Transfers):
         """Seconds of a module's weight GEMMs over `tokens` rows in `calls` launches each (`shapes`: (k, n)
         per GEMM), at the module's factors."""
         if type(tokens) is float and type(calls) in (float, int):
-            return self._gemm_cell(module, tokens, shapes, float(calls))
+            out = self._cells.get((module, calls, tokens))  # `_gemm_cell`'s table first (1 and 1.0: one key)
+            return out if out is not None else self._gemm_cell(module, tokens, shapes, float(calls))
         launches = _uniform(calls, tokens) if fastpath.ENABLED else None
         if launches is not None and all(type(k) is int and type(n) is int for k, n in shapes):
             fast = self._gemm_lookup(module, tokens, shapes, launches)
@@ -303,6 +304,8 @@ class Roofline(Transfers):
 
     def step_overhead(self, sequences):
         """The engine's time per forward outside the modules: step_s + step_per_sequence_s * sequences."""
+        if type(sequences) is float and sequences > 0:  # one cell: the formula at once
+            return formulas.step_overhead(sequences, self.eff.step_s, self.eff.step_per_sequence_s)
         n = _arr(sequences, "sequences")
         return _out(positive(n, formulas.step_overhead(n, self.eff.step_s, self.eff.step_per_sequence_s)))
 

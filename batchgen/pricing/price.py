@@ -103,6 +103,7 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
     arrays over a grid or, with `one`, as floats of one rank's one iteration."""
     over = _itself if one else _slowest
     n_dense, n_moe = lat.layer_counts()
+    layers = n_dense + n_moe
     if getattr(lat, "attention_tp", 1) > 1:
         join = join + lat.attention_join(load.attn_tokens + load.prefill_tokens)
     attn = (lat.attention_decode(load.attn_tokens, load.attn_context, load.micro_batches, load.attn_max)
@@ -115,7 +116,7 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
     busy = zero + head
     iteration = over(head + lat.step_overhead(load.sequences))
     comm = 0.0 if one else np.zeros(gate.shape[1])
-    comm_rank = zero + join * (n_dense + n_moe)
+    comm_rank = zero + join * layers
     ffn = 0.0 if one else np.zeros(gate.shape[1])  # slowest rank's FFN work per iteration, all layers
     if n_dense:
         dense_ffn = lat.dense_ffn(gate)
@@ -138,7 +139,7 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
     if weight_stream_s > 0:  # streamed weights overlap compute layer by layer
         iteration = maximum_for(iteration)(iteration, weight_stream_s)
     per_rank_attn = attn if one or np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
-    return (iteration, busy, comm, comm_rank, (n_dense + n_moe) * over(per_rank_attn), ffn, over(head), total)
+    return (iteration, busy, comm, comm_rank, layers * over(per_rank_attn), ffn, over(head), total)
 
 
 def _itself(x):
