@@ -178,7 +178,7 @@ class TablePredictor:
             return self.fallback.attention_decode(tokens, context_sum, micro_batches, max_context)
         t, mb = np.asarray(tokens, float), np.maximum(np.asarray(micro_batches, float), 1.0)
         work = np.asarray(context_sum, float) if max_context is None else t * self._padded(max_context)
-        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
+        return _out(self._scale("attention_decode", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         s = self._surfaces.get("attention_prefill")
@@ -189,11 +189,14 @@ class TablePredictor:
             work = np.asarray(context_sq_sum, float)
         else:
             work = np.asarray(sequences, float) * np.asarray(max_context, float) * self._padded(max_context)
-        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
+        return _out(self._scale("attention_prefill", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
 
     def _scale(self, kind: str, seconds):
-        """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one)."""
-        return seconds * self.scales.get(kind, 1.0)
+        """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one).
+        Decode and prefill attention each have their own ratio (they differ inside runs:
+        batchgen.validate.in_run); a file with only the combined `attention` ratio applies it to both."""
+        fallback = self.scales.get("attention", 1.0) if kind.startswith("attention") else 1.0
+        return seconds * self.scales.get(kind, fallback)
 
     def _curve(self, name: str, x, method: str):
         c = self._curves.get(name)
