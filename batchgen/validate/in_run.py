@@ -66,8 +66,8 @@ def _key(kind: str) -> str:
 
 def _total(records, kind: str, side) -> float:
     """Seconds of a module kind over one run: attention by phase from its step records (a prefill record's
-    decode queries, where a forward has both, count as prefill: the calibration policies prefill alone), any
-    other kind from the run's module totals (`side`: its `compare.Side`)."""
+    decode queries, where a forward has both, count as prefill), any other kind from the run's module totals
+    (`side`: its `compare.Side`)."""
     phases = PHASES.get(kind)
     if phases is None:
         return side.modules.get(_key(kind), 0.0)
