@@ -131,7 +131,8 @@ def _err(res: np.ndarray) -> dict:
 def fit_calibration(data: Mapping, hardware: HardwareSpec, *, name: str = "calibration") -> dict:
     """The efficiency-file dict fitted to a calibration dict (see module docstring)."""
     model = ModelSpec.from_dict(data["key"]["model"])
-    mods = {m: pts for m, pts in data["modules"].items() if pts}
+    # a layer's later attention calls (`warm` points) are the table's second surface, not the roofline's
+    mods = {m: [p for p in pts if not p.get("warm")] for m, pts in data["modules"].items() if pts}
     compute = {m: mods[m] for m in COMPUTE_MODULES if m in mods}
     if not compute:
         raise ValueError(f"{name}: no compute module measured (need one of {', '.join(COMPUTE_MODULES)})")

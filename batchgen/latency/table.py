@@ -8,7 +8,9 @@ Vidur-style: piecewise-linear over each module's measured grid, in the coordinat
 - experts: over the tokens at the gate (one rank: an expert-parallel instance asks the fallback);
 - h2d, d2h (and kv_restore, kv_append through them): over bytes per copy.
 
-Micro-batches split the work evenly: mb calls of (tokens / mb, work / mb). 2-D modules interpolate linearly
+Micro-batches split the work evenly: mb calls of (tokens / mb, work / mb); of a layer's mb decode calls the
+first is priced as measured after an eviction and the others as measured right after another call of that layer
+(`warm` points, where the file has them): their weights are still in cache. 2-D modules interpolate linearly
 over a Delaunay triangulation of the measured points (exact for a cost linear in both coordinates, which a
 padded kernel's is); outside the measured hull they extrapolate linearly from the nearest measured point
 along a global non-negative gradient, and 1-D modules along their end segments; never below 0. Anything the file did not measure goes to `fallback` (a roofline).
@@ -132,11 +134,17 @@ class TablePredictor:
             pts = mods.get(name) or []
             if pts:
                 self._curves[name] = Curve([p[coord] for p in pts], [sec(p) for p in pts])
-        dec = [p for p in mods.get("attention_decode") or [] if p["micro_batches"] == 1]
+        dec = [p for p in mods.get("attention_decode") or [] if p["micro_batches"] == 1 and not p.get("warm")]
         if dec:
             self._surfaces["attention_decode"] = Surface(
                 [p["tokens"] for p in dec], [p["tokens"] * self._padded(p["max_context"]) for p in dec],
                 [sec(p) for p in dec])
+        # a layer's later decode calls of a forward (right after another one of that layer): None if not measured
+        warm = [p for p in mods.get("attention_decode") or [] if p["micro_batches"] == 1 and p.get("warm")]
+        self._warm_decode = (Surface([p["tokens"] for p in warm],
+                                     [p["tokens"] * self._padded(p["max_context"]) for p in warm],
+                                     [sec(p) for p in warm]) if warm else None)
+        self._warm_tokens = max((p["tokens"] for p in warm), default=0)  # larger calls: priced as first calls
         pre = [p for p in mods.get("attention_prefill") or [] if p["micro_batches"] == 1]
         if pre:
             self._surfaces["attention_prefill"] = Surface(
@@ -150,7 +158,7 @@ class TablePredictor:
 
     # ---- the protocol's attributes come from the fallback ----
     def __getattr__(self, name):
-        if name in ("fallback", "calibration", "_curves", "_surfaces"):  # not yet set: avoid recursion
+        if name in ("fallback", "calibration", "_curves", "_surfaces", "_warm_decode"):  # not yet set
             raise AttributeError(name)
         return getattr(self.fallback, name)
 
@@ -178,7 +186,10 @@ class TablePredictor:
             return self.fallback.attention_decode(tokens, context_sum, micro_batches, max_context)
         t, mb = np.asarray(tokens, float), np.maximum(np.asarray(micro_batches, float), 1.0)
         work = np.asarray(context_sum, float) if max_context is None else t * self._padded(max_context)
-        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
+        first = s(t / mb, work / mb)
+        later = first if self._warm_decode is None else np.where(
+            t / mb <= self._warm_tokens, self._warm_decode(t / mb, work / mb), first)
+        return _out(self._scale("attention_decode", np.where(t > 0, first + (mb - 1.0) * later, 0.0)))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         s = self._surfaces.get("attention_prefill")
@@ -189,11 +200,14 @@ class TablePredictor:
             work = np.asarray(context_sq_sum, float)
         else:
             work = np.asarray(sequences, float) * np.asarray(max_context, float) * self._padded(max_context)
-        return _out(self._scale("attention", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
+        return _out(self._scale("attention_prefill", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
 
     def _scale(self, kind: str, seconds):
-        """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one)."""
-        return seconds * self.scales.get(kind, 1.0)
+        """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one).
+        Decode and prefill attention each have their own ratio (they differ inside runs:
+        batchgen.validate.in_run); a file with only the combined `attention` ratio applies it to both."""
+        fallback = self.scales.get("attention", 1.0) if kind.startswith("attention") else 1.0
+        return seconds * self.scales.get(kind, fallback)
 
     def _curve(self, name: str, x, method: str):
         c = self._curves.get(name)

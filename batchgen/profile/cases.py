@@ -1,7 +1,8 @@
 """One measurable call per grid point, through the executor's own code.
 
 Attention: `MoEDecoder.attention_block` over a real `PagedKVCache` (one layer) with metadata from the cache's
-own `prepare`, the hidden rows written back as `InstanceRunner.forward` does. FFN: the MoE layer's pieces in
+own `prepare`, the hidden rows written back as `InstanceRunner.forward` does; decode also as a layer's later call
+(`warm`: right after another call of that layer, over other sequences). FFN: the MoE layer's pieces in
 the order `ffn_block` runs them (router = post-attention norm + gate + top-k + the residual add; experts; shared
 experts), a dense layer's whole `ffn_block`. LM head: `final_logits` + `sample` (greedy, the executor's
 default). Step: a whole decode iteration (`InstanceRunner.forward` + sampling + token bookkeeping, as
@@ -42,6 +43,22 @@ class Case:
             if warmup:
                 clock.time_calls(fn, warmup)
             return clock.time_calls(fn, calls)
+        finally:
+            cleanup()
+
+
+@dataclass
+class WarmCase(Case):
+    """A point timed right after an untimed call of the same module over other data (`setup()` returns
+    (call, cleanup, before)): a layer's second and later attention calls of a forward, which find that layer's
+    weights in cache where the first call of the layer does not."""
+
+    def measure(self, clock: Clock, warmup: int, calls: int) -> list[float]:
+        fn, cleanup, before = self.setup()
+        try:
+            if warmup:
+                clock.time_calls(fn, warmup, before)
+            return clock.time_calls(fn, calls, before)
         finally:
             cleanup()
 
@@ -100,22 +117,24 @@ class Bench:
 
 # ---- attention -------------------------------------------------------------------------------------------
 
-def _attention_case(bench: Bench, module: str, lens: list[int], decode: bool, micro_batches: int = 1) -> Case:
+def _attention_case(bench: Bench, module: str, lens: list[int], decode: bool, micro_batches: int = 1,
+                    warm: bool = False) -> Case:
     """Decode: one query per sequence at context lens[i]; prefill: whole prompts of lens[i] tokens. Sequences
     sorted by length and cut into `micro_batches` consecutive pieces, one attention call each (the runner's
-    micro-batches)."""
+    micro-batches). `warm` (decode): timed right after an untimed call of the same shape over other sequences
+    of the same layer (`WarmCase`): a forward's attention calls after the first of each layer."""
     lens = sorted(lens)
     B = len(lens)
     tokens = B if decode else sum(lens)
     if decode:
         point = {"tokens": B, "context_sum": sum(lens), "max_context": max(lens), "micro_batches": micro_batches}
+        if warm:
+            point["warm"] = True
     else:
         point = {"tokens": tokens, "context_sq_sum": sum(n * n for n in lens), "max_context": max(lens),
                  "sequences": B, "micro_batches": micro_batches}
 
-    def setup():
-        cache = bench.cache(sum(lens) + B, B)
-        ids = bench.ids(B)
+    def pieces_of(cache: PagedKVCache, ids: list[int]) -> list:
         bounds = [B * i // micro_batches for i in range(micro_batches + 1)]
         pieces, row = [], 0
         for lo, hi in zip(bounds, bounds[1:]):
@@ -131,6 +150,9 @@ def _attention_case(bench: Bench, module: str, lens: list[int], decode: bool, mi
                 n = sum(plen)
             pieces.append((slice(row, row + n), meta))
             row += n
+        return pieces
+
+    def caller(cache: PagedKVCache, pieces: list):
         hidden = bench.hidden(tokens)
         kv = cache.layer(0)
         model = bench.model
@@ -140,14 +162,27 @@ def _attention_case(bench: Bench, module: str, lens: list[int], decode: bool, mi
             for rows, meta in pieces:
                 hidden[rows] = model.attention_block(0, hidden[rows], meta, kv)
 
-        return call, lambda: cache.release(ids)
+        return call
 
-    return Case(module, point, setup)
+    def setup():
+        sets = 2 if warm else 1
+        cache = bench.cache(sets * (sum(lens) + B), sets * B)
+        ids = bench.ids(B)
+        call = caller(cache, pieces_of(cache, ids))
+        if not warm:
+            return call, lambda: cache.release(ids)
+        other = bench.ids(B)
+        before = caller(cache, pieces_of(cache, other))
+        return call, lambda: cache.release(ids + other), before
+
+    return (WarmCase if warm else Case)(module, point, setup)
 
 
 def attention_cases(bench: Bench, grid: Grid, max_context: int) -> list[Case]:
     out = [_attention_case(bench, "attention_decode", contexts_of(b, ctx, shape), True)
            for b, ctx, shape in grid.decode_points(max_context)]
+    out += [_attention_case(bench, "attention_decode", contexts_of(b, ctx, shape), True, warm=True)
+            for b, ctx, shape in grid.decode_points(max_context) if shape == "equal" and b <= grid.warm_decode_batch]
     out += [_attention_case(bench, "attention_decode", contexts_of(b, min(ctx, max_context), "spread"), True, mb)
             for b, ctx, mb in grid.decode_micro_batches if b >= mb]
     out += [_attention_case(bench, "attention_prefill", contexts_of(n, length, shape), False)

@@ -62,11 +62,15 @@ class Clock:
         self._evict = (torch.ones(evict_bytes // 4, dtype=torch.float32)
                        if evict_bytes and not self.cuda else None)
 
-    def time_calls(self, fn: Callable[[], object], calls: int) -> list[float]:
-        """Seconds of each of `calls` back-to-back calls of fn (`last_wall`: their wall seconds, on CPU)."""
+    def time_calls(self, fn: Callable[[], object], calls: int, before: Callable[[], object] | None = None
+                   ) -> list[float]:
+        """Seconds of each of `calls` back-to-back calls of fn (`last_wall`: their wall seconds, on CPU);
+        `before`, if given, runs untimed before each call (after the eviction)."""
         if self.cuda:
             marks = []
             for _ in range(calls):
+                if before is not None:
+                    before()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
@@ -77,6 +81,8 @@ class Clock:
         out, self.last_wall = [], []
         for _ in range(calls):
             self.evict()
+            if before is not None:
+                before()
             w0, t0 = time.perf_counter(), clock.now()
             fn()
             out.append(clock.now() - t0)

@@ -43,6 +43,7 @@ class CaseResult:
     speed: float | None = None    # the calibration checks' factor around the reported run's round, which
                                   # `predicted` is scaled by (None: not scaled)
     unscaled_s: float = 0.0       # the prediction before that scaling
+    predicted_records: list = field(default_factory=list, repr=False)  # the simulator's step records
 
     @property
     def error(self) -> float:
@@ -161,4 +162,4 @@ def compare(case: Case, measured, drift: float | None = None, speed: float | Non
     modules = {k: v * f for k, v in module_totals(predicted.records, p_bct).items()}
     return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)), Side(p_bct * f, modules),
                       list(measured.repeat_bcts), measured.cpu_share, first_difference(m_trace, p_trace),
-                      len(m_trace), drift, measured.clock, measured.wall_bct_s, speed, p_bct)
+                      len(m_trace), drift, measured.clock, measured.wall_bct_s, speed, p_bct, predicted.records)

@@ -8,6 +8,12 @@ checks), predicts the same job with the table built from the grid (the executor'
 hence the same decisions), and keeps, per module kind, the ratio of the time measured inside the runs to the
 time predicted: attention, ffn (router and experts), head (LM head and sampling) and step (everything else a
 run lasts: the engine's per-forward and per-boundary work). `TablePredictor` multiplies by these ratios.
+
+Attention has two ratios, one for decode and one for prefill (the runs' decode and prefill records), besides the
+combined one: the two move apart. In the same executor run on December 3, 2026, decode calls took 0.73-0.80x
+the grid's time and prefill calls 1.16-1.28x (benchmarks/results/validation.md), so one ratio fitted to the
+calibration workload's mix priced prefill about a third low and decode a few percent high, by amounts that
+depended on each workload's prefill share.
 """
 from __future__ import annotations
 
@@ -16,7 +22,9 @@ from pathlib import Path
 from batchgen.validate.cases import Case
 from batchgen.validate.compare import compare, measure
 
-SCALED = ("attention", "ffn", "head", "step")
+# module kinds with a ratio: attention over all records, and apart in decode and in prefill records
+SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "head", "step")
+PHASES = {"attention_decode": ("decode",), "attention_prefill": ("prefill", "mixed")}
 POLICIES = ("continuous", "coroutine", "static")
 
 
@@ -34,9 +42,11 @@ def calibration_cases(model: str, device: str, threads: int | None, hardware: st
 def in_run_scales(cases, log=None) -> dict:
     """Run the cases on the executor and the simulator; per module kind, measured / predicted seconds summed
     over the cases, with what they were computed from."""
-    results = [compare(case, run) for case, run in zip(cases, measure(cases))]
-    measured = {k: sum(r.measured.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
-    predicted = {k: sum(r.predicted.modules.get(_key(k), 0.0) for r in results) for k in SCALED}
+    runs = measure(cases)
+    results = [compare(case, run) for case, run in zip(cases, runs)]
+    predictions = [r.predicted_records for r in results]
+    measured = {k: sum(_total(run.records, k, r.measured) for run, r in zip(runs, results)) for k in SCALED}
+    predicted = {k: sum(_total(recs, k, r.predicted) for recs, r in zip(predictions, results)) for k in SCALED}
     scales = {k: round(measured[k] / predicted[k], 4) for k in SCALED if predicted[k] > 0 and measured[k] > 0}
     if log:
         for r in results:
@@ -52,3 +62,13 @@ def in_run_scales(cases, log=None) -> dict:
 def _key(kind: str) -> str:
     """Validation names the per-forward and per-boundary remainder `rest`."""
     return "rest" if kind == "step" else kind
+
+
+def _total(records, kind: str, side) -> float:
+    """Seconds of a module kind over one run: attention by phase from its step records (a prefill record's
+    decode queries, where a forward has both, count as prefill), any other kind from the run's module totals
+    (`side`: its `compare.Side`)."""
+    phases = PHASES.get(kind)
+    if phases is None:
+        return side.modules.get(_key(kind), 0.0)
+    return float(sum(r.modules.get("attention", 0.0) for r in records if r.phase in phases))
