@@ -18,8 +18,10 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    retired, not freed (`groups.retire`), and the survivors, renumbered in launch-rank order (rank 0 stays 0),
    join a new default group over a `PrefixStore` of the same store with the generation in its prefix; a new
    heartbeat runs under its own prefix with the new numbering. The old heartbeat runs on until every survivor
-   has rebuilt its part (step 4) and rank 0 commits the new generation (rejoin.py): a survivor lost before
-   that sends them all back to step 2 without it (the next generation number, the old numbering).
+   has rebuilt its part and settled its cache (steps 4 and 5) and rank 0 commits the new generation
+   (rejoin.py): a survivor lost before that sends them all back to step 2 without it (the next generation
+   number, the old numbering); one lost after it is found by the engine's next step, a recovery from the
+   committed generation.
 4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
    the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives

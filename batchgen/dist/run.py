@@ -305,6 +305,17 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     return worker, is_moe, kept
 
 
+def _rebuild(gen: Generation, job: Job, settings: DistSettings, params, before: RankWorker,
+             files: SharedHostFiles | None, decide=None) -> tuple[RankWorker, list[dict] | None]:
+    """A survivor's part over a new generation, its kept cache settled (settle.py: rank 0 decides with
+    `decide`), all before rank 0 commits the generation (rejoin.attempt): a loss while the survivors settle is a
+    loss during the regroup, and sends them back to regroup again without it. After the commit nothing waits on
+    a peer until the engine's first command, which finds a later loss as any step does. Returns the worker and
+    the keep plan (None: a fresh cache, nothing kept)."""
+    worker, _, kept = _build_rank(gen, job, settings, params, before, files)
+    return worker, settle_caches(worker, decide) if kept else None
+
+
 def _attempt(current: list, survivors: list[int], number: int, settings: DistSettings, build):
     """Regroup into generation `number` and build there (rejoin.attempt); the new generation becomes current once
     committed. Raises RegroupAborted."""
@@ -335,14 +346,11 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None, 
                         files.hand_over()
                     return None
                 try:
-                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker:
-                                                   _build_rank(g, reduced_job(job, g.size), settings, params, old,
-                                                               files)[::2])
+                    gen, (worker, _) = _attempt(current, survivors, number, settings, lambda g, old=worker:
+                                                _rebuild(g, reduced_job(job, g.size), settings, params, old, files))
                     break
                 except RegroupAborted as again:
                     err, number = again.cause, number + 1
-        if kept:
-            settle_caches(worker)
         if files is not None:  # the index names what the settled (or fresh) cache holds
             files.publish(worker.cache)
 
@@ -428,16 +436,16 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 d, f = fence_ranks([before.members[r] for r in lost_ranks if r not in released
                                     and before.members[r] not in dead], before.ctx.store)
                 dead, fenced = dead + d, fenced + f
+                table, split = prepared.state.table, KVLedger.of(prepared.state).split
                 try:
-                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker,
-                                                   j=job_next: _build_rank(g, j, settings, params, old, files)[::2])
+                    gen, (worker, keep) = _attempt(
+                        current, survivors, number, settings, lambda g, old=worker, j=job_next: _rebuild(
+                            g, j, settings, params, old, files,
+                            lambda inv: keep_plan(table, tokens.generated, done, inv, split)))
                     break
                 except RegroupAborted as again:  # another survivor lost meanwhile: regroup without it
                     err, number, cause = again.cause, number + 1, f"{cause}; then {again.cause}"
-            table = prepared.state.table
-            split = KVLedger.of(prepared.state).split
-            keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
-                    if kept else [{} for _ in survivors])
+            keep = keep if keep is not None else [{} for _ in survivors]
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages,
                                     **host_kw(dist_host_pools(job_next, settings)))
             restored = restorable = 0
