@@ -1,7 +1,7 @@
 """Fault injection for backend=dist: does a run finish with the right outputs when a worker dies or stalls?
 
     python benchmarks/dist_faults.py [--trials 20] [--procs 3] [--seqs 150] [--hogs 1] [--undisturbed-every 4]
-        [--seed 0] [--workdir DIR]
+        [--batch-invariant] [--seed 0] [--workdir DIR]
 
 Each trial runs one small job (the tiny_moe model with random weights, `--seqs` greedy requests, the coroutine
 policy, a KV budget small enough to force yields and migrations between processes) with `backend=dist` over
@@ -72,12 +72,14 @@ def run_one(args) -> None:
         if args.one == "exec":
             from batchgen.exec.run import ExecSettings, execute
             out = execute(job_of(1, args.seqs, args.seed), ExecSettings(device="cpu", kv_budget_mb=args.kv_mb,
-                                                                       threads=1))
+                                                                       threads=1,
+                                                                       batch_invariant=args.batch_invariant))
         else:
             from batchgen.dist.run import DistSettings, execute_dist
             out = execute_dist(job_of(args.procs, args.seqs, args.seed),
                                DistSettings(device="cpu", kv_budget_mb=args.kv_mb, procs=args.procs,
-                                            lost_after_s=args.lost_after_s))
+                                            lost_after_s=args.lost_after_s,
+                                            batch_invariant=args.batch_invariant))
             result["recoveries"] = [{"lost": r.lost, "fenced": r.fenced, "survivors": r.survivors,
                                      "at_unix": r.at_unix, "regroup_s": r.regroup_s, "cause": r.cause}
                                     for r in out.recoveries]
@@ -115,7 +117,7 @@ def start_job(args, mode: str, out: Path) -> subprocess.Popen:
     out.unlink(missing_ok=True)  # a stale outcome must not pass for this run's
     cmd = [sys.executable, __file__, "--one", mode, "--out", str(out), "--procs", str(args.procs), "--seqs",
            str(args.seqs), "--seed", str(args.seed), "--kv-mb", str(args.kv_mb), "--lost-after-s",
-           str(args.lost_after_s)]
+           str(args.lost_after_s)] + (["--batch-invariant"] if args.batch_invariant else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=open(out.with_suffix(".log"), "w"))
@@ -183,6 +185,8 @@ def main() -> None:
                    "(default: 3 x an undisturbed run + 60 s)")
     p.add_argument("--window", type=lambda v: tuple(float(x) for x in v.split(",")), default=(0.3, 0.85),
                    help="the fault's moment: fractions of an undisturbed run's wall time, FROM,TO")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="backend.batch_invariant=true in every run, the single-process reference's too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--one", choices=["exec", "dist"], help=argparse.SUPPRESS)

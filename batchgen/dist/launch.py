@@ -185,6 +185,9 @@ class WorkerResult:
     error: str | None = None
 
     progress: list = field(default_factory=list)  # what the process reported while running (DistContext.report)
+    # (launch rank, how it ended) of the process lost before every process had joined the group, when one was:
+    # nothing ran, so the caller may start again without it
+    lost_at_start: tuple[int, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -277,7 +280,9 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         else:
             got[rank] = (value, error)
 
-    failed_start = None  # (rank, exit code) of a process that ended before joining the group
+    failed_start = None  # (rank, how) of a process that ended, or stopped, before joining the group
+    stopped_since: dict[int, float] = {}
+    left_stopped = 0.0  # since when every process still alive has been stopped by a signal
     while time.monotonic() < deadline:
         try:  # drain while waiting: a child blocks at exit until its queued result has been read
             take(results.get(timeout=0.05))
@@ -289,8 +294,24 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         if len(joined) < procs:  # the others would wait for it in the group's creation until timeout_s
             dead = [r for r, w in enumerate(workers) if r not in joined and not w.is_alive()]
             if dead:
-                failed_start = (dead[0], workers[dead[0]].exitcode)
+                failed_start = (dead[0], f"ended (exit code {workers[dead[0]].exitcode})")
                 break
+            now = time.monotonic()
+            for r, w in enumerate(workers):
+                if r not in joined and _stopped(w.pid):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+            late = [r for r, t in stopped_since.items() if now - t >= STOPPED_AT_START_S]
+            if late:
+                failed_start = (late[0], f"was stopped (a signal: SIGSTOP or SIGTSTP) for {STOPPED_AT_START_S:g} s")
+                break
+        elif all(_stopped(w.pid) for w in workers if w.is_alive()):  # nobody left to go on with them
+            left_stopped = left_stopped or time.monotonic()
+            if time.monotonic() - left_stopped >= STOPPED_AT_START_S:
+                break
+        else:
+            left_stopped = 0.0
     overdue = [r for r, w in enumerate(workers) if w.is_alive()]
     for r in overdue:
         workers[r].kill()
@@ -306,12 +327,31 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         value, error = got.get(r, (None, None))
         value = None if value is None else pickle.loads(value)
         if r in overdue and failed_start is not None:
-            out.append(WorkerResult(r, None, value, f"stopped: rank {failed_start[0]} ended during start-up (exit code "
-                                    f"{failed_start[1]}) before every process had joined the group; nothing ran",
+            out.append(WorkerResult(r, None, value, f"stopped: rank {failed_start[0]} {failed_start[1]} during "
+                                    "start-up, before every process had joined the group; nothing ran",
+                                    progress[r]))
+        elif r in overdue and left_stopped:
+            out.append(WorkerResult(r, None, value, "stopped by a signal after every other process had ended: killed",
                                     progress[r]))
         elif r in overdue:
             out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed",
                                     progress[r]))
         else:
             out.append(WorkerResult(r, w.exitcode, value, error, progress[r]))
+    if failed_start is not None:
+        for res in out:
+            res.lost_at_start = failed_start
     return out
+
+
+STOPPED_AT_START_S = 1.0  # a process stopped this long before the group exists is lost (the others wait in its
+                          # creation, where no heartbeat runs yet)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether the process is stopped by a signal (Linux /proc: state T); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError, TypeError):
+        return False

@@ -251,7 +251,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     client = dist.TCPStore(old.env.master_addr, old.env.master_port, is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=old.timeout_s))
     pg_store = dist.PrefixStore(f"{old.namespace}batchgen/pg/gen{number}", client)
-    _watched(lambda: join_group(old.backend, pg_store, new_rank, len(survivors),
+    watched(lambda: join_group(old.backend, pg_store, new_rank, len(survivors),
                                 datetime.timedelta(seconds=old.timeout_s), old.device),
              gen, survivors, f"while the survivors created their new group ({what})")
     ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, store, old.report,
@@ -264,7 +264,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
 
 
-def _watched(create, gen: Generation, survivors: list[int], when: str) -> None:
+def watched(create, gen: Generation, survivors: list[int], when: str) -> None:
     """Run `create` (a process group's creation) on a thread; raise WorkerLost as soon as `gen`'s heartbeat
     finds a survivor lost. The thread, blocked on the store for the lost member's key, is retired (groups.py):
     it ends at the collective timeout, or with the process."""
