@@ -8,7 +8,10 @@ Two ways in, one result (a `DistContext` per process):
   (torch.multiprocessing), and each runs `fn(ctx, *args)` once joined; return values and errors come back to the
   caller per rank, and a process that dies (SIGKILL, out of memory) is reported by its exit code instead of
   taking the survivors down with it (torch.multiprocessing.spawn's join kills the others on the first death,
-  which would hide how the survivors handled the loss). The processes die with the launcher (Linux: the
+  which would hide how the survivors handled the loss). Before every process has joined the group, one that
+  ends, or stays stopped by a signal, is reported at once to every process's result (`lost_at_start`: the others
+  would wait for it in the group's creation, where no heartbeat runs yet), and processes left stopped after every
+  other one ended are killed. The processes die with the launcher (Linux: the
   kernel sends them SIGKILL when it exits): a launcher killed by SIGKILL or the OOM killer leaves no process
   behind computing, or appending to a batch job's results file while the job is rerun.
 
