@@ -171,7 +171,8 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         try:
             results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id, resumed, sink),
                              device=device, timeout_s=settings.timeout_s, threads=threads,
-                             start_method=settings.start_method, join_timeout_s=max(600.0, 10 * settings.timeout_s))
+                             start_method=settings.start_method, join_timeout_s=max(600.0, 10 * settings.timeout_s),
+                             rank0_stopped_s=settings.lost_after_s)
         finally:  # what killed processes left
             if settings.shared_host_copies:
                 sweep(run_id)
@@ -383,6 +384,8 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
                             resumed=resumed)
     pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
     report = gen.ctx.report
+    if gen.ctx.started is not None:  # from now on a stopped rank 0 is no longer a loss at start-up (launch.py)
+        gen.ctx.started()
 
     def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
         ended = finished_ids(plan, result)

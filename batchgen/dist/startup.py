@@ -12,6 +12,9 @@ same check a run is refused with before it starts; otherwise it stops with one l
 - after it, while each process builds its part of generation 0 (`first_build`): the heartbeat finds the loss
   within seconds (a dead process at once, a stalled one after backend.lost_after_s), rank 0 fences the lost ranks
   (a stalled one is killed) and every process ends with `LostAtStart`, its `StartupLoss` sent to the launcher.
+  A stopped rank 0 hosts the store, so calls the others make on it outside the heartbeat's watch would wait out
+  the collective timeout: the launcher ends the start when rank 0 stays stopped for backend.lost_after_s before
+  it says its engine is about to start (`DistContext.started`).
 
 Under torchrun the processes end the same way and torchrun's agent decides (--max-restarts starts them all again).
 """
