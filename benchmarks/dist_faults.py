@@ -12,8 +12,9 @@ trial is left alone; each other one picks a random rank other than 0 and, at a r
 sends it SIGKILL (a dead worker) or SIGSTOP (a stalled one, alive and silent: the heartbeat must declare it lost
 after backend.lost_after_s and rank 0 must fence it). The default window starts at 30%, after the processes'
 start (about 15% of the run here): a loss at start-up is a different path (the run starts again without the
-lost process: batchgen/dist/startup.py, tests/distributed/test_startup_loss.py), whose processes this harness
-would not find again.
+lost process: batchgen/dist/startup.py, tests/distributed/test_startup_loss.py). A fault that still lands
+before the first step (a start slowed by the load) takes that path: the trial counts as recovered when its
+tokens are equal, without a recovery_s (the restart's moment is not recorded).
 
 Each outcome is checked against the single-process executor's run of the same job (computed first): every
 sequence's tokens equal. A trial that has not ended within `--hang-s` is a hang (its processes are killed).
@@ -84,6 +85,7 @@ def run_one(args) -> None:
             result["recoveries"] = [{"lost": r.lost, "fenced": r.fenced, "survivors": r.survivors,
                                      "at_unix": r.at_unix, "regroup_s": r.regroup_s, "cause": r.cause}
                                     for r in out.recoveries]
+            result["restarts"] = out.restarts  # a loss before the first step: started again without it
         result["tokens"] = [list(map(int, t)) for t in out.tokens.generated]
     except Exception as e:  # noqa: BLE001 (the outcome is the report)
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -225,7 +227,7 @@ def main() -> None:
     hit = [r for r in results if r["fault"] is not None]
     ok = lambda r: r["equal"] and not r.get("error") and not r.get("hang")  # noqa: E731
     times = [r["recovery_s"] for r in hit if ok(r) and "recovery_s" in r]
-    recovered = [r for r in hit if ok(r) and r.get("recoveries")]
+    recovered = [r for r in hit if ok(r) and (r.get("recoveries") or r.get("restarts"))]
     print(f"procs={args.procs} seqs={args.seqs} hogs={args.hogs} cores={os.cpu_count()} window={args.window} "
           f"undisturbed_run_s={span:.1f} workdir={workdir}")
     print(f"undisturbed_ok={sum(map(ok, calm))}/{len(calm)} recovered={len(recovered)}/{len(hit)} "

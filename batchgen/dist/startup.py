@@ -84,10 +84,14 @@ def lost_at_start(results) -> set[int] | None:
     for r in results:
         if r.lost_at_start is not None:
             return {r.lost_at_start[0]}
-    losses = [r.value for r in results if isinstance(r.value, StartupLoss)]
-    if not losses or results[0].ok:
+    if results[0].ok:
         return None
-    return {rank for loss in losses for rank in loss.lost}
+    if isinstance(results[0].value, StartupLoss):  # rank 0 decides (the others may call it lost once it ended)
+        return set(results[0].value.lost)
+    if not any(isinstance(r.value, StartupLoss) for r in results):
+        return None
+    # rank 0 itself lost: it, and whoever died by a signal (a process rank 0 fenced, or killed from outside)
+    return {0} | {r.rank for r in results if r.exitcode is not None and r.exitcode < 0}
 
 
 def start_again(results, lost: set[int], job, settings, reduce, failed):

@@ -93,3 +93,18 @@ def test_a_start_up_loss_the_others_cannot_hold_stops_at_once_saying_why(saved, 
     line = e.value.headline
     assert "rank 1 lost during start-up" in line and "nothing ran" in line, line
     assert "cannot start again on the other 1 processes: 1 processes cannot hold this model" in line, line
+
+
+def test_rank_0_says_who_was_lost_at_start_up():
+    """The others call rank 0 lost once it has ended (it ends too, after a loss at start-up): its own list is
+    the one to start again without; without rank 0's word, rank 0 and whoever died by a signal."""
+    from batchgen.dist.launch import WorkerResult as R
+    from batchgen.dist.startup import StartupLoss, lost_at_start
+
+    ended = [R(0, 1, StartupLoss([2], "a"), "LostAtStart"), R(1, 1, StartupLoss([0, 2], "b"), "LostAtStart"),
+             R(2, -9)]
+    assert lost_at_start(ended) == {2}
+    rank0_gone = [R(0, None, None, "stopped by a signal after every other process had ended: killed"),
+                  R(1, 1, StartupLoss([0], "c"), "LostAtStart"), R(2, 1, StartupLoss([0, 1], "d"), "LostAtStart")]
+    assert lost_at_start(rank0_gone) == {0}
+    assert lost_at_start([R(0, 0, object()), R(1, 0)]) is None
