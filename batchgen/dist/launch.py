@@ -8,7 +8,10 @@ Two ways in, one result (a `DistContext` per process):
   (torch.multiprocessing), and each runs `fn(ctx, *args)` once joined; return values and errors come back to the
   caller per rank, and a process that dies (SIGKILL, out of memory) is reported by its exit code instead of
   taking the survivors down with it (torch.multiprocessing.spawn's join kills the others on the first death,
-  which would hide how the survivors handled the loss). The processes die with the launcher (Linux: the
+  which would hide how the survivors handled the loss). Before every process has joined the group, one that
+  ends, or stays stopped by a signal, is reported at once to every process's result (`lost_at_start`: the others
+  would wait for it in the group's creation, where no heartbeat runs yet), and processes left stopped after every
+  other one ended are killed. The processes die with the launcher (Linux: the
   kernel sends them SIGKILL when it exits): a launcher killed by SIGKILL or the OOM killer leaves no process
   behind computing, or appending to a batch job's results file while the job is rerun.
 
@@ -41,6 +44,7 @@ from batchgen.dist.groups import retired
 
 _PROGRESS = "progress"  # tags a progress message on the results queue (rank, _PROGRESS, pickled payload)
 _JOINED = "joined"  # (rank, _JOINED, None): the process is in the group
+_STARTED = "started"  # (0, _STARTED, None): rank 0's engine is about to take its first step
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -108,6 +112,9 @@ class DistContext:
     # attempt is counted in the store, per rank (every attempt starts each rank once): TORCHELASTIC_RESTART_COUNT
     # is not it, since an agent whose own workers did not fail restarts them without counting a restart
     namespace: str = ""
+    # the one-machine launcher's: called by rank 0 as its engine is about to take its first step (until then a
+    # stopped rank 0, which hosts the store, is a loss at start-up: launch's rank0_stopped_s)
+    started: Callable[[], None] | None = None
 
     @property
     def rank(self) -> int:
@@ -185,6 +192,9 @@ class WorkerResult:
     error: str | None = None
 
     progress: list = field(default_factory=list)  # what the process reported while running (DistContext.report)
+    # (launch rank, how it ended) of the process lost before every process had joined the group, when one was:
+    # nothing ran, so the caller may start again without it
+    lost_at_start: tuple[int, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -220,6 +230,7 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
         ctx = init_distributed(DistEnv.from_env(), device, timeout_s)
         results.put((rank, _JOINED, None))
         ctx.report = lambda payload: results.put((rank, _PROGRESS, pickle.dumps(payload)))
+        ctx.started = lambda: results.put((rank, _STARTED, None))
         # plain pickle, by value: torch's queue would pass tensors as shared-memory handles, which die with
         # the process that made them
         results.put((rank, pickle.dumps(fn(ctx, *args)), None))
@@ -247,7 +258,7 @@ def _worker(rank: int, procs: int, port: int, fn: Callable, args: tuple, device:
 
 def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", timeout_s: float = 60.0,
            threads: int | None = 1, start_method: str = "spawn", join_timeout_s: float = 600.0,
-           num_experts: int | None = None) -> list[WorkerResult]:
+           num_experts: int | None = None, rank0_stopped_s: float | None = None) -> list[WorkerResult]:
     """Run `fn(ctx, *args)` in `procs` new processes joined into one group; one WorkerResult per rank.
 
     threads: torch intra-op threads per process (1: one core each; None leaves torch's default).
@@ -267,6 +278,7 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
     progress: dict[int, list] = {r: [] for r in range(procs)}
 
     joined: set[int] = set()
+    started: set[int] = set()
 
     def take(item) -> None:
         rank, value, error = item
@@ -274,10 +286,14 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
             progress[rank].append(pickle.loads(error))
         elif isinstance(value, str) and value == _JOINED:
             joined.add(rank)
+        elif isinstance(value, str) and value == _STARTED:
+            started.add(rank)
         else:
             got[rank] = (value, error)
 
-    failed_start = None  # (rank, exit code) of a process that ended before joining the group
+    failed_start = None  # (rank, how) of a process that ended, or stopped, before joining the group
+    stopped_since: dict[int, float] = {}
+    left_stopped = 0.0  # since when every process still alive has been stopped by a signal
     while time.monotonic() < deadline:
         try:  # drain while waiting: a child blocks at exit until its queued result has been read
             take(results.get(timeout=0.05))
@@ -289,8 +305,34 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         if len(joined) < procs:  # the others would wait for it in the group's creation until timeout_s
             dead = [r for r, w in enumerate(workers) if r not in joined and not w.is_alive()]
             if dead:
-                failed_start = (dead[0], workers[dead[0]].exitcode)
+                failed_start = (dead[0], f"ended (exit code {workers[dead[0]].exitcode})", _BEFORE_JOINED)
                 break
+            now = time.monotonic()
+            for r, w in enumerate(workers):
+                if r not in joined and _stopped(w.pid):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+            late = [r for r, t in stopped_since.items() if now - t >= STOPPED_AT_START_S]
+            if late:
+                failed_start = (late[0], f"was stopped (a signal: SIGSTOP or SIGTSTP) for {STOPPED_AT_START_S:g} s",
+                                _BEFORE_JOINED)
+                break
+        elif rank0_stopped_s and 0 not in started and _stopped(workers[0].pid):
+            # before the first step, rank 0 stopped: it hosts the store, whose calls outside the heartbeat's
+            # watch (the start's) would wait for the collective timeout
+            stopped_since.setdefault(0, time.monotonic())
+            if time.monotonic() - stopped_since[0] >= rank0_stopped_s:
+                failed_start = (0, f"was stopped (a signal) for {rank0_stopped_s:g} s",
+                                "before the first step; it hosts the store")
+                break
+        elif all(_stopped(w.pid) for w in workers if w.is_alive()):  # nobody left to go on with them
+            left_stopped = left_stopped or time.monotonic()
+            if time.monotonic() - left_stopped >= STOPPED_AT_START_S:
+                break
+        else:
+            left_stopped = 0.0
+            stopped_since.pop(0, None)
     overdue = [r for r, w in enumerate(workers) if w.is_alive()]
     for r in overdue:
         workers[r].kill()
@@ -306,12 +348,31 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         value, error = got.get(r, (None, None))
         value = None if value is None else pickle.loads(value)
         if r in overdue and failed_start is not None:
-            out.append(WorkerResult(r, None, value, f"stopped: rank {failed_start[0]} ended during start-up (exit code "
-                                    f"{failed_start[1]}) before every process had joined the group; nothing ran",
+            out.append(WorkerResult(r, None, value, f"stopped: rank {failed_start[0]} {failed_start[1]} during "
+                                    f"start-up ({failed_start[2]}); nothing ran", progress[r]))
+        elif r in overdue and left_stopped:
+            out.append(WorkerResult(r, None, value, "stopped by a signal after every other process had ended: killed",
                                     progress[r]))
         elif r in overdue:
             out.append(WorkerResult(r, None, value, f"still running after {join_timeout_s} s: killed",
                                     progress[r]))
         else:
             out.append(WorkerResult(r, w.exitcode, value, error, progress[r]))
+    if failed_start is not None:
+        for res in out:
+            res.lost_at_start = failed_start[:2]
     return out
+
+
+_BEFORE_JOINED = "before every process had joined the group"
+STOPPED_AT_START_S = 1.0  # a process stopped this long before the group exists is lost (the others wait in its
+                          # creation, where no heartbeat runs yet)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether the process is stopped by a signal (Linux /proc: state T); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError, TypeError):
+        return False

@@ -18,8 +18,10 @@ the group the launcher (or torchrun) made; each recovery starts the next:
    retired, not freed (`groups.retire`), and the survivors, renumbered in launch-rank order (rank 0 stays 0),
    join a new default group over a `PrefixStore` of the same store with the generation in its prefix; a new
    heartbeat runs under its own prefix with the new numbering. The old heartbeat runs on until every survivor
-   has rebuilt its part (step 4) and rank 0 commits the new generation (rejoin.py): a survivor lost before
-   that sends them all back to step 2 without it (the next generation number, the old numbering).
+   has rebuilt its part and settled its cache (steps 4 and 5) and rank 0 commits the new generation
+   (rejoin.py): a survivor lost before that sends them all back to step 2 without it (the next generation
+   number, the old numbering); one lost after it is found by the engine's next step, a recovery from the
+   committed generation.
 4. Each survivor builds its part again (run.py): the model from the same seed or directory (deterministic), its
    expert shard of the new contiguous placement over the survivors (`ExpertParallelMoE` over the new group, or
    the plain layer when one process is left); it keeps its KV cache when the smaller group's memory plan gives
@@ -249,7 +251,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     client = dist.TCPStore(old.env.master_addr, old.env.master_port, is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=old.timeout_s))
     pg_store = dist.PrefixStore(f"{old.namespace}batchgen/pg/gen{number}", client)
-    _watched(lambda: join_group(old.backend, pg_store, new_rank, len(survivors),
+    watched(lambda: join_group(old.backend, pg_store, new_rank, len(survivors),
                                 datetime.timedelta(seconds=old.timeout_s), old.device),
              gen, survivors, f"while the survivors created their new group ({what})")
     ctx = DistContext(env, old.device, old.backend, old.timeout_s, old.store_host_rank, store, old.report,
@@ -262,7 +264,7 @@ def regroup(gen: Generation, survivors: list[int], *, interval_s: float, dead_af
     return Generation(number, ctx, heartbeat, tuple(gen.members[r] for r in survivors))
 
 
-def _watched(create, gen: Generation, survivors: list[int], when: str) -> None:
+def watched(create, gen: Generation, survivors: list[int], when: str) -> None:
     """Run `create` (a process group's creation) on a thread; raise WorkerLost as soon as `gen`'s heartbeat
     finds a survivor lost. The thread, blocked on the store for the lost member's key, is retired (groups.py):
     it ends at the collective timeout, or with the process."""

@@ -2,7 +2,9 @@
 sends them all back to regroup again without it (issue 26: a loss during a regroup, a second loss).
 
 An attempt at generation `number` (`attempt`) is: regroup (recovery.regroup: meet, create the group, start the
-new heartbeat), rebuild this process's part over it (run._build_rank), then commit. Until the commit, the
+new heartbeat), rebuild this process's part over it and settle its kept cache (run._rebuild), then commit. After
+the commit no survivor waits on another until the engine's first command, so a loss from then on is an ordinary
+loss in the committed generation (the next recovery starts from it). Until the commit, the
 generation the engine ran in (the *base*) keeps its heartbeat, which every survivor watches: a loss anywhere in
 the attempt ends it on every survivor within seconds, and rank 0 alone decides its outcome (abort or commit),
 so that no survivor goes on in a generation the others left. After an abort every survivor is back in the base

@@ -64,13 +64,14 @@ from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, d
                                   launch)
 from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
                                     carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
-                                    publish, requeue, settle)
+                                    publish, requeue, settle, watched)
 from batchgen.dist.rejoin import RegroupAborted, attempt, fence_found_lost, fence_ranks, with_partial
 from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
 from batchgen.dist.settle import keep_plan, settle_caches
 from batchgen.dist.settings import (DistSettings, check_dist, dist_host_pools, local_procs, oversubscription,
                                     under_torchrun)
+from batchgen.dist.startup import agree_host_kv, first_build, lost_at_start, start_again
 from batchgen.dist.shared_host import (SHM_DIR, PublishedIndex, SharedHostFiles, index_path, remove_rank, sweep,
                                       sweep_orphans)
 from batchgen.dist.worker import RankWorker
@@ -103,6 +104,8 @@ class DistOutput(ExecOutput):
     # over its whole run, and records' rank_busy / rank_comm are indexed by launch rank (a lost rank's 0)
     recoveries: list = field(default_factory=list)
     sink_counts: object = None  # what rank 0 wrote to the sink it was given (a batch job's records), if any
+    restarts: list = field(default_factory=list)  # a process lost at start-up: the run started again without it
+                                                  # (one line each: who, why, on how many processes; startup.py)
 
 
 class DistRunFailed(RuntimeError):
@@ -110,7 +113,7 @@ class DistRunFailed(RuntimeError):
     holds each failed rank's error. `partial`: what rank 0 kept when it stopped the run itself
     (recovery.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
 
-    def __init__(self, bad: list, rank0=None):
+    def __init__(self, bad: list, rank0=None, why: str = ""):
         self.results = bad
         rank0 = rank0 or next((r for r in bad if r.rank == 0), None)
         self.partial = None if rank0 is None else rank0.value or PartialOutput.from_reports(rank0.progress)
@@ -123,23 +126,9 @@ class DistRunFailed(RuntimeError):
         super().__init__(f"backend=dist stopped: rank {first.rank}: {headline}"
                          + (f" (killed by a signal: rank{'s' if len(killed) > 1 else ''} "
                             f"{', '.join(map(str, killed))})" if killed else "") + (f"; {kept}" if kept else "")
+                         + (f"; {why}" if why else "")
                          + "".join(f"\n--- rank {r.rank} (exit {r.exitcode}) ---\n{r.error or ''}" for r in bad))
         self.headline = str(self).splitlines()[0]
-
-
-def agree_host_kv(ctx: DistContext, job: Job, settings: DistSettings) -> DistSettings:
-    """Without backend.host_kv_gb, every process takes the budget rank 0 finds in the machine's free memory now
-    (each process's own look could differ), through the rendezvous store; with it, the settings as they are."""
-    if settings.host_kv_gb is not None:
-        return settings
-    key = "batchgen/host_kv_gb"
-    if ctx.rank == 0:  # its pages, and half a page more than float rounding can take away
-        host = dist_host_pools(job, settings)
-        gb = 0.0 if host.per_pool_bytes is None else (host.budget_pages + 0.5) * host.page_bytes / 1e9
-        ctx.store.set(key, repr(gb))
-    else:
-        gb = float(ctx.store.get(key).decode())
-    return settings if gb == 0.0 else dataclasses.replace(settings, host_kv_gb=gb)
 
 
 def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] | None = None,
@@ -174,17 +163,25 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     crowded = oversubscription(settings.procs, threads, device, available_cores())
     if crowded:
         print(f"warning: {crowded}", file=sys.stderr, flush=True)
-    run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files (sweep_orphans reads it)
     if settings.shared_host_copies:
         sweep_orphans()  # what runs killed whole left in memory
-    try:
-        results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id, resumed, sink),
-                         device=device,
-                         timeout_s=settings.timeout_s, threads=threads, start_method=settings.start_method,
-                         join_timeout_s=max(600.0, 10 * settings.timeout_s))
-    finally:  # what killed processes left
-        if settings.shared_host_copies:
-            sweep(run_id)
+    restarts = []
+    while True:
+        run_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this run's shared host files (sweep_orphans)
+        try:
+            results = launch(rank_main, settings.procs, (job, settings, prompts, params, True, run_id, resumed, sink),
+                             device=device, timeout_s=settings.timeout_s, threads=threads,
+                             start_method=settings.start_method, join_timeout_s=max(600.0, 10 * settings.timeout_s),
+                             rank0_stopped_s=settings.lost_after_s)
+        finally:  # what killed processes left
+            if settings.shared_host_copies:
+                sweep(run_id)
+        lost = lost_at_start(results) if settings.recover else None
+        if lost is None:
+            break
+        job, settings, line = start_again(results, lost, job, settings, reduced_job, DistRunFailed)
+        restarts.append(line)
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     bad = [r for r in results if not r.ok]
     out = results[0].value if results[0].ok else None
     if bad and out is not None:  # a worker the run recovered from is expected to have died
@@ -192,6 +189,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         bad = [r for r in bad if r.rank not in lost]
     if bad:
         raise DistRunFailed(bad, None if results[0].ok else results[0])
+    out.restarts = restarts
     return out
 
 
@@ -222,22 +220,30 @@ def _rank_main(ctx: DistContext, job: Job, settings: DistSettings, prompts, para
     files = None
     if settings.shared_host_copies:
         files = SharedHostFiles(run_id or torchrun_run_id(ctx), ctx.rank)
-    if ctx.store is not None:
-        register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
-        settings = agree_host_kv(ctx, job, settings)
     try:
+        if ctx.store is not None:
+            register(ctx.store, ctx.rank)  # for rank 0 to fence this process if it is ever found lost
+        params = _checked_params(job, settings, params, _done_before(job, resumed))
+        settings, built = first_build(current[0], lambda: _first_part(current[0], job, settings, params, files))
         if ctx.rank != 0:
-            return _serve(current, job, settings, params, files, resumed)
-        if sink is None:
-            return _drive(current, job, settings, prompts, params, to_parent, files, resumed)
+            return _serve(current, built[0], job, settings, params, files)
+        if sink is None:  # opened only now: a start that fails writes nothing (execute_dist may start again)
+            return _drive(current, built, job, settings, prompts, params, to_parent, files, resumed)
         with sink.open() as opened:
-            out = _drive(current, job, settings, prompts, params, to_parent, files, resumed, opened)
+            out = _drive(current, built, job, settings, prompts, params, to_parent, files, resumed, opened)
         out.sink_counts = opened.counts
         return out
     finally:
         current[-1].heartbeat.stop()
         if files is not None:
             files.close()
+
+
+def _first_part(gen: Generation, job: Job, settings: DistSettings, params, files):
+    """Generation 0: the settings every process agrees on, and this process's part (`_build_rank`)."""
+    if gen.ctx.store is not None:
+        settings = agree_host_kv(gen.ctx, job, settings, gen.heartbeat)
+    return settings, _build_rank(gen, job, settings, params, files=files)
 
 
 def _dead_after(settings: DistSettings) -> float:
@@ -271,12 +277,16 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
                     settings.timeout_s, f"the start of generation {gen.number}")
     cluster = effective_cluster(job)  # instances: consecutive blocks of ranks, one process group each
     sizes = [cluster.instance_size] * cluster.num_instances
-    instance = instance_groups(sizes, settings.timeout_s)
+    made: list = []  # created on a thread under the heartbeat: each creation waits on the store for every member
+    watched(lambda: made.extend([instance_groups(sizes, settings.timeout_s),
+                                 control_groups(sizes, settings.timeout_s)]),
+            gen, list(range(gen.size)), f"while the processes created their groups (generation {gen.number})")
+    instance, controls = made
     comm = Comm(instance.group, gen.heartbeat)  # this instance's all-to-alls and migrations
     world = Comm(heartbeat=gen.heartbeat) if cluster.num_instances > 1 else comm  # migrations between instances
     # rank 0's commands to each instance and their replies (gloo, even when the data moves over NCCL)
     channels = [None if g is None else (Comm(g[0], gen.heartbeat), Comm(g[1], gen.heartbeat))
-                for g in control_groups(sizes, settings.timeout_s)]
+                for g in controls]
     control, replies = channels[instance.index]
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
@@ -305,6 +315,17 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     return worker, is_moe, kept
 
 
+def _rebuild(gen: Generation, job: Job, settings: DistSettings, params, before: RankWorker,
+             files: SharedHostFiles | None, decide=None) -> tuple[RankWorker, list[dict] | None]:
+    """A survivor's part over a new generation, its kept cache settled (settle.py: rank 0 decides with
+    `decide`), all before rank 0 commits the generation (rejoin.attempt): a loss while the survivors settle is a
+    loss during the regroup, and sends them back to regroup again without it. After the commit nothing waits on
+    a peer until the engine's first command, which finds a later loss as any step does. Returns the worker and
+    the keep plan (None: a fresh cache, nothing kept)."""
+    worker, _, kept = _build_rank(gen, job, settings, params, before, files)
+    return worker, settle_caches(worker, decide) if kept else None
+
+
 def _attempt(current: list, survivors: list[int], number: int, settings: DistSettings, build):
     """Regroup into generation `number` and build there (rejoin.attempt); the new generation becomes current once
     committed. Raises RegroupAborted."""
@@ -314,12 +335,10 @@ def _attempt(current: list, survivors: list[int], number: int, settings: DistSet
     return gen, built
 
 
-def _serve(current: list, job: Job, settings: DistSettings, params, files=None, resumed=None) -> None:
+def _serve(current: list, worker: RankWorker, job: Job, settings: DistSettings, params, files=None) -> None:
     """A worker (rank > 0): serve rank 0's commands; after a lost peer (recover=true), wait for rank 0's list of
     survivors, join their new group, rebuild and serve again (again without a survivor lost meanwhile)."""
-    params = _checked_params(job, settings, params, _done_before(job, resumed))
     gen = current[-1]
-    worker, _, _ = _build_rank(gen, job, settings, params, files=files)
     while True:
         try:
             worker.serve()
@@ -335,14 +354,11 @@ def _serve(current: list, job: Job, settings: DistSettings, params, files=None, 
                         files.hand_over()
                     return None
                 try:
-                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker:
-                                                   _build_rank(g, reduced_job(job, g.size), settings, params, old,
-                                                               files)[::2])
+                    gen, (worker, _) = _attempt(current, survivors, number, settings, lambda g, old=worker:
+                                                _rebuild(g, reduced_job(job, g.size), settings, params, old, files))
                     break
                 except RegroupAborted as again:
                     err, number = again.cause, number + 1
-        if kept:
-            settle_caches(worker)
         if files is not None:  # the index names what the settled (or fresh) cache holds
             files.publish(worker.cache)
 
@@ -351,7 +367,7 @@ def _done_before(job: Job, resumed) -> list[int]:
     return [len(r) for r in resumed] if resumed is not None else [0] * len(job.workload)
 
 
-def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
+def _drive(current: list, built, job: Job, settings: DistSettings, prompts, params, to_parent: bool,
            files: SharedHostFiles | None = None, resumed=None, sink=None) -> DistOutput:
     """Rank 0: the engine and the policy over a DistBackend; after a lost worker (recover=true), decide the
     survivors, regroup, and run the engine again over the unfinished sequences (recovery.requeue). `sink`: an
@@ -361,14 +377,15 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
     world = gen.size
     config = model_config(job, settings)
     done_before = _done_before(job, resumed)
-    params = _checked_params(job, settings, params, done_before)
-    worker, is_moe, _ = _build_rank(gen, job, settings, params, files=files)
+    worker, is_moe, _ = built
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
     prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, **host_kw(dist_host_pools(job, settings)))
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params),
                             resumed=resumed)
     pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
     report = gen.ctx.report
+    if gen.ctx.started is not None:  # from now on a stopped rank 0 is no longer a loss at start-up (launch.py)
+        gen.ctx.started()
 
     def on_step(plan, result) -> None:  # finished outputs reach the launcher at once: they outlive rank 0
         ended = finished_ids(plan, result)
@@ -428,16 +445,16 @@ def _drive(current: list, job: Job, settings: DistSettings, prompts, params, to_
                 d, f = fence_ranks([before.members[r] for r in lost_ranks if r not in released
                                     and before.members[r] not in dead], before.ctx.store)
                 dead, fenced = dead + d, fenced + f
+                table, split = prepared.state.table, KVLedger.of(prepared.state).split
                 try:
-                    gen, (worker, kept) = _attempt(current, survivors, number, settings, lambda g, old=worker,
-                                                   j=job_next: _build_rank(g, j, settings, params, old, files)[::2])
+                    gen, (worker, keep) = _attempt(
+                        current, survivors, number, settings, lambda g, old=worker, j=job_next: _rebuild(
+                            g, j, settings, params, old, files,
+                            lambda inv: keep_plan(table, tokens.generated, done, inv, split)))
                     break
                 except RegroupAborted as again:  # another survivor lost meanwhile: regroup without it
                     err, number, cause = again.cause, number + 1, f"{cause}; then {again.cause}"
-            table = prepared.state.table
-            split = KVLedger.of(prepared.state).split
-            keep = (settle_caches(worker, lambda inv: keep_plan(table, tokens.generated, done, inv, split))
-                    if kept else [{} for _ in survivors])
+            keep = keep if keep is not None else [{} for _ in survivors]
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages,
                                     **host_kw(dist_host_pools(job_next, settings)))
             restored = restorable = 0

@@ -16,6 +16,8 @@ import pytest
 from tests.batch.test_batch_job import SMALL_EXEC, chat, comparable, completion, read_records, run_in_process, \
     write_lines
 
+# torchrun beside this interpreter too: a virtual environment's python run without activating it
+TORCHRUN = shutil.which("torchrun") or shutil.which("torchrun", path=os.path.dirname(sys.executable))
 DIST = ["backend=dist", "backend.procs=2", "backend.kv_budget_mb=8", "backend.lost_after_s=30"]
 
 
@@ -144,12 +146,12 @@ def test_sigkill_of_the_whole_job_then_rerun(demo, long_job, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
 def test_sigkill_of_a_torchrun_job_then_rerun(demo, long_job, tmp_path):
     """torchrun starts each worker in a session of its own: they still die with a killed agent."""
     requests, baseline = long_job
     output = tmp_path / "results.jsonl"
-    command = ["torchrun", "--nproc-per-node=2", "-m", "batchgen.run", *SMALL_EXEC, *DIST, f"model.path={demo}",
+    command = [TORCHRUN, "--nproc-per-node=2", "-m", "batchgen.run", *SMALL_EXEC, *DIST, f"model.path={demo}",
                f"job.input={requests}", f"job.output={output}", "job.checkpoint_s=0.2"]
     agent, n = _kill_mid_way(command, output, tmp_path / "attempt.out", whole_group=False)
     assert n < 121

@@ -4,7 +4,6 @@ torchrun's elastic restart (--max-restarts) answers by restarting every worker; 
 results file and checkpoint (docs/distributed.md, "Launchers and recovery")."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.dist.launch import free_port
-from tests.batch.test_batch_dist import DIST, _children, mixed_requests
+from tests.batch.test_batch_dist import DIST, TORCHRUN, _children, mixed_requests
 from tests.batch.test_batch_job import (
     SMALL_EXEC,
     comparable,
@@ -24,7 +23,7 @@ from tests.batch.test_batch_job import (
 )
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
+              pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,7 @@ def job(demo, tmp_path_factory):
 def two_nodes(demo, requests: Path, output: Path, *extra: str) -> list[subprocess.Popen]:
     """Two torchrun agents of one process each, as two nodes, on one rendezvous endpoint."""
     port = free_port()
-    command = ["torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    command = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=localhost:{port}", *extra, "-m", "batchgen.run", *SMALL_EXEC, *DIST,
                f"model.path={demo}", f"job.input={requests}", f"job.output={output}", "job.checkpoint_s=0.2"]
     env = {**os.environ, "BATCHGEN_PROGRESS": "0", "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -311,6 +311,6 @@ def test_a_process_lost_during_start_up_stops_the_others_at_once(monkeypatch):
     took = time.monotonic() - t0
     assert results[1].exitcode == -signal.SIGKILL
     for r in (results[0], results[2]):
-        assert not r.ok and "rank 1 ended during start-up (exit code -9)" in r.error and "nothing ran" in r.error, \
+        assert not r.ok and "rank 1 ended (exit code -9) during start-up" in r.error and "nothing ran" in r.error, \
             r.error
     assert took < 15, f"{took:.1f} s"
