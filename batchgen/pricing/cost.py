@@ -45,3 +45,13 @@ def module_split(lat: LatencyModel, attn, sequences, gate, active) -> dict[str, 
         ffn = ffn + n_moe * (np.max(local, axis=0) + lat.all_to_all(total) + lat.experts(total)[0])
     return module_totals({"attention": (n_dense + n_moe) * np.max(np.broadcast_to(attn, gate.shape), axis=0),
                            "ffn": ffn, "head": np.max(lat.lm_head(sequences), axis=0)}, active)
+
+
+def itself(x):
+    """A reduction over ranks on one rank: the value itself."""
+    return x
+
+
+def slowest_rank(x):
+    """The slowest rank's value per iteration of a (ranks x iterations) grid (a number is every rank's)."""
+    return x if type(x) is float else x.max(axis=0)

@@ -20,7 +20,7 @@ from batchgen.latency import LatencyModel
 from batchgen.latency.arrays import maximum_for
 from batchgen.plan.decode import overlapped_all_to_all, shard_attention
 from batchgen.pricing import one_rank
-from batchgen.pricing.cost import RunCost, module_totals
+from batchgen.pricing.cost import RunCost, itself, module_totals, slowest_rank
 from batchgen.pricing.costs import RankLoad
 from batchgen.pricing.tbo import forward_tbo
 
@@ -101,7 +101,7 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
     """Per iteration: (seconds, each rank's busy seconds, collective seconds every rank waits, each rank's own
     collective seconds, attention, FFN and head seconds of the slowest rank, gate tokens of the instance), as
     arrays over a grid or, with `one`, as floats of one rank's one iteration."""
-    over = _itself if one else _slowest
+    over = itself if one else slowest_rank
     n_dense, n_moe = lat.layer_counts()
     layers = n_dense + n_moe
     if getattr(lat, "attention_tp", 1) > 1:
@@ -140,15 +140,6 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
         iteration = maximum_for(iteration)(iteration, weight_stream_s)
     per_rank_attn = attn if one or np.shape(attn) == gate.shape else np.broadcast_to(attn, gate.shape)
     return (iteration, busy, comm, comm_rank, layers * over(per_rank_attn), ffn, over(head), total)
-
-
-def _itself(x):
-    return x
-
-
-def _slowest(x):
-    """The slowest rank's value per iteration (a number is every rank's)."""
-    return x if type(x) is float else x.max(axis=0)
 
 
 def _cost_of_one(iteration, busy, comm, comm_rank, attention, ffn, head, gate) -> RunCost:

@@ -28,6 +28,7 @@ import numpy as np
 
 from batchgen.latency import LatencyModel
 from batchgen.latency.arrays import rint
+from batchgen.pricing.cost import itself, slowest_rank
 
 
 def split(load):
@@ -58,7 +59,7 @@ def split(load):
 def forward_tbo(lat: LatencyModel, load, join, one: bool) -> tuple:
     """`price.forward`'s per-iteration parts for a run whose every forward is split in two overlapped
     micro-batches (see the module docstring); with `one`, of one rank's one iteration on floats."""
-    over = (lambda x: x) if one else (lambda x: x if type(x) is float else x.max(axis=0))  # noqa: E731
+    over = itself if one else slowest_rank
     n_dense, n_moe = lat.layer_counts()
     shape = () if one else load.gate_tokens.shape
     zero = 0.0 if one else np.zeros(shape[1])
