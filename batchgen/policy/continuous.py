@@ -44,10 +44,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
-from batchgen.policy.common import check_attention_tp, pages_for, per_rank, shed_to_fit
+from batchgen.policy.common import check_attention_tp, pages_for, shed_to_fit
 from batchgen.policy.engine_defaults import vllm_offline_caps
 
 
@@ -128,9 +127,11 @@ class ContinuousPolicy(PolicyDefaults):
             return self._decide_chunked(snap)
         P = snap.page_tokens
         d, waiting = self._pin(snap)
-        drop, keep, count, free = self._preempt(snap, d)
+        drop, count, free = self._preempt(snap, d, snap.active_prefilled.nonzero()[0])
         prefill_ids, prefill_ranks = [], []
-        for r in np.flatnonzero((waiting > 0) & (count < self.max_running)):
+        for r in range(snap.num_ranks):
+            if not waiting[r] or count[r] >= self.max_running:
+                continue
             queue = snap.pinned[r]
             fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else np.empty(0, np.int64)
             evicted_here = d.evict_ids[snap.active_rank[drop] == r]
@@ -148,186 +149,120 @@ class ContinuousPolicy(PolicyDefaults):
         if prefill_ids:
             d.prefill_ids, d.prefill_ranks = np.concatenate(prefill_ids), np.concatenate(prefill_ranks)
             d.prefill_pinned = True
-        if not (waiting.sum() - d.prefill_ids.size) and not drop.size:
+        if not (sum(waiting) - d.prefill_ids.size) and not drop.size:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
 
-    def _pin(self, snap: Snapshot) -> tuple[Decision, np.ndarray]:
+    def _pin(self, snap: Snapshot) -> tuple[Decision, list[int]]:
         """A decision with every pending prompt pinned once, round-robin over ranks; prompts waiting per rank."""
         R = snap.num_ranks
         d = Decision(micro_batch=0, stop="first_finish", steps=self.page_lookahead)
+        waiting = [len(q) for q in snap.pinned]
         if len(snap.pending):
             ids = snap.pending.peek(len(snap.pending))
             d.pin_ids, d.pin_ranks = ids, np.arange(ids.size) % R
-        return d, np.array([len(q) for q in snap.pinned]) + np.bincount(d.pin_ranks, minlength=R)
+            waiting = [w + n for w, n in zip(waiting, np.bincount(d.pin_ranks, minlength=R).tolist())]
+        return d, waiting
 
-    def _preempt(self, snap: Snapshot, d: Decision) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _preempt(self, snap: Snapshot, d: Decision, going_at: np.ndarray) -> tuple[np.ndarray, list[int], list[float]]:
         """Preempt (recompute) the newest sequences when the running ones' next page of tokens would not fit (a
-        part-prefilled prompt needs the pages of what it has written). Returns the dropped indices, the kept
-        mask, sequences kept per rank and the pages left per rank for admissions."""
+        part-prefilled prompt, `going_at`, needs the pages of what it has written). Returns the dropped indices,
+        sequences kept per rank and the pages left per rank for admissions (per-rank numbers are Python lists
+        here: a rank's few numbers cost less as floats than as arrays of one element)."""
         R, P = snap.num_ranks, snap.page_tokens
-        prefilled = snap.active_prefilled if snap.active_prefilled.size else np.zeros(snap.active_ids.size, np.int64)
-        need = np.where(prefilled > 0, pages_for(prefilled, P), pages_for(snap.active_context + self.page_lookahead, P))
-        drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), snap.pages_capacity)
-        keep = np.ones(snap.active_ids.size, bool)
-        keep[drop] = False
-        d.evict_ids = snap.active_ids[drop]
-        count = np.bincount(snap.active_rank[keep], minlength=R)
-        free = snap.pages_capacity * (1 - self.admit_watermark) - per_rank(snap.active_rank[keep], need[keep], R)
-        return drop, keep, count, free
+        rank, capacity = snap.active_rank, snap.pages_capacity
+        need = (snap.active_context + (self.page_lookahead + P - 1)) // P  # pages_for(context + lookahead, P)
+        if going_at.size:
+            need[going_at] = pages_for(snap.active_prefilled[going_at], P)
+        used = np.bincount(rank, weights=need, minlength=R).tolist()  # whole numbers, exact as floats
+        capacity = capacity.tolist()
+        if any(u > c for u, c in zip(used, capacity)):
+            drop = shed_to_fit(rank, need, -snap.active_decoded.astype(float), snap.pages_capacity)
+            keep = np.ones(rank.size, bool)
+            keep[drop] = False
+            d.evict_ids = snap.active_ids[drop]
+            rank, used = rank[keep], np.bincount(rank[keep], weights=need[keep], minlength=R).tolist()
+        else:
+            drop = EMPTY
+        share = 1 - self.admit_watermark
+        return drop, np.bincount(rank, minlength=R).tolist(), [c * share - u for c, u in zip(capacity, used)]
 
     def _decide_chunked(self, snap: Snapshot) -> Decision:
-        if fastpath.ENABLED and snap.num_ranks == 1 and not len(snap.pending):
-            return self._decide_chunked_one_rank(snap)
-        R, P = snap.num_ranks, snap.page_tokens
+        R = snap.num_ranks
         d, waiting = self._pin(snap)
-        prefilled = snap.active_prefilled
-        partial = prefilled > 0
-        drop, keep, count, free = self._preempt(snap, d)
-        decoding = np.bincount(snap.active_rank[keep & ~partial], minlength=R)
-        budget = self.token_budget - decoding if self.mixed_chunks else np.full(R, self.token_budget)
+        going_at = snap.active_prefilled.nonzero()[0]  # part-way through a chunked prefill: they continue first
+        any_partial = going_at.size > 0
+        drop, count, free = self._preempt(snap, d, going_at)
+        if drop.size:
+            going_at = np.setdiff1d(going_at, drop, assume_unique=True)
+        going_rank = snap.active_rank[going_at].tolist() if going_at.size else []
+        going = [0] * R  # per rank
+        for r in going_rank:
+            going[r] += 1
         room = None
         if self.admission == "conservative":
-            room, d.carry = self._admit_room(snap, waiting, drop, keep, free)
+            room, d.carry = self._admit_room(snap, waiting, drop, going_at, free, count)
         ids_out, ranks_out, lens_out = [], [], []
-        evicted_ranks = snap.active_rank[drop]
-        for r in np.flatnonzero((budget > 0) & ((waiting > 0) | np.bincount(snap.active_rank[keep & partial],
-                                                                             minlength=R).astype(bool))):
-            if (evicted_ranks == r).any():
-                continue  # memory is short on this rank: decode to make room before prefilling again
-            mine = keep & partial & (snap.active_rank == r)
-            going = snap.active_ids[mine]  # part-way through: they continue first
-            fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else np.empty(0, np.int64)
-            slots = max(self.max_running - int(count[r]), 0)
-            queued = np.concatenate([snap.pinned[r].peek(slots), fresh])[:slots]
-            if room is not None and queued.size:  # SGLang: whole prompt + its clipped output within the room
-                fits = np.cumsum(snap.lengths.context(queued) + np.minimum(self._max_tokens(snap, queued),
-                                                                            self.clip_max_new_tokens)) < room[r]
-                fits[0] |= not count[r]  # an empty rank always takes one: nothing running will free memory
-                queued = queued[: int(np.argmin(fits)) if not fits.all() else queued.size]
-            cand = np.concatenate([going, queued])
-            start = np.concatenate([prefilled[mine], np.zeros(queued.size, np.int64)])
-            ids, lens = _fill_budget(cand, start, snap.lengths.context(cand), int(budget[r]), float(free[r]), P,
-                                     self.admission == "greedy" and decoding[r] > 0)
-            if ids.size:
-                ids_out.append(ids)
-                ranks_out.append(np.full(ids.size, r))
-                lens_out.append(lens)
+        evicted = set(snap.active_rank[drop].tolist()) if drop.size else ()
+        for r in range(R):
+            budget = self.token_budget - (count[r] - going[r]) if self.mixed_chunks else self.token_budget
+            if budget <= 0 or not (waiting[r] or going[r]) or r in evicted:
+                continue  # (evicted: memory is short on this rank: decode to make room before prefilling again)
+            mine = [i for i, g in zip(going_at.tolist(), going_rank) if g == r] if going[r] else []
+            fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else EMPTY
+            ids, lens = self._rank_chunks(
+                snap, snap.pinned[r], fresh, mine, max(self.max_running - count[r], 0),
+                None if room is None else room[r], not count[r], budget, free[r],
+                self.admission == "greedy" and count[r] > going[r])
+            if ids:
+                ids_out += ids
+                ranks_out += [r] * len(ids)
+                lens_out += lens
         if ids_out:
-            d.chunk_ids, d.chunk_ranks = np.concatenate(ids_out), np.concatenate(ranks_out)
-            d.chunk_lens = np.concatenate(lens_out)
+            d.chunk_ids, d.chunk_lens = np.array(ids_out, np.int64), np.array(lens_out, np.int64)
+            d.chunk_ranks = np.array(ranks_out, np.int64)
             d.prefill_pinned, d.chunks_only = True, not self.mixed_chunks
-        if not waiting.sum() and not partial.any() and not drop.size:
+        if not any(waiting) and not any_partial and not drop.size:
             d.stop = "none"  # nothing to admit at a finish: run a whole page
         return d
 
-    def _decide_chunked_one_rank(self, snap: Snapshot) -> Decision:
-        """`_decide_chunked` for one rank with nothing left to pin (a fast path of batchgen.fastpath: the same
-        decision, field for field): per-rank counts are plain numbers, and only the head of the queue that can
-        move is looked at (a FIFO cut never depends on what follows it; the whole queue when the head all moves)."""
-        P = snap.page_tokens
-        d = Decision(micro_batch=0, stop="first_finish", steps=self.page_lookahead)
-        queue = snap.pinned[0]
-        n_wait = len(queue)
-        prefilled = snap.active_prefilled
-        going_at = prefilled.nonzero()[0]  # part-way through a chunked prefill (a few): they continue first
-        any_partial = going_at.size > 0
-        going_prefilled = prefilled[going_at].tolist()
-        # pages_for(context + lookahead): (x + P - 1) // P is the ceiling of x / P for x >= 0, in two operations
-        need = (snap.active_context + (self.page_lookahead + P - 1)) // P
-        used = int(need.sum())
-        if any_partial:  # a part-prefilled prompt holds the pages of what it has written instead
-            used += sum(-(-p // P) for p in going_prefilled) - sum(need[going_at].tolist())
-        capacity = snap.pages_capacity
-        if used > int(capacity[0]):  # preemption: the general rule (rare)
-            partial = prefilled > 0
-            need = np.where(partial, pages_for(prefilled, P), need)
-            drop = shed_to_fit(snap.active_rank, need, -snap.active_decoded.astype(float), capacity)
-            keep = np.ones(snap.active_ids.size, bool)
-            keep[drop] = False
-            d.evict_ids = snap.active_ids[drop]
-            count = int(keep.sum())
-            used = int(need[keep].sum())
-            decoding = int((keep & ~partial).sum())
-        else:
-            drop, keep = _NO_DROP, None
-            count = snap.active_ids.size
-            decoding = count - going_at.size
-        free = float(capacity[0] * (1 - self.admit_watermark) - used)
-        budget = self.token_budget - decoding if self.mixed_chunks else self.token_budget
-        room = None
-        if self.admission == "conservative" and keep is None:  # nothing preempted: the one-rank room
-            room, d.carry = self._admit_room_one_rank(snap, n_wait, prefilled > 0 if any_partial else None, free)
-        elif self.admission == "conservative":
-            room, d.carry = self._admit_room(snap, np.array([n_wait]), drop, keep, np.array([free]))
-        # with a sequence preempted nothing is prefilled (memory is short: decode to make room first)
-        if budget > 0 and (n_wait > 0 or any_partial) and not drop.size:
-            going = snap.active_ids[going_at].tolist()
-            going_context = snap.active_context[going_at].tolist()
-            slots = max(self.max_running - count, 0)
-            look = min(slots, n_wait)
-            head = min(look, _HEAD)
-            while True:
-                queued = queue.peek(head)
-                final = head == look  # the candidates are the reference's (else a prefix of them)
-                queued_context = snap.lengths.context(queued).tolist()
-                if room is not None and queued.size:
-                    n = _fitting(queued_context, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
-                                 room, not count)
-                    if n < queued.size:  # cut inside the prefix: the whole queue is cut at the same place
-                        queued, queued_context = queued[:n], queued_context[:n]
-                        final = True
-                cand = going + queued.tolist()
-                ids, lens = _fill(cand, going_prefilled + [0] * queued.size, going_context + queued_context,
-                                  budget, free, P, self.admission == "greedy" and decoding > 0)
-                if len(ids) < len(cand) or final:
-                    break
-                head = look  # every candidate looked at moved: the rest of the queue may too
-            if ids:
-                d.chunk_ids, d.chunk_lens = np.array(ids, np.int64), np.array(lens, np.int64)
-                d.chunk_ranks = np.zeros(len(ids), np.int64)
-                d.prefill_pinned, d.chunks_only = True, not self.mixed_chunks
-        if not n_wait and not any_partial and not drop.size:
-            d.stop = "none"
-        return d
-
-    def _admit_room_one_rank(self, snap: Snapshot, n_wait: int, partial: np.ndarray | None, free: float
-                             ) -> tuple[float, dict]:
-        """`_admit_room` of one rank that preempts nothing (`_decide_chunked_one_rank`): the same room and carry,
-        with the rank's new_token_ratio a Python float (the same IEEE operations as the one-element arrays).
-        `partial`: which running sequences are part-way through a chunked prefill; None: none is."""
-        st = snap.carry
-        ids = snap.active_ids
-        if st is None or st["ratio"].size != 1 or not ids.size:
-            ratio = self.init_new_token_ratio
-            st = None
-        else:
-            ratio = float(st["ratio"][0])
-        if st is not None and st["ids"].size:  # forwards run since: the most tokens any sequence decoded since
-            ran = max(int((snap.lengths.decoded[st["ids"]] - st["dec"]).max()), 0)
-            ratio = max(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
-        if not ids.size and not n_wait:
-            ratio = self.init_new_token_ratio
-        decoded = snap.active_decoded
-        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
-        est = left * ratio
-        reserve = np.maximum(est - self.page_lookahead, 0)
-        if partial is not None:
-            reserve = np.where(partial, snap.active_context - snap.active_prefilled + est, reserve)
-        # one rank: its bincount is the one element (free * P less it, as a float: the array's operation)
-        room = free * snap.page_tokens - float(np.bincount(snap.active_rank, weights=reserve, minlength=1)[0])
-        return room, {"ratio": np.array([ratio]), "ids": ids.copy(), "rank": snap.active_rank,
-                                "dec": decoded}
+    def _rank_chunks(self, snap: Snapshot, queue, fresh: np.ndarray, going_at: list[int], slots: int,
+                     room: float | None, first_always: bool, budget: int, free: float, whole: bool
+                     ) -> tuple[list[int], list[int]]:
+        """One rank's chunks: the sequences part-way through (`going_at`, indices into the snapshot's running
+        ones) continue first, then up to `slots` prompts of its queue and then of the prompts pinned to it now
+        (`fresh`), FIFO; SGLang's check keeps a prompt out unless it and its clipped output fit the `room`.
+        Only the head of the queue that can move is looked at: a FIFO cut never depends on what follows it, so
+        the rest is read only where the whole head moves."""
+        going, going_start, going_context = ((snap.active_ids[going_at].tolist(), snap.active_prefilled[going_at].tolist(),
+                                              snap.active_context[going_at].tolist()) if going_at else ([], [], []))
+        look = min(slots, len(queue) + fresh.size)
+        head = min(look, _HEAD)
+        while True:
+            queued = queue.peek(head)
+            if queued.size < head:  # the queue ends inside the head: prompts pinned now follow it
+                queued = np.concatenate([queued, fresh[: head - queued.size]])
+            final = head == look  # every candidate is looked at (else a head of them)
+            queued_context = snap.lengths.context(queued).tolist()
+            if room is not None and queued.size:
+                n = _fitting(queued_context, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
+                             room, first_always)
+                if n < queued.size:  # a cut inside the head: the whole queue is cut at the same place
+                    queued, queued_context, final = queued[:n], queued_context[:n], True
+            cand = going + queued.tolist()
+            ids, lens = _fill(cand, going_start + [0] * queued.size, going_context + queued_context, budget, free,
+                              snap.page_tokens, whole)
+            if len(ids) < len(cand) or final:
+                return ids, lens
+            head = look  # every candidate looked at moved: the rest of the queue may too
 
     def _max_tokens(self, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
         """max_tokens of each request as the engine knows it (never the true output length): the configured
         cap, else the model's context minus the prompt; unknown (a huge number) when neither is set."""
         if self.reserve_max_tokens:
             return np.full(ids.size, self.reserve_max_tokens, np.int64)
-        if self.model_context and fastpath.ENABLED:  # the same values, read from a column computed once
+        if self.model_context:  # read from a column computed once
             return self._context_caps(snap.lengths.input_len)[ids]
-        if self.model_context:
-            return np.maximum(self.model_context - snap.lengths.input_len[ids], 1).astype(np.int64)
         return np.full(ids.size, _UNKNOWN, np.int64)
 
     def _context_caps(self, input_len: np.ndarray) -> np.ndarray:
@@ -341,64 +276,76 @@ class ContinuousPolicy(PolicyDefaults):
                 self.model_context - input_len, 1).astype(np.int64))
         return cached[2]
 
-    def _ratios(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray
-                ) -> tuple[np.ndarray, dict]:
+    def _ratios(self, snap: Snapshot, waiting: list[int], drop: np.ndarray, count: list[int]
+                ) -> tuple[list[float], dict]:
         """new_token_ratio of each rank at this decision (SGLang keeps one per scheduler, i.e. per DP-attention
         rank): decayed per decode forward run since the last decision, back to its start on a rank that ran
         empty, re-estimated on a rank that preempts now. The ratios and where decoding stood come back as the
         decision's `carry`, which the engine hands to the next snapshot of this instance."""
         R = snap.num_ranks
         st = snap.carry
+        init = self.init_new_token_ratio
         if st is None or st["ratio"].size != R or not snap.active_ids.size:
             # the job's first decision (or an idle instance, where SGLang resets too) starts at the top
-            st = {"ratio": np.full(R, self.init_new_token_ratio), "ids": EMPTY, "rank": EMPTY, "dec": EMPTY}
-        ratio = st["ratio"].copy()
-        if st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
+            ratio = [init] * R
+        elif st["ids"].size:  # forwards run since: the most tokens any sequence of the rank decoded since
             since = snap.lengths.decoded[st["ids"]] - st["dec"]
-            if fastpath.ENABLED and R == 1:  # one rank: the scatter's maximum is the plain one (over 0)
-                ran = np.array([max(int(since.max()), 0)], np.int64)
+            if R == 1:  # the scatter's maximum over one rank (from 0)
+                ran = [max(int(since.max()), 0)]
             else:
                 ran = np.zeros(R, np.int64)
                 np.maximum.at(ran, st["rank"], since)
-            ratio = np.maximum(ratio - self.new_token_ratio_decay * ran, self.min_new_token_ratio)
-        busy = np.bincount(snap.active_rank, minlength=R) + waiting
-        ratio[busy == 0] = self.init_new_token_ratio
-        decoding = keep & (snap.active_prefilled == 0) if snap.active_prefilled.size else keep
-        retracting = np.unique(snap.active_rank[drop]) if drop.size or not fastpath.ENABLED else ()
-        for r in retracting:  # SGLang's retract: (generated + 20 each) / max_tokens
+                ran = ran.tolist()
+            ratio = [max(x - self.new_token_ratio_decay * n, self.min_new_token_ratio)
+                     for x, n in zip(st["ratio"].tolist(), ran)]
+        else:
+            ratio = st["ratio"].tolist()
+        busy = np.bincount(snap.active_rank, minlength=R).tolist() if drop.size else count
+        ratio = [init if b + w == 0 else x for x, b, w in zip(ratio, busy, waiting)]
+        if drop.size:
+            self._retract(snap, drop, ratio)
+        return ratio, {"ratio": np.array(ratio), "ids": snap.active_ids.copy(), "rank": snap.active_rank,
+                       "dec": snap.active_decoded}
+
+    def _retract(self, snap: Snapshot, drop: np.ndarray, ratio: list[float]) -> None:
+        """SGLang's retract on each rank that preempts: its ratio becomes (generated + 20 each) / max_tokens over
+        the decoding sequences it keeps."""
+        decoding = snap.active_prefilled == 0
+        decoding[drop] = False
+        for r in np.unique(snap.active_rank[drop]).tolist():
             mine = decoding & (snap.active_rank == r)
             cap = self._max_tokens(snap, snap.active_ids[mine])
             if not mine.any() or (cap >= _UNKNOWN).any():
                 ratio[r] = self.init_new_token_ratio
             else:
                 done = snap.active_decoded[mine].sum() + _RETRACT_DECODE_STEPS * int(mine.sum())
-                ratio[r] = min(1.0, done / (cap.sum() + 1))
-        return ratio, {"ratio": ratio, "ids": snap.active_ids.copy(), "rank": snap.active_rank.copy(),
-                       "dec": snap.active_decoded.copy()}
+                ratio[r] = min(1.0, float(done / (cap.sum() + 1)))
 
-    def _admit_room(self, snap: Snapshot, waiting: np.ndarray, drop: np.ndarray, keep: np.ndarray,
-                    free: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _admit_room(self, snap: Snapshot, waiting: list[int], drop: np.ndarray, going_at: np.ndarray,
+                    free: list[float], count: list[int]) -> tuple[list[float], dict]:
         """Tokens per rank a new prompt and its output reserve may take (SGLang's rem_total_tokens): the free
         pages (already net of the running sequences' next page) less, for each running sequence, its estimated
         remaining decode beyond that page, min(max_tokens - generated, clip) x new_token_ratio; a part-prefilled
-        prompt also reserves what is left of its prompt and its clipped max_tokens x the ratio."""
+        prompt (`going_at`) also reserves what is left of its prompt and its clipped max_tokens x the ratio.
+        Preempted sequences (`drop`) reserve nothing."""
         R, P = snap.num_ranks, snap.page_tokens
-        ratio, carry = self._ratios(snap, waiting, drop, keep)
-        ids, rank = snap.active_ids[keep], snap.active_rank[keep]
-        prefilled = snap.active_prefilled[keep] if snap.active_prefilled.size else np.zeros(ids.size, np.int64)
-        decoded = snap.active_decoded[keep]
-        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - decoded, 0), self.clip_max_new_tokens)
-        est = left * ratio[rank]
-        reserve = np.where(prefilled > 0, snap.lengths.context(ids) - prefilled + est,
-                           np.maximum(est - self.page_lookahead, 0))
-        return free * P - np.bincount(rank, weights=reserve, minlength=R), carry
+        ratio, carry = self._ratios(snap, waiting, drop, count)
+        ids, rank = snap.active_ids, snap.active_rank
+        left = np.minimum(np.maximum(self._max_tokens(snap, ids) - snap.active_decoded, 0), self.clip_max_new_tokens)
+        est = left * (ratio[0] if R == 1 else np.array(ratio)[rank])  # each row times its rank's ratio
+        reserve = np.maximum(est - self.page_lookahead, 0)
+        if going_at.size:
+            reserve[going_at] = (snap.active_context[going_at] - snap.active_prefilled[going_at]) + est[going_at]
+        if drop.size:
+            reserve[drop] = 0.0
+        taken = np.bincount(rank, weights=reserve, minlength=R).tolist()
+        return [f * P - t for f, t in zip(free, taken)], carry
 
 
-_NO_DROP = np.empty(0, np.int64)
 # id of a prompt-length column -> (a weak reference to it, model_context, the caps): outside the policy, which
 # stays a plain picklable value
 _CONTEXT_CAPS: dict[int, tuple] = {}
-_HEAD = 16                     # queue entries the one-rank fast path looks at first
+_HEAD = 16                     # queue entries a rank's chunks look at first
 _UNKNOWN = 2**62               # max_tokens when neither a cap nor the model's context is known
 _RETRACT_DECODE_STEPS = 20     # SGLang's SGLANG_RETRACT_DECODE_STEPS
 
@@ -416,21 +363,14 @@ def _fitting(context: list[int], max_tokens: list[int], clip: int, room: float, 
     return n
 
 
-def _fill_budget(cand: np.ndarray, start: np.ndarray, context: np.ndarray, budget: int, free_pages: float,
-                 page_tokens: int, whole: bool) -> tuple[np.ndarray, np.ndarray]:
+def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int,
+          whole: bool) -> tuple[list[int], list[int]]:
     """Chunks for FIFO candidates (those part-way through first) within a rank's token budget and free pages:
     each takes what is left of its context or of the budget (a chunk that completes its context also needs room
     for the first token). With `whole` (vLLM V1: a chunk's slots are allocated whole or not at all) a chunk whose
     pages are not all free waits; otherwise it is cut to the pages it can still get (SGLang's chunked request,
     and a rank where nothing decodes, so that nothing would free pages). Stops at the first candidate that cannot
     move, so FIFO order holds. Returns (ids, chunk lengths)."""
-    ids, lens = _fill(cand.tolist(), start.tolist(), context.tolist(), budget, free_pages, page_tokens, whole)
-    return np.array(ids, np.int64), np.array(lens, np.int64)
-
-
-def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int,
-          whole: bool) -> tuple[list[int], list[int]]:
-    """`_fill_budget` on Python lists."""
     ids, lens = [], []
     for sid, s, c in zip(cand, start, context):
         if budget <= 0:
