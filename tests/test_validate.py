@@ -4,6 +4,7 @@ of the simulator's time, and `python -m batchgen.validate`'s cases, errors and l
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -171,3 +172,28 @@ def test_pd_disagg_cases_run_a_prefill_and_a_decode_unit():
     assert "cluster.num_gpus=2" in case.overrides
     case = next(c for c in cases_from_args(["policy=pd_disagg", "cluster.num_gpus=4"]))
     assert case.overrides.index("cluster.num_gpus=4") > case.overrides.index("cluster.num_gpus=2")
+
+
+@pytest.mark.slow
+def test_by_default_validation_profiles_this_machine_first_and_predicts_from_that_file(tmp_path, monkeypatch, capsys):
+    """The default run (no latency= on the command line) profiles first, writes its calibration under
+    outputs/validate/<time>/, and predicts every case from it, scaled by the speed its checks found (the grid and
+    repeats made small here, the in-run stage on one policy; docs/calibration.md's example validates the file its
+    profile example wrote)."""
+    from batchgen.validate import __main__ as cli
+    from batchgen.validate import fresh, in_run
+
+    monkeypatch.setattr(fresh, "GRID", "test")
+    monkeypatch.setattr(in_run, "POLICIES", ("static",))
+    monkeypatch.setattr(fresh, "REPEATS", 1)
+    monkeypatch.setattr(fresh, "IN_RUN_REPEATS", 1)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["workload=small", "workload.num_sequences=6", "workload.max_output=16", "policy=static",
+                     "backend.repeats=1"]) == 0
+    out, err = capsys.readouterr()
+    written = list((tmp_path / "outputs" / "validate").glob("*/calibration.json"))
+    assert len(written) == 1 and "profiling this machine first" in err
+    assert "in_run" in json.loads(written[0].read_text())  # the in-run stage ran and its ratios were kept
+    row = next(line for line in out.splitlines() if line.startswith("small/static"))
+    assert "equal" in row and re.search(r"\s\d+\.\d\dx\s", row)  # the speed column: this run's own checks
+    assert re.fullmatch(r"median_abs_error=\d+\.\d% worst_abs_error=\d+\.\d%", out.strip().splitlines()[-1])

@@ -147,7 +147,7 @@ def test_n8_with_a_shared_system_prompt_killed_twice_then_resumed(demo, tmp_path
               "body": {"messages": [{"role": "system", "content": system},
                                     {"role": "user", "content": f"Question {k}: why is the sea salty?"}],
                        "n": 8, "max_tokens": 40 + (k * 13) % 60, "temperature": 1.0, "stop_token_ids": STOPS[:10]}}
-             for k in range(24)]
+             for k in range(12)]
     requests = write_lines(tmp_path / "requests.jsonl", lines)
     baseline = tmp_path / "baseline.jsonl"
     run_in_process(demo, requests, baseline, *INVARIANT)
@@ -174,6 +174,6 @@ def test_n8_with_a_shared_system_prompt_killed_twice_then_resumed(demo, tmp_path
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     records = read_records(output)
-    assert sorted(r["custom_id"] for r in records) == sorted(f"q{k}" for k in range(24))
+    assert sorted(r["custom_id"] for r in records) == sorted(f"q{k}" for k in range(12))
     assert all(len(r["response"]["body"]["choices"]) == 8 for r in records)
     assert comparable(records) == comparable(read_records(baseline))
