@@ -26,21 +26,18 @@ def _max(a: Any, b: Any) -> Any:
     return np.maximum(a, b)
 
 
-def _is_grid(x: Any) -> bool:
-    return isinstance(x, np.ndarray) and x.ndim >= 1
-
-
 class Dag:
-    """Compute and transfer nodes with dependencies and resources; see the module docstring."""
+    """Compute and transfer nodes with dependencies and resources; see the module docstring. It keeps what is
+    read back: each node's name and finish, and the predecessor that decided a scalar node's start (`path`)."""
+
+    __slots__ = ("names", "finish", "_via", "_last", "_scalar")
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        self.costs: list[Any] = []
-        self.preds: list[tuple[int, ...]] = []
-        self.resources: list[str | None] = []
         self.finish: list[Any] = []  # dp: when each node ends on the critical path into it
         self._via: list[int | None] = []  # the predecessor that decided a scalar node's start
         self._last: dict[str, int] = {}
+        self._scalar = True  # every cost a float so far: starts are plain comparisons
 
     def __len__(self) -> int:
         return len(self.names)
@@ -49,36 +46,38 @@ class Dag:
             sync: bool = False) -> int:
         """Add a node that starts once every node in `after` (None entries are ignored) and the previous node
         on `resource` have finished (and, if `sync`, once they have on every rank); returns its index."""
-        preds = [p for p in after if p is not None]
-        if resource is not None and resource in self._last:
-            preds.append(self._last[resource])
-        for p in preds:
-            if not 0 <= p < len(self.names):
-                raise ValueError(f"node {name!r} depends on node {p}, which does not exist yet: add nodes in "
-                                 "topological order")
+        finish = self.finish
+        index = len(finish)
+        if cost.__class__ is not float:
+            if isinstance(cost, (int, np.integer)) and not isinstance(cost, bool):
+                cost = float(cost)
+            elif not isinstance(cost, float):
+                self._scalar = False  # from here on some finish is an array: starts by np.maximum
+        scalar = self._scalar  # every finish so far a float
         start: Any = 0.0
         via = None
-        for p in preds:
-            f = self.finish[p]
-            if isinstance(f, float) and isinstance(start, float):
+        if resource is not None:
+            previous = self._last.get(resource)
+            self._last[resource] = index
+            if previous is not None:
+                after = (*after, previous)
+        for p in after:
+            if p is None:
+                continue
+            if p >= index or p < 0:
+                raise ValueError(f"node {name!r} depends on node {p}, which does not exist yet: add nodes in "
+                                 "topological order")
+            f = finish[p]
+            if scalar:
                 if f >= start:
                     start, via = f, p
             else:
                 start = _max(start, f)
-        if sync and _is_grid(start):
+        if sync and not scalar and isinstance(start, np.ndarray) and start.ndim:
             start = start.max(axis=0, keepdims=True)
-        if isinstance(cost, (int, np.integer)) and not isinstance(cost, bool):
-            cost = float(cost)
-        finish = start + cost
-        index = len(self.names)
         self.names.append(name)
-        self.costs.append(cost)
-        self.preds.append(tuple(preds))
-        self.resources.append(resource)
-        self.finish.append(finish)
+        finish.append(start + cost)
         self._via.append(via)
-        if resource is not None:
-            self._last[resource] = index
         return index
 
     def length(self) -> Any:

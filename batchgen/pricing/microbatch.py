@@ -58,38 +58,9 @@ class MicroBatchCosts:
     prefetch: object = 0.0  # h2d: the next layer's weights
 
 
-class _FloatDag:
-    """`Dag.add` for Python-float costs only (one rank, one iteration: the planner's typical iteration, a fast
-    path of batchgen.fastpath): the same nodes and the same starts (the latest finish among a node's
-    predecessors and its resource's previous node; a sync node waits for its one rank only), without names,
-    paths or checks; `finish` holds each node's end, as `Dag.finish` does."""
-
-    __slots__ = ("finish", "_last")
-
-    def __init__(self) -> None:
-        self.finish: list[float] = []
-        self._last: dict[str, int] = {}
-
-    def add(self, name: str, cost: float, after=(), resource: str | None = None, sync: bool = False) -> int:
-        finish = self.finish
-        start = 0.0
-        for p in after:
-            if p is not None and finish[p] >= start:
-                start = finish[p]
-        index = len(finish)
-        if resource is not None:
-            p = self._last.get(resource)
-            if p is not None and finish[p] >= start:
-                start = finish[p]
-            self._last[resource] = index
-        finish.append(start + cost)
-        return index
-
-
-def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2, dag=None) -> tuple[Dag, list[int]]:
-    """`layers` identical layers; returns the DAG and each layer's end node. `dag`: an empty one to fill (a
-    `_FloatDag` for float costs), else a new `Dag`."""
-    dag = Dag() if dag is None else dag
+def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2) -> tuple[Dag, list[int]]:
+    """`layers` identical layers; returns the DAG and each layer's end node."""
+    dag = Dag()
     m = len(c.attn)
     weight_link = WEIGHTS if c.kind == "cpu" else H2D
     weights_for = dag.add("weights L1", c.prefetch, resource=weight_link)
@@ -235,12 +206,11 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
             continue
         c = (_float_costs(lat, tokens, context, launches, kind)
              if fastpath.ENABLED and not is_moe and R == 1 and K == 1 and type(lat) is Roofline else None)
-        if c is not None:  # one rank, one iteration, a dense layer: the same DAG on Python floats
+        if c is not None:  # one rank, one iteration, a dense layer: the DAG on Python floats
             layer_calls = []
-            dag, ends = build_dag(c, pipelined, dag=_FloatDag())
         else:
             c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s)
-            dag, ends = build_dag(c, pipelined)
+        dag, ends = build_dag(c, pipelined)
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)
         gpu = np.asarray(work, float).max(axis=0) if np.ndim(work) == 2 else work
