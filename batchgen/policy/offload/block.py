@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.policy.base import Admit, Decision, Forecast, Snapshot
 from batchgen.policy.common import pages_for, shed_to_fit
 
@@ -80,10 +79,11 @@ def block_repeats(snap: Snapshot, forecast: Forecast) -> int:
 def _shed(snap: Snapshot, d: Decision) -> None:
     """Rows that cannot grow by a page lose their KV (recomputed later)."""
     P = snap.page_tokens
-    if fastpath.ENABLED and snap.num_ranks == 1 and not snap.active_host_resident.any():
-        # one rank, device KV (the usual block): nothing is shed when every row's next page fits (the same
-        # integer sum `shed_to_fit` compares), and no host-resident row could be (a fast path: the same decision)
-        if int(pages_for(snap.active_context + P, P).sum()) <= int(snap.pages_capacity[0]):
+    if not snap.active_host_resident.any():
+        # device KV (the usual block): nothing is shed when every rank's rows get their next page (the sums
+        # `shed_to_fit` compares), and no host-resident row could be
+        need = np.bincount(snap.active_rank, weights=pages_for(snap.active_context + P, P), minlength=snap.num_ranks)
+        if (need <= snap.pages_capacity).all():
             d.evict_ids = np.empty(0, np.int64)
             return
     dev = np.flatnonzero(~snap.active_host_resident)
