@@ -48,19 +48,17 @@ class Dag:
         on `resource` have finished (and, if `sync`, once they have on every rank); returns its index."""
         finish = self.finish
         index = len(finish)
+        scalar = self._scalar  # every finish so far a float
         if cost.__class__ is not float:
             if isinstance(cost, (int, np.integer)) and not isinstance(cost, bool):
                 cost = float(cost)
             elif not isinstance(cost, float):
-                self._scalar = False  # from here on some finish is an array: starts by np.maximum
-        scalar = self._scalar  # every finish so far a float
+                scalar = False  # this node's finish is an array: starts by np.maximum from here on
         start: Any = 0.0
         via = None
-        if resource is not None:
-            previous = self._last.get(resource)
-            self._last[resource] = index
-            if previous is not None:
-                after = (*after, previous)
+        previous = self._last.get(resource) if resource is not None else None
+        if previous is not None:
+            after = (*after, previous)
         for p in after:
             if p is None:
                 continue
@@ -75,9 +73,12 @@ class Dag:
                 start = _max(start, f)
         if sync and not scalar and isinstance(start, np.ndarray) and start.ndim:
             start = start.max(axis=0, keepdims=True)
+        self._scalar = scalar
         self.names.append(name)
         finish.append(start + cost)
         self._via.append(via)
+        if resource is not None:
+            self._last[resource] = index
         return index
 
     def length(self) -> Any:

@@ -195,25 +195,24 @@ class ContinuousPolicy(PolicyDefaults):
         drop, count, free = self._preempt(snap, d, going_at)
         if drop.size:
             going_at = np.setdiff1d(going_at, drop, assume_unique=True)
-        going_rank = snap.active_rank[going_at].tolist() if going_at.size else []
-        going = [0] * R  # per rank
-        for r in going_rank:
-            going[r] += 1
+        going: list[list[int]] = [[] for _ in range(R)]  # per rank, the rows part-way through
+        for i, r in zip(going_at.tolist(), snap.active_rank[going_at].tolist()):
+            going[r].append(i)
         room = None
         if self.admission == "conservative":
             room, d.carry = self._admit_room(snap, waiting, drop, going_at, free, count)
         ids_out, ranks_out, lens_out = [], [], []
         evicted = set(snap.active_rank[drop].tolist()) if drop.size else ()
         for r in range(R):
-            budget = self.token_budget - (count[r] - going[r]) if self.mixed_chunks else self.token_budget
+            decoding = count[r] - len(going[r])
+            budget = self.token_budget - decoding if self.mixed_chunks else self.token_budget
             if budget <= 0 or not (waiting[r] or going[r]) or r in evicted:
                 continue  # (evicted: memory is short on this rank: decode to make room before prefilling again)
-            mine = [i for i, g in zip(going_at.tolist(), going_rank) if g == r] if going[r] else []
             fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else EMPTY
             ids, lens = self._rank_chunks(
-                snap, snap.pinned[r], fresh, mine, max(self.max_running - count[r], 0),
+                snap, snap.pinned[r], fresh, going[r], max(self.max_running - count[r], 0),
                 None if room is None else room[r], not count[r], budget, free[r],
-                self.admission == "greedy" and count[r] > going[r])
+                self.admission == "greedy" and decoding > 0)
             if ids:
                 ids_out += ids
                 ranks_out += [r] * len(ids)
@@ -234,8 +233,11 @@ class ContinuousPolicy(PolicyDefaults):
         (`fresh`), FIFO; SGLang's check keeps a prompt out unless it and its clipped output fit the `room`.
         Only the head of the queue that can move is looked at: a FIFO cut never depends on what follows it, so
         the rest is read only where the whole head moves."""
-        going, going_start, going_context = ((snap.active_ids[going_at].tolist(), snap.active_prefilled[going_at].tolist(),
-                                              snap.active_context[going_at].tolist()) if going_at else ([], [], []))
+        going, going_start, going_context = [], [], []
+        if going_at:
+            going = snap.active_ids[going_at].tolist()
+            going_start = snap.active_prefilled[going_at].tolist()
+            going_context = snap.active_context[going_at].tolist()
         look = min(slots, len(queue) + fresh.size)
         head = min(look, _HEAD)
         while True:

@@ -146,7 +146,9 @@ class PDDisaggPolicy(PolicyDefaults):
         # without layer-by-layer offload (the executor) the forward's KV sits in the rank's pages meanwhile
         page_room = (snap.pages_capacity * (1 - self.admit_watermark)).astype(np.int64)
         ids_out, ranks_out = [], []
-        for r in (r for r, w in enumerate(waiting) if w):
+        for r, w in enumerate(waiting):
+            if not w:
+                continue
             fresh = d.pin_ids[d.pin_ranks == r] if d.pin_ids.size else np.empty(0, np.int64)
             n_peek = max(self.token_budget // 64, 1)
             cand = np.concatenate([snap.pinned[r].peek(n_peek), fresh])[:n_peek]
