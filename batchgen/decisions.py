@@ -8,6 +8,7 @@ with ==, and `first_difference` says where two runs parted.
 
 from __future__ import annotations
 
+import csv
 from dataclasses import astuple, dataclass, fields, replace
 from typing import Iterable
 
@@ -115,6 +116,9 @@ COLUMNS = tuple(f.name for f in fields(BoundaryDecision))
 SCALAR_FIELDS = tuple(f for f in COLUMNS if f not in ID_FIELDS)
 RUN_FIELDS = ("prefilled", "chunked", "decoded", "host_resident")  # what ran: never folded from idle decisions
 FOLDED_FIELDS = tuple(f for f in ID_FIELDS if f not in RUN_FIELDS)
+CHANGED_FIELDS = ("decoded", "host_resident")  # the running sets: decisions.csv holds their changes
+FILE_COLUMNS = tuple(c for f in COLUMNS for c in ((f"{f}_joined", f"{f}_left") if f in CHANGED_FIELDS else (f,)))
+FILE_ID_COLUMNS = tuple(c for f in ID_FIELDS for c in ((f"{f}_joined", f"{f}_left") if f in CHANGED_FIELDS else (f,)))
 
 
 def ranges(ids: Iterable[int]) -> str:
@@ -130,6 +134,15 @@ def ranges(ids: Iterable[int]) -> str:
     return " ".join(out)
 
 
+def ids_of(text: str) -> IdTuple:
+    """The inverse of `ranges`: "0-2 5" -> (0, 1, 2, 5)."""
+    out: list[int] = []
+    for run in text.split():
+        first, _, last = run.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return tuple(out)
+
+
 def trace_of(records) -> list[BoundaryDecision]:
     """The decision trace of a run's step records (engine.StepRecord), in the order they ran."""
     return [r.decision for r in records if getattr(r, "decision", None) is not None]
@@ -137,33 +150,38 @@ def trace_of(records) -> list[BoundaryDecision]:
 
 @dataclass
 class DecisionColumns:
-    """A decision trace as columns: what `trace_of` returns, without a `BoundaryDecision` per boundary (the running
-    set is listed at every boundary: 9M ids for 20K sequences, which took a quarter of the simulation to sort into
-    tuples one boundary at a time). Boundary k's ids of `field` are `ids[field][0][offsets[k]:offsets[k + 1]]`,
-    `offsets = ids[field][1]`, sorted as the trace's tuple holds them; the writer reads these columns."""
+    """A decision trace as the columns of decisions.csv, built without a `BoundaryDecision` per boundary. Boundary
+    k's ids of a file column `c` are `ids[c][0][offsets[k]:offsets[k + 1]]`, `offsets = ids[c][1]`, sorted.
 
-    ids: dict[str, tuple[np.ndarray, np.ndarray]]   # field -> (every boundary's ids, int64; offsets, one more)
+    The running sets (`CHANGED_FIELDS`: every running sequence at every boundary) are almost all of a trace: 8.5M
+    ids for 20K sequences on 8 GPUs, where the policy's own choices are 60K, and most of the time it took to write
+    them. The file holds what changed instead: for each boundary, the ids that joined its instance's set since that
+    instance's previous boundary (`<field>_joined`) and those that left it (`<field>_left`); `read_decisions`
+    replays them into the whole sets."""
+
+    ids: dict[str, tuple[np.ndarray, np.ndarray]]   # file column -> (every boundary's ids, int64; offsets, one more)
     scalars: dict[str, np.ndarray]                  # instance, steps, micro_batch: int64; phase, stop, flags: str
 
     @classmethod
     def of(cls, records) -> "DecisionColumns":
-        """From a run's step records (engine.StepRecord), in the order they ran, as `trace_of(records)`."""
-        sets: list[list] = [[] for _ in ID_FIELDS]
-        sizes: list[list[int]] = [[] for _ in ID_FIELDS]
+        """From a run's step records (engine.StepRecord), in the order they ran: `trace_of(records)` as columns."""
+        sets: list[list] = [[] for _ in FILE_ID_COLUMNS]
+        sizes: list[list[int]] = [[] for _ in FILE_ID_COLUMNS]
         scalars: list[tuple] = []
+        changes = SetChanges()
         for r in records:
             summary = r.summary if hasattr(r, "summary") else getattr(r, "decision", None)  # not resolved
             if summary is None:
                 continue
             ids, values = _unsorted(summary)
             scalars.append(values)
-            for held, n, a in zip(sets, sizes, ids):
+            for held, n, a in zip(sets, sizes, changes.columns(values[0], ids)):
                 k = len(a)
                 n.append(k)
                 if k:
                     held.append(a)
         columns = {}
-        for f, held, n in zip(ID_FIELDS, sets, sizes):
+        for f, held, n in zip(FILE_ID_COLUMNS, sets, sizes):
             offsets = np.zeros(len(n) + 1, np.int64)
             np.cumsum(n, out=offsets[1:])
             flat = np.concatenate([np.asarray(a, np.int64).ravel() for a in held]) if held else np.empty(0, np.int64)
@@ -175,11 +193,72 @@ class DecisionColumns:
     def __len__(self) -> int:
         return len(self.scalars["instance"])
 
-    def decision(self, k: int) -> BoundaryDecision:
-        """Boundary k as the trace holds it (for reading a few; the writer never builds these)."""
-        sets = {f: tuple(ids[offsets[k]:offsets[k + 1]].tolist()) for f, (ids, offsets) in self.ids.items()}
-        values = {f: (v[k].item() if isinstance(v[k], np.generic) else v[k]) for f, v in self.scalars.items()}
-        return BoundaryDecision(**values, **sets)
+
+class SetChanges:
+    """Each instance's running sets as changes since that instance's previous boundary, through one scratch mask
+    over the ids (cleared after each use): O(the two sets' sizes) per boundary, no sort."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[int, str], np.ndarray] = {}
+        self.mask = np.zeros(0, bool)
+
+    def columns(self, instance: int, ids: tuple) -> list:
+        """A boundary's id sets in `ID_FIELDS` order -> its file columns' (`FILE_ID_COLUMNS`)."""
+        out = []
+        for f, a in zip(ID_FIELDS, ids):
+            out.extend(self.changes(instance, f, a) if f in CHANGED_FIELDS else (a,))
+        return out
+
+    def changes(self, instance: int, field: str, ids) -> tuple[np.ndarray, np.ndarray]:
+        """(joined, left): of `ids`, those not in the instance's previous set of `field`; of that set, those not
+        in `ids`."""
+        now = np.asarray(ids, np.int64).ravel()
+        before = self.last.get((instance, field), _NONE)
+        self.last[(instance, field)] = now
+        if not (now.size or before.size):
+            return now, before
+        try:
+            return self._changes(now, before)
+        except IndexError:  # an id past the mask: make room for it (the mask is all false again)
+            top = max(int(now.max(initial=-1)), int(before.max(initial=-1))) + 1
+            self.mask = np.zeros(max(top, 2 * self.mask.size), bool)
+            return self._changes(now, before)
+
+    def _changes(self, now: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mask = self.mask
+        mask[before] = True
+        try:
+            joined = now[~mask[now]]
+        finally:
+            mask[before] = False
+        mask[now] = True
+        left = before[~mask[before]]
+        mask[now] = False
+        return joined, left
+
+
+_NONE = np.empty(0, np.int64)
+
+
+def read_decisions(path) -> list[BoundaryDecision]:
+    """decisions.csv as the trace it was written from (`trace_of`), each running set replayed from its changes."""
+    running: dict[tuple[int, str], set[int]] = {}
+    trace = []
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            values: dict = {}
+            for f in COLUMNS:
+                if f in CHANGED_FIELDS:
+                    now = running.setdefault((int(row["instance"]), f), set())
+                    now.difference_update(ids_of(row[f"{f}_left"]))
+                    now.update(ids_of(row[f"{f}_joined"]))
+                    values[f] = tuple(sorted(now))
+                elif f in ID_FIELDS:
+                    values[f] = ids_of(row[f])
+                else:
+                    values[f] = int(row[f]) if f in ("instance", "steps", "micro_batch") else row[f]
+            trace.append(BoundaryDecision(**values))
+    return trace
 
 
 def _unsorted(summary) -> tuple[tuple, tuple]:

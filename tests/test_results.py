@@ -211,7 +211,26 @@ def test_timeline_stands_alone(runs):
     assert {"compute", "communication", "idle"} <= set(top.get_legend_handles_labels()[1])
     assert "(s)" in bottom.get_xlabel() and "share" in top.get_ylabel()
     assert not any("e+" in t or "e-0" in t for t in _texts(fig)), [t for t in _texts(fig) if "e+" in t]
-    assert fig.get_constrained_layout()
+    _all_inside(fig)
+
+
+def _all_inside(fig) -> None:
+    """Nothing drawn runs off the canvas (a label cut at the figure's edge): the bounding box of everything drawn,
+    as a tight bounding box would crop it, lies within the figure's."""
+    fig.canvas.draw()
+    drawn, canvas = fig.get_tightbbox(fig.canvas.get_renderer()), fig.bbox_inches
+    assert (drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= canvas.x1 + 0.01
+            and drawn.y1 <= canvas.y1 + 0.01), (drawn, canvas)
+
+
+def test_timeline_holds_large_counts_and_long_titles(runs):
+    """Margins sized from what they hold: seven-digit running counts and a title of two lines stay on the canvas."""
+    from batchgen.results.plot import draw_timeline, timeline_of
+
+    t = timeline_of(runs["coroutine"])
+    t.series["running"] = t.series["running"] * 5e6 / max(float(t.series["running"].max()), 1.0)
+    t.title = t.title + " | " + "a much longer title, " * 8
+    _all_inside(draw_timeline(t))
 
 
 def test_binning_keeps_the_integral():

@@ -1,8 +1,9 @@
 """The result tables written from columns are the files the row-by-row writer made, byte for byte, and each
 file can be turned off.
 
-The reference writer below is the one the columns replaced (csv.DictWriter over `BoundaryDecision.row()`,
-numpy.savetxt), kept here as the oracle.
+The reference writers below are row by row (csv.DictWriter over `BoundaryDecision.row()` with each instance's
+running sets as Python-set differences, numpy.savetxt), kept here as the oracle; decisions.csv also reads back as
+the trace it was written from.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from batchgen.decisions import (COLUMNS, BoundaryDecision, DecisionColumns, DeferredDecision, ranges, sorted_within,
-                                trace_of)
+from batchgen.decisions import (CHANGED_FIELDS, FILE_COLUMNS, BoundaryDecision, DecisionColumns, DeferredDecision,
+                                ids_of, ranges, read_decisions, sorted_within, trace_of)
 from batchgen.results import csvtext, write_results, writer
 from batchgen.results.metrics import step_arrays
 from batchgen.sim.run import simulate
@@ -31,10 +32,18 @@ JOBS = ("continuous-a100-preempting", "coroutine-a100", "coroutine-host-2x8", "s
 # ---- the row-by-row writer, as it was ------------------------------------------------------------------------
 
 def reference_decisions(path: Path, records) -> None:
+    before: dict[tuple[int, str], set] = {}
     with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["boundary", *COLUMNS])
+        w = csv.DictWriter(fh, fieldnames=["boundary", *FILE_COLUMNS])
         w.writeheader()
-        w.writerows({"boundary": k, **d.row()} for k, d in enumerate(trace_of(records)))
+        for k, d in enumerate(trace_of(records)):
+            row = {"boundary": k, **d.row()}
+            for f in CHANGED_FIELDS:
+                now, was = set(getattr(d, f)), before.get((d.instance, f), set())
+                before[(d.instance, f)] = now
+                del row[f]
+                row[f"{f}_joined"], row[f"{f}_left"] = ranges(sorted(now - was)), ranges(sorted(was - now))
+            w.writerow(row)
 
 
 def reference_sequences(path: Path, out) -> None:
@@ -80,7 +89,7 @@ def test_tables_are_the_row_by_row_writers(case, tmp_path):
     for name in TABLES:
         assert new[name] == old[name], name
     trace = trace_of(out.records)
-    assert len(columns) == len(trace) and all(columns.decision(k) == d for k, d in enumerate(trace))
+    assert len(columns) == len(trace) and read_decisions(paths["decisions.csv"]) == trace
     # and from records whose decisions were resolved already (BoundaryDecisions, as with the fast paths off)
     again = write_results(out, tmp_path / "resolved", {})
     assert again["decisions.csv"].read_bytes() == old["decisions.csv"]
@@ -117,9 +126,17 @@ def test_columns_fold_idle_changes_as_the_trace_does(tmp_path):
     records_for_trace = [SimpleNamespace(decision=r.summary.resolve() if r.summary else None) for r in records]
     trace = trace_of(records_for_trace)
     assert len(columns) == len(trace) == 60
-    assert all(columns.decision(k) == d for k, d in enumerate(trace))
+    assert read_decisions(tmp_path / "columns.csv") == trace
     reference_decisions(tmp_path / "rows.csv", records_for_trace)
     assert (tmp_path / "columns.csv").read_bytes() == (tmp_path / "rows.csv").read_bytes()
+
+
+def test_ranges_read_back():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        ids = tuple(sorted(set(rng.integers(0, 40, rng.integers(0, 20)).tolist())))
+        assert ids_of(ranges(ids)) == ids
+    assert ranges((0, 1, 2, 5)) == "0-2 5" and ids_of("") == ()
 
 
 def test_rows_are_sorted_within_and_only_within():

@@ -9,6 +9,7 @@ record: the figure costs the same for any run length and short prefill steps are
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from batchgen.results.forked import Deferred
 from batchgen.results.metrics import StepArrays, bct, step_arrays, where_it_ran
 
 BINS = 1000           # two points per bin with step drawing: ~2000 points per line
+TITLE_CHARS = 150     # a title's line at most: wider runs off an 11-inch figure at 10 points
 MAX_LINES = 8         # more instances than this are drawn as one aggregate line with a min-max band
 
 
@@ -151,7 +153,7 @@ def _save(t: Timeline, path: Path) -> Path:
 
     fig = draw_timeline(t)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -166,12 +168,19 @@ def draw_timeline(t: Timeline):
     _import_pyplot()
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), constrained_layout=True)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5))
     _draw_utilisation(top, t.edges, t.series, "rank" if t.measured else "GPU")
     _draw_running(bottom, t.edges, t.series["running"], t.finish, "measured" if t.measured else "simulated")
     bottom.set_xlim(0, t.edges[-1])
     plain_seconds(bottom.xaxis)
-    fig.suptitle(t.title, fontsize=10)
+    plain_seconds(bottom.yaxis)
+    heading = textwrap.wrap(t.title, TITLE_CHARS)
+    fig.suptitle("\n".join(heading), fontsize=10)
+    # margins sized from what they hold (the running count's digits, the title's lines): a layout engine
+    # (constrained, or a tight bounding box) measures every label in a second pass, half of the figure's time
+    digits = len(f"{bottom.get_ylim()[1]:.0f}")
+    fig.subplots_adjust(left=0.045 + 0.0068 * digits, right=0.93, top=0.935 - 0.03 * (len(heading) - 1),
+                        bottom=0.085, hspace=0.06)
     return fig
 
 

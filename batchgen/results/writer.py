@@ -14,7 +14,7 @@ from typing import Any, Collection
 
 import numpy as np
 
-from batchgen.decisions import COLUMNS as DECISION_COLUMNS, ID_FIELDS, DecisionColumns
+from batchgen.decisions import FILE_COLUMNS as DECISION_COLUMNS, FILE_ID_COLUMNS, DecisionColumns
 from batchgen.results import csvtext
 from batchgen.results.metrics import StepArrays, device_table, step_arrays
 
@@ -124,13 +124,13 @@ def _write_device_timeline(path: Path, out, steps, bins: int = 100) -> None:
 
 
 def _write_decisions(path: Path, trace: DecisionColumns) -> None:
-    """One row per boundary, id sets as ranges ("0-15 18"): the rows csv.DictWriter made of `trace_of`'s
-    decisions (`BoundaryDecision.row`), byte for byte, from the columns."""
+    """One row per boundary, id sets as ranges ("0-15 18"), the running sets as their changes
+    (`DecisionColumns`); `batchgen.decisions.read_decisions` reads it back as the trace."""
     k = len(trace)
     cells: dict[str, csvtext.Cells] = {"boundary": csvtext.Numbers(np.arange(k))}
     for f, values in trace.scalars.items():
         cells[f] = csvtext.Numbers(values) if values.dtype.kind in "iu" else csvtext.Strings(values.tolist())
-    for f in ID_FIELDS:
+    for f in FILE_ID_COLUMNS:
         cells[f] = csvtext.Ranges(*trace.ids[f])
     names = ["boundary", *DECISION_COLUMNS]
     csvtext.write(path, names, [cells[n] for n in names])
