@@ -42,10 +42,10 @@ class Moves:
 
     def any(self) -> bool:
         """Whether any byte moved (a backend skips pricing copies when none did)."""
-        if fastpath.ENABLED and self.__dict__.get("_nothing"):
+        if self.__dict__.get("_nothing"):
             return False
         b = self.__dict__.get("_block")
-        if (fastpath.ENABLED and b is not None and self.h2d.base is b and self.d2h.base is b
+        if (b is not None and self.h2d.base is b and self.d2h.base is b
                 and self.network.base is b and self.peer.base is b):
             return bool(b.any())  # the four rows are still the block's: one pass over it
         return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
@@ -79,11 +79,9 @@ class Accounts:
         """(index into ids, GPU) for every GPU that holds part of a running sequence: its own GPU, and for a
         PARTITIONed one the next tp - 1 ranks of its instance (wrapping), the group that shares its heads."""
         t = self.table
-        if fastpath.ENABLED and not self.partitioned_ever:  # nothing partitioned (usual): one GPU each
+        if not self.partitioned_ever:  # nothing partitioned (usual): one GPU each
             return np.arange(ids.size), t.where[ids].astype(np.int64)
         tp = t.tp[ids].astype(np.int64)
-        if fastpath.ENABLED and (not tp.size or tp.max() == 1):
-            return np.arange(ids.size), t.where[ids].astype(np.int64)
         rep = np.repeat(np.arange(ids.size), tp)
         if rep.size == ids.size:
             return rep, t.where[ids].astype(np.int64)
@@ -108,7 +106,7 @@ class Accounts:
     def pages_needed(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
         the tokens into a page (KV split by heads), a replicated latent does not."""
-        if fastpath.ENABLED and not self.partitioned_ever:  # every degree is 1
+        if not self.partitioned_ever:  # every degree is 1
             return -(-np.asarray(tokens, np.int64) // self.page_tokens)
         per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
         return -(-np.asarray(tokens, np.int64) // per_page)
@@ -156,12 +154,12 @@ class Accounts:
     def reserve(self, ids: np.ndarray, lookahead_tokens: int, context: np.ndarray | None = None) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit
         (host-resident ones hold no pages). `context`: the sequences' contexts where the caller has them."""
-        if not fastpath.ENABLED or self.has_host_copies():  # without a host copy none is host-resident
+        if self.has_host_copies():  # without a host copy none is host-resident
             keep = ~self.table.host_resident[ids]
             ids, context = ids[keep], None
         if context is None:
             context = self.table.context(ids)
-        if fastpath.ENABLED and not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
+        if not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
             need = (context + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
         else:
             need = self.pages_needed(ids, context + lookahead_tokens)
@@ -181,7 +179,7 @@ class Accounts:
 
     def _host_drop(self, ids: np.ndarray) -> None:
         t = self.table
-        if fastpath.ENABLED and not self.has_host_copies():
+        if not self.has_host_copies():
             return  # no host copy anywhere: none to drop
         keep = t.host_node[ids] >= 0
         if keep.any():
@@ -190,7 +188,7 @@ class Accounts:
             t.host_node[ids[keep]] = -1
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
-        if fastpath.ENABLED and not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
+        if not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
             if self._reserving[instance]:
                 self.host_reserved[instance] = 0
                 self._reserving[instance] = False
@@ -200,8 +198,6 @@ class Accounts:
 
     def host_committed(self, except_instance: int) -> np.ndarray:
         """Host KV in use plus what other instances' runs in flight will add."""
-        if not fastpath.ENABLED:
-            return self.host_used + np.delete(self.host_reserved, except_instance, axis=0).sum(axis=0)
         if self.topo.num_instances == 1:
             return self.host_used.copy()
         others = self.host_reserved.sum(axis=0) - self.host_reserved[except_instance]  # integers: exact
@@ -209,9 +205,7 @@ class Accounts:
 
     def has_host_copies(self) -> bool:
         """Whether any sequence has a KV copy in host memory (each holds at least one token there)."""
-        if fastpath.ENABLED:  # kept in step by every method that changes host_used (`check` verifies it)
-            return self._host_any
-        return bool(self.host_used.any())
+        return self._host_any  # kept in step by every method that changes host_used (`check` verifies it)
 
     # ---- invariants ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -238,8 +232,8 @@ class Accounts:
             raise InvariantError("host KV accounting drifted from the per-sequence host copies")
         if np.any(self.host_used > self.host_kv_tokens):
             raise InvariantError("a node's host memory holds more KV than its capacity")
-        if not self._host_any and self.host_used.any():
-            raise InvariantError("host KV in use although has_host_copies() says there is none")
+        if self._host_any != bool(self.host_used.any()):
+            raise InvariantError("has_host_copies() drifted from the host KV in use")
         places = np.zeros(len(t), np.int64)
         for q in [*self.pending, *self.pinned]:
             ids = q.to_array()

@@ -116,17 +116,14 @@ class ClusterState(FewIds, Accounts):
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
         self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
-        if not fastpath.ENABLED or self.partitioned_ever:
+        if self.partitioned_ever:
             self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
         if self.num_part_prefilled:
             self.num_part_prefilled -= int(np.count_nonzero(self.table.prefilled[ids]))
         self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
-        # np.setdiff1d(active, ids, assume_unique=True) without its sort: keep the active order, drop ids
+        # np.setdiff1d(active, ids, assume_unique=True) without its search: keep the active order, drop ids
         active, leaving = self.active[instance], self._leaving
-        if not fastpath.ENABLED:
-            self.active[instance] = np.setdiff1d(active, ids, assume_unique=True)
-            return
         if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
             self.active[instance] = active[active != ids[0]]
             return
@@ -441,7 +438,7 @@ class ClusterState(FewIds, Accounts):
         A host-resident sequence's copy always grows: its new KV is appended to host at every layer."""
         t = self.table
         t.decoded[ids] += tokens
-        if fastpath.ENABLED and not self.has_host_copies():
+        if not self.has_host_copies():
             return  # no host copy anywhere: nothing to grow
         copy = (t.host_node[ids] >= 0) & (host_sync | t.host_resident[ids])
         if copy.any():

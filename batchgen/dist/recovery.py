@@ -485,6 +485,7 @@ def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) ->
     first.num_finished = last.num_finished
     first.pages_used[:] = 0
     first.host_used[:] = 0
+    first._host_any = False
     first.host_reserved[:] = 0
     first.pending = [IdQueue() for _ in first.pending]
     first.pinned = [IdQueue() for _ in first.pinned]

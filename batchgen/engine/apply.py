@@ -53,7 +53,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     decode_ids = state.active[instance]
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
-    if state.num_part_prefilled or not fastpath.ENABLED:
+    if state.num_part_prefilled:
         partial = t.prefilled[decode_ids] > 0
         if partial.any():  # part-way through a chunked prefill: no token to decode yet
             decode_ids = decode_ids[~partial]
@@ -65,13 +65,13 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         chunk = _take_chunks(state, instance, d, gpus)
     state.reserve(decode_ids, steps)
     _reserve_host(state, instance, d, decode_ids, steps)
-    if not d.padded and (progress.padding or not fastpath.ENABLED):
+    if not d.padded and progress.padding:
         progress.pad_rows[:] = 0
         progress.pad_context[:] = 0
         progress.padding = False
     pad_rows, pad_context = progress.pads()
     decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
-    one_gpu = fastpath.ENABLED and gpus.size == 1  # every running sequence of the instance is on rank 0
+    one_gpu = gpus.size == 1  # every running sequence of the instance is on rank 0
     ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
@@ -113,7 +113,7 @@ def _kv_ops(state: ClusterState, ledger: KVLedger | None, instance: int, d: Deci
 def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: np.ndarray, steps: int) -> None:
     """What this run will add to host memory, so that instances sharing a node do not overfill it together."""
     t, node = state.table, state.topo.gpu_node
-    if fastpath.ENABLED and not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
+    if not (d.prefill_to_host and d.prefill_ids.size) and not state.has_host_copies():
         state.reserve_host(instance, _EMPTY, _EMPTY)  # no host copy to grow, no prefill to host
         return
     parts_nodes, parts_tokens = [], []
@@ -146,7 +146,7 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
 
 def _distinct(ranks: np.ndarray) -> list[int]:
     """np.unique of a boundary's few ranks (ascending), without its sort machinery."""
-    return sorted(set(ranks.tolist())) if fastpath.ENABLED else np.unique(ranks)
+    return sorted(set(ranks.tolist()))
 
 
 def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> dict[str, np.ndarray]:
@@ -155,7 +155,7 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
     t = state.table
     ids, ranks = np.asarray(d.chunk_ids, np.int64), np.asarray(d.chunk_ranks, np.int64)
     lens = np.asarray(d.chunk_lens, np.int64)
-    distinct = len(set(ids.tolist())) if fastpath.ENABLED else np.unique(ids).size
+    distinct = len(set(ids.tolist()))
     if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.state import ClusterState
 from batchgen.engine.plan import filled
 from batchgen.policy.base import Capabilities, Lengths, Phase, Snapshot
@@ -35,7 +34,7 @@ class InstanceProgress:
 
     def pads(self) -> tuple[np.ndarray, np.ndarray]:
         """(pad_rows, pad_context) for a snapshot or a plan: copies, or one shared read-only zeros array."""
-        if self.padding or not fastpath.ENABLED:
+        if self.padding:
             return self.pad_rows.copy(), self.pad_context.copy()
         return self._zeros, self._zeros
 
@@ -102,10 +101,8 @@ _VIEWS: "weakref.WeakKeyDictionary[ClusterState, _SharedViews]" = weakref.WeakKe
 
 def tp_and_hosted(state: ClusterState, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Running sequences' partition degrees and host-residency flags; shared constants where the state has no
-    partition and no host copy (a fast path: `ClusterState.check` verifies the flags it reads)."""
+    partition and no host copy (`ClusterState.check` verifies the flags it reads)."""
     t = state.table
-    if not fastpath.ENABLED:
-        return t.tp[ids], t.host_resident[ids]
     tp = t.tp[ids] if state.partitioned_ever else filled(ids.size, 1, t.tp.dtype)
     hosted = t.host_resident[ids] if state.has_host_copies() else filled(ids.size, False, t.host_resident.dtype)
     return tp, hosted
@@ -127,11 +124,11 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
-        pages_capacity=views.pages_capacity[instance] if fastpath.ENABLED else state.gpu_pages[gpus],
+        pages_capacity=views.pages_capacity[instance],
         pad_rows=progress.pads()[0],
         active_ids=_frozen(ids), active_context=t.input_len[ids] + decoded,
         # every running sequence of a one-GPU instance is on its rank 0
-        active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance] and fastpath.ENABLED
+        active_rank=np.zeros(ids.size, np.int64) if views.one_gpu[instance]
         else state.gpu_rank[t.where[ids]],
         active_decoded=decoded, active_pages=t.pages[ids], active_tp=tp, active_host_resident=hosted,
         pending=views.pending[instance], pinned=views.instance_pinned[instance], suspended=views.suspended,

@@ -206,7 +206,7 @@ class Roofline(Transfers):
         t, ctx, mb = _arr(tokens, "tokens"), _arr(context_sum, "context_sum"), _arr(micro_batches, "micro_batches")
         if max_context is not None:
             longest = _arr(max_context, "max_context")
-            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact sum
+            if self.eff.attention_padding != 0:  # else _padded returns the exact sum
                 ctx = self._padded(ctx, t * longest, max_context)
         proj = self._weight_gemms("attention_decode", t, self._attention_gemms, mb)
         seconds = formulas.decode_attention(t, ctx, mb, proj, *self._attention_constants[0], maximum_for(t, ctx, mb))
@@ -225,12 +225,12 @@ class Roofline(Transfers):
         pairs = 0.5 * sq
         if max_context is not None and sequences is not None:
             seqs, longest = _arr(sequences, "sequences"), _arr(max_context, "max_context")
-            if self.eff.attention_padding != 0 or not fastpath.ENABLED:  # else _padded returns the exact pairs
+            if self.eff.attention_padding != 0:  # else _padded returns the exact pairs
                 pairs = self._padded(pairs, seqs * (longest * longest), max_context)
         if type(t) is float:
             if not t > 0:
                 return 0.0
-        elif fastpath.ENABLED and t.ndim and not t.any() and _fits(t, sq, mb, pairs):
+        elif t.ndim and not t.any() and _fits(t, sq, mb, pairs):
             return np.zeros(t.shape)  # nothing prefilled (a decode run's grid): 0 everywhere, as below
         proj = self._weight_gemms("attention_prefill", t, self._attention_gemms, mb)
         seconds = formulas.prefill_attention(t, pairs, mb, proj, *self._attention_constants[1],

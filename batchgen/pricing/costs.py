@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
 from batchgen.pricing.cost import RunCost, module_split
@@ -177,7 +176,7 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
     partitioned = tp.size > 0 and tp.max() > 1
-    if fastpath.ENABLED and not host_resident.any() and not partitioned and not pad_rows.any():
+    if not host_resident.any() and not partitioned and not pad_rows.any():
         # all on the device, unpartitioned (an offloading system's block with its KV on the GPU): the host
         # part is zeros and each query is one gate token, as the general code below sums them
         dev_tokens, dev_ctx, _ = _attention(rank, context, alive_for, tp, R, K, longest=False)
@@ -211,10 +210,9 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     K, R = iterations, num_ranks
     attn_tokens, attn_ctx, longest = _attention(rank, context, alive_for, tp, R, K)
     all_whole = bool((tp == 1).all())
-    shortcut = fastpath.ENABLED and all_whole
     # unpartitioned, each sequence's query is one gate token on its rank: the same sum as its attention tokens
-    gate = attn_tokens if shortcut else _alive(rank, alive_for, np.ones(rank.size), R, K)
-    padding = bool(pad_rows.any()) or not fastpath.ENABLED
+    gate = attn_tokens if all_whole else _alive(rank, alive_for, np.ones(rank.size), R, K)
+    padding = bool(pad_rows.any())
     if padding:  # (without padding rows these would add zeros)
         ks = np.arange(K)
         attn_tokens = attn_tokens + pad_rows[:, None]

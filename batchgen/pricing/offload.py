@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.plan.decode import DecodeGrid
 from batchgen.pricing.microbatch import _costs, _host_micro_batches, price_microbatched
@@ -31,7 +30,7 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     active = gate.sum(axis=0) > 0
     rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
     attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
-    if grid.host_tokens.any() or not fastpath.ENABLED:  # else the host part is 0 everywhere: adding it changes nothing
+    if grid.host_tokens.any():  # else the host part is 0 everywhere: adding it changes nothing
         attn = attn + lat.attention_decode(grid.host_tokens, grid.host_context,
                                            np.ceil(grid.host_tokens / max(micro_batch, 1)))
     modules = module_split(lat, attn, gate, gate, active)

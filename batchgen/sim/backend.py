@@ -116,7 +116,7 @@ class SimBackend:
             self.h2d_bytes += self.stream_bytes_per_iter * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             iterations = 1
-            produced = filled(ids.size, 1, np.int64) if fastpath.ENABLED else np.ones(ids.size, np.int64)
+            produced = filled(ids.size, 1, np.int64)
             if R == 1 and self.cells:  # one rank: the forward's load built and priced on floats
                 cells, heads = one_rank.mixed_cells(plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                                                     decode_context, plan.micro_batch)
@@ -137,11 +137,11 @@ class SimBackend:
             alive = np.full(ids.size, iterations) if plan.padded else produced
             hosted = np.asarray(plan.decode_host_resident, bool)
             # without a host copy anywhere none is host-resident; without a partition ever, every degree is 1
-            plain = fastpath.ENABLED and not self.state.has_host_copies() and not self.state.partitioned_ever
+            plain = not self.state.has_host_copies() and not self.state.partitioned_ever
             calls = None
             # partitioned attention's join, where it is priced (the offloading schedules' DAG does not read it)
             join = (partition_join(self.lat, plan.decode_rank, alive, plan.decode_tp, R, iterations)
-                    if not plain and (plan.ffn_schedule == "combined" or not fastpath.ENABLED) else 0.0)
+                    if not plain and plan.ffn_schedule == "combined" else 0.0)
             if plan.ffn_schedule != "combined":  # an offloading system's schedule: an FFN per micro-batch
                 cost, calls, gate_total = self.offload_run(plan, plan.decode_rank, context, alive, plan.decode_tp,
                                                            hosted, iterations)
@@ -179,31 +179,30 @@ class SimBackend:
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
-        still = fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
+        still = not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         finished = produced == remaining
         transfer = None if still else self._transfer_seconds(plan, produced, finished)  # None: nothing moves
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
         compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
                                                          + plan.chunk_ids.size, exposed)
         offsets = finish_offsets(cost, produced, finished, compute, boundary, duration, scale)
-        fast = fastpath.ENABLED
-        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size or not fast else _NONE
-        if fast and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
+        prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size else _NONE
+        if fastpath.ENABLED and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
             chunk_finished = few_chunks_finished(t, plan.chunk_ids, plan.chunk_completes)
         else:
             chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
-                              if plan.chunk_ids.size or not fast else _NONE)
+                              if plan.chunk_ids.size else _NONE)
         self.events += 1
         yield self.env.timeout(duration)
         # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
         rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
-                          rank_comm, float(cost.expert_tokens[0] if fast and cost.expert_tokens.size == 1
+                          rank_comm, float(cost.expert_tokens[0] if cost.expert_tokens.size == 1
                                            else cost.expert_tokens.sum()),
                           (int((cost.expert_tokens > 0).sum()) if calls is None else int(calls.sum()))
                           if self.lat.model.is_moe else 0,
                           # padding rows only in a padded plan (apply_decision zeroes them otherwise)
-                          int(gate_total - (plan.pad_rows.sum() if plan.padded or not fast else 0) * iterations),
+                          int(gate_total - (plan.pad_rows.sum() if plan.padded else 0) * iterations),
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
 
@@ -212,9 +211,9 @@ class SimBackend:
         seconds leave unhidden, the boundary's overhead for `in_play` sequences; `scale` stretches each
         iteration's compute to the run's share of the duration (for the finish times within it)."""
         # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
-        compute = float(cost.iteration_s[0]) if fastpath.ENABLED and cost.iteration_s.size == 1 else cost.compute_s
+        compute = float(cost.iteration_s[0]) if cost.iteration_s.size == 1 else cost.compute_s
         run = compute + exposed if self._serial else max(compute, exposed)
-        boundary = self._boundary_s.get(in_play) if fastpath.ENABLED else None
+        boundary = self._boundary_s.get(in_play)
         if boundary is None:  # a pure function of the count: priced once per count
             boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
         return compute, boundary, boundary + run, run / compute if compute > 0 else 0.0
@@ -266,7 +265,7 @@ class SimBackend:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
         R = g.size
-        if fastpath.ENABLED and not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
+        if not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
             return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished) + prefill_to_host_bytes(
             self.state, plan)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen import fastpath
-
 
 def finish_offsets(cost, produced: np.ndarray, finished: np.ndarray, compute: float, boundary: float,
                    duration: float, scale: float) -> np.ndarray:
     """Seconds after a run's start at which each decoding sequence made its last token (NaN where it did not
     finish): the boundary's overhead, then its iterations' compute stretched by `scale` (`SimBackend.timing`)."""
-    if fastpath.ENABLED and cost.iteration_s.size == 1:  # one iteration: every finish at its one end
+    if cost.iteration_s.size == 1:  # one iteration: every finish at its one end
         end = boundary + float(cost.iteration_s[0]) * scale if compute > 0 else duration
         return np.where(finished, end, np.nan)
     offsets = np.full(finished.size, np.nan)
