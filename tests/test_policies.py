@@ -415,3 +415,27 @@ def test_coroutine_moves_only_toward_less_loaded_ranks_and_in_an_order_the_execu
         apply_decision(state, 0, dataclasses.replace(d, move_ids=ids, move_ranks=swap), InstanceProgress(2))
         assert state.table.where[:3].tolist() == [0, 1, 1]
         state.check()
+
+
+def test_split_by_budget_gives_each_rank_a_fifo_run_within_its_budget():
+    """The candidates in order, each rank with budget a run that fits it (or is its one candidate) and that the
+    next candidate would overflow; no rank with budget passed over while candidates remain."""
+    from batchgen.policy.common import split_by_budget
+
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        tokens = rng.integers(1, 50, rng.integers(0, 30))
+        budget = rng.integers(-3, 120, rng.integers(0, 8))
+        ranks = split_by_budget(tokens, budget)
+        assert ranks.dtype == np.int64 and np.all(np.diff(ranks) >= 0) and ranks.size <= tokens.size
+        start = 0
+        for r in range(budget.size):
+            n = int((ranks == r).sum())
+            if budget[r] <= 0 or start == tokens.size:
+                assert n == 0
+                continue
+            taken = int(tokens[start:start + n].sum())
+            assert n >= 1 and (n == 1 or taken <= budget[r])
+            assert start + n == tokens.size or taken + int(tokens[start + n]) > budget[r]
+            start += n
+        assert start == ranks.size

@@ -92,13 +92,16 @@ def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarr
     """Give FIFO candidates to ranks in order so that each rank's token sum stays within its budget (each rank
     with budget takes at least one candidate). Returns the rank of each taken candidate (a prefix)."""
     cum = np.cumsum(tokens)
-    out, pos, base = [], 0, 0
-    for r, budget in enumerate(budget_per_rank):
-        if pos >= tokens.size:
+    n = tokens.size
+    counts: list[int] = []
+    pos = base = 0
+    for budget in np.asarray(budget_per_rank).tolist():
+        if pos >= n:
             break
         if budget <= 0:
+            counts.append(0)
             continue
-        end = max(pos + 1, int(np.searchsorted(cum, base + budget, side="right")))
-        out.append(np.full(end - pos, r))
+        end = max(pos + 1, int(cum.searchsorted(base + budget, side="right")))
+        counts.append(end - pos)
         pos, base = end, int(cum[end - 1])
-    return np.concatenate(out) if out else np.empty(0, np.int64)
+    return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
