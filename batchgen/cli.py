@@ -257,7 +257,8 @@ def _key_problem(o, cfg, command: str) -> str | None:
     section, sub = parts[0], parts[1]
     node = plain.get(section, ABSENT)
     if node is ABSENT and section == "policy":
-        return f"no policy chosen, so {key} is not a key: choose one with +policy=NAME (a file of {conf_dir() / 'policy'})"
+        return (f"no policy chosen, so {key} is not a key: choose one with +policy=NAME "
+                f"(a file of {conf_dir() / 'policy'})")
     if not isinstance(node, Mapping):
         return top_level_problem(section, node, plain, command) if node is ABSENT else \
             f"{section} is not a section (it is {node!r}): {key} is not a key"

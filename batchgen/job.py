@@ -216,10 +216,10 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
 
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
             host_kv_tokens: int | None = None, host_fix: str | None = None) -> Prepared:
-    """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of the one planned from the specs
-    (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit it). host_kv_tokens: the
-    host KV a real backend's pool of a node surely holds; the state's per node is the smaller of it and the
-    cluster spec's (`host_fix`: the setting that enlarges it, for the same error).
+    """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of
+    the one planned from the specs (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit
+    it). host_kv_tokens: the host KV a real backend's pool of a node surely holds; the state's per node is the smaller
+    of it and the cluster spec's (`host_fix`: the setting that enlarges it, for the same error).
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream

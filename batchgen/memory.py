@@ -212,7 +212,8 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
 def _activations_exceed(model, gpu, settings, policy_name, shape, act, room, weights, max_context) -> str:
     """The weights would fit but the batch shape's activations leave no room: say so, not "weights don't fit"."""
     gb = 1e9
-    forward = (f"{shape.prefill_tokens:,} prompt tokens per prefill forward" if shape.prefill_tokens >= shape.gate_tokens
+    forward = (f"{shape.prefill_tokens:,} prompt tokens per prefill forward"
+               if shape.prefill_tokens >= shape.gate_tokens
                else f"{shape.gate_tokens:,} tokens at the gate per decode forward")
     return (f"the activations of policy {policy_name}'s batch shape ({forward}, sequences of up to "
             f"{max_context:,} tokens) take {act / gb:.1f} GB per GPU: with {model.name}'s {weights / gb:.1f} GB of "

@@ -1,9 +1,10 @@
 """A small model directory to try batch jobs on a machine without a model hub: random weights, a real tokenizer.
 
-`python -m batchgen.batch.demo [DIR]` (default outputs/demo-model) writes a Mixtral-format Hugging Face directory (config.json, model.safetensors,
-tokenizer.json trained here on a few paragraphs, tokenizer_config.json with a ChatML chat template) and an example
-requests file. The text it generates is gibberish (the weights are random), but every path of a batch job runs
-on it exactly as on a real checkpoint: tokenization, chat templates, stop strings, EOS, the output format.
+`python -m batchgen.batch.demo [DIR]` (default outputs/demo-model) writes a Mixtral-format Hugging Face directory
+(config.json, model.safetensors, tokenizer.json trained here on a few paragraphs, tokenizer_config.json with a ChatML
+chat template) and an example requests file. The text it generates is gibberish (the weights are random), but every path
+of a batch job runs on it exactly as on a real checkpoint: tokenization, chat templates, stop strings, EOS, the output
+format.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def write_demo_model(path: str | Path, seed: int = 0, requests: bool = True) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", nargs="?", default=DEFAULT_DIR,
-                        help=f"directory to write (created if missing; default {DEFAULT_DIR}, beside the runs' outputs)")
+                        help=f"directory to write (created if missing; default {DEFAULT_DIR}, beside the runs' "
+                             "outputs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     path = write_demo_model(args.dir, args.seed)

@@ -66,7 +66,8 @@ def fit_params(predict: Predict, measured: np.ndarray, bounds: Mapping[str, Boun
 
     Coordinate search: each sweep tries `grid` values of each parameter across a window around its current
     value (the whole bound at first) and keeps the best; the window halves once a sweep stops gaining.
-    `fixed` parameters are passed to `predict` unchanged. Generic: any vectorised predict function of a few bounded parameters.
+    `fixed` parameters are passed to `predict` unchanged. Generic: any vectorised predict function of a few bounded
+    parameters.
     """
     measured = np.asarray(measured, dtype=float)
     if measured.size == 0:

@@ -97,7 +97,8 @@ class RunOutput:
 
 def check_supported(policy: Policy, capabilities: Capabilities) -> None:
     """A policy that asks for a way of running forwards (two-batch overlap, the all-to-all overlapped across
-    micro-batches, tensor-parallel attention, an FFN per micro-batch) the backend has not declared is refused before the run, with the knob to change."""
+    micro-batches, tensor-parallel attention, an FFN per micro-batch) the backend has not declared is refused before
+    the run, with the knob to change."""
     from batchgen.memory import ConfigError
 
     if policy.two_batch_overlap and not capabilities.two_batch_overlap:

@@ -2,12 +2,12 @@
 
 Why. A block policy (FlexGen, ZeRO-Inference) decides at every page boundary to decode its whole block again,
 until the block drains: on Vidur's workload (benchmarks/sim_scale.py --policies) 5,192 decode runs for 625
-blocks, each run costing a snapshot, a decision, a priced run and a SimPy event, though nothing new is decided. Where the policy declares (`Policy.repeats`,
-given the `Forecast` of its next snapshots) that its next n decisions are this same decode, the backend prices
-the n + 1 runs together and makes time pass once (`execute_repeated`), and the engine replays each boundary's
-bookkeeping as it would have happened: the same `apply_decision` (pages reserved for the next page of tokens),
-the same outcome (tokens, finishes at the same clock readings, pages freed), one step record and one decision
-record per run. Results are the same bit for bit (a fast path of batchgen.fastpath: tests/test_sim_fastpath.py
+blocks, each run costing a snapshot, a decision, a priced run and a SimPy event, though nothing new is decided. Where
+the policy declares (`Policy.repeats`, given the `Forecast` of its next snapshots) that its next n decisions are this
+same decode, the backend prices the n + 1 runs together and makes time pass once (`execute_repeated`), and the engine
+replays each boundary's bookkeeping as it would have happened: the same `apply_decision` (pages reserved for the next
+page of tokens), the same outcome (tokens, finishes at the same clock readings, pages freed), one step record and one
+decision record per run. Results are the same bit for bit (a fast path of batchgen.fastpath: tests/test_sim_fastpath.py
 runs jobs with and without it); only `events` (SimPy timeouts) counts fewer.
 
 Where. Only where the replay is exact by construction: a backend that offers it and moves no real KV (the

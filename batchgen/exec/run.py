@@ -255,7 +255,8 @@ def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: t
            f"{str(dtype).removeprefix('torch.')}, so the longest request, {max_context:,} tokens, needs about "
            f"{max(need_mb, 1):,.0f} MB) or shorten the longest requests")
     if num_pages < 1:
-        raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: {fix}")
+        raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: "
+                          f"{fix}")
     budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix, **host_kw(host)).budget
     return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context, budget)
 

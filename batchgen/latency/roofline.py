@@ -17,10 +17,10 @@ from batchgen.specs.host import DEFAULT_HOST
 
 _LOOKUP_ABOVE = 8     # grids larger than this read the GEMM time per token count from a cached curve
 _GEMM_LOOKUP_MAX = 1 << 16  # ... and so do smaller ones up to this many tokens (a serving engine's forwards)
-_EXPERT_CHUNK = 4096
+_EXPERT_CHUNK = 4096  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
 _LARGE_EXPERT_MEMO = 1 << 16  # prefill batch sizes whose expert times `experts` keeps
 _CELLS_KEPT = 1 << 16  # one-cell GEMM times `_gemm_cell` keeps
-_EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not  # distinct global batch sizes evaluated at once by `experts` (bounds a (chunk, E) array)
+_EXPERT_LOOKUP_MAX = 1 << 16  # gate batches up to this read a cached curve (decode); larger ones (prefill) not
 
 
 class Roofline(Transfers):

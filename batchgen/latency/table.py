@@ -13,7 +13,8 @@ first is priced as measured after an eviction and the others as measured right a
 (`warm` points, where the file has them): their weights are still in cache. 2-D modules interpolate linearly
 over a Delaunay triangulation of the measured points (exact for a cost linear in both coordinates, which a
 padded kernel's is); outside the measured hull they extrapolate linearly from the nearest measured point
-along a global non-negative gradient, and 1-D modules along their end segments; never below 0. Anything the file did not measure goes to `fallback` (a roofline).
+along a global non-negative gradient, and 1-D modules along their end segments; never below 0. Anything the file
+did not measure goes to `fallback` (a roofline).
 """
 from __future__ import annotations
 

@@ -257,7 +257,8 @@ class _Planner:
         # micro-batches' all-to-all overlap is priced for device-resident KV only
         if self.overlap and self.residency not in (AUTO, "device"):
             raise ConfigError(f"policy.comm_overlap prices device-resident decode only: set "
-                              f"policy.kv_residency=device or auto (not {self.residency}), or policy.comm_overlap=false")
+                              f"policy.kv_residency=device or auto (not {self.residency}), or "
+                              "policy.comm_overlap=false")
         return self._values(self.residency, ("device",) if self.on_cpu or self.overlap else RESIDENCY_ORDER)
 
     @property

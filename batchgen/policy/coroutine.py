@@ -42,7 +42,8 @@ import numpy as np
 from batchgen.core.move_order import one_at_a_time
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
-from batchgen.policy.common import check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit, split_by_budget
+from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit,
+                                   split_by_budget)
 
 
 RESIDENCIES = ("device", "host", "mixed", "auto")

@@ -12,13 +12,13 @@ node's suspended pool, until a decode unit takes it. Back-pressure: a prefill un
 its own GPUs' KV pool of prefilled, not yet shipped KV (real systems keep it on the prefill GPUs, or pre-allocate
 it on the decode side before prefilling, so a full decode side stalls prefill); past that it waits, idle.
 
-Decode unit: continuous batching exactly as `continuous` runs it (ContinuousPolicy: pages per rank, a running cap
-that is SGLang's by default, derived from the rank's KV pool (`max_running` 0, at most `running_cap`), preemption of the newest by recompute when the running sequences outgrow their pages, the recompute prefilled
-there, chunked, as vLLM's decode instance does). When it preempts or recomputes nothing, it admits prefilled
-sequences from the prefill nodes' pools, FIFO, spread evenly over its ranks within their free pages and slots:
-an Admit of another node's pool, i.e. the engine's MIGRATE, which prices the KV over the network
-(lat.network(bytes, cross_node)) into the run that follows. A decode unit with nothing admitted and nothing
-running waits, idle: that is the decode side's idle time.
+Decode unit: continuous batching exactly as `continuous` runs it (ContinuousPolicy: pages per rank, a running cap that
+is SGLang's by default, derived from the rank's KV pool (`max_running` 0, at most `running_cap`), preemption of the
+newest by recompute when the running sequences outgrow their pages, the recompute prefilled there, chunked, as vLLM's
+decode instance does). When it preempts or recomputes nothing, it admits prefilled sequences from the prefill nodes'
+pools, FIFO, spread evenly over its ranks within their free pages and slots: an Admit of another node's pool, i.e. the
+engine's MIGRATE, which prices the KV over the network (lat.network(bytes, cross_node)) into the run that follows. A
+decode unit with nothing admitted and nothing running waits, idle: that is the decode side's idle time.
 """
 
 from __future__ import annotations

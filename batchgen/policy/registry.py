@@ -20,7 +20,8 @@ for _cls in POLICIES.values():  # the optional members of the Policy protocol, w
     if not issubclass(_cls, PolicyDefaults):
         raise TypeError(f"policy class {_cls.__name__} must inherit batchgen.policy.base.PolicyDefaults")
 _FIXED = {"can_stream_weights", "uses_host_kv"}  # properties of the policy, not knobs
-_AUTO_KNOBS = {"attention_tp", "prefill_tokens_per_rank"}  # whole-number knobs that also take "auto" (resolved before the job runs)
+# whole-number knobs that also take "auto" (resolved before the job runs)
+_AUTO_KNOBS = {"attention_tp", "prefill_tokens_per_rank"}
 
 
 def policy_names() -> list[str]:

@@ -363,7 +363,8 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     rank_comm = float(p.comm_s.sum()) + joins[:, active].sum(axis=1)
     # the module split counts attention as computed where the KV is read (the DAG's overlap aside)
     attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
-            + lat.attention_decode(grid.host_tokens, grid.host_context, np.ceil(grid.host_tokens / max(micro_batch, 1))))
+            + lat.attention_decode(grid.host_tokens, grid.host_context,
+                                   np.ceil(grid.host_tokens / max(micro_batch, 1))))
     if grid.shards:
         attn = attn + shard_attention(lat, grid.shards)
     modules = module_split(lat, attn, gate, gate, active)

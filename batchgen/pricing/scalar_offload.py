@@ -10,10 +10,10 @@ sync node waits for one rank only. A layer's steady-state time is then the secon
 Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order
 (a max over predecessors picks a value without rounding), every cost is the roofline's own (elementwise on (K,)
 vectors instead of (1, K) grids), and every sum over iterations is numpy's on arrays of the same layout. It
-applies where `chain_applies` (a plain `Roofline`, a dense model) with one rank and no host-resident sequence;
-elsewhere `price_offload_one_rank` returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row device-KV grid (the
-planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the
-DAG on random grids.
+applies where `chain_applies` (a plain `Roofline`, a dense model) with one rank and no host-resident sequence; elsewhere
+`price_offload_one_rank` returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row
+device-KV grid (the planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both
+against the DAG on random grids.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def describe(checks: list[Drift]) -> str:
     if not stale(mean):
         return line + ": it still describes this machine"
     return (line + ": it does not describe this machine now, and predictions from it are off by about that factor. "
-            "Profile this machine again (docs/calibration.md, 'The executor's own machine': python -m batchgen.profile ... "
-            "out=FILE, then latency.calibration=FILE)")
+            "Profile this machine again (docs/calibration.md, 'The executor's own machine': "
+            "python -m batchgen.profile ... out=FILE, then latency.calibration=FILE)")
 
 
 def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8),
@@ -98,7 +98,8 @@ def probe(path: Path, spec: ModelSpec, quantiles: tuple[float, ...] = (0.0, 0.2,
                 chosen.append(cases[module, _point(points[i])])
                 recorded.append(points[i]["seconds"])
         if not chosen:
-            raise ValueError(f"{path}: none of its points is on the profiler's grid {settings['grid']!r} for this model")
+            raise ValueError(f"{path}: none of its points is on the profiler's grid {settings['grid']!r} "
+                             "for this model")
         # timed on the file's clock (a file from before the CPU clock: the wall's)
         kind = settings.get("clock", "wall") if clock_kind(device) == "cpu" else "wall"
         with using(kind):

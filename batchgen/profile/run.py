@@ -1,4 +1,5 @@
-"""Profile a model's modules on this device and assemble the calibration file (see batchgen.latency.calibration_file)."""
+"""Profile a model's modules on this device and assemble the calibration file
+(see batchgen.latency.calibration_file)."""
 from __future__ import annotations
 
 import dataclasses

@@ -233,8 +233,8 @@ def sweep_figure(groups: list[Group]):
         policies += [r.policy for r in g.runs if r.policy not in policies]
     common = job_identity([run for g in groups for run in g.runs])
     for ax, shares, group in zip(bct_axes, share_axes, groups):
-        names = [run.policy if sum(r.policy == run.policy for r in group.runs) == 1 else f"{run.policy}\n(run {run.name})"
-                 for run in group.runs]
+        names = [run.policy if sum(r.policy == run.policy for r in group.runs) == 1
+                 else f"{run.policy}\n(run {run.name})" for run in group.runs]
         bcts = [run.results.get("bct_s") or 0.0 if run.ok else 0.0 for run in group.runs]
         top = max(bcts) if any(bcts) else 1.0
         bars = ax.bar(range(len(group.runs)), bcts,
@@ -244,7 +244,8 @@ def sweep_figure(groups: list[Group]):
                 ax.text(i, 0.02 * top, "failed", ha="center", va="bottom", rotation=90, color="firebrick")
                 continue
             ratio = run.results.get("bct_vs_group_best")
-            text = f"{seconds_text(run.results.get('bct_s') or 0.0)} s" + (f"\n{ratio:.2f}x" if ratio is not None else "")
+            text = (f"{seconds_text(run.results.get('bct_s') or 0.0)} s"
+                    + (f"\n{ratio:.2f}x" if ratio is not None else ""))
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom",
                     fontsize=8)
         ax.set_xticks(range(len(group.runs)), names, fontsize=9)

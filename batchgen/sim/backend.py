@@ -44,11 +44,12 @@ class SimBackend:
         """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.pricing.tbo), the
         policy's choice (sglang_opt). `comm_overlap`: each attention micro-batch's expert all-to-all beside the
         next one's compute (`plan.decode.overlapped_all_to_all`), the policy's choice (coroutine's comm_overlap; device-
-        resident runs only: `batchgen.job.prepare` refuses it with host-resident KV). `overlap_copies` false: the KV a run copies (migrations, shipped KV,
-        checkpoints) is paid after its compute instead of beside it, for every policy alike, to measure what the
-        overlap is worth. `capabilities`: what the simulated engine can do; default everything the simulator prices
-        (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA, every partition
-        degree the heads allow). A validation run passes the executor's, so both see the same snapshots."""
+        resident runs only: `batchgen.job.prepare` refuses it with host-resident KV). `overlap_copies` false: the KV a
+        run copies (migrations, shipped KV, checkpoints) is paid after its compute instead of beside it, for every
+        policy alike, to measure what the overlap is worth. `capabilities`: what the simulated engine can do; default
+        everything the simulator prices (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA,
+        every partition degree the heads allow). A validation run passes the executor's, so both see the same
+        snapshots."""
         self.env = env
         self.capabilities = capabilities or Capabilities(cpu_attention=lat.model.attention != "mla",
                                                          partition_degrees=lat.model.partition_degrees())

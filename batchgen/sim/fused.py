@@ -11,8 +11,8 @@ three functions do it, on the few arrays it needs.
 Where. Only where each step is the general code's own operation on the same operands: a simulated instance of
 one GPU (its sequences all on rank 0), priced on floats (batchgen.pricing.price.price_cells: a latency model that
 takes them, no similar-context calls, no weights streamed), nothing on host, never partitioned, no padding; a
-decision that runs up to `_FEW_CHUNKS` prompt chunks beside every decode, or decodes for at most `CELL_ITERATIONS` iterations
-until the first finish or its steps, and calls no other primitive; a policy that declares no repeats and no
+decision that runs up to `_FEW_CHUNKS` prompt chunks beside every decode, or decodes for at most `CELL_ITERATIONS`
+iterations until the first finish or its steps, and calls no other primitive; a policy that declares no repeats and no
 step observer (a progress bar, a batch job). Everything else returns None before anything changed and takes the
 general path. tests/test_sim_fastpath.py runs jobs both ways and requires the same decisions, times and step
 records, bit for bit.
@@ -138,7 +138,8 @@ def _forward(backend, engine, instance, d, progress, now, folded, ids, waiting):
     compute, boundary, duration, scale = backend.timing(cost, ids.size + chunk_ids.size)
     finished = t.output_len[ids] - decoded == 1
     if finished.any():
-        times = now + finish_offsets(cost, filled(ids.size, 1, np.int64), finished, compute, boundary, duration, scale)[finished]
+        one_each = filled(ids.size, 1, np.int64)
+        times = now + finish_offsets(cost, one_each, finished, compute, boundary, duration, scale)[finished]
     chunk_finished = few_chunks_finished(t, chunk_ids, completes)
     backend.events += 1
     yield backend.env.timeout(duration)
