@@ -111,8 +111,14 @@ SCALAR_FIELDS = tuple(f for f in COLUMNS if f not in ID_FIELDS)
 RUN_FIELDS = ("prefilled", "chunked", "decoded", "host_resident")  # what ran: never folded from idle decisions
 FOLDED_FIELDS = tuple(f for f in ID_FIELDS if f not in RUN_FIELDS)
 CHANGED_FIELDS = ("decoded", "host_resident")  # the running sets: decisions.csv holds their changes
-FILE_COLUMNS = tuple(c for f in COLUMNS for c in ((f"{f}_joined", f"{f}_left") if f in CHANGED_FIELDS else (f,)))
-FILE_ID_COLUMNS = tuple(c for f in ID_FIELDS for c in ((f"{f}_joined", f"{f}_left") if f in CHANGED_FIELDS else (f,)))
+
+
+def _file_columns(names: tuple[str, ...]) -> tuple[str, ...]:
+    """decisions.csv's columns for trace fields: a running set as the ids that joined it and those that left."""
+    return tuple(c for f in names for c in ((f"{f}_joined", f"{f}_left") if f in CHANGED_FIELDS else (f,)))
+
+
+FILE_COLUMNS, FILE_ID_COLUMNS = _file_columns(COLUMNS), _file_columns(ID_FIELDS)
 
 
 def ranges(ids: Iterable[int]) -> str:
@@ -221,10 +227,8 @@ class SetChanges:
     def _changes(self, now: np.ndarray, before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         mask = self.mask
         mask[before] = True
-        try:
-            joined = now[~mask[now]]
-        finally:
-            mask[before] = False
+        joined = now[~mask[now]]  # an IndexError here leaves the mask to be replaced (`changes`)
+        mask[before] = False
         mask[now] = True
         left = before[~mask[before]]
         mask[now] = False

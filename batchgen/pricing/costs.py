@@ -176,25 +176,26 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     separate attention micro-batches); padding rows are device-resident."""
     K, R = iterations, num_ranks
     partitioned = tp.size > 0 and tp.max() > 1
-    if not host_resident.any() and not partitioned and not pad_rows.any():
-        # all on the device, unpartitioned (an offloading system's block with its KV on the GPU): the host
-        # part is zeros and each query is one gate token, as the general code below sums them
-        dev_tokens, dev_ctx, _ = _attention(rank, context, alive_for, tp, R, K, longest=False)
-        zeros = np.zeros((R, K))
-        mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
-        return DecodeGrid(dev_tokens, dev_ctx + 0.0, mb, zeros, zeros, dev_tokens + 0.0)
     if partitioned and (host_resident & (tp > 1)).any():
         raise ValueError("a PARTITIONed sequence is host-resident: its shards' KV would have to be restored on "
                          "every rank of its group, which no backend does (partition device-resident sequences)")
+    hosted = bool(host_resident.any())
     dev = ~host_resident
-    dev_tokens, dev_ctx, _ = _attention(rank[dev], context[dev], alive_for[dev], tp[dev], R, K)
-    host_tokens, host_ctx, _ = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
-                                          tp[host_resident], R, K)
-    ks = np.arange(K)
-    dev_tokens = dev_tokens + pad_rows[:, None]
-    dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * ks)
-    dev_gate = _alive(rank[dev], alive_for[dev], np.ones(int(dev.sum())), R, K) + pad_rows[:, None]
-    gate = dev_gate + _alive(rank[host_resident], alive_for[host_resident], np.ones(int(host_resident.sum())), R, K)
+    d_rank, d_context, d_alive, d_tp = ((rank[dev], context[dev], alive_for[dev], tp[dev]) if hosted
+                                        else (rank, context, alive_for, tp))
+    dev_tokens, dev_ctx, _ = _attention(d_rank, d_context, d_alive, d_tp, R, K, longest=False)
+    if pad_rows.any():
+        dev_tokens = dev_tokens + pad_rows[:, None]
+        dev_ctx = dev_ctx + (pad_context[:, None] + pad_rows[:, None] * np.arange(K))
+    # a gate token per device query (a partitioned sequence's on its lead) and per padding row
+    gate = (_alive(d_rank, d_alive, np.ones(d_rank.size), R, K) + pad_rows[:, None] if partitioned
+            else dev_tokens + 0.0)
+    if hosted:  # host-resident sequences are never partitioned: one query and one gate token each
+        host_tokens, host_ctx, _ = _attention(rank[host_resident], context[host_resident], alive_for[host_resident],
+                                              tp[host_resident], R, K, longest=False)
+        gate = gate + host_tokens
+    else:
+        host_tokens = host_ctx = np.zeros((R, K))
     # attention calls over the whole-head queries (every device query and padding row when nothing is partitioned)
     mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
     shards = _shards(rank, context, alive_for, tp, R, K) if partitioned else ()
