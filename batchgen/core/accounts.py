@@ -159,10 +159,7 @@ class Accounts:
             ids, context = ids[keep], None
         if context is None:
             context = self.table.context(ids)
-        if not self.partitioned_ever:  # pages_needed, as (x + P - 1) // P for x >= 0
-            need = (context + (lookahead_tokens + self.page_tokens - 1)) // self.page_tokens
-        else:
-            need = self.pages_needed(ids, context + lookahead_tokens)
+        need = self.pages_needed(ids, context + lookahead_tokens)
         grow = need > self.table.pages[ids]
         if grow.any():
             self._set_pages(ids[grow], need[grow])
