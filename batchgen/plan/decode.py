@@ -57,6 +57,14 @@ class DecodeGrid:
     gate_tokens: np.ndarray        # tokens entering this rank's gate (every running sequence)
     tp_join: np.ndarray | float = 0.0  # seconds per layer joining PARTITIONed attention shards (all-reduce)
     shards: tuple[Shards, ...] = ()    # PARTITIONed sequences' head shards (device-resident; not in dev_tokens)
+    # where padded kernels are called on runs of similar contexts (pricing.costs.padded_runs): the device
+    # queries' padded work / queries, the longest context each query is priced at; None: their summed context
+    dev_longest: np.ndarray | None = None
+
+
+def device_attention(lat: LatencyModel, grid: DecodeGrid):
+    """Seconds per layer of the device-resident queries' attention on each rank and iteration."""
+    return lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches, grid.dev_longest)
 
 
 @dataclass
@@ -96,7 +104,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
     device-resident micro-batch's all-to-all beside the next one's compute (`overlapped_all_to_all`; a grid with
     host-resident sequences is refused: their DAG does not model it)."""
     t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
-    dev_attn = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+    dev_attn = device_attention(lat, grid)
     if grid.shards:
         dev_attn = dev_attn + shard_attention(lat, grid.shards)
     gate = grid.gate_tokens

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, Shards, price_decode, shard_attention
+from batchgen.plan.decode import DecodeGrid, Shards, device_attention, price_decode, shard_attention
 from batchgen.pricing.cost import RunCost, module_split
 
 
@@ -171,9 +171,10 @@ def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, mi
 
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray) -> DecodeGrid:
+                pad_rows: np.ndarray, pad_context: np.ndarray, similar_calls: bool = False) -> DecodeGrid:
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
-    separate attention micro-batches); padding rows are device-resident."""
+    separate attention micro-batches); padding rows are device-resident. `similar_calls`: as in `decode_load`,
+    for the device-resident queries (their calls and padded work as the executor cuts them)."""
     K, R = iterations, num_ranks
     partitioned = tp.size > 0 and tp.max() > 1
     if partitioned and (host_resident & (tp > 1)).any():
@@ -198,8 +199,13 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
         host_tokens = host_ctx = np.zeros((R, K))
     # attention calls over the whole-head queries (every device query and padding row when nothing is partitioned)
     mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
+    longest = None
+    if similar_calls and not partitioned and not pad_rows.any():
+        mb, work = padded_runs(d_rank, d_context, d_alive, micro_batch, R, K)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            longest = np.where(dev_tokens > 0, work / dev_tokens, 0.0)
     shards = _shards(rank, context, alive_for, tp, R, K) if partitioned else ()
-    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards)
+    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards, dev_longest=longest)
 
 
 def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
@@ -363,7 +369,7 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     joins = np.broadcast_to(grid.tp_join, gate.shape) * sum(lat.layer_counts())
     rank_comm = float(p.comm_s.sum()) + joins[:, active].sum(axis=1)
     # the module split counts attention as computed where the KV is read (the DAG's overlap aside)
-    attn = (lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches)
+    attn = (device_attention(lat, grid)
             + lat.attention_decode(grid.host_tokens, grid.host_context,
                                    np.ceil(grid.host_tokens / max(micro_batch, 1))))
     if grid.shards:

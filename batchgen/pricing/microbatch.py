@@ -37,7 +37,7 @@ from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
-from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, host_bytes
+from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, device_attention, host_bytes
 from batchgen.pricing.scalar_offload import chain_applies, microbatched_one_rank
 
 GPU, H2D, D2H, CPU, WEIGHTS = "gpu", "h2d", "d2h", "cpu", "weights"
@@ -118,13 +118,16 @@ def _row(x):
 
 
 def _costs(lat: LatencyModel, tokens, context, launches, kind: str, moe: bool, replicas: int,
-           prefetch) -> tuple[MicroBatchCosts, list]:
+           prefetch, attention=None) -> tuple[MicroBatchCosts, list]:
     """Node costs of one layer for micro-batches given as (M, R, K) arrays; also each micro-batch's expert
-    calls per iteration (K,) (a grouped node stands for several micro-batches, each its own expert call)."""
+    calls per iteration (K,) (a grouped node stands for several micro-batches, each its own expert call).
+    `attention`: each device micro-batch's attention seconds (M, R, K) where they are priced apart."""
     c = MicroBatchCosts(kind, [], [], [], [], [], [], [], prefetch if moe else 0.0)
     calls = []
-    for t, ctx, n in zip(tokens, context, launches):
-        if kind == "cpu":
+    for i, (t, ctx, n) in enumerate(zip(tokens, context, launches)):
+        if attention is not None:
+            c.attn.append(attention[i])
+        elif kind == "cpu":
             down, back = lat.cpu_attention_ship(t, n)
             c.attn.append(lat.attention_decode(t, 0.0, n))
             c.append.append(down)
@@ -193,6 +196,13 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     kind = ("cpu" if cpu_attention else "staged") if hosted else "device"
     tokens, context, launches = _host_micro_batches(np.asarray(tokens_in, float), np.asarray(ctx_in, float),
                                                     micro_batch)
+    attention = None
+    if not hosted and grid.dev_longest is not None and tokens.shape[0]:
+        # the executor's calls of similar contexts, priced over the rank, spread over the FFN micro-batches by
+        # their share of its queries (the calls do not line up with the micro-batches)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(tokens_in > 0, tokens / tokens_in, 0.0)
+        attention = np.asarray(device_attention(lat, grid), float)[None] * share
     active = gate.sum(axis=0) > 0
     lm_head = lat.lm_head(gate)  # a pure function: priced once for both uses
     head = lm_head + lat.step_overhead(gate)
@@ -204,12 +214,12 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     for count, is_moe in ((n_dense, False), (n_moe, True)):
         if not count or not tokens.shape[0]:
             continue
-        c = (_float_costs(lat, tokens, context, launches, kind)
-             if fastpath.ENABLED and not is_moe and R == 1 and K == 1 and type(lat) is Roofline else None)
+        c = (_float_costs(lat, tokens, context, launches, kind) if fastpath.ENABLED and not is_moe and R == 1
+             and K == 1 and type(lat) is Roofline and attention is None else None)
         if c is not None:  # one rank, one iteration, a dense layer: the DAG on Python floats
             layer_calls = []
         else:
-            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s)
+            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention)
         dag, ends = build_dag(c, pipelined)
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)

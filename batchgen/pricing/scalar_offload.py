@@ -7,13 +7,13 @@ sequence's KV on the device, that DAG is a chain: every node with a cost sits on
 the dense model's 0-second expert node), the weight ring costs nothing (a dense model streams no experts), and a
 sync node waits for one rank only. A layer's steady-state time is then the second layer's chain minus the first's.
 
-Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order
-(a max over predecessors picks a value without rounding), every cost is the roofline's own (elementwise on (K,)
-vectors instead of (1, K) grids), and every sum over iterations is numpy's on arrays of the same layout. It
-applies where `chain_applies` (a plain `Roofline`, a dense model) with one rank and no host-resident sequence; elsewhere
-`price_offload_one_rank` returns None and the DAG prices. `price_microbatched` takes the same chain for any one-row
-device-KV grid (the planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_fastpath.py checks both
-against the DAG on random grids.
+Same results, bit for bit (a fast path of batchgen.fastpath): the chain adds the same costs in the DAG's order (a max
+over predecessors picks a value without rounding), every cost is the roofline's own (elementwise on (K,) vectors instead
+of (1, K) grids), and every sum over iterations is numpy's on arrays of the same layout. It applies where
+`chain_applies` (a plain `Roofline`, a dense model) with one rank, no host-resident sequence and attention priced on
+summed contexts (no similar-context calls); elsewhere `price_offload_one_rank` returns None and the DAG prices.
+`price_microbatched` takes the same chain for any one-row device-KV grid (the planner's typical iteration too:
+`microbatched_one_rank`). tests/test_sim_fastpath.py checks both against the DAG on random grids.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def price_offload_one_rank(lat: Roofline, grid: DecodeGrid, micro_batch: int, pi
     """`pricing.offload.price_offload` of a one-rank run with device KV: (cost, h2d bytes, d2h bytes, expert
     calls per iteration), or None where this path does not mirror it (see the module docstring)."""
 
-    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
+    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any() or grid.dev_longest is not None:
         return None
     out = _one_micro_batch(lat, grid, micro_batch, RunCost)
     return out if out is not None else _price(lat, grid, micro_batch, pipelined, RunCost)
@@ -105,7 +105,7 @@ def microbatched_one_rank(lat: Roofline, grid: DecodeGrid, micro_batch: int, pip
                           replicas: int = 1):
     """`pricing.microbatch.price_microbatched` (DecodePrice, expert calls) of a one-row grid with device KV (the
     simulator's one-rank runs, the planner's typical iteration), or None where this path does not mirror it."""
-    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any():
+    if grid.gate_tokens.shape[0] != 1 or grid.host_tokens.any() or grid.dev_longest is not None:
         return None
     price, calls, _ = _microbatched(lat, grid, micro_batch, pipelined, replicas)
     return price, calls

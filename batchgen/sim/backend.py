@@ -60,7 +60,7 @@ class SimBackend:
         self.cells = bool(getattr(lat, "prices_floats", False)) and fastpath.ENABLED
         self.comm_overlap = bool(comm_overlap)
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
-        self._similar_calls = lat.attention_padding > 0
+        self.similar_calls = lat.attention_padding > 0
         # a CPU "device" is the host's own cores: copies do not overlap its compute
         self._serial = lat.gpu.kind == "cpu" or not overlap_copies
         self.stream_bytes_per_iter = float(stream_bytes_per_iter)
@@ -109,7 +109,7 @@ class SimBackend:
             if plan.padded:
                 prompts = _padded(prompts, plan.prefill_rank, R)
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
-                                self._similar_calls)
+                                self.similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             cost = self._price(load, self.weight_stream_s)
             gate_total = load.gate_tokens.sum()
@@ -125,7 +125,7 @@ class SimBackend:
                 gate_total = cells[2][0]
             else:
                 load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                                  plan.decode_rank, decode_context, R, plan.micro_batch, self._similar_calls)
+                                  plan.decode_rank, decode_context, R, plan.micro_batch, self.similar_calls)
                 cost = self._price(load, self.weight_stream_s)
                 gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
@@ -148,7 +148,8 @@ class SimBackend:
                                                            hosted, iterations)
             elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
-                                   plan.micro_batch, plan.pad_rows, plan.pad_context)
+                                   plan.micro_batch, plan.pad_rows, plan.pad_context,
+                                   self.similar_calls and not plan.padded)
                 load.tp_join = join
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
@@ -159,13 +160,13 @@ class SimBackend:
                 cost = None
                 one = (R == 1 and ids.size and type(join) is float and join == 0.0 and self.cells
                        and (plain or int(plan.decode_tp.max()) == 1))
-                if one and iterations <= CELL_ITERATIONS and not plan.padded and not self._similar_calls:
+                if one and iterations <= CELL_ITERATIONS and not plan.padded and not self.similar_calls:
                     # one rank, a short run: its load built and priced on floats
                     cells = one_rank.decode_cells(context, alive, iterations, plan.micro_batch)
                     cost = price_cells(self.lat, cells, None, self.weight_stream_s, 0.0, self.tbo,
                                        self.comm_overlap)
                     gate_total = sum(cells[2])
-                elif (one and iterations > CELL_ITERATIONS and (plan.padded or not self._similar_calls)
+                elif (one and iterations > CELL_ITERATIONS and (plan.padded or not self.similar_calls)
                       and int(alive.min()) == iterations):
                     # one rank, every row through the whole run: its amounts in closed form
                     load = one_rank.all_alive(context, iterations, plan.micro_batch, int(plan.pad_rows[0]),
@@ -176,7 +177,7 @@ class SimBackend:
                 if cost is None:
                     load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                        plan.micro_batch, plan.pad_rows, plan.pad_context,
-                                       self._similar_calls and not plan.padded)
+                                       self.similar_calls and not plan.padded)
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int((cost.iteration_s > 0).sum())
@@ -222,7 +223,7 @@ class SimBackend:
     def fuses(self) -> bool:
         """Whether a one-GPU instance's plain boundaries may run as one pass (batchgen.sim.fused): priced on
         floats, no similar-context calls, no weights streamed."""
-        return (self.cells and not self._similar_calls and self.stream_bytes_per_iter == 0
+        return (self.cells and not self.similar_calls and self.stream_bytes_per_iter == 0
                 and self._prefetch_per_layer == 0)
 
     def boundary(self, engine, instance: int, decision, progress, now: float, folded):
@@ -233,7 +234,7 @@ class SimBackend:
         """(cost, expert calls per iteration, gate tokens) of a decode run under an offloading system's schedule
         (an FFN per micro-batch), priced on its DAG; its host traffic counted."""
         load = decode_grid(rank, context, alive, tp, hosted, plan.gpus.size, iterations, plan.micro_batch,
-                           plan.pad_rows, plan.pad_context)
+                           plan.pad_rows, plan.pad_context, self.similar_calls and not plan.padded)
         cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
                                               cpu_attention=bool(plan.cpu_attention and hosted.any()),
                                               pipelined=plan.ffn_schedule == "pipelined",

@@ -78,7 +78,7 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
 def _priced_together(backend, plan: StepPlan, remaining0: np.ndarray, context0: np.ndarray, n: int, P: int):
     """j -> (cost, h2d, d2h, calls, gate tokens) of run j from one chain priced over all the runs, or None
     where the chain does not apply (the runs are then priced one by one)."""
-    if not chain_applies(backend.lat) or plan.gpus.size != 1:
+    if not chain_applies(backend.lat) or plan.gpus.size != 1 or backend.similar_calls:
         return None
     K = (n + 1) * P
     grid = decode_grid(plan.decode_rank, context0, np.minimum(remaining0, K), plan.decode_tp,

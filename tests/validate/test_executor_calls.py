@@ -5,10 +5,8 @@ runs of similar contexts (`_chunks_similar`) anew at every forward, over the seq
 padded kernel attends, per call, the call's queries x its longest context. On the tiny CPU model a small call
 costs ~0.6-1 ms whatever its size, so a call priced that the executor never makes is most of a call's time.
 
-Validation on December 3 found small/continuous priced at 189 decode attention calls per layer where the executor
-made 136 (the runs were cut once per decode run; `padded_runs` now recuts them every iteration), and small/flexgen
-at 65 calls over unpadded contexts where the executor made 136 padded ones: the xfail below, an offloading
-block's price, is still the simulator's to fix (benchmarks/results/validation.md).
+The same holds for an offloading system's block (`decode_grid` with `similar_calls`), whose FFN runs per micro-batch
+of B_attn rows while its attention is called on runs of similar contexts of at most B_attn sequences.
 """
 import numpy as np
 import pytest
@@ -49,12 +47,14 @@ def test_the_runs_are_recut_as_sequences_finish():
     assert work[0].tolist() == exec_work
 
 
-@pytest.mark.xfail(strict=True, reason="plan.decode.decode_grid (an offloading system's block) counts "
-                                       "ceil(queries / B_attn) calls over the summed contexts; the executor calls "
-                                       "its device queries in runs of similar contexts, padded to each run's longest")
 def test_an_offloading_block_is_priced_on_the_executors_calls():
     rank = np.zeros(3, np.int64)
     grid = decode_grid(rank, CONTEXT, ALIVE, np.ones(3, np.int64), np.zeros(3, bool), 1, K, 8,
-                       np.zeros(1), np.zeros(1))
-    exec_calls, _ = executor_calls(CONTEXT, ALIVE, 8, K)
+                       np.zeros(1), np.zeros(1), similar_calls=True)
+    exec_calls, exec_work = executor_calls(CONTEXT, ALIVE, 8, K)
     assert grid.dev_micro_batches[0].tolist() == exec_calls
+    assert (grid.dev_tokens * grid.dev_longest)[0].tolist() == exec_work
+    # without padded kernels: launches of B_attn over the summed contexts, as before
+    plain = decode_grid(rank, CONTEXT, ALIVE, np.ones(3, np.int64), np.zeros(3, bool), 1, K, 8,
+                        np.zeros(1), np.zeros(1))
+    assert plain.dev_longest is None and plain.dev_micro_batches[0].tolist() == [1, 1, 1, 1, 1]
