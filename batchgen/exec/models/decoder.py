@@ -50,7 +50,10 @@ class MoEDecoder(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.rope = (MLARotaryEmbedding(config) if config.is_mla
                      else RotaryEmbedding(config.head_dim, config.rope_theta))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        # built without its random init (every model is filled by the loader or `init_random`): normal_ on the
+        # meta device imports torch._dynamo, a second of every process's start-up
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size, **kw))
         self.layers = nn.ModuleList(DecoderLayer(config, layer, self.rope, **kw)
                                     for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
