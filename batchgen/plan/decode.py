@@ -60,11 +60,33 @@ class DecodeGrid:
     # where padded kernels are called on runs of similar contexts (pricing.costs.padded_runs): the device
     # queries' padded work / queries, the longest context each query is priced at; None: their summed context
     dev_longest: np.ndarray | None = None
+    # where padded kernels attend restored KV: each host-resident micro-batch's padded work (M, R, K), its calls
+    # cut in ascending context as the executor stages them (pricing.costs.staged_padded_work); None: summed
+    host_work: np.ndarray | None = None
 
 
 def device_attention(lat: LatencyModel, grid: DecodeGrid):
     """Seconds per layer of the device-resident queries' attention on each rank and iteration."""
     return lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches, grid.dev_longest)
+
+
+def staged_attention(lat: LatencyModel, grid: DecodeGrid, tokens, context, launches):
+    """Seconds per layer of each host-resident micro-batch's attention over its restored KV (`_host_micro_batches`'
+    (M, R, K) arrays), padded as the executor's calls are where the grid says so."""
+    longest = None
+    if grid.host_work is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            longest = np.where(tokens > 0, grid.host_work / tokens, 0.0)
+    return lat.attention_decode(tokens, context, launches, longest)
+
+
+def host_attention(lat: LatencyModel, grid: DecodeGrid, micro_batch: int):
+    """Seconds per layer of the host-resident queries' attention on each rank and iteration (the module split's)."""
+    if grid.host_work is None:
+        launches = np.ceil(grid.host_tokens / max(micro_batch, 1))
+        return lat.attention_decode(grid.host_tokens, grid.host_context, launches)
+    return np.sum(staged_attention(lat, grid, *_host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)),
+                  axis=0)
 
 
 @dataclass
@@ -78,17 +100,22 @@ class DecodePrice:
     d2h_bytes: float          # device -> host bytes over the run, all ranks (appends, queries)
 
 
+def micro_batch_layout(peak: float, micro_batch: int) -> tuple[float, int, int]:
+    """(sequences per DAG node, micro-batches per node, nodes) for a rank of at most `peak` sequences."""
+    size = float(micro_batch) if micro_batch > 0 else peak
+    m = math.ceil(peak / size - 1e-9)
+    group = max(1, math.ceil(m / MAX_DAG_MICRO_BATCHES))
+    size *= group
+    return size, group, math.ceil(peak / size - 1e-9)
+
+
 def _host_micro_batches(host_tokens: np.ndarray, host_context: np.ndarray, micro_batch: int):
     """(tokens, context, launches) of each host-resident micro-batch: (M, R, K) arrays."""
     peak = float(host_tokens.max(initial=0.0))
     if peak <= 0:
         empty = np.zeros((0,) + host_tokens.shape)
         return empty, empty, empty
-    size = float(micro_batch) if micro_batch > 0 else peak
-    m = math.ceil(peak / size - 1e-9)
-    group = max(1, math.ceil(m / MAX_DAG_MICRO_BATCHES))
-    size *= group
-    m = math.ceil(peak / size - 1e-9)
+    size, group, m = micro_batch_layout(peak, micro_batch)
     starts = np.arange(m, dtype=float)[:, None, None] * size
     tokens = np.clip(host_tokens[None] - starts, 0.0, size)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -122,7 +149,8 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
         kw = dict(host_attn=list(lat.attention_decode(t, 0.0, launches)), append=list(down),
                   cpu_attn=list(lat.cpu_attention(t, ctx, launches)), ship_back=list(back))
     elif t.shape[0]:
-        kw = dict(host_attn=list(lat.attention_decode(t, ctx, launches)), restore=list(lat.kv_restore(ctx, launches)),
+        kw = dict(host_attn=list(staged_attention(lat, grid, t, ctx, launches)),
+                  restore=list(lat.kv_restore(ctx, launches)),
                   append=list(lat.kv_append(t, launches)))
     return LayerCosts(dev_attn=dev_attn, ffn=ffn, moe=moe_s, prefetch=prefetch_s, cpu_attention=cpu_attention,
                       serial=lat.gpu.kind == "cpu", **kw)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, Shards, device_attention, price_decode, shard_attention
+from batchgen.plan.decode import (DecodeGrid, Shards, device_attention, host_attention, micro_batch_layout,
+                                  price_decode, shard_attention)
 from batchgen.pricing.cost import RunCost, module_split
 
 
@@ -171,10 +172,13 @@ def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, mi
 
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
-                pad_rows: np.ndarray, pad_context: np.ndarray, similar_calls: bool = False) -> DecodeGrid:
+                pad_rows: np.ndarray, pad_context: np.ndarray, similar_calls: bool = False,
+                cpu_attention: bool = False) -> DecodeGrid:
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
-    separate attention micro-batches); padding rows are device-resident. `similar_calls`: as in `decode_load`,
-    for the device-resident queries (their calls and padded work as the executor cuts them)."""
+    separate attention micro-batches); padding rows are device-resident. `similar_calls`: padded kernels,
+    called as the executor calls them: the device-resident queries in runs of similar contexts (as in
+    `decode_load`), the host-resident ones, restored unless `cpu_attention`, in micro-batches of ascending
+    context (`staged_padded_work`)."""
     K, R = iterations, num_ranks
     partitioned = tp.size > 0 and tp.max() > 1
     if partitioned and (host_resident & (tp > 1)).any():
@@ -204,8 +208,36 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
         mb, work = padded_runs(d_rank, d_context, d_alive, micro_batch, R, K)
         with np.errstate(divide="ignore", invalid="ignore"):
             longest = np.where(dev_tokens > 0, work / dev_tokens, 0.0)
+    host_work = None
+    if similar_calls and hosted and not cpu_attention:
+        host_work = staged_padded_work(rank[host_resident], context[host_resident], alive_for[host_resident],
+                                       micro_batch, R, K, float(host_tokens.max(initial=0.0)))
     shards = _shards(rank, context, alive_for, tp, R, K) if partitioned else ()
-    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards, dev_longest=longest)
+    return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards, dev_longest=longest,
+                      host_work=host_work)
+
+
+def staged_padded_work(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, micro_batch: int, R: int,
+                       K: int, peak: float) -> np.ndarray:
+    """Padded work (M, R, K) of each host-resident micro-batch node of the DAG (`micro_batch_layout` for `peak`
+    sequences on a rank): the executor restores each rank's host-resident sequences, in ascending context, in
+    calls of `micro_batch` (batchgen.exec.runner._chunks_within; 0: one call), and each call pays its sequences x
+    its longest context; node i holds the calls of positions [i size, (i + 1) size)."""
+    size, _, m = micro_batch_layout(peak, micro_batch)
+    per_call = micro_batch if micro_batch > 0 else max(int(peak), 1)
+    work = np.zeros((m, R, K))
+    for k in range(K):
+        live = alive_for > k
+        if not live.any():
+            break
+        order = np.lexsort((context[live], rank[live]))
+        r, c = rank[live][order], context[live][order].astype(float) + k
+        first, end = np.searchsorted(r, r, side="left"), np.searchsorted(r, r, side="right")
+        pos = np.arange(r.size) - first
+        last = np.minimum(first + (pos // per_call + 1) * per_call, end) - 1  # each call's longest: its last
+        node = (pos // size).astype(np.int64)
+        work[:, :, k] = np.bincount(node * R + r, weights=c[last], minlength=m * R).reshape(m, R)
+    return work
 
 
 def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
@@ -369,9 +401,7 @@ def price_host(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_att
     joins = np.broadcast_to(grid.tp_join, gate.shape) * sum(lat.layer_counts())
     rank_comm = float(p.comm_s.sum()) + joins[:, active].sum(axis=1)
     # the module split counts attention as computed where the KV is read (the DAG's overlap aside)
-    attn = (device_attention(lat, grid)
-            + lat.attention_decode(grid.host_tokens, grid.host_context,
-                                   np.ceil(grid.host_tokens / max(micro_batch, 1))))
+    attn = device_attention(lat, grid) + host_attention(lat, grid, micro_batch)
     if grid.shards:
         attn = attn + shard_attention(lat, grid.shards)
     modules = module_split(lat, attn, gate, gate, active)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import DecodeGrid, device_attention
+from batchgen.plan.decode import DecodeGrid, device_attention, host_attention
 from batchgen.pricing.microbatch import _costs, _host_micro_batches, price_microbatched
 from batchgen.pricing.cost import RunCost, module_split
 from batchgen.pricing.scalar_offload import chain_applies, price_offload_one_rank
@@ -31,8 +31,7 @@ def price_offload(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_
     rank_comm = np.full(gate.shape[0], float(p.comm_s.sum()))
     attn = device_attention(lat, grid)
     if grid.host_tokens.any():  # else the host part is 0 everywhere: adding it changes nothing
-        attn = attn + lat.attention_decode(grid.host_tokens, grid.host_context,
-                                           np.ceil(grid.host_tokens / max(micro_batch, 1)))
+        attn = attn + host_attention(lat, grid, micro_batch)
     modules = module_split(lat, attn, gate, gate, active)
     # the FFN as the DAG runs it, once per micro-batch (module_split's is one expert batch of the whole block)
     modules["ffn"] = float(np.where(active, ffn_per_micro_batch(lat, grid, micro_batch), 0.0).sum())

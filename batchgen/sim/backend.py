@@ -149,7 +149,7 @@ class SimBackend:
             elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context,
-                                   self.similar_calls and not plan.padded)
+                                   self.similar_calls and not plan.padded, bool(plan.cpu_attention))
                 load.tp_join = join
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
@@ -234,7 +234,8 @@ class SimBackend:
         """(cost, expert calls per iteration, gate tokens) of a decode run under an offloading system's schedule
         (an FFN per micro-batch), priced on its DAG; its host traffic counted."""
         load = decode_grid(rank, context, alive, tp, hosted, plan.gpus.size, iterations, plan.micro_batch,
-                           plan.pad_rows, plan.pad_context, self.similar_calls and not plan.padded)
+                           plan.pad_rows, plan.pad_context, self.similar_calls and not plan.padded,
+                           bool(plan.cpu_attention))
         cost, h2d, d2h, calls = price_offload(self.lat, load, plan.micro_batch,
                                               cpu_attention=bool(plan.cpu_attention and hosted.any()),
                                               pipelined=plan.ffn_schedule == "pipelined",

@@ -6,12 +6,13 @@ padded kernel attends, per call, the call's queries x its longest context. On th
 costs ~0.6-1 ms whatever its size, so a call priced that the executor never makes is most of a call's time.
 
 The same holds for an offloading system's block (`decode_grid` with `similar_calls`), whose FFN runs per micro-batch
-of B_attn rows while its attention is called on runs of similar contexts of at most B_attn sequences.
+of B_attn rows while its attention is called on runs of similar contexts of at most B_attn sequences, and for
+host-resident queries whose KV is restored per micro-batch of B_attn, in ascending context, each call padded too.
 """
 import numpy as np
 import pytest
 
-from batchgen.exec.runner import _chunks_similar
+from batchgen.exec.runner import _chunks_similar, _chunks_within
 from batchgen.pricing.costs import decode_grid, padded_runs
 
 
@@ -58,3 +59,29 @@ def test_an_offloading_block_is_priced_on_the_executors_calls():
     plain = decode_grid(rank, CONTEXT, ALIVE, np.ones(3, np.int64), np.zeros(3, bool), 1, K, 8,
                         np.zeros(1), np.zeros(1))
     assert plain.dev_longest is None and plain.dev_micro_batches[0].tolist() == [1, 1, 1, 1, 1]
+
+
+def executor_staged_work(context, alive_for, micro_batch, K):
+    """Padded work per iteration of one rank's host-resident decode queries, restored and attended in calls of
+    `micro_batch` sequences in ascending context (the executor's `_chunks_within`, its staging area not binding)."""
+    order = np.argsort(context, kind="stable")
+    c, a = np.asarray(context)[order], np.asarray(alive_for)[order]
+    work = []
+    for k in range(K):
+        live = [int(x) + k for x in c[a > k]]
+        work.append(sum((hi - lo) * live[hi - 1] for lo, hi in _chunks_within([1] * len(live), micro_batch, None)))
+    return work
+
+
+def test_restored_micro_batches_are_priced_on_the_executors_padded_calls():
+    context, alive = np.array([300, 40, 100, 150, 41]), np.array([5, 2, 5, 3, 1])
+    rank = np.zeros(5, np.int64)
+    grid = decode_grid(rank, context, alive, np.ones(5, np.int64), np.ones(5, bool), 1, K, 2,
+                       np.zeros(1), np.zeros(1), similar_calls=True)
+    assert grid.host_work.sum(axis=0)[0].tolist() == executor_staged_work(context, alive, 2, K)
+    # the DAG's nodes hold the calls in order: the first node the shortest contexts, two of them at iteration 0
+    assert grid.host_work[0, 0, 0] == 2 * 41 and grid.host_work[2, 0, 0] == 300
+    # CPU attention reads the host KV in place: nothing restored, nothing padded here
+    cpu = decode_grid(rank, context, alive, np.ones(5, np.int64), np.ones(5, bool), 1, K, 2,
+                      np.zeros(1), np.zeros(1), similar_calls=True, cpu_attention=True)
+    assert cpu.host_work is None
