@@ -166,3 +166,23 @@ def test_in_run_ratios_scale_the_measured_modules_and_survive_the_file(tmp_path)
     cal["in_run"] = {"scales": {"attention": -1}}
     with pytest.raises(CalibrationError, match="in_run.scales"):
         validate(cal)
+
+
+def test_the_ffn_ratio_follows_the_call_size_between_its_phases(tmp_path):
+    """Decode and prefill FFN ratios sit at their phases' tokens per forward; a call between them gets the ratio
+    interpolated in log size, beyond them the nearer one; a file without the sizes keeps the one FFN ratio."""
+    plain = TablePredictor(linear_calibration(), Roofline(MODEL, HW))
+    cal = linear_calibration()
+    cal["in_run"] = {"scales": {"ffn": 1.0, "ffn_decode": 1.5, "ffn_prefill": 0.5},
+                     "tokens_per_forward": {"ffn_decode": 8, "ffn_prefill": 512}}
+    sized = TablePredictor.from_file(write(cal, tmp_path / "sized.json"), Roofline(MODEL, HW))
+    for tokens, ratio in ((1, 1.5), (8, 1.5), (64, 1.0), (512, 0.5), (4096, 0.5)):  # 64: halfway in log size
+        assert sized.experts(tokens)[0] == pytest.approx(ratio * plain.experts(tokens)[0])
+        assert sized.router(tokens) == pytest.approx(ratio * plain.router(tokens))
+    assert sized.lm_head(8) == plain.lm_head(8)  # the head keeps its own (here none)
+    del cal["in_run"]["tokens_per_forward"]
+    one = TablePredictor.from_file(write(cal, tmp_path / "one.json"), Roofline(MODEL, HW))
+    assert one.experts(8)[0] == pytest.approx(plain.experts(8)[0]) and one.key() != sized.key()
+    cal["in_run"]["tokens_per_forward"] = {"ffn_decode": 0}
+    with pytest.raises(CalibrationError, match="tokens_per_forward"):
+        validate(cal)

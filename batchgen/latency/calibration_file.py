@@ -88,6 +88,10 @@ def validate(data: Any, where: str = "calibration") -> dict:
     scales = (data.get("in_run") or {}).get("scales", {})
     if not isinstance(scales, Mapping) or not all(_number(v) and v > 0 for v in scales.values()):
         raise CalibrationError(f"{where}: in_run.scales must map module kinds to positive ratios, got {scales!r}")
+    sizes = (data.get("in_run") or {}).get("tokens_per_forward", {})
+    if not isinstance(sizes, Mapping) or not all(_number(v) and v > 0 for v in sizes.values()):
+        raise CalibrationError(f"{where}: in_run.tokens_per_forward must map ratios to positive token counts, "
+                               f"got {sizes!r}")
     return dict(data)
 
 

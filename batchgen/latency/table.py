@@ -126,7 +126,15 @@ class TablePredictor:
         sec = lambda p: p.get(statistic, p["seconds"])  # noqa: E731
         self.statistic = statistic
         # measured inside real runs / predicted from the grid, per module kind (batchgen.validate.in_run)
-        self.scales = {k: float(v) for k, v in (data.get("in_run") or {}).get("scales", {}).items()}
+        in_run = data.get("in_run") or {}
+        self.scales = {k: float(v) for k, v in in_run.get("scales", {}).items()}
+        # the FFN's decode and prefill ratios placed at their phases' tokens per forward (in_run.tokens_per_forward)
+        sizes = in_run.get("tokens_per_forward") or {}
+        self._sizes_key = tuple(sorted((k, float(v)) for k, v in sizes.items()))
+        phased = [(float(sizes[k]), self.scales[k]) for k in ("ffn_decode", "ffn_prefill") if k in sizes
+                  and k in self.scales]
+        self._ffn_by_size = (np.log([phased[0][0], phased[1][0]]), [phased[0][1], phased[1][1]]) if (
+            len(phased) == 2 and 0 < phased[0][0] < phased[1][0]) else None
         self._curves: dict[str, Curve] = {}
         self._surfaces: dict[str, Surface] = {}
         for name, coord in (("dense_ffn", "tokens"), ("shared_experts", "tokens"), ("router", "tokens"),
@@ -169,7 +177,7 @@ class TablePredictor:
         return 1.0 if "attention_decode" in self._surfaces else self.fallback.attention_padding
 
     def key(self) -> tuple:
-        return ("table", self._digest, tuple(sorted(self.scales.items())), self.page, self.statistic,
+        return ("table", self._digest, tuple(sorted(self.scales.items())), self._sizes_key, self.page, self.statistic,
                 self.fallback.key())
 
     def measured(self) -> list[str]:
@@ -203,10 +211,15 @@ class TablePredictor:
             work = np.asarray(sequences, float) * np.asarray(max_context, float) * self._padded(max_context)
         return _out(self._scale("attention_prefill", np.where(t > 0, mb * s(t / mb, work / mb), 0.0)))
 
-    def _scale(self, kind: str, seconds):
+    def _scale(self, kind: str, seconds, size=None):
         """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one).
         Decode and prefill attention each have their own ratio (they differ inside runs:
-        batchgen.validate.in_run); a file with only the combined `attention` ratio applies it to both."""
+        batchgen.validate.in_run); a file with only the combined `attention` ratio applies it to both. The FFN's
+        ratio for a call of `size` tokens is interpolated in log size between its decode and prefill ratios
+        (clamped beyond them) where the file has both; else its one ratio."""
+        if kind == "ffn" and size is not None and self._ffn_by_size is not None:
+            at, ratios = self._ffn_by_size
+            return seconds * np.interp(np.log(np.maximum(size, 1.0)), at, ratios)
         fallback = self.scales.get("attention", 1.0) if kind.startswith("attention") else 1.0
         return seconds * self.scales.get(kind, fallback)
 
@@ -215,7 +228,7 @@ class TablePredictor:
         if c is None:
             return getattr(self.fallback, method)(x)
         x = np.asarray(x, float)
-        return _out(self._scale(_KIND[name], np.where(x > 0, c(x), 0.0)))
+        return _out(self._scale(_KIND[name], np.where(x > 0, c(x), 0.0), x))
 
     def dense_ffn(self, tokens):
         return self._curve("dense_ffn", tokens, "dense_ffn")
@@ -234,7 +247,7 @@ class TablePredictor:
         if c is None or self.fallback.ep_ranks != 1:  # measured on one device: the whole gate batch
             return self.fallback.experts(total_tokens)
         t = np.asarray(total_tokens, float)
-        s = _out(self._scale("ffn", np.where(t > 0, c(t), 0.0)))
+        s = _out(self._scale("ffn", np.where(t > 0, c(t), 0.0), t))
         return s, s
 
     def step_overhead(self, sequences):

@@ -13,7 +13,10 @@ Attention has two ratios, one for decode and one for prefill (the runs' decode a
 combined one: the two move apart. In the same executor run on December 3, 2026, decode calls took 0.73-0.80x
 the grid's time and prefill calls 1.16-1.28x (benchmarks/results/validation.md), so one ratio fitted to the
 calibration workload's mix priced prefill about a third low and decode a few percent high, by amounts that
-depended on each workload's prefill share.
+depended on each workload's prefill share. The FFN's calls move apart the same way with their size (decode
+forwards of a few dozen tokens were priced 27-45% high, whole-prompt prefills of thousands 31-36% low, with one
+ratio): it has a ratio for each phase too, with each phase's tokens per forward, and the table interpolates
+between them by the call's size.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ from batchgen.validate.cases import Case
 from batchgen.validate.compare import compare, measure
 
 # module kinds with a ratio: attention over all records, and apart in decode and in prefill records
-SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "head", "step")
-PHASES = {"attention_decode": ("decode",), "attention_prefill": ("prefill", "mixed")}
+SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "ffn_decode", "ffn_prefill", "head", "step")
+PHASES = {"attention_decode": ("decode",), "attention_prefill": ("prefill", "mixed"),
+          "ffn_decode": ("decode",), "ffn_prefill": ("prefill", "mixed")}
 POLICIES = ("continuous", "coroutine", "static")
 
 
@@ -54,9 +58,22 @@ def in_run_scales(cases, log=None) -> dict:
                 f"{r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
     return {"workload": "calibration", "policies": list(POLICIES), "scales": scales,
+            "tokens_per_forward": tokens_per_forward(predictions),
             "measured_s": {k: round(v, 4) for k, v in measured.items()},
             "predicted_s": {k: round(v, 4) for k, v in predicted.items()},
             "bct_s": {r.case.name: [round(r.measured.bct_s, 4), round(r.predicted.bct_s, 4)] for r in results}}
+
+
+def tokens_per_forward(runs: list) -> dict[str, float]:
+    """Per phased FFN ratio, the tokens its forwards carried on average (expert tokens per expert call) over the
+    runs' records of that phase: where the table puts the ratio on the axis of call sizes."""
+    out = {}
+    for kind in ("ffn_decode", "ffn_prefill"):
+        recs = [r for records in runs for r in records if r.phase in PHASES[kind]]
+        calls = sum(r.expert_calls for r in recs)
+        if calls:
+            out[kind] = round(sum(r.expert_tokens for r in recs) / calls, 2)
+    return out
 
 
 def _key(kind: str) -> str:
@@ -65,10 +82,11 @@ def _key(kind: str) -> str:
 
 
 def _total(records, kind: str, side) -> float:
-    """Seconds of a module kind over one run: attention by phase from its step records (a prefill record's
-    decode queries, where a forward has both, count as prefill), any other kind from the run's module totals
-    (`side`: its `compare.Side`)."""
+    """Seconds of a module kind over one run: attention and the FFN by phase from its step records (a prefill
+    record's decode queries, where a forward has both, count as prefill), any kind else from the run's module
+    totals (`side`: its `compare.Side`)."""
     phases = PHASES.get(kind)
     if phases is None:
         return side.modules.get(_key(kind), 0.0)
-    return float(sum(r.modules.get("attention", 0.0) for r in records if r.phase in phases))
+    module = kind.split("_")[0]
+    return float(sum(r.modules.get(module, 0.0) for r in records if r.phase in phases))
