@@ -37,7 +37,8 @@ from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
-from batchgen.plan.decode import DecodeGrid, DecodePrice, _host_micro_batches, device_attention, host_bytes
+from batchgen.plan.decode import (DecodeGrid, DecodePrice, _host_micro_batches, device_attention, host_bytes,
+                                  staged_attention)
 from batchgen.pricing.scalar_offload import chain_applies, microbatched_one_rank
 
 GPU, H2D, D2H, CPU, WEIGHTS = "gpu", "h2d", "d2h", "cpu", "weights"
@@ -118,24 +119,21 @@ def _row(x):
 
 
 def _costs(lat: LatencyModel, tokens, context, launches, kind: str, moe: bool, replicas: int,
-           prefetch, attention=None, longest=None) -> tuple[MicroBatchCosts, list]:
+           prefetch, attention=None) -> tuple[MicroBatchCosts, list]:
     """Node costs of one layer for micro-batches given as (M, R, K) arrays; also each micro-batch's expert
     calls per iteration (K,) (a grouped node stands for several micro-batches, each its own expert call).
-    `attention`: each device micro-batch's attention seconds (M, R, K) where they are priced apart;
-    `longest`: each staged micro-batch's padded work / queries (M, R, K) where its calls are padded."""
+    `attention`: each device or staged micro-batch's attention seconds (M, R, K) where they are priced apart."""
     c = MicroBatchCosts(kind, [], [], [], [], [], [], [], prefetch if moe else 0.0)
     calls = []
     for i, (t, ctx, n) in enumerate(zip(tokens, context, launches)):
-        if attention is not None:
-            c.attn.append(attention[i])
-        elif kind == "cpu":
+        if kind == "cpu":
             down, back = lat.cpu_attention_ship(t, n)
             c.attn.append(lat.attention_decode(t, 0.0, n))
             c.append.append(down)
             c.back.append(back)
             c.cpu.append(lat.cpu_attention(t, ctx, n))
         else:
-            c.attn.append(lat.attention_decode(t, ctx, n, None if longest is None else longest[i]))
+            c.attn.append(lat.attention_decode(t, ctx, n) if attention is None else attention[i])
             if kind == "staged":
                 c.restore.append(lat.kv_restore(ctx, n))
                 c.append.append(lat.kv_append(t, n))
@@ -197,10 +195,9 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     kind = ("cpu" if cpu_attention else "staged") if hosted else "device"
     tokens, context, launches = _host_micro_batches(np.asarray(tokens_in, float), np.asarray(ctx_in, float),
                                                     micro_batch)
-    attention = longest = None
-    if kind == "staged" and grid.host_work is not None and tokens.shape[0]:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            longest = np.where(tokens > 0, grid.host_work / tokens, 0.0)
+    attention = None
+    if kind == "staged" and grid.host_work is not None and tokens.shape[0]:  # restored on the executor's padded calls
+        attention = staged_attention(lat, grid, tokens, context, launches)
     if not hosted and grid.dev_longest is not None and tokens.shape[0]:
         # the executor's calls of similar contexts, priced over the rank, spread over the FFN micro-batches by
         # their share of its queries (the calls do not line up with the micro-batches)
@@ -219,12 +216,11 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
         if not count or not tokens.shape[0]:
             continue
         c = (_float_costs(lat, tokens, context, launches, kind) if fastpath.ENABLED and not is_moe and R == 1
-             and K == 1 and type(lat) is Roofline and attention is None and longest is None else None)
+             and K == 1 and type(lat) is Roofline and attention is None else None)
         if c is not None:  # one rank, one iteration, a dense layer: the DAG on Python floats
             layer_calls = []
         else:
-            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention,
-                                    longest)
+            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention)
         dag, ends = build_dag(c, pipelined)
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)

@@ -85,3 +85,24 @@ def test_restored_micro_batches_are_priced_on_the_executors_padded_calls():
     cpu = decode_grid(rank, context, alive, np.ones(5, np.int64), np.ones(5, bool), 1, K, 2,
                       np.zeros(1), np.zeros(1), similar_calls=True, cpu_attention=True)
     assert cpu.host_work is None
+
+
+def test_restored_micro_batches_keep_their_copies_when_their_attention_is_priced_on_padded_calls():
+    from batchgen.latency.roofline import Roofline
+    from batchgen.plan.decode import _host_micro_batches, staged_attention
+    from batchgen.pricing.microbatch import _costs
+    from batchgen.specs.catalog import load_hardware, load_model
+
+    lat = Roofline(load_model("tiny_moe"), load_hardware("cpu_epyc_milan_2c"))
+    context, alive = np.array([300, 40, 100, 150, 41]), np.array([5, 2, 5, 3, 1])
+    grid = decode_grid(np.zeros(5, np.int64), context, alive, np.ones(5, np.int64), np.ones(5, bool), 1, K, 2,
+                       np.zeros(1), np.zeros(1), similar_calls=True)
+    t, ctx, n = _host_micro_batches(grid.host_tokens, grid.host_context, 2)
+    padded = staged_attention(lat, grid, t, ctx, n)
+    priced, _ = _costs(lat, t, ctx, n, "staged", False, 1, 0.0, padded)
+    summed, _ = _costs(lat, t, ctx, n, "staged", False, 1, 0.0)
+    assert len(priced.restore) == len(priced.append) == t.shape[0] == 3
+    for a, b in zip(priced.restore + priced.append, summed.restore + summed.append):
+        np.testing.assert_array_equal(a, b)  # the copies as before: only the attention is priced apart
+    for a, b in zip(priced.attn, padded):
+        np.testing.assert_array_equal(a, b)
