@@ -68,8 +68,8 @@ class DeferredDecision:
     run, and sorting a run's id sets into tuples cost the simulator a twentieth of its time, though only traces and
     tests read them. It keeps just the arrays the summary reads, not the decision or the plan (a policy's carry
     could be large): arrays nobody writes into after the boundary (the state replaces its active arrays rather than
-    writing into them; the policy's are its own). With the fast paths off the engine builds the summary at once, so
-    tests/test_sim_fastpath.py compares deferred traces with eager ones."""
+    writing into them; the policy's are its own). tests/test_sim_paths.py builds the summaries at once instead and
+    compares the traces."""
 
     __slots__ = ("_parts", "_folded")
 

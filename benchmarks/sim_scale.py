@@ -19,7 +19,6 @@ round runs Vidur, then every policy), and the best of each is compared: the rati
 it, the ratio is against a Vidur time passed in (--vidur-s, default VIDUR_RUN_S below). Side by side, `rounds` also
 gives the lowest and highest of each round's own ratio (that round's Vidur over that round's policy): how far a
 shared machine's changes of speed move the ratio.
-Results are identical with and without the simulator's fast paths (batchgen/fastpath.py, tests/test_sim_fastpath.py).
 Recorded results (with the machine and the date): benchmarks/results/sim_scale.md.
 """
 

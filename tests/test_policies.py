@@ -219,9 +219,9 @@ def test_unmixed_chunks_run_alone_with_the_whole_budget_while_decodes_wait():
 def test_a_chunks_only_forward_counts_the_decodes_that_wait_for_it_as_running(monkeypatch):
     """Beside a forward of chunks alone (mixed_chunks=false) the running sequences wait, but they still run (they hold
     their KV and decode next): its step record counts them, so the time-weighted `running` metric does not fall when
-    the chunks run alone (tests/test_sim_fastpath.py's unmixed case holds the one-pass path to the same records)."""
+    the chunks run alone (tests/test_sim_paths.py's unmixed case holds the cheaper paths to the same records)."""
     from batchgen.engine import apply_decision
-    from test_sim_fastpath import vidur_like
+    from test_sim_paths import vidur_like
     job, state = _one_gpu_with_running(4, "greedy", token_budget=250, mixed_chunks=False)
     plan = apply_decision(state, 0, job.policy.decide(snapshot(state)), InstanceProgress(1))
     assert plan.phase == "prefill" and plan.waiting == 4 and plan.chunk_ids.size == 3

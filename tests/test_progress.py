@@ -94,27 +94,26 @@ def test_simulation_with_a_bar_gives_the_same_result(job_factory, capsys, shown_
         [(r.instance, r.start, r.duration, r.phase, r.tokens) for r in off.records]
 
 
-def test_watching_a_run_keeps_its_one_pass_boundaries(monkeypatch, capsys, shown_at_once):
-    """A bar reads the state after each run (Engine.watch), so the simulator's one-pass boundaries stay on: a
-    watched run does the same work as a quiet one (it used to fall back to the general path)."""
-    from batchgen.sim import fused
+def test_watching_a_run_does_the_work_of_a_quiet_one(monkeypatch, capsys, shown_at_once):
+    """A bar reads the state after each run (Engine.watch) and changes nothing else: a watched run prices the same
+    runs and makes the same events as a quiet one."""
+    from batchgen.sim.backend import SimBackend
     from conftest import make_job
 
-    honest, calls = fused.boundary, []
+    honest, calls = SimBackend.execute, []
 
-    def counted(*args, **kwargs):
-        out = honest(*args, **kwargs)
-        calls.append(out is not None)
-        return out
+    def counted(self, plan):
+        calls.append(plan.phase)
+        return honest(self, plan)
 
-    monkeypatch.setattr(fused, "boundary", counted)
+    monkeypatch.setattr(SimBackend, "execute", counted)
     rng = np.random.default_rng(1)
     job = make_job("continuous", "llama2_7b", "a100_8", rng.integers(8, 3000, 60), rng.integers(1, 600, 60),
                    cluster_overrides={"num_gpus": 1, "gpus_per_instance": None})
     quiet = simulate(job, progress=False)
-    quiet_calls, calls[:] = sum(calls), []
+    quiet_calls, calls[:] = list(calls), []
     shown = simulate(job, progress=True)
-    assert quiet_calls > 0 and sum(calls) == quiet_calls
+    assert quiet_calls and calls == quiet_calls and shown.events == quiet.events
     assert "/60" in capsys.readouterr().err
     assert bct(shown) == bct(quiet)
 

@@ -22,7 +22,7 @@ from batchgen.decisions import (CHANGED_FIELDS, FILE_COLUMNS, BoundaryDecision, 
 from batchgen.results import csvtext, write_results, writer
 from batchgen.results.metrics import step_arrays
 from batchgen.sim.run import simulate
-from test_sim_fastpath import CASES, KV_PAGES
+from test_sim_paths import CASES, KV_PAGES
 
 TABLES = ("decisions.csv", "steps.csv", "sequences.csv")
 JOBS = ("continuous-a100-preempting", "coroutine-a100", "coroutine-host-2x8", "sglang_opt-a100-unmixed",
@@ -90,7 +90,7 @@ def test_tables_are_the_row_by_row_writers(case, tmp_path):
         assert new[name] == old[name], name
     trace = trace_of(out.records)
     assert len(columns) == len(trace) and read_decisions(paths["decisions.csv"]) == trace
-    # and from records whose decisions were resolved already (BoundaryDecisions, as with the fast paths off)
+    # and from records whose decisions were resolved already (BoundaryDecisions, as tests/test_sim_paths.py makes them)
     again = write_results(out, tmp_path / "resolved", {})
     assert again["decisions.csv"].read_bytes() == old["decisions.csv"]
 

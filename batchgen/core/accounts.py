@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError
 
 
@@ -61,7 +60,7 @@ class Moves:
 _NO_MOVES: dict[int, Moves] = {}
 
 
-_FEW = 8  # ids up to which a primitive's fast path works on Python scalars (a boundary's chunks, its finishes)
+_FEW = 8  # ids up to which two primitives work on Python scalars (batchgen.core.few: a boundary's chunks, finishes)
 
 
 def _int_sum(a: np.ndarray) -> int:
@@ -113,12 +112,15 @@ class Accounts:
 
     def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
         t = self.table
-        if fastpath.ENABLED and ids.size and self._one_gpu_pages(ids, pages):
+        if ids.size and self._one_gpu_pages(ids, pages):
             return
         delta = pages - t.pages[ids]
         t.pages[ids] = pages
-        rep, gpus = self.group_gpus(ids)
-        np.add.at(self.pages_used, gpus, delta[rep])
+        if self.partitioned_ever:
+            rep, gpus = self.group_gpus(ids)
+            np.add.at(self.pages_used, gpus, delta[rep])
+        else:  # one GPU each (group_gpus without its index)
+            np.add.at(self.pages_used, t.where[ids], delta)
         over = self.pages_used > self.gpu_pages
         if over.any():
             g = int(np.flatnonzero(over)[0])
@@ -150,6 +152,16 @@ class Accounts:
                                  "the policy must yield or evict before it grows")
         if used > self.peak_pages[g]:
             self.peak_pages[g] = used
+
+    def _free_pages(self, ids: np.ndarray) -> None:
+        """`_set_pages` to 0: pages only fall, so no capacity or peak to check."""
+        t = self.table
+        if self.partitioned_ever:
+            rep, gpus = self.group_gpus(ids)
+            np.subtract.at(self.pages_used, gpus, t.pages[ids][rep])
+        else:
+            np.subtract.at(self.pages_used, t.where[ids], t.pages[ids])
+        t.pages[ids] = 0
 
     def reserve(self, ids: np.ndarray, lookahead_tokens: int, context: np.ndarray | None = None) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit

@@ -1,6 +1,9 @@
 """Two primitives of `ClusterState` for a few ids at a time, on Python scalars: the chunks of one forward and the
-finishes of one run, where numpy's per-call overhead costs more than the arithmetic (a fast path of
-batchgen.fastpath: the same checks, the same state after, the same ops emitted; tests/test_sim_fastpath.py)."""
+finishes of one run, where numpy's per-call overhead costs more than the arithmetic: the same checks, the same state
+after, the same ops emitted (tests/test_sim_paths.py). A serving engine's one-GPU boundary chunks and finishes one
+to three sequences; on Vidur's workload these two carry about a tenth of the simulator's instructions
+(benchmarks/results/sim_scale.md). They are the state's remaining second implementation: one representation for
+a boundary's few ids and its many would retire them."""
 
 from __future__ import annotations
 
@@ -14,9 +17,8 @@ class FewIds:
 
     def _prefill_chunks_few(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                             lengths: np.ndarray) -> bool:
-        """`prefill_chunks` of a few chunks, nothing partitioned, on Python scalars (a fast path of
-        batchgen.fastpath: the same checks, the same state after). False, having changed nothing, where a
-        precondition fails: the array code then names it."""
+        """`prefill_chunks` of a few chunks, nothing partitioned, on Python scalars (the same checks, the same state
+        after). False, having changed nothing, where a precondition fails: the array code then names it."""
         t, P = self.table, self.page_tokens
         rows = []
         for sid, g, s, n in zip(ids.tolist(), gpus.tolist(), starts.tolist(), lengths.tolist()):
@@ -48,8 +50,8 @@ class FewIds:
 
     def _finish_few(self, instance: int, ids: np.ndarray, times: np.ndarray) -> bool:
         """`finish` of a few sequences, nothing partitioned, no host copy, nothing prefilling to host, on Python
-        scalars (a fast path of batchgen.fastpath: the same check, the same state after). False, having changed
-        nothing, where a sequence is not done: the array code then names it."""
+        scalars (the same check, the same state after). False, having changed nothing, where a sequence is not done:
+        the array code then names it."""
         t = self.table
         freed: dict[int, int] = {}  # GPU -> pages the finished sequences held
         running, held = [], []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.accounts import _FEW, Accounts, Moves  # noqa: F401 (Moves: re-exported)
 from batchgen.core.few import FewIds
 from batchgen.core.move_order import carried_out_in
@@ -59,7 +58,7 @@ class ClusterState(FewIds, Accounts):
         self.prefilling = [np.empty(0, np.int64) for _ in range(topo.num_instances)]
         self.num_finished = 0
         # whether any sequence was ever PARTITIONed (tp > 1): until then every running sequence holds its pages on
-        # one GPU, and the page arithmetic skips the per-sequence degrees (a fast path; `check` verifies it)
+        # one GPU, and the page arithmetic skips the per-sequence degrees (`check` verifies the flag)
         self.partitioned_ever = False
         # running sequences part-way through a chunked prefill (prefilled > 0), kept by the methods that write
         # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
@@ -115,13 +114,13 @@ class ClusterState(FewIds, Accounts):
 
     # ---- primitives -----------------------------------------------------------------------------------
     def _leave_gpu(self, instance: int, ids: np.ndarray) -> None:
-        self._set_pages(ids, np.zeros(ids.size, np.int64))  # frees the whole group's pages, then un-partitions
+        self._free_pages(ids)  # frees the whole group's pages, then un-partitions
         if self.partitioned_ever:
             self.table.tp[ids] = 1
         self.table.host_resident[ids] = False
-        if self.num_part_prefilled:
+        if self.num_part_prefilled:  # a chunked prefill left unfinished restarts from its first token
             self.num_part_prefilled -= int(np.count_nonzero(self.table.prefilled[ids]))
-        self.table.prefilled[ids] = 0  # a chunked prefill left unfinished restarts from its first token
+            self.table.prefilled[ids] = 0
         # np.setdiff1d(active, ids, assume_unique=True) without its search: keep the active order, drop ids
         active, leaving = self.active[instance], self._leaving
         if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
@@ -260,7 +259,7 @@ class ClusterState(FewIds, Accounts):
             degree = t.tp[ids[split]].astype(np.int64)
             log.add("reshard", ids[split], src[split], degree, dst[split], degree, copy[split], bytes_[split])
         pages = t.pages[ids].copy()
-        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        self._free_pages(ids)
         t.where[ids] = gpus
         t.kv_gpu[ids] = gpus
         self._set_pages(ids, pages)
@@ -285,7 +284,7 @@ class ClusterState(FewIds, Accounts):
         self.oplogs[instance].add("offload", ids, gpus.astype(np.int64), np.where(fresh, self.kv_bytes(ids), 0.0))
         self._host_add(self.topo.gpu_node[gpus[fresh]], ctx[fresh])
         t.host_node[ids[fresh]] = self.topo.gpu_node[gpus[fresh]]
-        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        self._free_pages(ids)
         t.host_resident[ids] = True
 
     def partition(self, instance: int, ids: np.ndarray, degree: np.ndarray) -> None:
@@ -322,7 +321,7 @@ class ClusterState(FewIds, Accounts):
         lead = t.where[ids].astype(np.int64)
         self.oplogs[instance].add("reshard", ids, lead, t.tp[ids].astype(np.int64), lead, degree,
                                   t.host_node[ids] >= 0, self.kv_bytes(ids))
-        self._set_pages(ids, np.zeros(ids.size, np.int64))
+        self._free_pages(ids)
         t.tp[ids] = degree
         # each member's pages for the context; the run's lookahead is reserved after this
         self._set_pages(ids, self.pages_needed(ids, t.context(ids)))
@@ -407,30 +406,37 @@ class ClusterState(FewIds, Accounts):
         sequence whose chunk completes its context is an ordinary running one (prefilled 0) from here on."""
         t = self.table
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-        if fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and self._prefill_chunks_few(
-                instance, ids, gpus, starts, lengths):
+        if ids.size <= _FEW and not self.partitioned_ever and self._prefill_chunks_few(instance, ids, gpus, starts,
+                                                                                     lengths):
             return
         new = starts == 0
         end = starts + lengths
         ctx = t.context(ids)
         where = t.where[ids]
+        before = t.prefilled[ids]
         # every precondition in one pass (a boundary chunks a few sequences); the one that fails is named below
-        ok = np.where(new, where == PENDING, (where == gpus) & (t.prefilled[ids] == starts)) & (lengths >= 1) & (
-            end <= ctx)
+        # (a first chunk: pending, so at prefilled 0 too; a later one: on its GPU where its prefill stands)
+        ok = (np.where(new, PENDING, gpus) == where) & (before == starts) & (lengths >= 1) & (end <= ctx)
         if not ok.all():
             self._require(ids[new], where[new] == PENDING, "pending (a first chunk starts a prompt)")
             old = ids[~new]
             self._require(old, (t.where[old] == gpus[~new]) & (t.prefilled[old] == starts[~new]),
                           "part-way through a chunked prefill on that GPU at that position")
             self._require(ids, (lengths >= 1) & (end <= ctx), "given chunks within their context")
-        if new.any():
+            self._require(ids[new], before[new] == 0, "without a prefill under way (a first chunk starts at 0)")
+        if new.all():
+            self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
+        elif new.any():
             self._join_gpu(instance, ids[new], gpus[new], lookahead_tokens=0, reserve=False)
-        need = self.pages_needed(ids, end + (end == ctx))
+        done = end == ctx
+        need = self.pages_needed(ids, end + done)
         grow = need > t.pages[ids]
-        if grow.any():
+        if grow.all():
+            self._set_pages(ids, need)
+        elif grow.any():
             self._set_pages(ids[grow], need[grow])
-        now = np.where(end == ctx, 0, end)
-        self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(t.prefilled[ids]))
+        now = np.where(done, 0, end)
+        self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(before))
         t.prefilled[ids] = now
 
     def advance(self, ids: np.ndarray, tokens: np.ndarray, host_sync: bool) -> None:
@@ -446,14 +452,16 @@ class ClusterState(FewIds, Accounts):
 
     def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
         t = self.table
-        if (fastpath.ENABLED and ids.size <= _FEW and not self.partitioned_ever and not self._host_any
+        if (ids.size <= _FEW and not self.partitioned_ever and not self._host_any
                 and not self.prefilling[instance].size and self._finish_few(instance, ids, times)):
             return
         self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")
         running = t.where[ids] >= 0
         self._drop_kv(instance, ids, running, evicted=False)
         self._host_drop(ids)
-        if running.any():
+        if running.all():
+            self._leave_gpu(instance, ids)
+        elif running.any():
             self._leave_gpu(instance, ids[running])
         if self.prefilling[instance].size:
             self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)

@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.core.state import ClusterState, Moves
@@ -15,7 +14,7 @@ from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult
 from batchgen.engine.snapshot import InstanceProgress, tp_and_hosted
 from batchgen.policy.base import Decision
 
-_FEW_CHUNKS = 8  # chunks up to which _take_chunks reads their flags as Python lists
+_FEW_CHUNKS = 8  # chunks up to which a forward's are taken and recorded on Python scalars
 
 
 def apply_decision(state: ClusterState, instance: int, d: Decision, progress: InstanceProgress,
@@ -159,7 +158,7 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
     if not (ids.size == ranks.size == lens.size) or distinct != ids.size:
         raise InvariantError("chunks need one rank and one length per sequence, each sequence once")
     starts = t.prefilled[ids]  # a copy: where each chunk starts (prefill_chunks moves it on)
-    if fastpath.ENABLED and ids.size <= _FEW_CHUNKS:  # the few chunks of a forward: their flags as Python lists
+    if ids.size <= _FEW_CHUNKS:  # the few chunks of a forward: their flags as Python lists
         start, first = starts.tolist(), [w == PENDING for w in t.where[ids].tolist()]
         if any(f and s0 != 0 for f, s0 in zip(first, start)):
             raise InvariantError("a pending sequence has no prefill under way")
@@ -208,8 +207,8 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         ids = plan.prefill_ids
         gpus = plan.gpus[plan.prefill_rank]
         state.advance(ids, np.ones(ids.size, np.int64), host_sync=False)  # prefill makes the first token
-        t.first_token_time[ids] = np.where(np.isnan(t.first_token_time[ids]), start + res.duration,
-                                           t.first_token_time[ids])
+        # the first token's time, unless an earlier prefill made it (the clock never goes back: fmin keeps that)
+        t.first_token_time[ids] = np.fmin(t.first_token_time[ids], start + res.duration)
         done = ids[res.prefill_finished]
         if plan.prefill_to_host:
             live = ~res.prefill_finished
@@ -219,7 +218,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     if plan.chunk_ids.size:
         ids = plan.chunk_ids
         done_prompt = ids[plan.chunk_completes]
-        if fastpath.ENABLED and 0 < done_prompt.size <= _FEW_CHUNKS and not state.has_host_copies():
+        if 0 < done_prompt.size <= _FEW_CHUNKS and not state.has_host_copies():
             at = start + res.duration  # `advance` of one token each and the first-token times, on scalars
             for sid in done_prompt.tolist():
                 t.decoded[sid] += 1
@@ -227,8 +226,7 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
                     t.first_token_time[sid] = at
         elif done_prompt.size:
             state.advance(done_prompt, np.ones(done_prompt.size, np.int64), host_sync=False)  # the first token
-            t.first_token_time[done_prompt] = np.where(np.isnan(t.first_token_time[done_prompt]),
-                                                       start + res.duration, t.first_token_time[done_prompt])
+            t.first_token_time[done_prompt] = np.fmin(t.first_token_time[done_prompt], start + res.duration)
         done = ids[res.chunk_finished]
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))

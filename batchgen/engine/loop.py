@@ -14,7 +14,6 @@ from typing import Any, Callable, Generator
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.ops import KVLedger
 from batchgen.core.sequences import InvariantError
 from batchgen.decisions import BoundaryDecision, DeferredDecision
@@ -122,8 +121,7 @@ class Engine:
     real KV, or for invariant checks) and the deadlock check; `finish` checks that every sequence ended.
 
     `on_step(plan, result)` is called after each run's outcome is folded into the state: batch jobs that write
-    each result the moment its sequence finishes (`finished_ids`); it needs every run's plan, so a backend's
-    one-pass boundaries are off while it is set. `watch()` is called after every run on every path, plans
+    each result the moment its sequence finishes (`finished_ids`). `watch()` is called after every run, plans
     unseen: a progress bar reads the state from it, so watching a run costs no more than a quiet run."""
 
     def __init__(self, policy: Policy, backend: Backend, *, gpus_per_node: int, check_invariants: bool = False,
@@ -163,10 +161,6 @@ class Engine:
         receives = policy.receives_work
         folded = None  # what idle decisions changed since the last run: recorded with the next one
         carried = None  # bytes idle decisions moved (a yield with nothing to run): priced with the next run
-        # a backend that runs a plain boundary in one pass (the simulator: batchgen.sim.fused), where no observer
-        # needs the plan and no repeat is declared
-        one_pass = (getattr(backend, "boundary", None) if fastpath.ENABLED and self.on_step is None
-                    and getattr(policy, "repeats", None) is None else None)
         while True:
             now = backend.now()
             if now < last:
@@ -175,12 +169,6 @@ class Engine:
             snap = make_snapshot(state, instance, now, progress, self.gpus_per_node, backend.capabilities)
             decision = policy.decide(snap)
             progress.carry = decision.carry
-            run = (one_pass(self, instance, decision, progress, now, folded)
-                   if one_pass is not None and carried is None else None)
-            if run is not None:
-                idle, folded = 0, None
-                yield from run
-                continue
             plan = apply_decision(state, instance, decision, progress, now, ledger)
             phase = plan.phase
             if phase == "idle":
@@ -201,8 +189,7 @@ class Engine:
                 idle = 0
                 continue
             idle = 0
-            summary = (DeferredDecision(decision, plan, folded) if fastpath.ENABLED
-                       else BoundaryDecision.of(decision, plan, folded))
+            summary = DeferredDecision(decision, plan, folded)
             folded = None
             if carried is not None:  # the copies an idle boundary started overlap this run, as this boundary's do
                 plan.moves, carried = carried.plus(plan.moves), None
@@ -220,16 +207,11 @@ class Engine:
         if self.on_step is not None:
             self.on_step(plan, result)
         running = plan.decode_ids.size + plan.prefill_ids.size + plan.chunk_ids.size + plan.waiting
-        self.closed(instance, progress, StepRecord(
+        self.liveness.changed(self.backend)  # waiting instances look again
+        progress.last_phase = plan.phase
+        self.records.append(StepRecord(
             instance, start, result.duration, plan.phase, result.iterations, result.tokens, int(running),
             result.expert_tokens, result.expert_calls, result.rank_busy, result.rank_comm, summary, result.modules))
-
-    def closed(self, instance: int, progress: InstanceProgress, record: StepRecord) -> None:
-        """The end of a run, whichever path ran it (`record`, or a backend's one-pass boundary): waiting instances
-        look again, and the step record is kept."""
-        self.liveness.changed(self.backend)
-        progress.last_phase = record.phase
-        self.records.append(record)
         if self.watch is not None:
             self.watch()
         if self.check_invariants:

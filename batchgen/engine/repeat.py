@@ -7,8 +7,8 @@ the policy declares (`Policy.repeats`, given the `Forecast` of its next snapshot
 same decode, the backend prices the n + 1 runs together and makes time pass once (`execute_repeated`), and the engine
 replays each boundary's bookkeeping as it would have happened: the same `apply_decision` (pages reserved for the next
 page of tokens), the same outcome (tokens, finishes at the same clock readings, pages freed), one step record and one
-decision record per run. Results are the same bit for bit (a fast path of batchgen.fastpath: tests/test_sim_fastpath.py
-runs jobs with and without it); only `events` (SimPy timeouts) counts fewer.
+decision record per run. Results are the same bit for bit (tests/test_sim_repeat.py runs jobs with and without it);
+only `events` (SimPy timeouts) counts fewer.
 
 Where. Only where the replay is exact by construction: a backend that offers it and moves no real KV (the
 simulator), one instance in the job (no other loop can look at the state or the clock between the runs), and a
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Generator
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.core.sequences import InvariantError
 from batchgen.decisions import BoundaryDecision
 from batchgen.policy.base import Decision, Forecast, Snapshot
@@ -63,7 +62,7 @@ def repeats(engine: "Engine", instance: int, snap: Snapshot, decision: Decision,
     ask = getattr(engine.policy, "repeats", None)  # None: a policy that never declares repeats
     if ask is None:
         return 0
-    if (not fastpath.ENABLED or state.topo.num_instances != 1 or backend.kv_ops
+    if (state.topo.num_instances != 1 or backend.kv_ops
             or not getattr(backend, "can_repeat", lambda plan: False)(plan) or plan.phase != "decode"
             or not pure_decode(decision) or plan.moves.any()
             or not np.array_equal(plan.decode_ids, snap.active_ids)):

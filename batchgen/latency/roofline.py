@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.latency import formulas
 from batchgen.latency.efficiency import Efficiency
 from batchgen.latency.efficiency import MODULES as MODULE_NAMES
@@ -111,7 +110,7 @@ class Roofline(Transfers):
         if type(tokens) is float and type(calls) in (float, int):
             out = self._cells.get((module, calls, tokens))  # `_gemm_cell`'s table first (1 and 1.0: one key)
             return out if out is not None else self._gemm_cell(module, tokens, shapes, float(calls))
-        launches = _uniform(calls, tokens) if fastpath.ENABLED else None
+        launches = _uniform(calls, tokens)
         if launches is not None and all(type(k) is int and type(n) is int for k, n in shapes):
             fast = self._gemm_lookup(module, tokens, shapes, launches)
             if fast is not None:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
@@ -181,7 +180,7 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     systems place the whole block's KV one way). Returns the price and the expert calls per MoE layer in each
     iteration (K,), which the per-expert batch is measured by. One row of a dense model with device KV: priced
     as the chain this DAG reduces to (batchgen.pricing.scalar_offload, the same values bit for bit)."""
-    if fastpath.ENABLED and np.shape(grid.gate_tokens)[0] == 1:
+    if np.shape(grid.gate_tokens)[0] == 1:
         out = microbatched_one_rank(lat, grid, micro_batch, pipelined, replicas) if chain_applies(lat) else None
         if out is not None:
             return out
@@ -215,7 +214,7 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     for count, is_moe in ((n_dense, False), (n_moe, True)):
         if not count or not tokens.shape[0]:
             continue
-        c = (_float_costs(lat, tokens, context, launches, kind) if fastpath.ENABLED and not is_moe and R == 1
+        c = (_float_costs(lat, tokens, context, launches, kind) if not is_moe and R == 1
              and K == 1 and type(lat) is Roofline and attention is None else None)
         if c is not None:  # one rank, one iteration, a dense layer: the DAG on Python floats
             layer_calls = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen import fastpath
 from batchgen.latency import LatencyModel
 from batchgen.latency.arrays import maximum_for
 from batchgen.plan.decode import overlapped_all_to_all, shard_attention
@@ -41,8 +40,7 @@ def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=
         raise ValueError("two-batch overlap with PARTITIONed sequences or with the micro-batches' overlap is not "
                          "priced: a policy runs one or the other")
     R, K = load.gate_tokens.shape
-    if (R == 1 and not load.shards and type(join) is float and getattr(lat, "prices_floats", False)
-            and fastpath.ENABLED):
+    if R == 1 and not load.shards and type(join) is float and getattr(lat, "prices_floats", False):
         if K <= CELL_ITERATIONS:
             fields = [getattr(load, f)[0].tolist() for f in CELL_FIELDS]
             heads = None if load.head_rows is None else load.head_rows[0].tolist()

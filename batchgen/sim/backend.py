@@ -13,13 +13,13 @@ from typing import Any, Generator
 import numpy as np
 import simpy
 
-from batchgen import fastpath
 from batchgen.core.reshard import pieces
 from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
+from batchgen.engine.apply import _FEW_CHUNKS
 from batchgen.latency import LatencyModel
 from batchgen.policy.base import Capabilities
-from batchgen.sim import fused, repeated
+from batchgen.sim import repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
 from batchgen.pricing.offload import price_offload
 from batchgen.pricing import one_rank
@@ -57,7 +57,7 @@ class SimBackend:
         self.lat = lat
         self.tbo = bool(two_batch_overlap)
         # one rank's runs are built and priced on floats where the latency model takes them cheaply
-        self.cells = bool(getattr(lat, "prices_floats", False)) and fastpath.ENABLED
+        self.cells = bool(getattr(lat, "prices_floats", False))
         self.comm_overlap = bool(comm_overlap)
         # padded attention kernels are called on runs of similar contexts, as the executor calls them
         self.similar_calls = lat.attention_padding > 0
@@ -189,7 +189,7 @@ class SimBackend:
                                                          + plan.chunk_ids.size, exposed)
         offsets = finish_offsets(cost, produced, finished, compute, boundary, duration, scale)
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size else _NONE
-        if fastpath.ENABLED and 0 < plan.chunk_ids.size <= 8:  # a forward's few chunks: each one's flag on scalars
+        if 0 < plan.chunk_ids.size <= _FEW_CHUNKS:  # a forward's few chunks: each one's flag on scalars
             chunk_finished = few_chunks_finished(t, plan.chunk_ids, plan.chunk_completes)
         else:
             chunk_finished = (plan.chunk_completes & (t.remaining(plan.chunk_ids) == 1)
@@ -219,16 +219,6 @@ class SimBackend:
         if boundary is None:  # a pure function of the count: priced once per count
             boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))
         return compute, boundary, boundary + run, run / compute if compute > 0 else 0.0
-
-    def fuses(self) -> bool:
-        """Whether a one-GPU instance's plain boundaries may run as one pass (batchgen.sim.fused): priced on
-        floats, no similar-context calls, no weights streamed."""
-        return (self.cells and not self.similar_calls and self.stream_bytes_per_iter == 0
-                and self._prefetch_per_layer == 0)
-
-    def boundary(self, engine, instance: int, decision, progress, now: float, folded):
-        """The boundary's run as one pass where batchgen.sim.fused applies (a generator), else None."""
-        return fused.boundary(self, engine, instance, decision, progress, now, folded)
 
     def offload_run(self, plan: StepPlan, rank, context, alive, tp, hosted, iterations: int):
         """(cost, expert calls per iteration, gate tokens) of a decode run under an offloading system's schedule

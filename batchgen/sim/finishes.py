@@ -1,5 +1,4 @@
-"""When a simulated run's sequences finish: shared by the backend's `execute` and the one-pass boundaries
-(batchgen.sim.fused), so that both read the same clock."""
+"""When a simulated run's sequences finish, on the run's own clock."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the tokens made since, whole numbers summed exactly); an offloading system's one
 run is priced run by run on its own grid as `execute` prices it; each run's duration, finish offsets and
 counters follow `execute`'s arithmetic. The clock lands where n + 1 timeouts would have left it (the running
 sum of the durations, added in order: one timeout of the delay that lands there, or, where rounding leaves no
-such delay, the n + 1 timeouts); tests/test_sim_fastpath.py compares whole jobs with and without it.
+such delay, the n + 1 timeouts); tests/test_sim_paths.py compares whole jobs with and without it.
 
 It covers the runs `can_repeat` accepts: an offloading system's schedule (an FFN per micro-batch) with nothing
 moved, no host-resident sequence, no padding and no partition; everything else runs one run per event.

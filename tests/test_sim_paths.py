@@ -1,5 +1,10 @@
-"""The simulator's fast paths (batchgen.fastpath) change nothing: every job simulated with them and with the
-general code they skip takes the same decisions and ends with the same times, step by step, bit for bit."""
+"""Where the simulator takes a cheaper way to a common case, the result is the general code's, bit for bit: one rank's
+runs priced on floats (pricing.price.price_cells, price_steady), a boundary's few chunks and finishes on Python scalars
+(core.few), an offloading block's one-rank run priced as the chain its DAG reduces to (pricing.scalar_offload) and a
+dense layer's DAG on floats (pricing.microbatch), GEMM times read from one launch count's curve (latency.roofline),
+decisions recorded lazily (decisions.DeferredDecision) and identical decode runs as one event (engine.repeat).
+`general_paths` turns each of them off from here (the package has no switch): every job takes the same decisions and
+ends with the same times, step by step."""
 
 import contextlib
 import dataclasses
@@ -10,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batchgen import fastpath
 from batchgen.decisions import first_difference, trace_of
 from batchgen.latency.roofline import Roofline
 from batchgen.memory import ConfigError
@@ -20,7 +24,7 @@ from test_sim_properties import POLICIES, build, jobs
 
 
 def outcome(job, kv_pages=None):
-    """Everything a run produces that the fast paths could change."""
+    """Everything a run produces that a cheaper path could change."""
     out = simulate(job, progress=False, kv_pages_per_gpu=kv_pages)
     t = out.prepared.state.table
     steps = [(r.instance, r.start, r.duration, r.phase, r.iterations, r.tokens, r.running, r.expert_tokens,
@@ -43,13 +47,51 @@ def assert_same(fast, ref):
     assert fast["events"] <= ref["events"], "events"  # repeated runs as one event (batchgen.engine.repeat): fewer
 
 
+class _Eager:
+    """In place of `DeferredDecision`: each boundary's decision record made at once."""
+
+    def __new__(cls, decision, plan, folded):
+        from batchgen.decisions import BoundaryDecision
+
+        return BoundaryDecision.of(decision, plan, folded)
+
+
+@contextlib.contextmanager
+def general_paths():
+    """Every cheaper way above turned off: the general code alone."""
+    from unittest import mock
+
+    import batchgen.engine.apply as apply
+    import batchgen.engine.loop as loop
+    import batchgen.sim.backend as backend
+    import batchgen.latency.roofline as roofline
+    import batchgen.pricing.microbatch as microbatch
+    import batchgen.pricing.offload as offload
+    from batchgen.core.accounts import Accounts
+    from batchgen.core.few import FewIds
+    from batchgen.policy.offload.base import OffloadPolicy
+
+    with contextlib.ExitStack() as stack:
+        for target, name, value in (
+                (FewIds, "_prefill_chunks_few", lambda *args: False),  # the state's primitives on arrays
+                (FewIds, "_finish_few", lambda *args: False),
+                (Accounts, "_one_gpu_pages", lambda *args: False),
+                (apply, "_FEW_CHUNKS", 0), (backend, "_FEW_CHUNKS", 0),  # a forward's chunks on arrays
+                (roofline.Roofline, "prices_floats", False),  # one rank's runs priced on the grid
+                (roofline, "_uniform", lambda calls, tokens: None),
+                (microbatch, "chain_applies", lambda lat: False),
+                (microbatch, "_float_costs", lambda *args: None),
+                (offload, "chain_applies", lambda lat: False),
+                (loop, "DeferredDecision", _Eager),
+                (OffloadPolicy, "repeats", lambda self, snap, decision, forecast: 0)):
+            stack.enter_context(mock.patch.object(target, name, value))
+        yield
+
+
 def both_ways(job, kv_pages=None):
-    assert fastpath.ENABLED
     fast = outcome(job, kv_pages)
-    with fastpath.reference():
-        assert not fastpath.ENABLED
+    with general_paths():
         ref = outcome(job, kv_pages)
-    assert fastpath.ENABLED
     return fast, ref
 
 
@@ -84,7 +126,7 @@ KV_PAGES = {"continuous-a100-preempting": 400, "sglang_opt-a100-small-pool": 400
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fast_paths_reproduce_the_general_code(case):
+def test_cheaper_paths_reproduce_the_general_code(case):
     fast, ref = both_ways(CASES[case](), KV_PAGES.get(case))
     assert len(fast["steps"]) > 1
     if case == "continuous-a100-preempting":
@@ -109,7 +151,7 @@ def test_the_comparison_catches_a_shortcut_that_changes_a_price(monkeypatch):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs)
-def test_fast_paths_reproduce_the_general_code_on_random_jobs(p):
+def test_cheaper_paths_reproduce_the_general_code_on_random_jobs(p):
     try:
         job = dataclasses.replace(build(p), check_invariants=False)
         fast, ref = both_ways(job)
@@ -138,11 +180,16 @@ def _same_cost(a, b):
     assert a.modules == b.modules
 
 
-def _grid_price(lat, load, *args, **kw):
-    from batchgen.pricing.price import price
+def _grid_price(lat, load, weight_stream_s=0.0, join=0.0, tbo=False, overlap=False):
+    """`pricing.price.price` on the (R x K) grid, as many ranks are priced, never on one rank's floats."""
+    from batchgen.pricing.price import _cost, forward
+    from batchgen.pricing.tbo import forward_tbo
 
-    with fastpath.reference():  # the (1 x K) grid, as many ranks are priced
-        return price(lat, load, *args, **kw)
+    tbo = tbo and weight_stream_s <= 0
+    if tbo and (load.shards or overlap):
+        raise ValueError("two-batch overlap with PARTITIONed sequences or the micro-batches' overlap")
+    return _cost(*(forward_tbo(lat, load, join, one=False) if tbo
+                   else forward(lat, load, weight_stream_s, join, overlap, one=False)))
 
 
 @pytest.mark.parametrize("model", ["llama2_7b", "tiny_moe"])
@@ -257,7 +304,7 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
             grid = decode_grid(np.zeros(n, np.int64), context, alive, one, np.zeros(n, bool), 1, K + 5, mb, zero, zero)
         fast = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
         taken += price_offload_one_rank(lat, grid, mb, pipelined) is not None
-        with fastpath.reference():
+        with general_paths():
             ref = price_offload(lat, grid, mb, cpu_attention=False, pipelined=pipelined, prefetch_bytes=0.0)
         _same_cost(fast[0], ref[0])
         assert fast[1:3] == ref[1:3] and np.array_equal(fast[3], ref[3])
@@ -270,7 +317,7 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_one_row_microbatched_price_is_the_dags(pipelined):
     """The planner's typical iteration (a one-row, one-iteration grid: FlexGen's search) and the simulator's
-    runs of several micro-batches: `price_microbatched` with and without its fast paths (the chain for device KV,
+    runs of several micro-batches: `price_microbatched` with and without its cheaper paths (the chain for device KV,
     the DAG on Python floats for host KV: restored, or attended by the CPU), bit for bit, up to more
     micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
     from batchgen.plan.decode import DecodeGrid
@@ -298,7 +345,7 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
                   prefetch_bytes=float(rng.choice([0.0, 1e6])), replicas=int(rng.choice([1, 8])))
         assert (microbatched_one_rank(lat, grid, mb, pipelined, kw["replicas"]) is None) == hosted
         fast, fast_calls = price_microbatched(lat, grid, mb, **kw)
-        with fastpath.reference():
+        with general_paths():
             ref, ref_calls = price_microbatched(lat, grid, mb, **kw)
         for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
             x, y = getattr(fast, f), getattr(ref, f)
@@ -326,7 +373,7 @@ def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
             for pipelined in (False, True):
                 kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=2e8, replicas=4)
                 fast, fast_calls = price_microbatched(moe, grid, mb, **kw)
-                with fastpath.reference():
+                with general_paths():
                     ref, ref_calls = price_microbatched(moe, grid, mb, **kw)
                 for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
                     assert np.array_equal(getattr(fast, f), getattr(ref, f)), (n, mb, hosted, f)
@@ -447,7 +494,7 @@ def test_where_no_one_delay_lands_the_runs_keep_their_own_timeouts(monkeypatch):
     ticked = outcome(job)
     assert_same(ticked, alone)
     assert ticked["events"] == alone["events"]
-# ---- the state's scalar paths for a boundary's few chunks and finishes (batchgen.core.state) --------------------
+# ---- the state's flags that let the primitives skip work (batchgen.core.state) -------------------------------
 
 def _one_gpu_state(n=12, seed=4):
     from batchgen.job import prepare
@@ -500,7 +547,7 @@ def test_scalar_chunk_and_finish_paths_leave_the_array_codes_state():
     fast_state = _one_gpu_state()
     ref_state = copy.deepcopy(fast_state)
     _chunk_and_finish(fast_state)
-    with fastpath.reference():
+    with general_paths():
         _chunk_and_finish(ref_state)
     fast, ref = _state_columns(fast_state), _state_columns(ref_state)
     assert fast["finished"] == 3
@@ -519,7 +566,7 @@ def test_scalar_paths_refuse_what_the_array_code_refuses(fast):
     state.take_pending(0, ids, 0)
     state.prefill_chunks(0, ids, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([4, 4]))
     before = _state_columns(state)
-    with (fastpath.reference() if not fast else contextlib.nullcontext()):
+    with (general_paths() if not fast else contextlib.nullcontext()):
         with pytest.raises(InvariantError, match="part-way through a chunked prefill"):
             state.prefill_chunks(0, ids, np.zeros(2, np.int64), np.array([4, 3]), np.array([2, 2]))
         with pytest.raises(InvariantError, match="done generating"):
@@ -529,8 +576,8 @@ def test_scalar_paths_refuse_what_the_array_code_refuses(fast):
         assert np.array_equal(before[key], after[key], equal_nan=True), key
 
 
-def test_state_check_catches_fast_path_flags_out_of_step():
-    """`partitioned_ever`, the host-copy flag and the count of chunked prefills under way let the fast paths skip
+def test_state_check_catches_flags_out_of_step():
+    """`partitioned_ever`, the host-copy flag and the count of chunked prefills under way let the primitives skip
     per-sequence scans; `check` fails when one says "none" while the table holds one."""
     from batchgen.core.sequences import InvariantError
 
@@ -569,46 +616,6 @@ def test_no_moves_is_shared_and_read_only():
     assert Moves.none(2) is none and not none.any()
     with pytest.raises(ValueError):
         none.d2h[0] = 1.0
-
-
-# ---- one-pass boundaries of a one-GPU instance (batchgen.sim.fused) ---------------------------------------
-
-@pytest.mark.parametrize("policy,checked", [("continuous", False), ("sglang_opt", False), ("continuous", True)])
-def test_one_pass_boundaries_are_taken_and_change_no_result(policy, checked, monkeypatch):
-    """A serving engine's one-GPU job runs most boundaries in one pass (with and without the invariant checks' KV
-    ledger; not its first, which pins the prompts, nor the long decode runs once nothing waits), and ends as the
-    general code does, step for step."""
-    import batchgen.sim.fused as fused
-
-    taken = []
-    honest = fused.boundary
-
-    def counted(*args):
-        run = honest(*args)
-        taken.append(run is not None)
-        return run
-
-    monkeypatch.setattr(fused, "boundary", counted)
-    job = dataclasses.replace(vidur_like(policy, n=80), check_invariants=checked)
-    fast, ref = both_ways(job)
-    assert_same(fast, ref)
-    one_pass = sum(taken)
-    assert one_pass >= 0.6 * len(fast["steps"]), (one_pass, len(fast["steps"]))
-
-
-def test_one_pass_boundaries_leave_observed_and_multi_gpu_runs_to_the_general_code(monkeypatch):
-    """A step observer needs each run's plan and result, and an instance of several GPUs has ranks: neither
-    takes the one-pass path."""
-    import batchgen.sim.fused as fused
-
-    taken = []
-    honest = fused.boundary
-    monkeypatch.setattr(fused, "boundary", lambda *args: taken.append(honest(*args)) or taken[-1])
-    seen = []
-    simulate(vidur_like("continuous", n=30), progress=False, on_step=lambda plan, result: seen.append(plan))
-    assert seen and not taken  # never asked: the engine keeps the general path for an observed run
-    simulate(make_job("continuous", "tiny_moe", "h100_8", n=40), progress=False)
-    assert taken and all(run is None for run in taken)
 
 
 def test_cells_beyond_the_gemm_curves_are_priced_as_the_grid():
