@@ -27,28 +27,31 @@ COLUMNS = {
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
 }
-_PRICED = ("join", "yield", "offload", "migrate", "restore", "reshard")  # kinds that can move a byte
+_UNPRICED = ("free", "evict")  # kinds that never move a byte (every other kind, "resume" too, may)
 
 
 class OpLog:
     """One instance's emitted ops since its last boundary: per kind, a list of row blocks (one per primitive call)."""
 
-    __slots__ = ("rows", "resumes")
+    __slots__ = ("rows", "resumes", "_added", "_priced")
 
     def __init__(self) -> None:
         self.rows: dict[str, list[tuple]] = {kind: [] for kind in COLUMNS}
         self.resumes: list[tuple] = []  # migrations of suspended sequences resumed on another GPU (after MIGRATEs)
+        self._added = self._priced = False  # anything logged since the last clear; anything that may move a byte
 
     def add(self, kind: str, *columns) -> None:
         if columns[0].size:
             (self.resumes if kind == "resume" else self.rows[kind]).append(columns)
+            self._added = True
+            self._priced = self._priced or kind not in _UNPRICED
 
     def moves_anything(self) -> bool:
         """Whether an op that may move a byte was emitted (frees and evictions move none)."""
-        return bool(self.resumes) or any(self.rows[k] for k in _PRICED)
+        return self._priced
 
     def empty(self) -> bool:
-        return not self.resumes and not any(self.rows.values())
+        return not self._added
 
     def take(self, gpus: np.ndarray, gpu_node: np.ndarray, by_heads: bool) -> KVOps:
         """The ops so far as one `KVOps` of the instance's GPUs (the log is emptied)."""
@@ -63,9 +66,11 @@ class OpLog:
         return KVOps(gpus, gpu_node=gpu_node, by_heads=by_heads, **fields)
 
     def clear(self) -> None:
-        for blocks in self.rows.values():
-            blocks.clear()
-        self.resumes.clear()
+        if self._added:
+            for blocks in self.rows.values():
+                blocks.clear()
+            self.resumes.clear()
+            self._added = self._priced = False
 
 
 def _joined(blocks: list[tuple], n: int) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ import numpy as np
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.core.state import ClusterState, Moves
-from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult
+from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult, filled
 from batchgen.engine.snapshot import InstanceProgress, tp_and_hosted
 from batchgen.policy.base import Decision
 
@@ -74,7 +74,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
-        decode_rank=np.zeros(decode_ids.size, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
+        decode_rank=filled(decode_ids.size, 0, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
         decode_tp=decode_tp, prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
         cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,

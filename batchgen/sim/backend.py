@@ -180,7 +180,7 @@ class SimBackend:
                                        self.similar_calls and not plan.padded)
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
-            self.decode_iterations += int((cost.iteration_s > 0).sum())
+            self.decode_iterations += int(np.count_nonzero(cost.iteration_s))  # seconds are >= 0
         still = not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         finished = produced == remaining
         transfer = None if still else self._transfer_seconds(plan, produced, finished)  # None: nothing moves
