@@ -1,9 +1,8 @@
 """Two primitives of `ClusterState` for a few ids at a time, on Python scalars: the chunks of one forward and the
 finishes of one run, where numpy's per-call overhead costs more than the arithmetic: the same checks, the same state
 after, the same ops emitted (tests/test_sim_paths.py). A serving engine's one-GPU boundary chunks and finishes one
-to three sequences; on Vidur's workload these two carry about a tenth of the simulator's instructions
-(benchmarks/results/sim_scale.md). They are the state's remaining second implementation: one representation for
-a boundary's few ids and its many would retire them."""
+to three sequences (what these save: benchmarks/results/sim_scale.md). They are the state's remaining second
+implementation: one representation for a boundary's few ids and its many would retire them."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def under_torchrun() -> bool:
 def oversubscription(procs: int, threads: int | str | None, device: str, cores: int) -> str | None:
     """A warning when the processes (times their threads, on a CPU) need more cores than this machine gives
     them: they then take turns on the cores, and the run is slower than fewer processes would make it
-    (backend.procs=8 on 2 cores measured 1.7x slower) with no error to say why. None when they fit."""
+    (benchmarks/results/code_figures.md) with no error to say why. None when they fit."""
     per = threads if isinstance(threads, int) and not isinstance(threads, bool) else 1
     need = procs * per if device == "cpu" else procs
     if need <= cores:

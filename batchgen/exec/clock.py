@@ -3,9 +3,9 @@
 Why. On a CPU device with one intra-op thread every tensor op runs on the calling thread, so that thread's CPU
 time (`time.thread_time`: user + system, advancing only while the thread runs) is the work's time, and a
 neighbour that takes the core away adds wall time but none of it. That is what it buys at the scale of a run on
-a loaded machine, where the process waits for a core (one validation run measured 1.17 s on this clock and
-5.58 s on the wall); per call it is no steadier than the wall clock, since the host's own speed moves both
-(benchmarks/results/validation.md, `benchmarks/timing_under_load.py`). On an idle machine the two agree, so a
+a loaded machine, where the process waits for a core (benchmarks/results/code_figures.md); per call it is no
+steadier than the wall clock, since the host's own speed moves both (benchmarks/results/validation.md,
+`benchmarks/timing_under_load.py`). On an idle machine the two agree, so a
 run timed in CPU time is the run an idle machine would time on its wall clock: what validation compares with
 the simulator. A user's real run still reports the wall clock (the default): that is the time it took.
 

@@ -1,9 +1,9 @@
 """How many CPU threads the executor computes with, decided before the model is built and written down.
 
 Left to itself, torch starts one OpenMP thread per logical CPU of the machine, not of the process: on a shared
-or containerised machine those threads fight other processes for a few cores, and the same tiny_moe job
-measured 430 s, 39.7 s and 11.1 s. Pinning the count (default: the physical cores this process may use)
-makes a measurement mean the same thing twice.
+or containerised machine those threads fight other processes for a few cores, and the same job's time varies
+by an order of magnitude (benchmarks/results/code_figures.md). Pinning the count (default: the physical cores this
+process may use) makes a measurement mean the same thing twice.
 """
 
 from __future__ import annotations

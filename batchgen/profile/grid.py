@@ -30,7 +30,7 @@ class Grid:
     rounds: int = 2                     # the whole grid is measured this many times, repeats split over them
     # decode points also timed as a layer's later call (equal contexts, up to this many sequences): the runner
     # calls a layer's attention once per run of similar contexts, and the calls after the first find the layer's
-    # weights in cache (6-27% faster on a CPU, December 3, 2026)
+    # weights in cache, and run faster (benchmarks/results/validation.md)
     warm_decode_batch: int = 32
 
     def decode_points(self, max_context: int) -> list[tuple[int, int, str]]:

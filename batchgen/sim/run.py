@@ -41,9 +41,8 @@ class SimProgress:
 def rare_collections(young: int = 100_000) -> Iterator[None]:
     """Python's cycle collector run less often while the block runs. A simulated boundary allocates a few dozen
     short-lived containers (decisions, records, dicts of seconds), so at the default threshold (700) the collector
-    ran every few boundaries (raising it made continuous and sglang_opt 1.04-1.11x faster on Vidur's workload,
-    side by side); the run makes few cycles, and those are still collected, only in larger batches. The thresholds
-    are restored after."""
+    ran every few boundaries (benchmarks/results/code_figures.md); the run makes few cycles, and those are still
+    collected, only in larger batches. The thresholds are restored after."""
     before = gc.get_threshold()
     gc.set_threshold(max(young, before[0]), *before[1:])
     try:

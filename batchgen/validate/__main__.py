@@ -84,8 +84,8 @@ def main(argv: list[str]) -> int:
              if fresh is not None else ""))
     if speeds is not None:
         # the last line stays the prediction as profiled: the probes' small calls follow a neighbour's load more
-        # than whole runs do, and scaled by them the median error of three runs in a row spread 2.7 points where
-        # unscaled it spread 1.2 (benchmarks/results/validation.md)
+        # than whole runs do, and scaled by them the median error of runs in a row spread wider than unscaled
+        # (benchmarks/results/code_figures.md)
         print("each round's speed (seconds now per second of the first check, the checks before and after it): "
               + ", ".join(f"{f:.2f}x" for f in speeds)
               + f"; the predictions scaled by it (the speed column): {summary_line(results)}")

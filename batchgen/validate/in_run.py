@@ -10,13 +10,11 @@ time predicted: attention, ffn (router and experts), head (LM head and sampling)
 run lasts: the engine's per-forward and per-boundary work). `TablePredictor` multiplies by these ratios.
 
 Attention has two ratios, one for decode and one for prefill (the runs' decode and prefill records), besides the
-combined one: the two move apart. In the same executor run on December 3, 2026, decode calls took 0.73-0.80x
-the grid's time and prefill calls 1.16-1.28x (benchmarks/results/validation.md), so one ratio fitted to the
-calibration workload's mix priced prefill about a third low and decode a few percent high, by amounts that
-depended on each workload's prefill share. The FFN's calls move apart the same way with their size (decode
-forwards of a few dozen tokens were priced 27-45% high, whole-prompt prefills of thousands 31-36% low, with one
-ratio): it has a ratio for each phase too, with each phase's tokens per forward, and the table interpolates
-between them by the call's size.
+combined one: the two move apart within one executor run (benchmarks/results/code_figures.md), so one ratio fitted to
+the calibration workload's mix misprices each phase by an amount that depends on each workload's prefill share. The
+FFN's calls move apart the same way with their size (a decode forward of a few dozen tokens against a whole-prompt
+prefill of thousands): it has a ratio for each phase too, with each phase's tokens per forward, and the table
+interpolates between them by the call's size.
 """
 from __future__ import annotations
 
