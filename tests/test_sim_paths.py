@@ -1,10 +1,9 @@
 """Where the simulator takes a cheaper way to a common case, the result is the general code's, bit for bit: one rank's
 runs priced on floats (pricing.price.price_cells, price_steady), a boundary's few chunks and finishes on Python scalars
-(core.few), an offloading block's one-rank run priced as the chain its DAG reduces to (pricing.scalar_offload) and a
-dense layer's DAG on floats (pricing.microbatch), GEMM times read from one launch count's curve (latency.roofline),
-decisions recorded lazily (decisions.DeferredDecision) and identical decode runs as one event (engine.repeat).
-`general_paths` turns each of them off from here (the package has no switch): every job takes the same decisions and
-ends with the same times, step by step."""
+(core.few), an offloading block's one-rank run priced as the chain its DAG reduces to (pricing.scalar_offload), GEMM
+times read from one launch count's curve (latency.roofline), decisions recorded lazily (decisions.DeferredDecision) and
+identical decode runs as one event (engine.repeat). `general_paths` turns each of them off from here (the package has no
+switch): every job takes the same decisions and ends with the same times, step by step."""
 
 import contextlib
 import dataclasses
@@ -80,7 +79,6 @@ def general_paths():
                 (roofline.Roofline, "prices_floats", False),  # one rank's runs priced on the grid
                 (roofline, "_uniform", lambda calls, tokens: None),
                 (microbatch, "chain_applies", lambda lat: False),
-                (microbatch, "_float_costs", lambda *args: None),
                 (offload, "chain_applies", lambda lat: False),
                 (loop, "DeferredDecision", _Eager),
                 (OffloadPolicy, "repeats", lambda self, snap, decision, forecast: 0)):
@@ -317,9 +315,9 @@ def test_one_rank_offload_price_is_the_dags(pipelined):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_one_row_microbatched_price_is_the_dags(pipelined):
     """The planner's typical iteration (a one-row, one-iteration grid: FlexGen's search) and the simulator's
-    runs of several micro-batches: `price_microbatched` with and without its cheaper paths (the chain for device KV,
-    the DAG on Python floats for host KV: restored, or attended by the CPU), bit for bit, up to more
-    micro-batches than the DAG gives nodes (grouped), with replicas and prefetched bytes."""
+    runs of several micro-batches: `price_microbatched` with and without the chain for device KV (host KV, restored
+    or attended by the CPU, takes the DAG either way), bit for bit, up to more micro-batches than the DAG gives
+    nodes (grouped), with replicas and prefetched bytes."""
     from batchgen.plan.decode import DecodeGrid
     from batchgen.pricing.microbatch import price_microbatched
     from batchgen.pricing.costs import decode_grid
@@ -354,31 +352,39 @@ def test_one_row_microbatched_price_is_the_dags(pipelined):
         assert np.array_equal(fast_calls, ref_calls)
 
 
-def test_planner_dense_layers_of_an_moe_model_on_floats_are_the_dags():
-    """DeepSeek-V2's dense first layer in the planner's one-row iteration (host KV restored per layer): the
-    float DAG of `_float_costs` gives the general DAG's price bit for bit beside the MoE layers' own path."""
-    from batchgen.plan.decode import DecodeGrid
-    from batchgen.pricing.microbatch import price_microbatched
+@pytest.mark.parametrize("model", ["llama2_7b", "qwen3_30b_a3b"])
+def test_every_micro_batch_priced_at_once_is_each_priced_alone(model):
+    """`microbatch._costs` prices each module once over all micro-batches: every node's cost equals pricing its
+    micro-batch alone, bit for bit (the latency model's formulas are elementwise), as a float for one rank and one
+    iteration and as the (R, K) slice otherwise; a dense and an MoE layer, device, restored and CPU attention."""
+    from batchgen.plan.decode import _host_micro_batches
+    from batchgen.pricing.microbatch import _costs
     from batchgen.specs import load_model
 
-    lat, _ = _scalar_setup()
-    moe = Roofline(load_model("deepseek_v2"), lat.gpu, lat.eff, ep_ranks=1, gpus_per_node=1, host=lat.host)
-    assert moe.layer_counts()[0] >= 1
-    one = lambda v: np.full((1, 1), float(v))  # noqa: E731
-    for n, mb in ((1, 0), (64, 8), (3000, 16), (777, 5)):
-        for hosted in (False, True):
-            kv = (one(0), one(0), one(0), one(n), one(n * 1500)) if hosted else (one(n), one(n * 1500), one(1),
-                                                                                 one(0), one(0))
-            grid = DecodeGrid(*kv, one(n))
-            for pipelined in (False, True):
-                kw = dict(cpu_attention=False, pipelined=pipelined, prefetch_bytes=2e8, replicas=4)
-                fast, fast_calls = price_microbatched(moe, grid, mb, **kw)
-                with general_paths():
-                    ref, ref_calls = price_microbatched(moe, grid, mb, **kw)
-                for f in ("iteration_s", "rank_busy", "comm_s", "exposed_s", "moe_layer_s"):
-                    assert np.array_equal(getattr(fast, f), getattr(ref, f)), (n, mb, hosted, f)
-                assert (fast.h2d_bytes, fast.d2h_bytes) == (ref.h2d_bytes, ref.d2h_bytes)
-                assert np.array_equal(fast_calls, ref_calls)
+    base, _ = _scalar_setup()
+    lat = Roofline(load_model(model), base.gpu, base.eff, ep_ranks=1, gpus_per_node=1, host=base.host)
+    rng = np.random.default_rng(13)
+    for trial in range(40):
+        R, K = (1, 1) if trial % 2 else (int(rng.integers(1, 5)), int(rng.integers(1, 7)))
+        host_tokens = rng.integers(0, 400, (R, K)).astype(float)
+        context = host_tokens * rng.integers(1, 3000, (R, K))
+        tokens, ctx, launches = _host_micro_batches(host_tokens, context, int(rng.choice([0, 7, 64])))
+        for kind in ("device", "staged", "cpu"):
+            for moe in (False, True):
+                c, _ = _costs(lat, tokens, ctx, launches, kind, moe, 2, 0.0)
+                for i, (t, x, n) in enumerate(zip(tokens, ctx, launches)):
+                    want = {"attn": lat.attention_decode(t, 0.0 if kind == "cpu" else x, n),
+                            "ffn": lat.shared_experts(t) + lat.router(t) if moe else lat.dense_ffn(t)}
+                    if kind == "staged":
+                        want.update(restore=lat.kv_restore(x, n), append=lat.kv_append(t, n))
+                    if kind == "cpu":
+                        (want["append"], want["back"]), want["cpu"] = lat.cpu_attention_ship(t, n), \
+                            lat.cpu_attention(t, x, n)
+                    for node, value in want.items():
+                        got = getattr(c, node)[i]
+                        assert type(got) is float if (R, K) == (1, 1) else got.shape == (R, K)
+                        assert np.array_equal(np.broadcast_to(np.asarray(value, float), (R, K)),
+                                              np.broadcast_to(got, (R, K))), (trial, kind, moe, node, i)
 
 
 # ---- repeated decode runs as one event (batchgen.engine.repeat, batchgen.sim.repeated) ----------------------------

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.latency.roofline import _GEMM_LOOKUP_MAX, Roofline
 from batchgen.plan.dag import Dag
 from batchgen.plan.decode import (DecodeGrid, DecodePrice, _host_micro_batches, device_attention, host_bytes,
                                   staged_attention)
@@ -121,56 +120,37 @@ def _costs(lat: LatencyModel, tokens, context, launches, kind: str, moe: bool, r
            prefetch, attention=None) -> tuple[MicroBatchCosts, list]:
     """Node costs of one layer for micro-batches given as (M, R, K) arrays; also each micro-batch's expert
     calls per iteration (K,) (a grouped node stands for several micro-batches, each its own expert call).
-    `attention`: each device or staged micro-batch's attention seconds (M, R, K) where they are priced apart."""
+    `attention`: each device or staged micro-batch's attention seconds (M, R, K) where they are priced apart.
+    Each module is priced once over every micro-batch (the latency model's formulas are elementwise); a node's
+    cost is its micro-batch's (R, K) slice, or a Python float for one rank and one iteration (the DAG then
+    compares floats)."""
+    one = tokens.shape[1:] == (1, 1)
+    split = (lambda a: np.asarray(a, float)[:, 0, 0].tolist()) if one else list
+
+    def each(a):
+        return split(np.broadcast_to(np.asarray(a, float), tokens.shape))
+
     c = MicroBatchCosts(kind, [], [], [], [], [], [], [], prefetch if moe else 0.0)
-    calls = []
-    for i, (t, ctx, n) in enumerate(zip(tokens, context, launches)):
-        if kind == "cpu":
-            down, back = lat.cpu_attention_ship(t, n)
-            c.attn.append(lat.attention_decode(t, 0.0, n))
-            c.append.append(down)
-            c.back.append(back)
-            c.cpu.append(lat.cpu_attention(t, ctx, n))
-        else:
-            c.attn.append(lat.attention_decode(t, ctx, n) if attention is None else attention[i])
-            if kind == "staged":
-                c.restore.append(lat.kv_restore(ctx, n))
-                c.append.append(lat.kv_append(t, n))
-        if moe:
-            c.ffn.append(lat.shared_experts(t) + lat.router(t))
-            per_rank_calls = np.asarray(n, float).max(axis=0)
-            each = t.sum(axis=0) * replicas / np.maximum(per_rank_calls, 1.0)
-            slowest, _ = lat.experts(each)
-            c.moe.append(per_rank_calls * (lat.all_to_all(each) + slowest))
-            calls.append(per_rank_calls)
-        else:
-            c.ffn.append(lat.dense_ffn(t))
-            c.moe.append(0.0)
-    return c, calls
-
-
-def _float_costs(lat: LatencyModel, tokens, context, launches, kind: str) -> MicroBatchCosts | None:
-    """`_costs` of a dense layer for one rank and one iteration ((M, 1, 1) arrays) as Python floats, each module
-    priced for every micro-batch in one vector call (the roofline's formulas are elementwise, and its GEMM times
-    come from the same curves for whole token counts within them); None where a micro-batch's token count is
-    not such a count (the per-call path then decides between curve and direct pricing as before)."""
-    t, ctx, n = tokens[:, 0, 0], context[:, 0, 0], launches[:, 0, 0]
-    if float(t.max(initial=0.0)) > _GEMM_LOOKUP_MAX or not (t == np.floor(t)).all():
-        return None
-    m = t.size
-    c = MicroBatchCosts(kind, [], [], [0.0] * m, [], [], [], [], 0.0)
     if kind == "cpu":
-        down, back = lat.cpu_attention_ship(t, n)
-        c.attn = np.asarray(lat.attention_decode(t, 0.0, n), float).tolist()
-        c.append, c.back = np.asarray(down, float).tolist(), np.asarray(back, float).tolist()
-        c.cpu = np.asarray(lat.cpu_attention(t, ctx, n), float).tolist()
+        down, back = lat.cpu_attention_ship(tokens, launches)
+        c.attn, c.append, c.back = each(lat.attention_decode(tokens, 0.0, launches)), each(down), each(back)
+        c.cpu = each(lat.cpu_attention(tokens, context, launches))
     else:
-        c.attn = np.asarray(lat.attention_decode(t, ctx, n), float).tolist()
+        c.attn = each(lat.attention_decode(tokens, context, launches) if attention is None else attention)
         if kind == "staged":
-            c.restore = np.asarray(lat.kv_restore(ctx, n), float).tolist()
-            c.append = np.asarray(lat.kv_append(t, n), float).tolist()
-    c.ffn = np.asarray(lat.dense_ffn(t), float).tolist()
-    return c
+            c.restore, c.append = each(lat.kv_restore(context, launches)), each(lat.kv_append(tokens, launches))
+    calls = []
+    if not moe:
+        c.ffn, c.moe = each(lat.dense_ffn(tokens)), [0.0] * tokens.shape[0]
+        return c, calls
+    c.ffn = each(lat.shared_experts(tokens) + lat.router(tokens))
+    for t, n in zip(tokens, launches):  # the routed experts see the instance's tokens: one call per micro-batch
+        per_rank_calls = np.asarray(n, float).max(axis=0)
+        total = t.sum(axis=0) * replicas / np.maximum(per_rank_calls, 1.0)
+        slowest, _ = lat.experts(total)
+        c.moe.append(per_rank_calls * (lat.all_to_all(total) + slowest))
+        calls.append(per_rank_calls)
+    return c, calls
 
 
 def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool,
@@ -214,12 +194,7 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
     for count, is_moe in ((n_dense, False), (n_moe, True)):
         if not count or not tokens.shape[0]:
             continue
-        c = (_float_costs(lat, tokens, context, launches, kind) if not is_moe and R == 1
-             and K == 1 and type(lat) is Roofline and attention is None else None)
-        if c is not None:  # one rank, one iteration, a dense layer: the DAG on Python floats
-            layer_calls = []
-        else:
-            c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention)
+        c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention)
         dag, ends = build_dag(c, pipelined)
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)
