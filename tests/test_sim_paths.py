@@ -62,10 +62,10 @@ def general_paths():
 
     import batchgen.engine.apply as apply
     import batchgen.engine.loop as loop
-    import batchgen.sim.backend as backend
     import batchgen.latency.roofline as roofline
     import batchgen.pricing.microbatch as microbatch
     import batchgen.pricing.offload as offload
+    import batchgen.sim.backend as backend
     from batchgen.core.accounts import Accounts
     from batchgen.core.few import FewIds
     from batchgen.policy.offload.base import OffloadPolicy

@@ -116,11 +116,7 @@ class Accounts:
             return
         delta = pages - t.pages[ids]
         t.pages[ids] = pages
-        if self.partitioned_ever:
-            rep, gpus = self.group_gpus(ids)
-            np.add.at(self.pages_used, gpus, delta[rep])
-        else:  # one GPU each (group_gpus without its index)
-            np.add.at(self.pages_used, t.where[ids], delta)
+        self._add_pages(ids, delta)
         over = self.pages_used > self.gpu_pages
         if over.any():
             g = int(np.flatnonzero(over)[0])
@@ -155,13 +151,16 @@ class Accounts:
 
     def _free_pages(self, ids: np.ndarray) -> None:
         """`_set_pages` to 0: pages only fall, so no capacity or peak to check."""
-        t = self.table
+        self._add_pages(ids, -self.table.pages[ids])
+        self.table.pages[ids] = 0
+
+    def _add_pages(self, ids: np.ndarray, delta: np.ndarray) -> None:
+        """Each running sequence's page change `delta` counted on every GPU of its group."""
         if self.partitioned_ever:
             rep, gpus = self.group_gpus(ids)
-            np.subtract.at(self.pages_used, gpus, t.pages[ids][rep])
-        else:
-            np.subtract.at(self.pages_used, t.where[ids], t.pages[ids])
-        t.pages[ids] = 0
+            np.add.at(self.pages_used, gpus, delta[rep])
+        else:  # one GPU each (group_gpus without its index)
+            np.add.at(self.pages_used, self.table.where[ids], delta)
 
     def reserve(self, ids: np.ndarray, lookahead_tokens: int, context: np.ndarray | None = None) -> None:
         """Grow running device-resident sequences' pages lazily so that the next `lookahead_tokens` fit

@@ -7,7 +7,7 @@ the policy declares (`Policy.repeats`, given the `Forecast` of its next snapshot
 same decode, the backend prices the n + 1 runs together and makes time pass once (`execute_repeated`), and the engine
 replays each boundary's bookkeeping as it would have happened: the same `apply_decision` (pages reserved for the next
 page of tokens), the same outcome (tokens, finishes at the same clock readings, pages freed), one step record and one
-decision record per run. Results are the same bit for bit (tests/test_sim_repeat.py runs jobs with and without it);
+decision record per run. Results are the same bit for bit (tests/test_sim_paths.py runs jobs with and without it);
 only `events` (SimPy timeouts) counts fewer.
 
 Where. Only where the replay is exact by construction: a backend that offers it and moves no real KV (the

@@ -7,13 +7,13 @@ sequence's KV on the device, that DAG is a chain: every node with a cost sits on
 the dense model's 0-second expert node), the weight ring costs nothing (a dense model streams no experts), and a
 sync node waits for one rank only. A layer's steady-state time is then the second layer's chain minus the first's.
 
-Same results, bit for bit: the chain adds the same costs in the DAG's order (a max
-over predecessors picks a value without rounding), every cost is the roofline's own (elementwise on (K,) vectors instead
-of (1, K) grids), and every sum over iterations is numpy's on arrays of the same layout. It applies where
-`chain_applies` (a plain `Roofline`, a dense model) with one rank, no host-resident sequence and attention priced on
-summed contexts (no similar-context calls); elsewhere `price_offload_one_rank` returns None and the DAG prices.
-`price_microbatched` takes the same chain for any one-row device-KV grid (the planner's typical iteration too:
-`microbatched_one_rank`). tests/test_sim_paths.py checks both against the DAG on random grids.
+Same results, bit for bit: the chain adds the same costs in the DAG's order (a max over predecessors picks a value
+without rounding), every cost is the roofline's own (elementwise on (K,) vectors instead of (1, K) grids), and every sum
+over iterations is numpy's on arrays of the same layout. It applies where `chain_applies` (a plain `Roofline`, a dense
+model) with one rank, no host-resident sequence and attention priced on summed contexts (no similar-context calls);
+elsewhere `price_offload_one_rank` returns None and the DAG prices. `price_microbatched` takes the same chain for any
+one-row device-KV grid (the planner's typical iteration too: `microbatched_one_rank`). tests/test_sim_paths.py checks
+both against the DAG on random grids.
 """
 
 from __future__ import annotations
