@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from batchgen.instances import plan_instances
 from batchgen.job import Job
 from batchgen.memory import ConfigError
 from batchgen.overrides import check_known_keys
@@ -39,10 +40,13 @@ def build_job(cfg: DictConfig, base_dir: Path | None = None, *, command: str | N
         workload = build_workload(cfg.workload, seed=typed(cfg, "seed", int, 0), base_dir=base_dir,
                                   progress=progress_setting(cfg))
         check_context(model, workload)
-        return Job(model=model, cluster=setup.cluster, workload=workload, policy=setup.policy,
-                   memory=setup.memory, efficiency=setup.efficiency, latency=setup.latency,
-                   page_tokens=setup.page_tokens, routing_skew=setup.routing_skew,
-                   check_invariants=setup.check_invariants)
+        job = Job(model=model, cluster=setup.cluster, workload=workload, policy=setup.policy,
+                  memory=setup.memory, efficiency=setup.efficiency, latency=setup.latency,
+                  page_tokens=setup.page_tokens, routing_skew=setup.routing_skew,
+                  check_invariants=setup.check_invariants)
+        if setup.instances_planned:
+            job = plan_instances(job)
+        return job
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
 

@@ -33,6 +33,9 @@ class Job:
     page_tokens: int = 64
     routing_skew: float = 0.0
     check_invariants: bool = False
+    # cluster.gpus_per_instance=auto: each size priced, (GPUs per instance, predicted prefill s, decode s), and
+    # `cluster` holds the size chosen (batchgen.instances); () when the cluster's size was given
+    instance_plan: tuple = ()
 
     def __post_init__(self):
         if self.page_tokens < 1:
@@ -214,21 +217,13 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
     return budget
 
 
-def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
-            host_kv_tokens: int | None = None, host_fix: str | None = None) -> Prepared:
-    """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of
-    the one planned from the specs (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit
-    it). host_kv_tokens: the host KV a real backend's pool of a node surely holds; the state's per node is the smaller
-    of it and the cluster spec's (`host_fix`: the setting that enlarges it, for the same error).
-
-    A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
-    plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
-    (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
-    m, gpus = job.model, _gpu_cluster(job)
+def planned(job: Job) -> tuple:
+    """The first half of `prepare`: (the GPU cluster, the TP-attention degree, the latency model, the cluster as
+    the scheduler sees it, the policy with its "auto" knobs resolved, the plan or None)."""
+    m, w, gpus = job.model, job.workload, _gpu_cluster(job)
     degree = resolve_attention_tp(job)
     lat = _latency(job, gpus, degree)
     c = group_cluster(gpus, degree)
-    w = job.workload
     policy, plan = job.policy, None
     if degree > 1 or policy.attention_tp == "auto":
         policy = dataclasses.replace(policy, attention_tp=degree)
@@ -253,6 +248,23 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                         policy_name=policy.name)
             raise
         policy = plan.resolve(policy)
+    return gpus, degree, lat, c, policy, plan
+
+
+def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
+            host_kv_tokens: int | None = None, host_fix: str | None = None) -> Prepared:
+    """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of
+    the one planned from the specs (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit
+    it). host_kv_tokens: the host KV a real backend's pool of a node surely holds; the state's per node is the smaller
+    of it and the cluster spec's (`host_fix`: the setting that enlarges it, for the same error).
+
+    A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
+    plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
+    (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
+    gpus, _, lat, c, policy, plan = planned(job)
+    if plan is not None and job.instance_plan:
+        plan = dataclasses.replace(plan, instance_sizes=job.instance_plan)
+    m, w = job.model, job.workload
     if policy.comm_overlap and getattr(policy, "kv_residency", "device") != "device":
         raise ConfigError(f"policy.comm_overlap prices device-resident decode only; this job's KV is "
                           f"{policy.kv_residency}-resident: set policy.kv_residency=device, or "

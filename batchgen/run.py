@@ -27,6 +27,14 @@ from batchgen.setup import plain as _plain
 COMMAND = "batchgen.run"
 
 
+def _instances_given(setup) -> None:
+    """A batch job runs the instances its config gives: the planned size is for a simulated job's planner."""
+    if setup.instances_planned:
+        raise ConfigError("cluster.gpus_per_instance=auto is planned for a simulated job (python -m "
+                          "batchgen.experiment); a batch job runs the instances it is given: set "
+                          "cluster.gpus_per_instance to a number of GPUs, or null for one instance")
+
+
 def run_job(cfg: DictConfig) -> None:
     from batchgen.batch.job import JobSettings, executor_cluster, model_dir, run_batch
     from batchgen.setup import build_setup, checked_calibration, model_path, model_spec
@@ -40,6 +48,7 @@ def run_job(cfg: DictConfig) -> None:
     settings = JobSettings.from_config(_plain(cfg.job), seed=cfg.get("seed", 0))
     path = model_dir(model_path(cfg))
     setup = build_setup(cfg, command=COMMAND)
+    _instances_given(setup)
     backend = _backend_settings(cfg, path)
     if backend.repeats != 1:
         raise ConfigError(f"backend.repeats={backend.repeats}: a batch job runs its requests once; drop it")
@@ -129,6 +138,7 @@ def estimate_job(cfg: DictConfig) -> None:
     if not job.get("input") or not src.is_file():
         raise ConfigError(f"job.input={job.get('input')}: no such file (an OpenAI batch file: one JSON request a line)")
     setup = build_setup(cfg, policy_required=False, command=COMMAND)
+    _instances_given(setup)
     path = model_path(cfg)
     spec = model_spec(cfg)
     checked_calibration(setup, spec)

@@ -12,6 +12,7 @@ from batchgen.confdir import conf_dir
 from batchgen.latency import Efficiency, LatencySettings, check_calibration, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
 from batchgen.policy import make_policy, policy_names
+from batchgen.plan.planner import AUTO
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec, cluster_from_config
 
@@ -26,6 +27,7 @@ class Setup:
     page_tokens: int
     routing_skew: float
     check_invariants: bool
+    instances_planned: bool = False  # cluster.gpus_per_instance=auto: the job's planner sizes the instances
 
 
 def plain(node: Any) -> dict:
@@ -76,7 +78,11 @@ def build_setup(cfg: DictConfig, *, policy_required: bool = True, command: str =
                           f"e.g. python -m {command} +policy=coroutine")
     try:
         policy = make_policy(plain(cfg.policy)) if cfg.get("policy") is not None else None
-        cluster = cluster_from_config(plain(cfg.cluster), hardware_dir=conf_dir() / "hardware")
+        cluster_cfg = plain(cfg.cluster)
+        instances_planned = cluster_cfg.get("gpus_per_instance") == AUTO
+        if instances_planned:  # checked as one instance; batchgen.instances picks the size
+            cluster_cfg["gpus_per_instance"] = None
+        cluster = cluster_from_config(cluster_cfg, hardware_dir=conf_dir() / "hardware")
         memory = MemorySettings(**plain(cfg.get("memory")))
         # null factors (the config lists every one, so that efficiency.compute=0.5 works without +): unset
         efficiency = load_efficiency({k: v for k, v in plain(cfg.get("efficiency")).items() if v is not None},
@@ -87,7 +93,8 @@ def build_setup(cfg: DictConfig, *, policy_required: bool = True, command: str =
                               f"latency={latency.name}): add latency=table, or drop latency.calibration")
         return Setup(policy, cluster, memory, efficiency, latency, page_tokens=typed(cfg, "page_tokens", int, 64),
                      routing_skew=typed(cfg, "routing_skew", float, 0.0),
-                     check_invariants=typed(cfg, "check_invariants", bool, False))
+                     check_invariants=typed(cfg, "check_invariants", bool, False),
+                     instances_planned=instances_planned)
     except ConfigError:
         raise
     except TypeError as e:  # unknown keyword in memory / latency

@@ -90,6 +90,7 @@ class Plan:
     candidates: int = 0         # candidates priced (that fit memory)
     ranks: int = 1              # ranks of an instance
     prefill_tokens: int = 0     # the planned prefill chunk per rank (0: the policy's own, not planned)
+    instance_sizes: tuple = ()  # with cluster.gpus_per_instance=auto: (GPUs, prefill s, decode s) of each size
 
     def resolve(self, policy: Any) -> Any:
         """The policy with its "auto" knobs replaced by this plan's values (explicit ones are kept)."""
@@ -110,7 +111,15 @@ class Plan:
                 "batch's waves), "
                 f"{self.host_bytes_per_iter / 1e9:.1f} GB host<->device per iteration "
                 f"(context {self.typical_context:,}; {self.candidates} candidates)"
-                + (f"; prefill chunk {self.prefill_tokens:,} tokens per rank" if self.prefill_tokens else ""))
+                + (f"; prefill chunk {self.prefill_tokens:,} tokens per rank" if self.prefill_tokens else "")
+                + self._instances())
+
+    def _instances(self) -> str:
+        if not self.instance_sizes:
+            return ""
+        seconds = lambda s: f"{s:,.0f}" if s >= 100 else f"{s:.3g}"  # noqa: E731
+        each = ", ".join(f"{size}: {seconds(prefill + decode)} s" for size, prefill, decode in self.instance_sizes)
+        return f"; instance size planned (GPUs: predicted prefill + decode over the batch): {each}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
