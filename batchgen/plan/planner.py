@@ -34,7 +34,7 @@ from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
                              host_weight_bytes, staging_bytes, weight_layout)
 from batchgen.plan.decode import DecodeGrid, price_decode
-from batchgen.plan.waves import occupancy, output_sketch, price_points, share_outputs, weighted_seconds
+from batchgen.plan.waves import output_sketch, price_points, share_occupancy, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
 
 AUTO = "auto"
@@ -248,7 +248,6 @@ class _Planner:
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
         self.final_seq_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
         self._share = None   # a rank's share of the output lengths (batch_throughputs), built once
-        self._occupancy = {}  # running-set cap -> iterations at each size over the share
 
     # ---- candidates ----------------------------------------------------------------------------------
 
@@ -426,10 +425,8 @@ class _Planner:
             if not points:
                 out.append(0.0)
                 continue
-            n = points[-1]
-            if n not in self._occupancy:
-                self._occupancy[n] = occupancy(self._share, n)
-            total = weighted_seconds(self._occupancy[n], points, [float(x) for x in seconds[start:start + len(points)]])
+            hist = share_occupancy(self.stats.output_sketch, self.per_rank, self.stats.mean_output, points[-1])
+            total = weighted_seconds(hist, points, [float(x) for x in seconds[start:start + len(points)]])
             out.append(float(self._share.sum()) * self.R / total if total > 0 else 0.0)
         return out
 

@@ -11,6 +11,7 @@ returns, per running-set size, the iterations spent there; the planner prices a 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -54,6 +55,14 @@ def occupancy(outputs: np.ndarray, running: int) -> dict[int, int]:
             heapq.heappush(heap, now + outs[nxt])
             nxt += 1
     return {m: k for m, k in hist.items() if k > 0}
+
+
+@functools.lru_cache(maxsize=256)
+def share_occupancy(sketch: tuple[float, ...], share: int, mean_output: float, running: int) -> dict[int, int]:
+    """`occupancy` of a rank's share (`share_outputs`), kept: every plan of a job replays the same share (each
+    prefill chunk, attention degree and instance size plans again), at the same few running-set caps. The dict
+    is shared: read it, never change it."""
+    return occupancy(share_outputs(sketch, share, mean_output), running)
 
 
 def price_points(running: int) -> list[int]:
