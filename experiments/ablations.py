@@ -10,7 +10,7 @@ A5000, GSM8K; rl_rollout, (e1): DeepSeek-R1 on 16 H20, 256 long-tailed prompts. 
 order: its module batching alone (KV on the device, no MIGRATE, no PARTITION: the planner still picks B_attn,
 B_moe and the attention degree), host-resident KV where its plan takes it, MIGRATE (work stealing and tail
 rebalancing), PARTITION (coroutine as shipped); then what the experiment adds (the scale experiment's all-to-all
-overlapped across attention micro-batches, priced by the simulator only, and its 16-GPU groups, which separate the
+overlapped across attention micro-batches, and its 16-GPU groups, which separate the
 instance size from the rest; (c)'s memory fraction). The baseline rows run each
 engine at its own defaults, then with each option it leaves off. Each row's ratio is its BCT over coroutine as
 shipped; a row that does not fit the rig says so. Writes ablations_<experiment>.csv and its figure (PNG and PDF)
@@ -43,7 +43,7 @@ GROUPS = "cluster.gpus_per_instance=16"
 NO_MIGRATE = ["policy.migrate=false", "policy.migrate_across_instances=false"]
 NO_PARTITION = ["policy.partition=false"]
 SHIPPED = "coroutine as shipped"
-OVERLAP = "coroutine + all-to-all overlapped across micro-batches (simulator only), 2 x 64"
+OVERLAP = "coroutine + all-to-all overlapped across micro-batches, 2 x 64"
 
 
 def coroutine_rows(suffix: str = "", extra: tuple[str, ...] = ()) -> list[tuple[str, str, list[str]]]:

@@ -61,7 +61,9 @@ def test_the_simulator_prices_the_overlap_where_there_are_micro_batches():
     assert one_o[0] == pytest.approx(one[0], rel=1e-9)
 
 
-def test_executors_refuse_it():
+def test_a_backend_that_does_not_perform_it_refuses_it():
+    """backend=exec (one process: no all-to-all to overlap) declares no comm_overlap; backend=dist performs it
+    (tests/distributed/test_ep_overlap.py)."""
     with pytest.raises(ConfigError, match="policy.comm_overlap=false"):
         check_supported(CoroutinePolicy(comm_overlap=True), Capabilities(comm_overlap=False))
 

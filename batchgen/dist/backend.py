@@ -42,9 +42,10 @@ from batchgen.exec.sequences import SequenceTokens
 
 class DistBackend(ExecBackend):
     def __init__(self, state: ClusterState, worker: RankWorker, tokens: SequenceTokens, procs: int,
-                 is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None):
+                 is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None, comm_overlap: bool = False):
         """channel: rank 0's command channel to every instance (control.py); by default over the worker's
-        (`RankWorker.channels`, or its own control groups for one instance)."""
+        (`RankWorker.channels`, or its own control groups for one instance). `comm_overlap`: the policy's; every
+        forward then overlaps each micro-batch's expert all-to-all with the next one's attention."""
         topo = state.topo
         if topo.num_gpus != procs:
             raise ValueError(f"backend=dist runs one process per GPU: {procs} processes, but the state has "
@@ -70,13 +71,15 @@ class DistBackend(ExecBackend):
         self.channel = channel
         self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
+        self.comm_overlap = bool(comm_overlap)
         # not built across processes: two-batch overlap, TP attention, an FFN per micro-batch (declared so that
         # the engine refuses a policy that needs them before the run; check_dist refuses them before the processes
-        # start). PARTITION: over at most the instance's processes (dist/partition)
+        # start). PARTITION: over at most the instance's processes (dist/partition). The all-to-all overlapped
+        # across micro-batches: with expert-parallel layers (exec/overlap_layers)
         size = min(len(r) for r in self.instance_ranks)
         degrees = tuple(d for d in self.capabilities.partition_degrees if d <= size)
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
-                                                two_batch_overlap=False, comm_overlap=False, attention_tp=False,
+                                                two_batch_overlap=False, comm_overlap=is_moe, attention_tp=False,
                                                 micro_batch_ffn=False)
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
@@ -156,7 +159,8 @@ class DistBackend(ExecBackend):
             parts[g] = ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
                                    b.tp, b.sample, [len(generated[s]) for s in sampled])
         ticket = self.channel.post(Command("forward", parts, micro_batch=plan.micro_batch,
-                                           cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule),
+                                           cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule,
+                                           comm_overlap=self.comm_overlap),
                                    [plan.instance])
         yield None
         replies: list[ForwardReply] = self.channel.collect(ticket)  # in rank order: the instance's ranks

@@ -105,9 +105,9 @@ class Comm:
         work = dist.irecv(tensor, src=self.ranks[src], group=self.group)
         self._wait(work, what, [self.ranks[src]], t0, p2p=True)
 
-    def all_reduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
+    def all_reduce(self, tensor: torch.Tensor, what: str = "all-reduce", op=dist.ReduceOp.SUM) -> None:
         t0 = time.perf_counter()
-        self._wait(dist.all_reduce(tensor, group=self.group, async_op=True), what, self._peers(), t0)
+        self._wait(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what, self._peers(), t0)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> None:
         """src: a group-local rank."""

@@ -44,9 +44,11 @@ work differently (tests/distributed measures whether that changes any bit here).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from batchgen.dist.comm import Comm
+from batchgen.dist.ep_overlap import OverlappedExchange
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.placement import ExpertPlacement
 from batchgen.exec.models.moe import SparseMoE
@@ -86,16 +88,28 @@ class ExpertParallelMoE(nn.Module):
                                   f"does not fit a layer of {moe.num_experts} experts on a group of {comm.size}")
         self.comm, self.placement = comm, placement
         self.local_experts = placement.experts_of(comm.rank)
-        self._width = placement.max_local
-        self.groups = slot_groups(self._width, DEFAULT_PIPELINE if pipeline is None else pipeline)
+        self.width = placement.max_local
+        self.groups = slot_groups(self.width, DEFAULT_PIPELINE if pipeline is None else pipeline)
         self.shard = moe.expert_shard(self.local_experts)
         owner, slot = placement.tables(moe.w_gate.device)
         group = torch.repeat_interleave(torch.arange(len(self.groups), device=slot.device),
                                         torch.tensor([hi - lo for lo, hi in self.groups], device=slot.device))
-        self.register_buffer("_owner", owner, persistent=False)
-        self.register_buffer("_slot", slot, persistent=False)
+        self.register_buffer("owner", owner, persistent=False)
+        self.register_buffer("slot", slot, persistent=False)
         self.register_buffer("_group_of_expert", group[slot], persistent=False)
-        self._last_counts: torch.Tensor | None = None
+        self.last_counts: torch.Tensor | None = None
+
+    def agree(self, counts: list[int]) -> list[int]:
+        """Each count's largest value over the group: the micro-batches every rank sends to `overlapped`'s
+        exchange (the same number on every rank, or the all-to-alls would not match)."""
+        n = torch.tensor(counts, dtype=torch.int64, device=self.owner.device)
+        self.comm.all_reduce(n, what="micro-batch count", op=dist.ReduceOp.MAX)
+        return n.tolist()
+
+    def overlapped(self, micro_batches: int) -> OverlappedExchange:
+        """This layer's all-to-all over `micro_batches` attention micro-batches (the count `agree` gave), each
+        dispatched as it is sent and combined on its own (batchgen.dist.ep_overlap)."""
+        return OverlappedExchange(self, micro_batches)
 
     @property
     def pipelined(self) -> bool:
@@ -104,7 +118,7 @@ class ExpertParallelMoE(nn.Module):
     @property
     def last_tokens_per_expert(self) -> list[int]:
         """Rows each local expert ran in the last forward (all ranks' tokens): this rank's expert batch sizes."""
-        return [] if self._last_counts is None else self._last_counts.tolist()
+        return [] if self.last_counts is None else self.last_counts.tolist()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H]: this rank's tokens (T may be 0) -> the layer's output for them, [T, H]."""
@@ -119,12 +133,12 @@ class ExpertParallelMoE(nn.Module):
     def _exchange(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, alongside):
         """(routed output, alongside(hidden) or None): `alongside` (the shared experts) runs while the dispatch
         is in flight when pipelined, after the combine otherwise."""
-        P, W, H = self.comm.size, self._width, hidden.shape[-1]
+        P, W, H = self.comm.size, self.width, hidden.shape[-1]
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments by expert, as SparseMoE.experts
         expert = flat[order]
-        dest = self._owner[expert] * W + self._slot[expert]
+        dest = self.owner[expert] * W + self.slot[expert]
         send_counts = torch.bincount(dest, minlength=P * W)
         recv_counts = torch.empty_like(send_counts)
         counting = self.comm.start_all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
@@ -138,7 +152,7 @@ class ExpertParallelMoE(nn.Module):
         if self.pipelined:  # the gather above overlapped the count exchange
             self.comm.wait(counting)
         send_c, recv_c = send_counts.view(P, W), recv_counts.view(P, W)
-        self._last_counts = recv_c.sum(0)[:len(self.local_experts)]
+        self.last_counts = recv_c.sum(0)[:len(self.local_experts)]
         y_send = torch.empty_like(x_send)
         side = None
         if self.pipelined:

@@ -396,7 +396,8 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
                 sink.on_finish(ended, tokens)
             sink.after_run(tokens)
     while True:
-        backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed)
+        backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed,
+                              comm_overlap=prepared.policy.comm_overlap)
         if clock is None:
             clock = backend._t0
         else:  # one clock over the generations: records and finish times line up

@@ -32,6 +32,7 @@ from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.metadata import AttentionMetadata
 from batchgen.exec.models.decoder import MoEDecoder
 from batchgen.exec.models.tensor_parallel import group_attention, shard_attention
+from batchgen.exec.overlap_layers import overlapped_layers
 from batchgen.exec.shards import ShardStore, shards_of
 from batchgen.exec.staging import RestorePipeline, StagedBatch, StagingArea, stage, staging_pages
 from batchgen.pricing.costs import SIMILAR, SIMILAR_SLACK  # one rule: the simulator prices the calls made here
@@ -104,14 +105,16 @@ class InstanceRunner:
         self.partition = None
 
     @torch.inference_mode()
-    def forward(self, ranks: list[RankBatch], micro_batch: int | None = None,
-                cpu_attention: bool = False, ffn_schedule: str = "combined") -> tuple[list[torch.Tensor], ForwardStats]:
+    def forward(self, ranks: list[RankBatch], micro_batch: int | None = None, cpu_attention: bool = False,
+                ffn_schedule: str = "combined", comm_overlap: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
         """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each; only the sequences whose
         `sample` flag is set where a rank gives flags), and timings.
 
         `ffn_schedule` other than "combined" (the offloading systems): each attention micro-batch runs its own FFN
         instead of one combined expert batch. With a streamer, every streamed layer's weights are copied from
-        their host copy into a staging slot before the layer runs (once per layer, reused by every micro-batch)."""
+        their host copy into a staging slot before the layer runs (once per layer, reused by every micro-batch).
+        `comm_overlap` (expert-parallel layers only): each micro-batch's all-to-all beside the next one's attention
+        (batchgen.exec.overlap_layers)."""
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
         if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):
@@ -129,6 +132,31 @@ class InstanceRunner:
         if streamer is not None:
             streamer.begin()
             copied = streamer.copied_bytes
+        if comm_overlap:
+            if not self.collective or streamer is not None or self.attention_tp > 1 or offload:
+                raise ValueError("the all-to-all overlapped across micro-batches runs expert-parallel layers over "
+                                 "processes, with resident weights, data-parallel attention and one expert batch")
+            hidden = overlapped_layers(self, pieces, hidden, timer, stats)
+        else:
+            hidden = self._layers(pieces, hidden, pipelines, mb, offload, timer, stats)
+        if streamer is not None:
+            streamer.finish()
+            stats.weight_bytes = streamer.copied_bytes - copied
+        start = timer.start()
+        out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
+        timer.stop(start, "head")
+        self._finish_host(pieces, stats)
+        totals = timer.totals()
+        stats.rank_attention_s = [totals.get(r, 0.0) for r in range(len(ranks))]
+        stats.ffn_s = totals.get("ffn", 0.0)
+        stats.head_s = totals.get("head", 0.0)
+        return out, stats
+
+    def _layers(self, pieces: list[_Piece], hidden: torch.Tensor, pipelines, mb: int, offload: bool, timer: "_Timer",
+                stats: ForwardStats) -> torch.Tensor:
+        """Every layer: each micro-batch's attention, then one FFN over every row (or one per micro-batch with
+        `offload`); returns the hidden states after the last layer."""
+        streamer = self.streamer
         for layer in range(self.model.num_layers):
             if streamer is not None:
                 streamer.acquire(layer)
@@ -166,18 +194,7 @@ class InstanceRunner:
                 hidden = self.model.ffn_block(layer, hidden)  # COMBINE: one expert batch for every rank
             timer.stop(start, "ffn")
             stats.gate_tokens = hidden.shape[0]  # tokens at the gate of each MoE layer
-        if streamer is not None:
-            streamer.finish()
-            stats.weight_bytes = streamer.copied_bytes - copied
-        start = timer.start()
-        out = [self.model.final_logits(hidden[rows]).float() if rows else torch.empty(0) for rows in last_rows]
-        timer.stop(start, "head")
-        self._finish_host(pieces, stats)
-        totals = timer.totals()
-        stats.rank_attention_s = [totals.get(r, 0.0) for r in range(len(ranks))]
-        stats.ffn_s = totals.get("ffn", 0.0)
-        stats.head_s = totals.get("head", 0.0)
-        return out, stats
+        return hidden
 
     def _partitioned(self, layer: int, hidden: torch.Tensor, group: list[_Piece], timer: "_Timer") -> None:
         """Attention of partitioned sequences: each rank of the group over its head shard, then the sum of the

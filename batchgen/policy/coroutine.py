@@ -70,7 +70,7 @@ class CoroutinePolicy(PolicyDefaults):
     partition_min_context: int = 32768
     max_partition_degree: int = 8
     attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
-    comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (simulator only)
+    comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
