@@ -44,6 +44,7 @@ NO_MIGRATE = ["policy.migrate=false", "policy.migrate_across_instances=false"]
 NO_PARTITION = ["policy.partition=false"]
 SHIPPED = "coroutine as shipped"
 OVERLAP = "coroutine + all-to-all overlapped across micro-batches, 2 x 64"
+PLANNED_SIZE = "coroutine, instance size planned (cluster.gpus_per_instance=auto)"
 
 
 def coroutine_rows(suffix: str = "", extra: tuple[str, ...] = ()) -> list[tuple[str, str, list[str]]]:
@@ -83,6 +84,7 @@ def _scale(shape: str) -> Experiment:
         [*coroutine_rows(", 2 x 64"),
          (OVERLAP, "coroutine", ["policy.comm_overlap=true"]),
          ("coroutine as shipped, 8 x 16", "coroutine", [GROUPS]),
+         (PLANNED_SIZE, "coroutine", ["cluster.gpus_per_instance=auto"]),
          ("continuous (vLLM defaults), 8 x 16", "continuous", [GROUPS]),
          ("continuous (vLLM defaults), 2 x 64", "continuous", []),
          *sglang_rows(", 8 x 16", (GROUPS,))],

@@ -78,6 +78,8 @@ class OverlappedExchange:
         ep, comm = self.ep, self.ep.comm
         if len(self.sent) != self.micro_batches:
             raise RuntimeError(f"{len(self.sent)} micro-batches sent of the {self.micro_batches} agreed")
+        if not self.sent:  # no rank had a row for this layer
+            return
         P, W = comm.size, ep.width
         for s in self.sent:
             comm.wait(s.pending)
