@@ -122,7 +122,10 @@ class Plan:
         return f"; instance size planned (GPUs: predicted prefill + decode over the batch): {each}"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As plain JSON types (results.json): each instance size with its predicted prefill and decode seconds."""
+        d = dataclasses.asdict(self)
+        d["instance_sizes"] = [[size, round(p, 3), round(dec, 3)] for size, p, dec in self.instance_sizes]
+        return d
 
 
 @dataclass(frozen=True)
