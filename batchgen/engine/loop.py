@@ -104,8 +104,9 @@ def check_supported(policy: Policy, capabilities: Capabilities) -> None:
         raise ConfigError(f"policy {policy.name} runs two-batch overlap, which this backend does not: set "
                           "policy.two_batch_overlap=false")
     if policy.comm_overlap and not capabilities.comm_overlap:
-        raise ConfigError(f"policy {policy.name} overlaps the expert all-to-all with the next micro-batch's compute, "
-                          "which this backend does not: set policy.comm_overlap=false")
+        raise ConfigError(f"policy {policy.name} overlaps the expert all-to-all with the next micro-batch's "
+                          "compute, which this backend does not (backend=sim and backend=dist do): set "
+                          "policy.comm_overlap=false")
     if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
         raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
                           f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")
