@@ -25,7 +25,7 @@ def instance_sizes(cluster: ClusterSpec) -> list[int]:
 
 def predict(job: Job) -> BatchTime:
     """The job's batch on its own plan, as `prepare` would plan it; raises ConfigError when it does not fit."""
-    gpus, _, lat, c, policy, plan = planned(job)
+    gpus, lat, c, policy, plan = planned(job)
     budget = _budget(job, lat, gpus, policy, plan.streamed_layers)
     stream_s = float(lat.h2d(budget.streamed_bytes_per_iter)) if budget.streamed_bytes_per_iter else 0.0
     w = job.workload

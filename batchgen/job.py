@@ -218,8 +218,8 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
 
 
 def planned(job: Job) -> tuple:
-    """The first half of `prepare`: (the GPU cluster, the TP-attention degree, the latency model, the cluster as
-    the scheduler sees it, the policy with its "auto" knobs resolved, the plan or None)."""
+    """The first half of `prepare`: (the GPU cluster, the latency model, the cluster as the scheduler sees it, the
+    policy with its "auto" knobs resolved, the plan or None)."""
     m, w, gpus = job.model, job.workload, _gpu_cluster(job)
     degree = resolve_attention_tp(job)
     lat = _latency(job, gpus, degree)
@@ -248,7 +248,7 @@ def planned(job: Job) -> tuple:
                         policy_name=policy.name)
             raise
         policy = plan.resolve(policy)
-    return gpus, degree, lat, c, policy, plan
+    return gpus, lat, c, policy, plan
 
 
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
@@ -261,7 +261,7 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
     (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
-    gpus, _, lat, c, policy, plan = planned(job)
+    gpus, lat, c, policy, plan = planned(job)
     if plan is not None and job.instance_plan:
         plan = dataclasses.replace(plan, instance_sizes=job.instance_plan)
     m, w = job.model, job.workload

@@ -32,7 +32,7 @@ def test_sizes_are_whole_nodes_or_divide_a_node():
 
 
 def test_batch_time_counts_whole_prompts_per_forward_and_decodes_at_the_plans_rate():
-    lat = planned(_qwen_job())[2]
+    lat = planned(_qwen_job())[1]
     one = prefill_forward_s(lat, 4, 3, 300.0, 64)
     t = batch_time(lat, sequences=100, mean_input=300.0, mean_output=50.0, ranks=4, instances=2, chunk=1000,
                    micro_batch=64, decode_tokens_per_s=1000.0)

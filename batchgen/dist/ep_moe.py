@@ -135,11 +135,7 @@ class ExpertParallelMoE(nn.Module):
         is in flight when pipelined, after the combine otherwise."""
         P, W, H = self.comm.size, self.width, hidden.shape[-1]
         k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # assignments by expert, as SparseMoE.experts
-        expert = flat[order]
-        dest = self.owner[expert] * W + self.slot[expert]
-        send_counts = torch.bincount(dest, minlength=P * W)
+        order, expert, dest, send_counts = self.destinations(topk_ids)
         recv_counts = torch.empty_like(send_counts)
         counting = self.comm.start_all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
         if not self.pipelined:
@@ -166,10 +162,26 @@ class ExpertParallelMoE(nn.Module):
             self.comm.all_to_all_single(y_send, y_recv, send_splits, recv_splits, what="MoE combine")
             if alongside is not None:
                 side = alongside(hidden)
+        return self.combined(y_send, perm, order, topk_weights, hidden.shape[0], hidden.dtype), side
+
+    def destinations(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(the assignments by expert, as SparseMoE.experts orders them (stable); their experts; each one's
+        destination (owner rank x local slot); the rows bound for each destination)."""
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert = flat[order]
+        dest = self.owner[expert] * self.width + self.slot[expert]
+        return order, expert, dest, torch.bincount(dest, minlength=self.comm.size * self.width)
+
+    @staticmethod
+    def combined(y_send: torch.Tensor, perm: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                 tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The returned rows (`y_send`, in the order sent: `perm` of the assignments by expert) weighted and added
+        into their tokens, in expert order as SparseMoE.experts adds them: [tokens, H]."""
         y = torch.empty_like(y_send)
-        y[perm] = y_send  # back to expert order
-        weighted = (y * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
-        return torch.zeros_like(hidden).index_add_(0, order // k, weighted), side
+        y[perm] = y_send
+        weighted = (y * topk_weights.reshape(-1)[order, None]).to(dtype)
+        return y.new_zeros(tokens, y.shape[-1]).index_add_(0, order // topk_weights.shape[1], weighted)
 
     def _pipeline(self, x_send, y_send, send_c, recv_c, alongside):
         """Steps 4-6 over the slot groups: every group's dispatch issued at once; then per group, wait for its

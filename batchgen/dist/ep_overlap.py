@@ -55,16 +55,11 @@ class OverlappedExchange:
         ep, comm = self.ep, self.ep.comm
         P, W = comm.size, ep.width
         ids, weights = ep.shard.route(hidden)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        expert = flat[order]
-        dest = ep.owner[expert] * W + ep.slot[expert]
-        send_counts = torch.bincount(dest, minlength=P * W)
+        order, _, dest, send_counts = ep.destinations(ids)
         recv_counts = torch.empty_like(send_counts)
         comm.all_to_all_single(recv_counts, send_counts, what="MoE count exchange")
         perm = torch.argsort(dest, stable=True)
-        x_send = hidden[order[perm] // k]
+        x_send = hidden[order[perm] // ids.shape[1]]
         send_c, recv_c = send_counts.view(P, W), recv_counts.view(P, W)
         x_recv = hidden.new_empty(int(recv_c.sum()), hidden.shape[-1])
         pending = comm.start_all_to_all_single(x_recv, x_send, recv_c.sum(1).tolist(), send_c.sum(1).tolist(),
@@ -117,11 +112,7 @@ class OverlappedExchange:
         s = self.sent[j]
         self.ep.comm.wait(s.combine)
         s.taken = True
-        y = torch.empty_like(s.y_send)
-        y[s.perm] = s.y_send
-        k = s.weights.shape[1]
-        weighted = (y * s.weights.reshape(-1)[s.order, None]).to(s.dtype)
-        out = y.new_zeros(s.tokens, y.shape[-1]).index_add_(0, s.order // k, weighted)
+        out = self.ep.combined(s.y_send, s.perm, s.order, s.weights, s.tokens, s.dtype)
         return out if s.shared is None else out + s.shared
 
     def finish(self) -> None:
