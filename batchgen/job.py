@@ -11,7 +11,7 @@ from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
 from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
-                             group_budget, plan_memory)
+                             group_budget, plan_memory, prefill_ring_bytes)
 from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -203,7 +203,8 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
     budget = group_budget(plan_memory(m, c, lat, memory_of(job, policy), page_tokens=job.page_tokens,
                                       can_stream_weights=policy.can_stream_weights, uses_host_kv=policy.uses_host_kv,
                                       policy_name=policy.name, batch_shape=batch_shape_of(policy, max_context),
-                                      max_context=max_context, streamed_layers=streamed_layers), lat)
+                                      max_context=max_context, streamed_layers=streamed_layers,
+                                      prefill_ring=prefill_ring_bytes(m, lat, policy)), lat)
     if kv_pages is not None:
         budget = dataclasses.replace(budget, kv_pages_per_gpu=int(kv_pages))
     if host_kv_tokens is not None:
@@ -265,6 +266,10 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
     if plan is not None and job.instance_plan:
         plan = dataclasses.replace(plan, instance_sizes=job.instance_plan)
     m, w = job.model, job.workload
+    if policy.prefill_parallel == "dp" and getattr(lat, "attention_tp", 1) > 1:
+        raise ConfigError(f"policy.prefill_parallel=dp runs each GPU's prompts through every expert on its own, "
+                          f"but this job's ranks are tensor-parallel attention groups (attention_tp="
+                          f"{lat.attention_tp}): set policy.attention_tp=1, or policy.prefill_parallel=ep")
     if policy.comm_overlap and getattr(policy, "kv_residency", "device") != "device":
         raise ConfigError(f"policy.comm_overlap prices device-resident decode only; this job's KV is "
                           f"{policy.kv_residency}-resident: set policy.kv_residency=device, or "

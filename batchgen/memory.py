@@ -123,6 +123,7 @@ class MemoryBudget:
     attention_tp: int = 1            # >1: a scheduler rank is a TP-attention group of this many GPUs, and
     #                                  kv_pages_per_gpu counts the group's pages (`group_budget`)
     whole_layers: bool = False       # the streamed_layers stream whole decoder layers (every one), not experts
+    prefill_ring_bytes: float = 0.0  # per GPU: two MoE layers of the experts a data-parallel prefill streams in
 
     def describe(self, model: ModelSpec) -> str:
         gb = 1e9
@@ -138,6 +139,8 @@ class MemoryBudget:
                 + (f" (+{self.streamed_bytes_per_iter / gb:.1f} GB streamed per iteration, "
                    f"{self.streamed_layers} of {model.num_moe_layers} MoE layers)"
                    if self.streamed_bytes_per_iter else "")
+                + (f", a ring of {self.prefill_ring_bytes / gb:.1f} GB/GPU for the experts data-parallel prefill "
+                   "streams" if self.prefill_ring_bytes else "")
                 + (f", activations {self.activation_bytes / gb:.1f} GB/GPU" if self.activation_bytes else "")
                 + (f" (staging {self.staging_bytes / gb:.1f} GB)" if self.staging_bytes else "")
                 + f", KV {kv_tok:,} tokens/GPU ({kv_tok * model.kv_bytes_per_token / gb:.1f} GB)"
@@ -147,16 +150,17 @@ class MemoryBudget:
 def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, settings: MemorySettings, *,
                 page_tokens: int, can_stream_weights: bool, uses_host_kv: bool, policy_name: str,
                 batch_shape: BatchShape | None = None, max_context: int = 0,
-                streamed_layers: int | None = None) -> MemoryBudget:
+                streamed_layers: int | None = None, prefill_ring: float = 0.0) -> MemoryBudget:
     """The job's memory budget. `batch_shape` (with the workload's longest sequence, `max_context`) sizes the
     activations; without it only the fixed reserve counts. `streamed_layers`: how many MoE layers' experts
     stream from host (a plan's choice; 0 = all resident); None streams every MoE layer when the weights do not
-    fit otherwise, else none."""
+    fit otherwise, else none. `prefill_ring`: device bytes kept for the experts a data-parallel prefill streams
+    (`prefill_ring_bytes`)."""
     gb = 1e9
     gpu = cluster.gpu
     act = activation_bytes(model, batch_shape, max_context) if batch_shape is not None else 0.0
     staging = staging_bytes(model, batch_shape.staging_seqs, max_context) if batch_shape is not None else 0.0
-    usable = gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * gb - act
+    usable = gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * gb - act - prefill_ring
     weights = lat.weight_bytes_per_rank()
     page_bytes = page_tokens * model.kv_bytes_per_token
     host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
@@ -193,6 +197,9 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
                        "yet): use a GPU with more memory or a smaller model")
             if act:
                 how += f" (activations of the policy's batch shape take {act / gb:.1f} GB: smaller batches free it)"
+            if prefill_ring:
+                how += (f" (data-parallel prefill keeps {prefill_ring / gb:.1f} GB for the experts it streams: "
+                        "policy.prefill_parallel=ep frees it)")
             raise ConfigError(
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
                 f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_bytes / gb:.1f} GB are usable "
@@ -206,7 +213,24 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             raise ConfigError(f"no host memory left for KV on a node: {host_weights / gb:.0f} GB of weights vs "
                               f"{host_usable / gb:.0f} GB usable; raise cluster.host_mem_gb_per_node")
     return MemoryBudget(weights, streamed, pages, host_kv, page_tokens, act, staging, streamed_layers,
-                        whole_layers=whole_layers)
+                        whole_layers=whole_layers, prefill_ring_bytes=prefill_ring)
+
+
+def prefill_stream_bytes_per_layer(model: ModelSpec, lat: LatencyModel) -> float:
+    """Bytes of one MoE layer's routed experts that a rank does not hold (it holds ceil(E / ranks)): what its
+    data-parallel prefill copies from host for every MoE layer of every forward."""
+    if not model.is_moe or lat.ep_ranks == 1:
+        return 0.0
+    held = -(-model.num_experts // lat.ep_ranks)
+    return float((model.num_experts - held) * model.expert_params * model.weight_bytes)
+
+
+def prefill_ring_bytes(model: ModelSpec, lat: LatencyModel, policy) -> float:
+    """Device bytes a policy's data-parallel prefill (`prefill_parallel=dp`) keeps for the experts it streams: two
+    MoE layers' worth, one computing while the next loads (as the ring of streamed decode weights); 0 otherwise."""
+    if getattr(policy, "prefill_parallel", "ep") != "dp":
+        return 0.0
+    return 2.0 * prefill_stream_bytes_per_layer(model, lat)
 
 
 def _activations_exceed(model, gpu, settings, policy_name, shape, act, room, weights, max_context) -> str:

@@ -73,6 +73,10 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
     if policy.two_batch_overlap:
         raise DistConfigError(f"policy {policy.name} runs two-batch overlap, not supported under backend=dist yet:"
                               " set policy.two_batch_overlap=false")
+    if policy.prefill_parallel == "dp":
+        raise DistConfigError(f"policy {policy.name} prefills data parallel, streaming in the experts each rank does "
+                              "not hold, which backend=dist does not (each process holds its own experts only): "
+                              "set policy.prefill_parallel=ep")
     if policy.attention_tp not in (1, "auto"):
         raise DistConfigError(f"tensor-parallel attention (policy.attention_tp={policy.attention_tp}) is not "
                               "supported under backend=dist yet: set policy.attention_tp=1")

@@ -50,6 +50,10 @@ class LatencyModel(Protocol):
     def experts(self, total_tokens):
         """(slowest rank, mean rank) seconds of the routed experts for `total_tokens` at the instance's gate."""
 
+    def local_experts(self, tokens):
+        """Seconds of the routed experts for `tokens` of one rank's own gate with every expert on that GPU (a
+        data-parallel prefill streams in the experts the rank does not hold)."""
+
     def expert_batch_per_expert(self, total_tokens): ...
 
     def lm_head(self, tokens):

@@ -81,6 +81,7 @@ class Roofline(Transfers):
         self._cells: dict = {}   # (module, launches, tokens) -> seconds of one cell (_gemm_cell)
         self._large_experts: dict[float, tuple[float, float]] = {}  # gate batch -> (worst, mean): experts
         self._head_shards: dict[int, Roofline] = {}  # degree -> head_shard(degree)
+        self._all_experts: Roofline | None = None  # this GPU holding every expert (local_experts), built once
 
     @property
     def attention_padding(self) -> float:
@@ -372,6 +373,16 @@ class Roofline(Transfers):
         values, inverse = np.unique(t, return_inverse=True)  # a grid repeats few distinct batch sizes
         worst, mean = self._large_expert_times(values)
         return _out(worst[inverse].reshape(t.shape)), _out(mean[inverse].reshape(t.shape))
+
+    def local_experts(self, tokens):
+        """Routed experts of one MoE layer for `tokens` of this rank's own gate, every expert on this GPU: a
+        data-parallel prefill, whose rank runs its tokens through the experts it holds and those streamed in."""
+        if self.ep_ranks == 1:
+            return self.experts(tokens)[0]
+        if self._all_experts is None:
+            self._all_experts = Roofline(self.model, self.gpu, self.eff, ep_ranks=1, gpus_per_node=self.gpus_per_node,
+                                         routing_skew=self.routing_skew, use_fp8=self.use_fp8, host=self.host)
+        return self._all_experts.experts(tokens)[0]
 
     def _large_expert_times(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`_expert_times` of batch sizes past the curve (prefill forwards), each computed once: a job's prefills

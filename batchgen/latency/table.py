@@ -250,6 +250,13 @@ class TablePredictor:
         s = _out(self._scale("ffn", np.where(t > 0, c(t), 0.0), t))
         return s, s
 
+    def local_experts(self, tokens):
+        c = self._curves.get("experts")
+        if c is None:  # nothing measured: the roofline's
+            return self.fallback.local_experts(tokens)
+        t = np.asarray(tokens, float)  # measured on one device holding every expert: what this asks
+        return _out(self._scale("ffn", np.where(t > 0, c(t), 0.0), t))
+
     def step_overhead(self, sequences):
         return self._curve("step", sequences, "step_overhead")
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
-                             host_weight_bytes, staging_bytes, weight_layout)
+                             host_weight_bytes, prefill_ring_bytes, staging_bytes, weight_layout)
 from batchgen.plan.decode import DecodeGrid, price_decode
 from batchgen.plan.waves import output_sketch, price_points, share_occupancy, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
@@ -242,7 +242,8 @@ class _Planner:
         per_rank_experts = -(-m.num_experts // lat.ep_ranks) if m.is_moe else 0
         self.layer_experts = per_rank_experts * m.expert_params * m.weight_bytes  # one MoE layer, one rank
         self.n_moe = n_moe
-        self.capacity = cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
+        self.capacity = (cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
+                         - prefill_ring_bytes(model, lat, policy))
         self.page_bytes = page_tokens * m.kv_bytes_per_token
         ctx = stats.typical_context
         # one device-resident sequence, on each GPU of its rank

@@ -62,6 +62,9 @@ class Capabilities:
     micro_batch_ffn: bool = True
     # each attention micro-batch's expert all-to-all sent while the next one computes (a policy's comm_overlap)
     comm_overlap: bool = True
+    # forwards that prefill may run data parallel, streaming in the experts a rank does not hold (a policy's
+    # prefill_parallel=dp)
+    dp_prefill: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,9 @@ class Policy(Protocol):
     - `comm_overlap`: each attention micro-batch's expert dispatch sent while the next micro-batch computes, and
       its combine while the next layer starts (batchgen.plan.decode.overlapped_all_to_all); default False.
     - `attention_tp`: GPUs per tensor-parallel attention group (1: data-parallel attention); default 1.
+    - `prefill_parallel`: how forwards that prefill run their experts: `ep` (expert parallel over the instance,
+      the all-to-all on every prompt token) or `dp` (each rank through every expert, streaming in those it does
+      not hold; batchgen.pricing.price); default ep.
     - `ffn_schedule`: how its decisions run the experts beside the attention micro-batches (`Decision.
       ffn_schedule`: `combined`, one expert batch per layer; the offloading systems' `micro_batch` or
       `pipelined`), so that a backend that runs only one can refuse the policy before the run; default combined.
@@ -234,6 +240,7 @@ class Policy(Protocol):
     comm_overlap: bool
     attention_tp: int | str
     ffn_schedule: str
+    prefill_parallel: str
 
     def decide(self, snap: Snapshot) -> Decision: ...
     def receives_work(self, instance: int) -> bool: ...
@@ -252,6 +259,7 @@ class PolicyDefaults:
     comm_overlap = False
     attention_tp = 1
     ffn_schedule = "combined"
+    prefill_parallel = "ep"
 
     repeats = None  # the engine asks a policy that declares repeats (block policies); None: it never does
 

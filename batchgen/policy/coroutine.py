@@ -48,6 +48,7 @@ from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots,
 
 RESIDENCIES = ("device", "host", "mixed", "auto")
 ATTENTION_DEVICES = ("gpu", "cpu", "auto")
+PREFILL_PARALLEL = ("ep", "dp")
 FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention": "gpu",
             "prefill_tokens_per_rank": 32768}  # an auto no planner resolved
 
@@ -71,6 +72,7 @@ class CoroutinePolicy(PolicyDefaults):
     max_partition_degree: int = 8
     attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
     comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
+    prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
@@ -90,6 +92,9 @@ class CoroutinePolicy(PolicyDefaults):
         check_attention_tp(self.attention_tp)
         if not isinstance(self.comm_overlap, bool):
             raise ValueError(f"policy.comm_overlap must be true or false, got {self.comm_overlap!r}")
+        if self.prefill_parallel not in PREFILL_PARALLEL:
+            raise ValueError(f"policy.prefill_parallel must be one of {', '.join(PREFILL_PARALLEL)}, got "
+                             f"{self.prefill_parallel!r}")
         if not 0 < self.host_watermark <= 1:
             raise ValueError(f"policy.host_watermark must be in (0, 1], got {self.host_watermark}")
 

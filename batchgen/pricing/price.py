@@ -28,13 +28,18 @@ CELL_ITERATIONS = 12
 
 
 def price(lat: LatencyModel, load: RankLoad, weight_stream_s: float = 0.0, join=0.0, tbo: bool = False,
-          overlap: bool = False) -> RunCost:
+          overlap: bool = False, dp_stream_s: float | None = None) -> RunCost:
     """Seconds per iteration for an instance in lockstep, and each rank's own busy time. `join`: seconds per
     layer each rank spends in the collective that joins partitioned attention (`costs.partition_join`); it
     delays that layer's FFN and counts as communication. A latency model whose rank is a TP-attention group
     (`attention_tp` > 1) adds its all-reduce of the group's hidden states per layer to the join. `tbo`: every
     forward split in two overlapped micro-batches (batchgen.pricing.tbo; not with streamed weights). `overlap`:
-    each attention micro-batch's all-to-all beside the next one's compute (plan.decode.overlapped_all_to_all)."""
+    each attention micro-batch's all-to-all beside the next one's compute (plan.decode.overlapped_all_to_all).
+    `dp_stream_s` (not None): the forward runs data parallel, every rank through every expert on its own tokens
+    with no all-to-all, while the experts it does not hold stream in at that many seconds per MoE layer (a
+    data-parallel prefill; `weight_stream_s` is then part of it)."""
+    if dp_stream_s is not None:
+        return _cost(*forward(lat, load, 0.0, join, False, one=False, dp_stream_s=dp_stream_s))
     tbo = tbo and weight_stream_s <= 0
     if tbo and (load.shards or overlap):
         raise ValueError("two-batch overlap with PARTITIONed sequences or with the micro-batches' overlap is not "
@@ -95,10 +100,13 @@ def price_steady(lat: LatencyModel, load: RankLoad, iterations: int, weight_stre
     return _cost(iteration, busy[None, :], comm, comm_rank[None, :], attention, ffn, head, gate)
 
 
-def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, overlap: bool, one: bool) -> tuple:
+def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, overlap: bool, one: bool,
+            dp_stream_s: float | None = None) -> tuple:
     """Per iteration: (seconds, each rank's busy seconds, collective seconds every rank waits, each rank's own
     collective seconds, attention, FFN and head seconds of the slowest rank, gate tokens of the instance), as
-    arrays over a grid or, with `one`, as floats of one rank's one iteration."""
+    arrays over a grid or, with `one`, as floats of one rank's one iteration. `dp_stream_s`: see `price`; each MoE
+    layer then takes the longer of its compute and its experts' copy (a two-layer ring: the next layer's experts
+    load while this one computes), and the slowest rank sets the forward's end."""
     over = itself if one else slowest_rank
     n_dense, n_moe = lat.layer_counts()
     layers = n_dense + n_moe
@@ -123,7 +131,13 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
         busy += n_dense * dense
         ffn += n_dense * over(dense_ffn)
     total = gate if one else gate.sum(axis=0)
-    if n_moe:
+    if n_moe and dp_stream_s is not None:
+        local_ffn = lat.shared_experts(gate) + lat.router(gate) + lat.local_experts(gate)
+        layer = np.maximum(attn + local_ffn + join, dp_stream_s)
+        iteration += n_moe * over(layer)
+        busy += n_moe * (attn + local_ffn)
+        ffn += n_moe * over(layer - attn)
+    elif n_moe:
         local_ffn = lat.shared_experts(gate) + lat.router(gate)
         local = attn + local_ffn
         slowest, mean = lat.experts(total)

@@ -18,6 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.engine.apply import _FEW_CHUNKS
 from batchgen.latency import LatencyModel
+from batchgen.memory import prefill_stream_bytes_per_layer
 from batchgen.policy.base import Capabilities
 from batchgen.sim import repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
@@ -40,7 +41,7 @@ class SimBackend:
     def __init__(self, env: simpy.Environment, state: ClusterState, lat: LatencyModel,
                  weight_stream_s: float | None = None, stream_bytes_per_iter: float = 0.0,
                  capabilities: Capabilities | None = None, two_batch_overlap: bool = False,
-                 overlap_copies: bool = True, comm_overlap: bool = False):
+                 overlap_copies: bool = True, comm_overlap: bool = False, dp_prefill: bool = False):
         """`two_batch_overlap`: every forward priced as two overlapped micro-batches (batchgen.pricing.tbo), the
         policy's choice (sglang_opt). `comm_overlap`: each attention micro-batch's expert all-to-all beside the
         next one's compute (`plan.decode.overlapped_all_to_all`), the policy's choice (coroutine's comm_overlap; device-
@@ -49,7 +50,9 @@ class SimBackend:
         policy alike, to measure what the overlap is worth. `capabilities`: what the simulated engine can do; default
         everything the simulator prices (layer-by-layer prefill offload, host-resident decode, CPU attention unless MLA,
         every partition degree the heads allow). A validation run passes the executor's, so both see the same
-        snapshots."""
+        snapshots. `dp_prefill`: forwards that prefill run data parallel (the policy's prefill_parallel=dp):
+        each rank runs its own tokens through every expert, streaming in the experts it does not hold, layer by
+        layer (`prefill_stream_bytes_per_layer`, with any streamed decode weights), and no all-to-all."""
         self.env = env
         self.capabilities = capabilities or Capabilities(cpu_attention=lat.model.attention != "mla",
                                                          partition_degrees=lat.model.partition_degrees())
@@ -69,6 +72,11 @@ class SimBackend:
         self.weight_stream_s = weight_stream_s
         n_moe = lat.layer_counts()[1]
         self._prefetch_per_layer = self.stream_bytes_per_iter / n_moe if n_moe else 0.0
+        self.dp_prefill = bool(dp_prefill) and n_moe > 0 and lat.ep_ranks > 1
+        # a data-parallel prefill forward's copy per rank: every MoE layer's missing experts, and the streamed ones
+        self._dp_stream_bytes = (n_moe * prefill_stream_bytes_per_layer(lat.model, lat) + self.stream_bytes_per_iter
+                                 if self.dp_prefill else 0.0)
+        self._dp_stream_s = float(lat.h2d(self._dp_stream_bytes / n_moe)) if self.dp_prefill else None
         self.host_bytes = 0.0
         self.h2d_bytes = 0.0  # the host -> device share of host_bytes (weights streamed, KV restored, outputs back)
         self.decode_host_bytes = 0.0
@@ -111,10 +119,14 @@ class SimBackend:
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
                                 self.similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            cost = self._price(load, self.weight_stream_s)
+            if self.dp_prefill:
+                cost = price(self.lat, load, dp_stream_s=self._dp_stream_s)
+                streamed = self._dp_stream_bytes
+            else:
+                cost, streamed = self._price(load, self.weight_stream_s), self.stream_bytes_per_iter
             gate_total = load.gate_tokens.sum()
-            self.host_bytes += self.stream_bytes_per_iter * R
-            self.h2d_bytes += self.stream_bytes_per_iter * R
+            self.host_bytes += streamed * R
+            self.h2d_bytes += streamed * R
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             iterations = 1
             produced = filled(ids.size, 1, np.int64)

@@ -66,7 +66,7 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner
     backend = SimBackend(env, state, lat, stream_bytes_per_iter=prepared.budget.streamed_bytes_per_iter,
                          capabilities=capabilities, two_batch_overlap=policy.two_batch_overlap,
-                         comm_overlap=policy.comm_overlap,
+                         comm_overlap=policy.comm_overlap, dp_prefill=policy.prefill_parallel == "dp",
                          overlap_copies=overlap_copies)
     shown = SimProgress(env, state, len(job.workload), f"simulate {policy.name}", progress)
     engine = Engine(policy, backend, gpus_per_node=prepared.cluster.node_size,
