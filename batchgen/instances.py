@@ -1,18 +1,18 @@
 """`cluster.gpus_per_instance=auto`: the instance size as one more planned knob. Every size the cluster can be
 cut into is planned as `prepare` would plan it (TP-attention degree, B_attn, B_moe, residency, streamed weights,
-prefill chunk), and its whole batch predicted from that plan (batchgen.pricing.batch: the prompts' forwards,
-then the outputs at the plan's decode throughput); the size with the shortest prediction runs, the smaller one
-within the planner's tie (fewer GPUs wait for each other at every layer). The paper ran 128 GPUs as two 64-GPU
-instances because the all-to-all grows with the instance; here that trade is priced, not assumed."""
+prefill chunk and, where it is auto, the prefill's parallelism), and its whole batch predicted from that plan
+(`batchgen.job.predict`: the prompts' forwards, then the outputs at the plan's decode throughput); the size with
+the shortest prediction runs, the smaller one within the planner's tie (fewer GPUs wait for each other at every
+layer). The paper ran 128 GPUs as two 64-GPU instances because the all-to-all grows with the instance; here that
+trade is priced, not assumed."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from batchgen.job import Job, _budget, planned
+from batchgen.job import Job, predict
 from batchgen.memory import ConfigError
 from batchgen.plan.planner import TIE, needs_plan
-from batchgen.pricing.batch import BatchTime, batch_time
 from batchgen.specs import ClusterSpec
 
 
@@ -21,18 +21,6 @@ def instance_sizes(cluster: ClusterSpec) -> list[int]:
     node = cluster.node_size
     return [s for s in range(1, cluster.num_gpus + 1)
             if cluster.num_gpus % s == 0 and (s % node == 0 or node % s == 0)]
-
-
-def predict(job: Job) -> BatchTime:
-    """The job's batch on its own plan, as `prepare` would plan it; raises ConfigError when it does not fit."""
-    gpus, lat, c, policy, plan = planned(job)
-    budget = _budget(job, lat, gpus, policy, plan.streamed_layers)
-    stream_s = float(lat.h2d(budget.streamed_bytes_per_iter)) if budget.streamed_bytes_per_iter else 0.0
-    w = job.workload
-    return batch_time(lat, sequences=len(w), mean_input=float(w.input_lens.mean()),
-                      mean_output=float(w.output_lens.mean()), ranks=c.instance_size, instances=c.num_instances,
-                      chunk=int(policy.prefill_tokens_per_rank), micro_batch=int(plan.b_attn),
-                      decode_tokens_per_s=plan.batch_tokens_per_s, weight_stream_s=stream_s)
 
 
 def plan_instances(job: Job) -> Job:

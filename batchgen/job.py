@@ -11,8 +11,9 @@ from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
 from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
-                             group_budget, plan_memory, prefill_ring_bytes)
-from batchgen.plan.planner import Plan, WorkloadStats, needs_plan, plan_job
+                             group_budget, plan_memory, prefill_ring_bytes, prefill_stream_seconds)
+from batchgen.plan.planner import AUTO, PREFILL_CHUNKS, TIE, Plan, WorkloadStats, needs_plan, plan_job
+from batchgen.pricing.batch import BatchTime, batch_time
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec
 from batchgen.workload import Workload
@@ -36,6 +37,9 @@ class Job:
     # cluster.gpus_per_instance=auto: each size priced, (GPUs per instance, predicted prefill s, decode s), and
     # `cluster` holds the size chosen (batchgen.instances); () when the cluster's size was given
     instance_plan: tuple = ()
+    # policy.prefill_parallel=auto: each way priced, (ep or dp, chunk per rank, predicted prefill s, decode s), and
+    # `policy` holds the one chosen (batchgen.instances.plan_prefill); () when the policy's way was given
+    prefill_plan: tuple = ()
 
     def __post_init__(self):
         if self.page_tokens < 1:
@@ -153,7 +157,6 @@ def _planned_degree(job: Job, c: ClusterSpec, degrees: tuple[int, ...]) -> int:
     the degree whose plan predicts the most decode throughput over the batch (the smaller degree within the
     planner's tie). DP attention that fits only by streaming experts every iteration can lose to TP groups that
     keep them resident (DeepSeek-R1 on 8 x H20)."""
-    from batchgen.plan.planner import TIE
 
     stats = WorkloadStats.of(job.workload)
     best = None
@@ -222,7 +225,14 @@ def planned(job: Job) -> tuple:
     """The first half of `prepare`: (the GPU cluster, the latency model, the cluster as the scheduler sees it, the
     policy with its "auto" knobs resolved, the plan or None)."""
     m, w, gpus = job.model, job.workload, _gpu_cluster(job)
-    degree = resolve_attention_tp(job)
+    dp = job.policy.prefill_parallel
+    if dp == AUTO:
+        raise ValueError("policy.prefill_parallel=auto is chosen over the whole batch first (plan_prefill)")
+    if dp == "dp" and job.policy.attention_tp not in (1, "auto"):
+        raise ConfigError(f"policy.prefill_parallel=dp runs each GPU's prompts through every expert on its own, "
+                          f"which tensor-parallel attention groups (attention_tp={job.policy.attention_tp}) do not: "
+                          "set policy.attention_tp=1, or policy.prefill_parallel=ep")
+    degree = 1 if dp == "dp" else resolve_attention_tp(job)  # data-parallel prefill: data-parallel attention
     lat = _latency(job, gpus, degree)
     c = group_cluster(gpus, degree)
     policy, plan = job.policy, None
@@ -252,6 +262,79 @@ def planned(job: Job) -> tuple:
     return gpus, lat, c, policy, plan
 
 
+# policy.prefill_parallel=auto: expert parallel (the all-to-all on every prompt token, the chunk as the planner sizes
+# it) against data parallel at each of these chunks per rank where the chunk is auto (every rank through every
+# expert, the experts it lacks streamed in: no all-to-all, but a ring of two layers' experts taken from the KV pool
+# and a copy per layer that only a large chunk hides); below 8,192 tokens the copy outlasts the compute
+DP_CHUNKS = PREFILL_CHUNKS[:3]
+
+
+def predict(job: Job) -> BatchTime:
+    """The job's batch on its own plan, as `prepare` would plan it (the prefill's parallelism chosen first where
+    it is auto); raises ConfigError when it does not fit."""
+    if getattr(job.policy, "prefill_parallel", "ep") == AUTO:
+        return _chosen(plan_prefill(job))
+    return _predict(job)[1]
+
+
+def _chosen(job: Job) -> BatchTime:
+    """The prediction `plan_prefill` recorded for the way it chose."""
+    policy = job.policy
+    return next(BatchTime(p, d) for mode, chunk, p, d in job.prefill_plan
+                if mode == policy.prefill_parallel and (mode == "ep" or chunk == policy.prefill_tokens_per_rank))
+
+
+def _predict(job: Job) -> tuple:
+    """(the policy with its auto knobs resolved, the batch predicted on its plan)."""
+    gpus, lat, c, policy, plan = planned(job)
+    budget = _budget(job, lat, gpus, policy, plan.streamed_layers)
+    stream_s = float(lat.h2d(budget.streamed_bytes_per_iter)) if budget.streamed_bytes_per_iter else 0.0
+    m = job.model
+    dp = policy.prefill_parallel == "dp" and m.is_moe and lat.ep_ranks > 1  # as the simulator runs it
+    w = job.workload
+    return policy, batch_time(
+        lat, sequences=len(w), mean_input=float(w.input_lens.mean()), mean_output=float(w.output_lens.mean()),
+        ranks=c.instance_size, instances=c.num_instances, chunk=int(policy.prefill_tokens_per_rank),
+        micro_batch=int(plan.b_attn), decode_tokens_per_s=plan.batch_tokens_per_s, weight_stream_s=stream_s,
+        dp_stream_s=prefill_stream_seconds(m, lat, budget.streamed_bytes_per_iter) if dp else None)
+
+
+def plan_prefill(job: Job) -> Job:
+    """The job with `policy.prefill_parallel=auto` resolved to the shortest predicted batch (expert parallel
+    within the tie), its chunk too for data parallel where the chunk is auto, and every prediction in
+    `Job.prefill_plan` as (mode, chunk, prefill s, decode s). Raises expert parallel's ConfigError when nothing
+    fits."""
+    policy = job.policy
+    chunks = DP_CHUNKS if policy.prefill_tokens_per_rank == AUTO else (policy.prefill_tokens_per_rank,)
+    trials = [dataclasses.replace(policy, prefill_parallel="ep")]
+    trials += [dataclasses.replace(policy, prefill_parallel="dp", prefill_tokens_per_rank=c) for c in chunks]
+    rows, first_error = [], None
+    for trial in trials:
+        try:
+            resolved, t = _predict(dataclasses.replace(job, policy=trial))
+        except ConfigError as e:
+            first_error = first_error or e
+            continue
+        rows.append((resolved, t))
+    if not rows:
+        raise first_error
+    best = min(t.total_s for _, t in rows)
+    chosen = next(p for p, t in rows if t.total_s <= best * (1 + TIE))
+    keep = chosen.prefill_tokens_per_rank if chosen.prefill_parallel == "dp" else policy.prefill_tokens_per_rank
+    return dataclasses.replace(
+        job, policy=dataclasses.replace(policy, prefill_parallel=chosen.prefill_parallel, prefill_tokens_per_rank=keep),
+        prefill_plan=tuple((p.prefill_parallel, int(p.prefill_tokens_per_rank), t.prefill_s, t.decode_s)
+                           for p, t in rows))
+
+
+def prefill_as_performed(job: Job, dp_prefill: bool) -> Job:
+    """The job as a backend runs it: `policy.prefill_parallel=auto` where the backend performs no data-parallel
+    prefill (`Capabilities.dp_prefill`) means expert parallel, the one way it has."""
+    if dp_prefill or getattr(job.policy, "prefill_parallel", "ep") != AUTO:
+        return job
+    return dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefill_parallel="ep"))
+
+
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
             host_kv_tokens: int | None = None, host_fix: str | None = None) -> Prepared:
     """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of
@@ -261,15 +344,16 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
-    (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan."""
+    (`plan_memory`'s streamed_layers); explicit knobs are kept and restrict the plan. `prefill_parallel=auto` is
+    chosen before, over the whole batch (`plan_prefill`)."""
+    if getattr(job.policy, "prefill_parallel", "ep") == AUTO:
+        job = plan_prefill(job)
     gpus, lat, c, policy, plan = planned(job)
     if plan is not None and job.instance_plan:
         plan = dataclasses.replace(plan, instance_sizes=job.instance_plan)
+    if plan is not None and job.prefill_plan:
+        plan = dataclasses.replace(plan, prefill_modes=job.prefill_plan)
     m, w = job.model, job.workload
-    if policy.prefill_parallel == "dp" and getattr(lat, "attention_tp", 1) > 1:
-        raise ConfigError(f"policy.prefill_parallel=dp runs each GPU's prompts through every expert on its own, "
-                          f"but this job's ranks are tensor-parallel attention groups (attention_tp="
-                          f"{lat.attention_tp}): set policy.attention_tp=1, or policy.prefill_parallel=ep")
     if policy.comm_overlap and getattr(policy, "kv_residency", "device") != "device":
         raise ConfigError(f"policy.comm_overlap prices device-resident decode only; this job's KV is "
                           f"{policy.kv_residency}-resident: set policy.kv_residency=device, or "

@@ -225,6 +225,13 @@ def prefill_stream_bytes_per_layer(model: ModelSpec, lat: LatencyModel) -> float
     return float((model.num_experts - held) * model.expert_params * model.weight_bytes)
 
 
+def prefill_stream_seconds(model: ModelSpec, lat: LatencyModel, streamed_bytes_per_iter: float) -> float:
+    """Seconds per MoE layer of a data-parallel prefill's copy on one rank: the experts it does not hold, and its
+    share of any decode weights that stream anyway (`MemoryBudget.streamed_bytes_per_iter`)."""
+    n_moe = model.num_moe_layers
+    return float(lat.h2d(prefill_stream_bytes_per_layer(model, lat) + streamed_bytes_per_iter / n_moe))
+
+
 def prefill_ring_bytes(model: ModelSpec, lat: LatencyModel, policy) -> float:
     """Device bytes a policy's data-parallel prefill (`prefill_parallel=dp`) keeps for the experts it streams: two
     MoE layers' worth, one computing while the next loads (as the ring of streamed decode weights); 0 otherwise."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from batchgen.engine.loop import check_supported
-from batchgen.job import prepare
+from batchgen.job import prefill_as_performed, prepare
 from batchgen.latency.roofline import Roofline
 from batchgen.memory import ConfigError, prefill_ring_bytes, prefill_stream_bytes_per_layer
 from batchgen.policy.base import Capabilities
@@ -111,3 +111,33 @@ def test_tensor_parallel_attention_groups_refuse_it():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="prefill_parallel must be one of ep, dp"):
         CoroutinePolicy(prefill_parallel="tp")
+
+
+def _sim_scale_like(n: int):
+    """benchmarks/sim_scale.py's job (Qwen3-30B-A3B on 128 H20, LongBench 12K -> 4K), as configured: prefill auto."""
+    from golden.cases import sim_scale_like
+    return sim_scale_like(n=n)
+
+
+@pytest.mark.parametrize("n, chosen", [(20000, "dp"), (2000, "ep")])
+def test_auto_takes_the_shorter_predicted_batch(n, chosen):
+    """Many long prompts: the prefill's all-to-all outweighs the ring's cost to decode; few: decode dominates,
+    and the ring's KV is worth more than the faster prefill. Every way is recorded, the choice is the shortest."""
+    prepared = prepare(_sim_scale_like(n))
+    rows = prepared.plan.prefill_modes
+    assert [mode for mode, *_ in rows] == ["ep", "dp", "dp", "dp"]
+    best = min(p + d for _, _, p, d in rows)
+    first = next((mode, chunk) for mode, chunk, p, d in rows if p + d <= best * 1.01)  # ep, then larger chunks
+    assert prepared.policy.prefill_parallel == chosen == first[0]
+    if chosen == "dp":
+        assert prepared.policy.prefill_tokens_per_rank == first[1] and prepared.budget.prefill_ring_bytes > 0
+    assert "prefill planned" in prepared.plan.describe()
+    assert prepared.plan.to_dict()["prefill_modes"][0][0] == "ep"
+
+
+def test_backends_without_it_run_auto_as_expert_parallel():
+    job = _sim_scale_like(2000)
+    assert prefill_as_performed(job, dp_prefill=False).policy.prefill_parallel == "ep"
+    assert prefill_as_performed(job, dp_prefill=True) is job
+    explicit = _job("dp")
+    assert prefill_as_performed(explicit, dp_prefill=False) is explicit  # refused by check_supported, not changed

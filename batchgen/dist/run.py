@@ -86,7 +86,7 @@ from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengt
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
-from batchgen.job import Job, effective_cluster, prepare
+from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
 from batchgen.memory import ConfigError
 
 
@@ -140,6 +140,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     a batch job's results file is written by the process that holds the tokens (`batchgen.batch.sink`)."""
     if job.policy.attention_tp == "auto":  # TP attention is not built across processes: auto is DP attention here
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
+    job = prefill_as_performed(job, dp_prefill=False)  # each process holds its own experts only
     if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
         warnings.warn(f"backend.shared_host_copies: this machine has no {SHM_DIR}; host KV pools stay in process "
                       "memory, so a lost worker's sequences are recomputed, not restored")

@@ -11,7 +11,7 @@ from batchgen.dist.launch import ENV_VARS, check_procs
 from batchgen.exec.fits import check_fits
 from batchgen.exec.run import ExecSettings, HostPools, _check_lengths, host_pools, kv_pools, model_config
 from batchgen.exec.weight_stream import stream_spec_of
-from batchgen.job import Job, effective_cluster, prepare
+from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ def oversubscription(procs: int, threads: int | str | None, device: str, cores: 
 def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
     """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
     whose size is not torchrun's WORLD_SIZE)."""
+    job = prefill_as_performed(job, dp_prefill=False)
     config = model_config(job, settings)
     check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if launched and under_torchrun() else None)
     if not config.num_experts:

@@ -39,7 +39,7 @@ from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
 from batchgen.exec.threads import pinned_threads, resolve_threads
 from batchgen.exec.weight_stream import footprint, meta_model, stream_onto, stream_spec_of
-from batchgen.job import Job, effective_cluster, prepare
+from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
 from batchgen.exec.load import LoadMeter
@@ -314,6 +314,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
     one of median BCT (the lower median for even N, so that every number reported comes from one real run),
     carrying every run's BCT (`repeat_bcts`)."""
     start = time.perf_counter()
+    job = prefill_as_performed(job, dp_prefill=False)  # no expert weights are streamed in
     if isinstance(settings.repeats, bool) or not isinstance(settings.repeats, int) or settings.repeats < 1:
         raise ConfigError(f"backend.repeats={settings.repeats!r}: give a whole number >= 1")
     with pinned_threads(resolve_threads(settings.threads)) as threads, invariant.mode(settings.batch_invariant):

@@ -91,6 +91,7 @@ class Plan:
     ranks: int = 1              # ranks of an instance
     prefill_tokens: int = 0     # the planned prefill chunk per rank (0: the policy's own, not planned)
     instance_sizes: tuple = ()  # with cluster.gpus_per_instance=auto: (GPUs, prefill s, decode s) of each size
+    prefill_modes: tuple = ()   # with policy.prefill_parallel=auto: (ep or dp, chunk, prefill s, decode s) of each
 
     def resolve(self, policy: Any) -> Any:
         """The policy with its "auto" knobs replaced by this plan's values (explicit ones are kept)."""
@@ -112,20 +113,33 @@ class Plan:
                 f"{self.host_bytes_per_iter / 1e9:.1f} GB host<->device per iteration "
                 f"(context {self.typical_context:,}; {self.candidates} candidates)"
                 + (f"; prefill chunk {self.prefill_tokens:,} tokens per rank" if self.prefill_tokens else "")
-                + self._instances())
+                + self._instances() + self._prefill_modes())
 
     def _instances(self) -> str:
         if not self.instance_sizes:
             return ""
-        seconds = lambda s: f"{s:,.0f}" if s >= 100 else f"{s:.3g}"  # noqa: E731
-        each = ", ".join(f"{size}: {seconds(prefill + decode)} s" for size, prefill, decode in self.instance_sizes)
+        each = ", ".join(f"{size}: {_seconds(prefill + decode)} s" for size, prefill, decode in self.instance_sizes)
         return f"; instance size planned (GPUs: predicted prefill + decode over the batch): {each}"
 
+    def _prefill_modes(self) -> str:
+        if not self.prefill_modes:
+            return ""
+        way = {"ep": "expert parallel", "dp": "data parallel"}
+        each = ", ".join(f"{way[mode]}" + (f" at {chunk:,}" if mode == "dp" else "") + f": {_seconds(p)} + "
+                         f"{_seconds(d)} s" for mode, chunk, p, d in self.prefill_modes)
+        return f"; prefill planned (predicted prefill + decode over the batch): {each}"
+
     def to_dict(self) -> dict:
-        """As plain JSON types (results.json): each instance size with its predicted prefill and decode seconds."""
+        """As plain JSON types (results.json): each instance size and each way of prefilling with its predicted
+        prefill and decode seconds."""
         d = dataclasses.asdict(self)
         d["instance_sizes"] = [[size, round(p, 3), round(dec, 3)] for size, p, dec in self.instance_sizes]
+        d["prefill_modes"] = [[mode, chunk, round(p, 3), round(dec, 3)] for mode, chunk, p, dec in self.prefill_modes]
         return d
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.0f}" if s >= 100 else f"{s:.3g}"
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots,
 
 RESIDENCIES = ("device", "host", "mixed", "auto")
 ATTENTION_DEVICES = ("gpu", "cpu", "auto")
-PREFILL_PARALLEL = ("ep", "dp")
+PREFILL_PARALLEL = ("ep", "dp", "auto")
 FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention": "gpu",
             "prefill_tokens_per_rank": 32768}  # an auto no planner resolved
 
@@ -72,7 +72,8 @@ class CoroutinePolicy(PolicyDefaults):
     max_partition_degree: int = 8
     attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
     comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
-    prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank)
+    prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank),
+    #                               auto (the shorter predicted batch: batchgen.job.plan_prefill)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True

@@ -30,22 +30,24 @@ class BatchTime:
 
 
 def prefill_forward_s(lat: LatencyModel, ranks: int, prompts_per_rank: int, prompt_len: float,
-                      micro_batch: int, weight_stream_s: float = 0.0) -> float:
+                      micro_batch: int, weight_stream_s: float = 0.0, dp_stream_s: float | None = None) -> float:
     """Seconds of one prefill forward in which every rank of the instance prefills `prompts_per_rank` whole
-    prompts of `prompt_len` tokens, priced as the simulator prices it (batchgen.pricing.price)."""
+    prompts of `prompt_len` tokens, priced as the simulator prices it (batchgen.pricing.price; `dp_stream_s`: a
+    data-parallel prefill's copy per MoE layer, None for an expert-parallel one)."""
     rank = np.repeat(np.arange(ranks), prompts_per_rank)
     load = prefill_load(rank, np.full(rank.size, float(prompt_len)), _NONE, np.empty(0), ranks, micro_batch)
-    return float(price(lat, load, weight_stream_s).iteration_s[0])
+    return float(price(lat, load, weight_stream_s, dp_stream_s=dp_stream_s).iteration_s[0])
 
 
 def batch_time(lat: LatencyModel, *, sequences: int, mean_input: float, mean_output: float, ranks: int,
                instances: int, chunk: int, micro_batch: int, decode_tokens_per_s: float,
-               weight_stream_s: float = 0.0) -> BatchTime:
+               weight_stream_s: float = 0.0, dp_stream_s: float | None = None) -> BatchTime:
     """`sequences` spread evenly over `instances` of `ranks` ranks each: every rank prefills as many whole
     prompts of the mean length as its `chunk` of tokens holds (at least one) per forward, and the instances
     decode the outputs at `decode_tokens_per_s` each."""
     per_forward = max(1, int(chunk // max(mean_input, 1.0)))
     forwards = math.ceil(sequences / (per_forward * ranks * instances))
-    prefill = forwards * prefill_forward_s(lat, ranks, per_forward, mean_input, micro_batch, weight_stream_s)
+    prefill = forwards * prefill_forward_s(lat, ranks, per_forward, mean_input, micro_batch, weight_stream_s,
+                                           dp_stream_s)
     decode = sequences * mean_output / (decode_tokens_per_s * instances) if decode_tokens_per_s > 0 else math.inf
     return BatchTime(prefill, decode)

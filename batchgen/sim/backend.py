@@ -18,7 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.engine.apply import _FEW_CHUNKS
 from batchgen.latency import LatencyModel
-from batchgen.memory import prefill_stream_bytes_per_layer
+from batchgen.memory import prefill_stream_bytes_per_layer, prefill_stream_seconds
 from batchgen.policy.base import Capabilities
 from batchgen.sim import repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
@@ -76,7 +76,8 @@ class SimBackend:
         # a data-parallel prefill forward's copy per rank: every MoE layer's missing experts, and the streamed ones
         self._dp_stream_bytes = (n_moe * prefill_stream_bytes_per_layer(lat.model, lat) + self.stream_bytes_per_iter
                                  if self.dp_prefill else 0.0)
-        self._dp_stream_s = float(lat.h2d(self._dp_stream_bytes / n_moe)) if self.dp_prefill else None
+        self._dp_stream_s = (prefill_stream_seconds(lat.model, lat, self.stream_bytes_per_iter) if self.dp_prefill
+                             else None)
         self.host_bytes = 0.0
         self.h2d_bytes = 0.0  # the host -> device share of host_bytes (weights streamed, KV restored, outputs back)
         self.decode_host_bytes = 0.0

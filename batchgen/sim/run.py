@@ -10,7 +10,7 @@ from typing import Iterator
 import simpy
 
 from batchgen.engine import Engine, RunOutput, StepObserver  # noqa: F401 (RunOutput: re-exported)
-from batchgen.job import Job, prepare
+from batchgen.job import Job, prefill_as_performed, prepare
 from batchgen.policy.base import Capabilities
 from batchgen.progress import Throttle, bar
 from batchgen.sim.backend import SimBackend
@@ -60,6 +60,8 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     `progress`: a bar of sequences finished on stderr: auto (a terminal, or BATCHGEN_PROGRESS), True, False.
     `overlap_copies` false: the KV each run copies is paid after its compute (conf backend=sim's setting)."""
     start = time.perf_counter()
+    if capabilities is not None:
+        job = prefill_as_performed(job, capabilities.dp_prefill)
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()

@@ -37,9 +37,10 @@ def cluster_128(policy, n=3000, **knobs):
                                         policy_overrides=knobs), check_invariants=False)
 
 
-def sim_scale_like(n=20000):
+def sim_scale_like(n=20000, **knobs):
     """benchmarks/sim_scale.py's job, smaller: coroutine, Qwen3-30B-A3B on 128 H20 as two 64-GPU instances,
-    LongBench 12K -> 4K; work stealing across nodes and instances, host copies that travel with it."""
+    LongBench 12K -> 4K; work stealing across nodes and instances, host copies that travel with it; as configured
+    (its prefill planned: data parallel), or with `knobs` (expert-parallel prefill)."""
     from omegaconf import OmegaConf
 
     from batchgen.confdir import conf_dir
@@ -53,7 +54,7 @@ def sim_scale_like(n=20000):
     wcfg = OmegaConf.load(conf_dir() / "workload" / "longbench_12k_4k.yaml")
     wcfg.num_sequences = n
     return Job(model, load_cluster("h20_128"), build_workload(wcfg, seed=0),
-               make_policy(policy_config("coroutine", model)))
+               make_policy(policy_config("coroutine", model, **knobs)))
 
 
 def offload_moe(policy, n=40):
@@ -76,6 +77,7 @@ CASES = {
         policy_overrides={"kv_residency": "mixed", "b_moe": 8, "partition_min_context": 1024}),
     "coroutine-128-partition": lambda: cluster_128("coroutine", partition_min_context=512),
     "coroutine-h20-128-longbench": sim_scale_like,
+    "coroutine-h20-128-longbench-ep": lambda: sim_scale_like(prefill_parallel="ep"),
     "coroutine-a100-yielding": lambda: vidur_like("coroutine", kv_residency="device"),
     "coroutine-a100-offloading": lambda: vidur_like("coroutine", kv_residency="mixed"),
     "static-tiny-8": lambda: make_job("static", "tiny_moe", "h100_8", n=80),
