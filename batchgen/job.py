@@ -38,7 +38,7 @@ class Job:
     # `cluster` holds the size chosen (batchgen.instances); () when the cluster's size was given
     instance_plan: tuple = ()
     # policy.prefill_parallel=auto: each way priced, (ep or dp, chunk per rank, predicted prefill s, decode s), and
-    # `policy` holds the one chosen (batchgen.instances.plan_prefill); () when the policy's way was given
+    # `policy` holds the one chosen (`plan_prefill`); () when the policy's way was given or there was no choice
     prefill_plan: tuple = ()
 
     def __post_init__(self):
@@ -273,7 +273,9 @@ def predict(job: Job) -> BatchTime:
     """The job's batch on its own plan, as `prepare` would plan it (the prefill's parallelism chosen first where
     it is auto); raises ConfigError when it does not fit."""
     if getattr(job.policy, "prefill_parallel", "ep") == AUTO:
-        return _chosen(plan_prefill(job))
+        job = plan_prefill(job)
+        if job.prefill_plan:
+            return _chosen(job)
     return _predict(job)[1]
 
 
@@ -303,8 +305,11 @@ def plan_prefill(job: Job) -> Job:
     """The job with `policy.prefill_parallel=auto` resolved to the shortest predicted batch (expert parallel
     within the tie), its chunk too for data parallel where the chunk is auto, and every prediction in
     `Job.prefill_plan` as (mode, chunk, prefill s, decode s). Raises expert parallel's ConfigError when nothing
-    fits."""
+    fits. Where every GPU of an instance holds every expert (one GPU per instance, or a dense model), both ways
+    are one: expert parallel, nothing predicted."""
     policy = job.policy
+    if not job.model.is_moe or _gpu_cluster(job).instance_size == 1:
+        return dataclasses.replace(job, policy=dataclasses.replace(policy, prefill_parallel="ep"))
     chunks = DP_CHUNKS if policy.prefill_tokens_per_rank == AUTO else (policy.prefill_tokens_per_rank,)
     trials = [dataclasses.replace(policy, prefill_parallel="ep")]
     trials += [dataclasses.replace(policy, prefill_parallel="dp", prefill_tokens_per_rank=c) for c in chunks]

@@ -9,7 +9,8 @@ DeepSeek-R1, 8K->2K, 500 requests at sglang_opt's memory fraction; memory_limite
 A5000, GSM8K; rl_rollout, (e1): DeepSeek-R1 on 16 H20, 256 long-tailed prompts. Coroutine's rows add, in
 order: its module batching alone (KV on the device, no MIGRATE, no PARTITION: the planner still picks B_attn,
 B_moe and the attention degree), host-resident KV where its plan takes it, MIGRATE (work stealing and tail
-rebalancing), PARTITION (coroutine as shipped); then what the experiment adds (the scale experiment's all-to-all
+rebalancing), PARTITION, all with expert-parallel prefill; then the prefill planned, expert or data parallel
+(coroutine as shipped); then what the experiment adds (the scale experiment's all-to-all
 overlapped across attention micro-batches, and its 16-GPU groups, which separate the
 instance size from the rest; (c)'s memory fraction). The baseline rows run each
 engine at its own defaults, then with each option it leaves off. Each row's ratio is its BCT over coroutine as
@@ -42,18 +43,21 @@ except ImportError:
 GROUPS = "cluster.gpus_per_instance=16"
 NO_MIGRATE = ["policy.migrate=false", "policy.migrate_across_instances=false"]
 NO_PARTITION = ["policy.partition=false"]
+EP_PREFILL = ["policy.prefill_parallel=ep"]
 SHIPPED = "coroutine as shipped"
 OVERLAP = "coroutine + all-to-all overlapped across micro-batches, 2 x 64"
 PLANNED_SIZE = "coroutine, instance size planned (cluster.gpus_per_instance=auto)"
 
 
 def coroutine_rows(suffix: str = "", extra: tuple[str, ...] = ()) -> list[tuple[str, str, list[str]]]:
-    """Coroutine's mechanisms added one at a time (`extra`: overrides every row takes)."""
+    """Coroutine's mechanisms added one at a time (`extra`: overrides every row takes); expert-parallel prefill
+    until the last row."""
     return [(f"coroutine: module batching alone{suffix}", "coroutine",
-             ["policy.kv_residency=device", *NO_MIGRATE, *NO_PARTITION, *extra]),
-            ("+ host-resident KV (planned)", "coroutine", [*NO_MIGRATE, *NO_PARTITION, *extra]),
-            ("+ MIGRATE", "coroutine", [*NO_PARTITION, *extra]),
-            (f"+ PARTITION = {SHIPPED}{suffix}", "coroutine", list(extra))]
+             ["policy.kv_residency=device", *NO_MIGRATE, *NO_PARTITION, *EP_PREFILL, *extra]),
+            ("+ host-resident KV (planned)", "coroutine", [*NO_MIGRATE, *NO_PARTITION, *EP_PREFILL, *extra]),
+            ("+ MIGRATE", "coroutine", [*NO_PARTITION, *EP_PREFILL, *extra]),
+            ("+ PARTITION", "coroutine", [*EP_PREFILL, *extra]),
+            (f"+ prefill planned (expert or data parallel) = {SHIPPED}{suffix}", "coroutine", list(extra))]
 
 
 def sglang_rows(suffix: str = "", extra: tuple[str, ...] = ()) -> list[tuple[str, str, list[str]]]:

@@ -90,6 +90,7 @@ def test_the_simulator_streams_every_prefill_forward_and_runs_no_all_to_all_in_i
     dp = outs["dp"]
     prefills = [r for r in dp.records if r.phase == "prefill"]
     assert prefills and all(float(np.max(r.rank_comm)) == 0.0 for r in prefills)
+    assert max(r.expert_calls for r in prefills) > 1  # each rank's experts on its own tokens: a batch per rank
     assert any(float(np.max(r.rank_comm)) > 0.0 for r in outs["ep"].records if r.phase == "prefill")
     lat = dp.prepared.latency
     per_forward = lat.ep_ranks * lat.layer_counts()[1] * prefill_stream_bytes_per_layer(dp.job.model, lat)
@@ -141,3 +142,11 @@ def test_backends_without_it_run_auto_as_expert_parallel():
     assert prefill_as_performed(job, dp_prefill=True) is job
     explicit = _job("dp")
     assert prefill_as_performed(explicit, dp_prefill=False) is explicit  # refused by check_supported, not changed
+
+
+def test_one_gpu_per_instance_has_nothing_to_choose():
+    job = make_job("coroutine", "mixtral_8x7b", "a5000_1", n=20, inputs=np.full(20, 512),
+                   policy_overrides={"prefill_parallel": "auto"})
+    prepared = prepare(job)
+    assert prepared.policy.prefill_parallel == "ep" and not prepared.plan.prefill_modes
+    assert prepared.budget.prefill_ring_bytes == 0

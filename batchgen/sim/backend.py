@@ -112,7 +112,7 @@ class SimBackend:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
                                        pad_context=np.zeros_like(plan.pad_context))
-        calls = None  # expert calls per iteration, where an FFN runs per micro-batch
+        calls = None  # expert calls per iteration, where an FFN runs per micro-batch or per rank (dp prefill)
         if plan.prefill_ids.size:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
@@ -120,9 +120,10 @@ class SimBackend:
             load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
                                 self.similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
-            if self.dp_prefill:
+            if self.dp_prefill:  # each rank's experts run on its own tokens: one expert batch per rank
                 cost = price(self.lat, load, dp_stream_s=self._dp_stream_s)
                 streamed = self._dp_stream_bytes
+                calls = np.array([np.count_nonzero(load.gate_tokens)])
             else:
                 cost, streamed = self._price(load, self.weight_stream_s), self.stream_bytes_per_iter
             gate_total = load.gate_tokens.sum()
