@@ -3,7 +3,8 @@
 
     python benchmarks/sim_scale.py [--sizes 10000,100000,1000000] [--policy coroutine] [--model qwen3_30b_a3b]
 
-The last line reads `wall_s_1M=<seconds> events_per_seq=<n>` (for the largest size run).
+The last line reads `wall_s_1M=<seconds> events_per_seq=<n>` (for the largest size run). Coroutine prefills
+expert parallel here (`--prefill-parallel ep`), the job every recorded result measures.
 
     python benchmarks/sim_scale.py --policies [--vidur-s 9.7]
     python benchmarks/sim_scale.py --policies --vidur-dir DIR --vidur-python PY [--rounds 3]
@@ -25,6 +26,7 @@ Recorded results (with the machine and the date): benchmarks/results/sim_scale.m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -129,6 +131,9 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3_30b_a3b")
     ap.add_argument("--cluster", default="h20_128")
     ap.add_argument("--workload", default="longbench_12k_4k")
+    ap.add_argument("--prefill-parallel", default="ep", choices=("ep", "dp", "auto"),
+                    help="coroutine's policy.prefill_parallel: ep, the job of the recorded results (auto, the "
+                         "config's, plans dp on this job: fewer events, another job)")
     ap.add_argument("--policies", action="store_true",
                     help="every policy on Vidur's workload (Llama-2-7B, 1 A100, azure_conv), against Vidur")
     ap.add_argument("--requests", type=int, default=10_000, help="with --policies: sequences of the trace")
@@ -147,6 +152,8 @@ def main() -> None:
         return
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     policy = _load_policy(args.policy, model)
+    if hasattr(policy, "prefill_parallel") and args.policy == "coroutine":
+        policy = dataclasses.replace(policy, prefill_parallel=args.prefill_parallel)
     wcfg = OmegaConf.load(conf_dir() / "workload" / f"{args.workload}.yaml")
     print(f"{args.policy} on {args.model}, {cluster.num_gpus} x {cluster.gpu.name} "
           f"({cluster.num_instances} instances), workload shape {args.workload}")

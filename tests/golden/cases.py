@@ -40,7 +40,7 @@ def cluster_128(policy, n=3000, **knobs):
 def sim_scale_like(n=20000, **knobs):
     """benchmarks/sim_scale.py's job, smaller: coroutine, Qwen3-30B-A3B on 128 H20 as two 64-GPU instances,
     LongBench 12K -> 4K; work stealing across nodes and instances, host copies that travel with it; as configured
-    (its prefill planned: data parallel), or with `knobs` (expert-parallel prefill)."""
+    (its prefill planned: data parallel), or with `knobs` (expert-parallel prefill: the benchmark's own job)."""
     from omegaconf import OmegaConf
 
     from batchgen.confdir import conf_dir
