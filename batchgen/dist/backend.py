@@ -42,10 +42,13 @@ from batchgen.exec.sequences import SequenceTokens
 
 class DistBackend(ExecBackend):
     def __init__(self, state: ClusterState, worker: RankWorker, tokens: SequenceTokens, procs: int,
-                 is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None, comm_overlap: bool = False):
+                 is_moe: bool, job_seed: int = 0, channel: CommandChannel | None = None, comm_overlap: bool = False,
+                 dp_prefill: bool = False):
         """channel: rank 0's command channel to every instance (control.py); by default over the worker's
         (`RankWorker.channels`, or its own control groups for one instance). `comm_overlap`: the policy's; every
-        forward then overlaps each micro-batch's expert all-to-all with the next one's attention."""
+        forward then overlaps each micro-batch's expert all-to-all with the next one's attention. `dp_prefill`:
+        the policy's prefill_parallel=dp; every forward that prefills then runs data parallel in each process
+        (batchgen.dist.dp_prefill), without the all-to-all and so without its overlap."""
         topo = state.topo
         if topo.num_gpus != procs:
             raise ValueError(f"backend=dist runs one process per GPU: {procs} processes, but the state has "
@@ -72,15 +75,17 @@ class DistBackend(ExecBackend):
         self._instance_of = np.repeat(np.arange(topo.num_instances), [len(r) for r in self.instance_ranks])
         self._is_moe = is_moe  # the runner's MoE layers are ExpertParallelMoE now, not SparseMoE
         self.comm_overlap = bool(comm_overlap)
+        self.dp_prefill = bool(dp_prefill)
         # not built across processes: two-batch overlap, TP attention, an FFN per micro-batch (declared so that
         # the engine refuses a policy that needs them before the run; check_dist refuses them before the processes
         # start). PARTITION: over at most the instance's processes (dist/partition). The all-to-all overlapped
-        # across micro-batches: with expert-parallel layers (exec/overlap_layers)
+        # across micro-batches, and data-parallel prefill: with expert-parallel layers (exec/overlap_layers,
+        # dist/dp_prefill)
         size = min(len(r) for r in self.instance_ranks)
         degrees = tuple(d for d in self.capabilities.partition_degrees if d <= size)
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
                                                 two_batch_overlap=False, comm_overlap=is_moe, attention_tp=False,
-                                                micro_batch_ffn=False)
+                                                micro_batch_ffn=False, dp_prefill=is_moe)
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]
@@ -158,9 +163,10 @@ class DistBackend(ExecBackend):
             sampled = [s for s, keep in zip(b.seq_ids, b.sample or [True] * len(b.seq_ids)) if keep]
             parts[g] = ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
                                    b.tp, b.sample, [len(generated[s]) for s in sampled])
+        dp = self.dp_prefill and bool(plan.prefill_ids.size)  # as the simulator prices it (sim/backend.py)
         ticket = self.channel.post(Command("forward", parts, micro_batch=plan.micro_batch,
                                            cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule,
-                                           comm_overlap=self.comm_overlap),
+                                           comm_overlap=self.comm_overlap and not dp, dp_prefill=dp),
                                    [plan.instance])
         yield None
         replies: list[ForwardReply] = self.channel.collect(ticket)  # in rank order: the instance's ranks

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from batchgen.dist.comm import Comm
+from batchgen.dist.dp_prefill import PrefillRing, host_copy
 from batchgen.dist.ep_overlap import OverlappedExchange
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.placement import ExpertPlacement
@@ -74,13 +75,26 @@ def slot_groups(width: int, pipeline: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
+def expert_parallel(model, comm: Comm, pipeline: int | None, device, dp_prefill: bool) -> PrefillRing | None:
+    """Every MoE layer of `model` (a `MoEDecoder`) made expert parallel over `comm`'s group, in place; with
+    `dp_prefill`, each keeping a host copy of every expert, and the process's ring (returned) for the forwards
+    that prefill data parallel."""
+    layers = [(i, m) for i, m in ((i, model.moe(i)) for i in range(model.num_layers)) if m is not None]
+    ring = PrefillRing(layers[0][1], device) if dp_prefill and layers else None
+    for i, moe in layers:
+        model.layers[i].mlp = ExpertParallelMoE(moe, comm, pipeline=pipeline, ring=ring)
+    return ring
+
+
 class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: SparseMoE, comm: Comm, placement: ExpertPlacement | None = None,
-                 pipeline: int | None = None):
+                 pipeline: int | None = None, ring: PrefillRing | None = None):
         """moe: the whole layer (every rank builds or loads it, then keeps only its shard: the full expert
-        stacks can be dropped once this returns). placement: contiguous blocks over the group by default.
-        pipeline: groups of local slots the dispatch, expert compute and combine are pipelined over (1: one
-        synchronous dispatch and combine; None: DEFAULT_PIPELINE); the same on every rank of the group."""
+        stacks can be dropped once this returns, unless `ring` is given). placement: contiguous blocks over the
+        group by default. pipeline: groups of local slots the dispatch, expert compute and combine are pipelined
+        over (1: one synchronous dispatch and combine; None: DEFAULT_PIPELINE); the same on every rank of the
+        group. `ring`: the process's data-parallel prefill ring (batchgen.dist.dp_prefill): the layer keeps a
+        host copy of every expert, and while the ring is active runs its tokens through all of them, alone."""
         super().__init__()
         placement = placement or ExpertPlacement.contiguous(moe.num_experts, comm.size)
         if placement.num_experts != moe.num_experts or placement.ranks != comm.size:
@@ -98,6 +112,7 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("slot", slot, persistent=False)
         self.register_buffer("_group_of_expert", group[slot], persistent=False)
         self.last_counts: torch.Tensor | None = None
+        self.ring, self.host = ring, (host_copy(moe) if ring is not None else None)
 
     def agree(self, counts: list[int]) -> list[int]:
         """Each count's largest value over the group: the micro-batches every rank sends to `overlapped`'s
@@ -123,7 +138,12 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H]: this rank's tokens (T may be 0) -> the layer's output for them, [T, H]."""
         ids, weights = self.shard.route(hidden)
-        out, shared = self._exchange(hidden, ids, weights, self.shard.shared)
+        if self.ring is not None and self.ring.active:  # data-parallel prefill: every expert here, no exchange
+            layer = self.shard.over_experts(self.ring.fill(self.host, self.shard, self.local_experts))
+            out, shared = layer.experts(hidden, ids, weights), self.shard.shared(hidden)
+            self.last_counts = layer._last_counts[list(self.local_experts)]
+        else:
+            out, shared = self._exchange(hidden, ids, weights, self.shard.shared)
         return out if shared is None else out + shared
 
     def routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from batchgen.core.ops import KVLedger
 from batchgen.dist.backend import DistBackend
 from batchgen.dist.comm import Comm
-from batchgen.dist.ep_moe import ExpertParallelMoE, check_pipeline
+from batchgen.dist.ep_moe import check_pipeline, expert_parallel
 from batchgen.dist.errors import DistConfigError, WorkerLost
 from batchgen.dist.failure import Heartbeat
 from batchgen.dist.fence import register
@@ -86,7 +86,7 @@ from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengt
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
-from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
+from batchgen.job import Job, effective_cluster, plan_prefill, prepare
 from batchgen.memory import ConfigError
 
 
@@ -140,7 +140,8 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
     a batch job's results file is written by the process that holds the tokens (`batchgen.batch.sink`)."""
     if job.policy.attention_tp == "auto":  # TP attention is not built across processes: auto is DP attention here
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
-    job = prefill_as_performed(job, dp_prefill=False)  # each process holds its own experts only
+    if getattr(job.policy, "prefill_parallel", "ep") == "auto":  # chosen once, before the processes build layers
+        job = plan_prefill(job)
     if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
         warnings.warn(f"backend.shared_host_copies: this machine has no {SHM_DIR}; host KV pools stay in process "
                       "memory, so a lost worker's sequences are recomputed, not restored")
@@ -292,10 +293,8 @@ def _build_rank(gen: Generation, job: Job, settings: DistSettings, params,
     is_moe = any(model.moe(layer) is not None for layer in range(model.num_layers))
     runner = InstanceRunner(model)
     if comm.size > 1:  # one process keeps the plain layer (the same math, no collectives to wait in)
-        for layer in range(model.num_layers):
-            moe = model.moe(layer)
-            if moe is not None:
-                model.layers[layer].mlp = ExpertParallelMoE(moe, comm, pipeline=settings.ep_pipeline)
+        runner.prefill_ring = expert_parallel(model, comm, settings.ep_pipeline, gen.ctx.device,
+                                              getattr(job.policy, "prefill_parallel", "ep") == "dp")
         runner.collective = True
     kept = before is not None and getattr(before.cache, "pool", None) == pool
     if kept:
@@ -398,7 +397,8 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
             sink.after_run(tokens)
     while True:
         backend = DistBackend(prepared.state, worker, tokens, gen.size, is_moe, job_seed=settings.weights_seed,
-                              comm_overlap=prepared.policy.comm_overlap)
+                              comm_overlap=prepared.policy.comm_overlap,
+                              dp_prefill=getattr(prepared.policy, "prefill_parallel", "ep") == "dp")
         if clock is None:
             clock = backend._t0
         else:  # one clock over the generations: records and finish times line up

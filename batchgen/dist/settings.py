@@ -11,7 +11,7 @@ from batchgen.dist.launch import ENV_VARS, check_procs
 from batchgen.exec.fits import check_fits
 from batchgen.exec.run import ExecSettings, HostPools, _check_lengths, host_pools, kv_pools, model_config
 from batchgen.exec.weight_stream import stream_spec_of
-from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
+from batchgen.job import Job, effective_cluster, prepare
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ def oversubscription(procs: int, threads: int | str | None, device: str, cores: 
 def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> None:
     """Everything backend=dist refuses, before a process starts (`launched` False: a recovery's smaller group,
     whose size is not torchrun's WORLD_SIZE)."""
-    job = prefill_as_performed(job, dp_prefill=False)
     config = model_config(job, settings)
     check_procs(settings.procs, world_size=int(os.environ["WORLD_SIZE"]) if launched and under_torchrun() else None)
     if not config.num_experts:
@@ -74,10 +73,6 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
     if policy.two_batch_overlap:
         raise DistConfigError(f"policy {policy.name} runs two-batch overlap, not supported under backend=dist yet:"
                               " set policy.two_batch_overlap=false")
-    if policy.prefill_parallel == "dp":
-        raise DistConfigError(f"policy {policy.name} prefills data parallel, streaming in the experts each rank does "
-                              "not hold, which backend=dist does not (each process holds its own experts only): "
-                              "set policy.prefill_parallel=ep")
     if policy.attention_tp not in (1, "auto"):
         raise DistConfigError(f"tensor-parallel attention (policy.attention_tp={policy.attention_tp}) is not "
                               "supported under backend=dist yet: set policy.attention_tp=1")

@@ -74,6 +74,7 @@ class Command:
     cpu_attention: bool = False
     ffn_schedule: str = "combined"
     comm_overlap: bool = False      # forward: each micro-batch's expert all-to-all beside the next's attention
+    dp_prefill: bool = False        # forward: each process's tokens through every expert (it prefills)
 
 
 @dataclass
@@ -336,7 +337,7 @@ class RankWorker:
         if self.partition is not None:  # every rank: the instance's partition groups, from every rank's part
             self.partition.begin([cmd.parts[r] for r in self.comm.ranks])  # in the instance's rank order
         logits, stats = self.runner.forward([batch], cmd.micro_batch, cmd.cpu_attention, cmd.ffn_schedule,
-                                            cmd.comm_overlap)
+                                            cmd.comm_overlap, cmd.dp_prefill)
         ids = [s for s, keep in zip(part.seq_ids, part.sample or [True] * len(part.seq_ids)) if keep]
         start = time.perf_counter()
         tokens: list[int] = []

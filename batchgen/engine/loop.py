@@ -109,7 +109,8 @@ def check_supported(policy: Policy, capabilities: Capabilities) -> None:
                           "policy.comm_overlap=false")
     if policy.prefill_parallel == "dp" and not capabilities.dp_prefill:
         raise ConfigError(f"policy {policy.name} prefills data parallel, streaming in the experts each rank does "
-                          "not hold, which this backend does not (backend=sim does): set policy.prefill_parallel=ep")
+                          "not hold, which this backend does not (backend=sim and backend=dist do): set "
+                          "policy.prefill_parallel=ep")
     if policy.attention_tp not in (1, "auto") and not capabilities.attention_tp:
         raise ConfigError(f"policy {policy.name} runs tensor-parallel attention (attention_tp="
                           f"{policy.attention_tp}), which this backend does not: set policy.attention_tp=1")

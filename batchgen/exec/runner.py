@@ -103,10 +103,14 @@ class InstanceRunner:
         # lead's own shard and, once per layer, hands the group's attention to this exchange (every rank calls
         # it, with or without partitioned sequences of its own: it is a collective)
         self.partition = None
+        # data-parallel prefill (batchgen.dist.dp_prefill.PrefillRing), set by a multi-process worker whose policy
+        # prefills data parallel: active during the forwards that prefill
+        self.prefill_ring = None
 
     @torch.inference_mode()
     def forward(self, ranks: list[RankBatch], micro_batch: int | None = None, cpu_attention: bool = False,
-                ffn_schedule: str = "combined", comm_overlap: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
+                ffn_schedule: str = "combined", comm_overlap: bool = False,
+                dp_prefill: bool = False) -> tuple[list[torch.Tensor], ForwardStats]:
         """Logits of each sequence's last new token, per rank ([num_seqs, vocab] each; only the sequences whose
         `sample` flag is set where a rank gives flags), and timings.
 
@@ -114,7 +118,21 @@ class InstanceRunner:
         instead of one combined expert batch. With a streamer, every streamed layer's weights are copied from
         their host copy into a staging slot before the layer runs (once per layer, reused by every micro-batch).
         `comm_overlap` (expert-parallel layers only): each micro-batch's all-to-all beside the next one's attention
-        (batchgen.exec.overlap_layers)."""
+        (batchgen.exec.overlap_layers). `dp_prefill`: expert-parallel layers run this process's tokens through
+        every expert instead (`prefill_ring`; a process without one holds every expert already)."""
+        ring = self.prefill_ring if dp_prefill else None
+        if ring is not None and comm_overlap:
+            raise ValueError("a data-parallel prefill has no all-to-all to overlap")
+        if ring is None:
+            return self._forward(ranks, micro_batch, cpu_attention, ffn_schedule, comm_overlap)
+        ring.active = True
+        try:
+            return self._forward(ranks, micro_batch, cpu_attention, ffn_schedule, comm_overlap)
+        finally:
+            ring.active = False
+
+    def _forward(self, ranks: list[RankBatch], micro_batch: int | None, cpu_attention: bool, ffn_schedule: str,
+                 comm_overlap: bool) -> tuple[list[torch.Tensor], ForwardStats]:
         mb = self.micro_batch if micro_batch is None else micro_batch
         stats = ForwardStats(rank_attention_s=[0.0] * len(ranks))
         if cpu_attention and self.model.config.is_mla and any(any(b.host_resident) for b in ranks):

@@ -72,8 +72,8 @@ class CoroutinePolicy(PolicyDefaults):
     max_partition_degree: int = 8
     attention_tp: int | str = 1  # GPUs per tensor-parallel attention group (1: data parallel); auto: planned
     comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
-    prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank),
-    #                               auto (the shorter predicted batch: batchgen.job.plan_prefill)
+    prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank;
+    #                               sim and dist), auto (the shorter predicted batch: batchgen.job.plan_prefill)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True

@@ -37,10 +37,18 @@ def dist_settings(path, procs, kv_tokens=80, **kw):
                         **kw)
 
 
-@pytest.mark.parametrize("procs", [1, 2, 4])
-def test_greedy_matches_exec_and_hf_with_yields_and_migrations(saved, loop_kernel, procs):
-    model, path = saved
+def coroutine_job(procs: int, **knobs):
+    """`job_for`'s coroutine job with more of its knobs set (yields and migrations still forced by the small KV
+    budget)."""
     job, outputs = job_for(procs)
+    return make_job("coroutine", model="tiny_moe", inputs=job.workload.input_lens, outputs=outputs, page_tokens=8,
+                    cluster_overrides={"num_gpus": procs}, policy_overrides={"b_moe": 4, **knobs}), outputs
+
+
+def same_as_exec(saved, job, outputs, procs: int):
+    """`job` over `procs` processes, each sequence's greedy tokens checked against the executor's on `job_for`'s
+    job and against transformers'; returns the run."""
+    model, path = saved
     out = execute_dist(job, dist_settings(path, procs))
     ref = execute(job_for(procs)[0], ExecSettings(device="cpu", model_path=str(path),
                                                   kv_budget_mb=kv_mb_for(path, 80), threads=1))
@@ -48,6 +56,12 @@ def test_greedy_matches_exec_and_hf_with_yields_and_migrations(saved, loop_kerne
         got = out.tokens.generated[sid]
         assert got == ref.tokens.generated[sid], sid
         assert got == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    return out
+
+
+@pytest.mark.parametrize("procs", [1, 2, 4])
+def test_greedy_matches_exec_and_hf_with_yields_and_migrations(saved, loop_kernel, procs):
+    out = same_as_exec(saved, *job_for(procs), procs)
     moved = out.kv_moves
     assert moved.get("yield", 0) > 0 and moved.get("restore", 0) + moved.get("migrate", 0) > 0, moved
     # the ranks carried out the moves themselves: their own counts add up to rank 0's plan

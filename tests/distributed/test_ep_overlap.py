@@ -73,13 +73,8 @@ def test_a_dist_job_performs_it_with_the_outputs_of_one_exchange(saved, loop_ker
     """coroutine with comm_overlap over 2 processes (yields and migrations forced by a small KV budget): every
     forward ran the overlapped layers, and the greedy outputs are transformers' and the executor's."""
     from batchgen.exec import runner as runner_module
-    from batchgen.exec.run import ExecSettings, execute
-    from batchgen.dist.run import execute_dist
-    from conftest import make_job
-    from tests.exec.test_exec_parity import hf_greedy, kv_mb_for
-    from .test_dist_backend import N, dist_settings, job_for
+    from .test_dist_backend import coroutine_job, same_as_exec
 
-    model, path = saved
     marks = tmp_path / "overlapped"
     marks.mkdir()
     real = runner_module.overlapped_layers
@@ -89,17 +84,7 @@ def test_a_dist_job_performs_it_with_the_outputs_of_one_exchange(saved, loop_ker
         return real(*args, **kw)
 
     monkeypatch.setattr(runner_module, "overlapped_layers", counted)
-    job, outputs = job_for(2)
-    job = make_job("coroutine", model="tiny_moe", inputs=job.workload.input_lens, outputs=outputs, page_tokens=8,
-                   cluster_overrides={"num_gpus": 2},
-                   policy_overrides={"b_moe": 4, "kv_residency": "device", "comm_overlap": True})
-    out = execute_dist(job, dist_settings(path, 2))
-    ref = execute(job_for(2)[0], ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 80),
-                                              threads=1))
-    for sid in range(N):
-        got = out.tokens.generated[sid]
-        assert got == ref.tokens.generated[sid], sid
-        assert got == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+    out = same_as_exec(saved, *coroutine_job(2, kv_residency="device", comm_overlap=True), 2)
     assert len(list(marks.iterdir())) >= 2 * len(out.records)  # both processes, every forward
 
 

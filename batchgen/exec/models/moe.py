@@ -151,14 +151,19 @@ class SparseMoE(nn.Module):
         idx = torch.as_tensor(list(experts), dtype=torch.int64, device=self.w_gate.device)
         if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.num_experts):
             raise ValueError(f"expert ids {list(experts)} outside 0..{self.num_experts - 1}")
-        shard = copy.copy(self)  # same class and attributes; fresh registries so the copy's weights are its own
-        shard._parameters = {k: v for k, v in self._parameters.items() if k not in EXPERT_WEIGHTS}
-        shard._modules, shard._buffers = dict(self._modules), dict(self._buffers)
-        shard._last_counts = None
+        return self.over_experts({name: getattr(self, name).detach().index_select(0, idx) for name in EXPERT_WEIGHTS})
+
+    def over_experts(self, stacks: dict[str, torch.Tensor]) -> "SparseMoE":
+        """A module of the same class over these expert weight stacks (`EXPERT_WEIGHTS` -> [n, ...] tensors, used
+        as they are, not copied), sharing everything else with this one: an expert shard, or every expert in a
+        data-parallel prefill's ring slot (batchgen.dist.dp_prefill)."""
+        view = copy.copy(self)  # same class and attributes; fresh registries so the copy's weights are its own
+        view._parameters = {k: v for k, v in self._parameters.items() if k not in EXPERT_WEIGHTS}
+        view._modules, view._buffers = dict(self._modules), dict(self._buffers)
+        view._last_counts = None
         for name in EXPERT_WEIGHTS:
-            w = getattr(self, name)
-            setattr(shard, name, nn.Parameter(w.detach().index_select(0, idx), requires_grad=w.requires_grad))
-        return shard
+            setattr(view, name, nn.Parameter(stacks[name], requires_grad=getattr(self, name).requires_grad))
+        return view
 
 
 def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
