@@ -18,6 +18,12 @@ compares instead two processes with coroutine's `comm_overlap` off and on (KV on
 micro-batches of --b-attn sequences, so that each rank has several to overlap), alternating; the last line reads
 `overlap_on_over_off=<r>` (best tokens/s with it over best without).
 
+    python benchmarks/dist_backend_scaling.py --dp-prefill [--input 512] [--output 8] [--rounds 3]
+
+compares two processes with coroutine's prefill expert parallel and data parallel (`policy.prefill_parallel`:
+each process through every expert, the ones it lacks copied from its host copy), alternating; each run also
+prints its seconds in prefill-only forwards, and the last line reads `dp_over_ep=<r>` (best tokens/s).
+
 Recorded results (with the machine and the date): benchmarks/results/dist_scaling.md.
 """
 
@@ -37,7 +43,7 @@ from batchgen.workload import Workload
 from batchgen.results.metrics import bct
 
 
-def job_for(args, procs: int, overlap: bool | None = None) -> Job:
+def job_for(args, procs: int, knobs: dict | None = None) -> Job:
     model = dataclasses.replace(load_model("tiny_moe"), hidden_size=args.hidden, moe_intermediate_size=args.inter,
                                 num_layers=args.layers)
     cluster = dataclasses.replace(load_cluster("h100_8"), num_gpus=procs, gpus_per_instance=None)
@@ -45,9 +51,7 @@ def job_for(args, procs: int, overlap: bool | None = None) -> Job:
     inputs = rng.integers(args.input // 2, args.input + 1, args.sequences)
     outputs = rng.integers(args.output // 2, args.output + 1, args.sequences)
     return Job(model=model, cluster=cluster, workload=Workload("scaling", inputs, outputs),
-               policy=make_policy({"name": args.policy} if overlap is None else
-                                  {"name": args.policy, "kv_residency": "device", "b_attn": args.b_attn,
-                                   "comm_overlap": overlap}), page_tokens=16)
+               policy=make_policy({"name": args.policy, **(knobs or {})}), page_tokens=16)
 
 
 def run(job: Job, procs: int, label: str, r: int) -> float:
@@ -57,18 +61,22 @@ def run(job: Job, procs: int, label: str, r: int) -> float:
     tps = tokens / bct(out)
     ranks = "; ".join(f"rank {i}: busy {b:.2f} comm {c:.2f} idle {d:.2f} s, cpu {u:.2f} s" for i, (b, c, d, u)
                       in enumerate(zip(out.rank_busy_s, out.rank_comm_s, out.rank_idle_s, out.rank_cpu_s)))
+    prefill = sum(rec.duration for rec in out.records if rec.phase == "prefill")
     print(f"round {r} {label}: {tokens} tokens in {bct(out):.2f} s = {tps:.1f} tok/s ({tps / procs:.1f} per "
-          f"process); {ranks}; load {os.getloadavg()[0]:.2f}", flush=True)
+          f"process), {prefill:.2f} s in prefill-only forwards; {ranks}; load {os.getloadavg()[0]:.2f}", flush=True)
     return tps
 
 
-def overlap_ab(args) -> None:
-    best = {False: 0.0, True: 0.0}
+def two_processes_ab(args, knobs: dict, knob: str, values: tuple) -> dict:
+    """Two processes with the policy's `knob` at each of `values` (and `knobs`), alternating for --rounds
+    rounds; the best tokens/s of each value."""
+    best = dict.fromkeys(values, 0.0)
     for r in range(args.rounds):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
-            best[on] = max(best[on], run(job_for(args, 2, on), 2, f"procs=2 comm_overlap={str(on).lower()}", r))
-    print(f"best: comm_overlap off {best[False]:.1f} tok/s, on {best[True]:.1f} tok/s")
-    print(f"overlap_on_over_off={best[True] / best[False]:.3f}")
+        for v in (values if r % 2 == 0 else values[::-1]):
+            label = f"procs=2 {knob}={str(v).lower()}"
+            best[v] = max(best[v], run(job_for(args, 2, {**knobs, knob: v}), 2, label, r))
+    print("best: " + ", ".join(f"{knob}={str(v).lower()} {tps:.1f} tok/s" for v, tps in best.items()))
+    return best
 
 
 def main() -> None:
@@ -83,9 +91,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--overlap", action="store_true", help="comm_overlap off against on, two processes")
     p.add_argument("--b-attn", type=int, default=4, help="with --overlap: attention micro-batch, in sequences")
+    p.add_argument("--dp-prefill", action="store_true", help="prefill expert parallel against data parallel")
     args = p.parse_args()
     if args.overlap:
-        overlap_ab(args)
+        best = two_processes_ab(args, {"kv_residency": "device", "b_attn": args.b_attn}, "comm_overlap",
+                                (False, True))
+        print(f"overlap_on_over_off={best[True] / best[False]:.3f}")
+        return
+    if args.dp_prefill:
+        best = two_processes_ab(args, {}, "prefill_parallel", ("ep", "dp"))
+        print(f"dp_over_ep={best['dp'] / best['ep']:.3f}")
         return
     best: dict[int, float] = {}
     for r in range(args.rounds):

@@ -230,9 +230,12 @@ class CoroutinePolicy(PolicyDefaults):
         growth = np.bincount(snap.rank_node[snap.active_rank], minlength=n_nodes) * snap.page_tokens
         room = np.floor(snap.host_capacity_tokens * watermark - snap.host_used_tokens - growth).astype(np.int64)
         chunk = self.knob("prefill_tokens_per_rank")
-        budget = np.full(snap.num_ranks, chunk)
         cand = snap.pending.peek(snap.num_ranks * max(chunk // 64, 1))
         tokens = snap.lengths.context(cand) + 1  # the prefill's first token lands on host too
+        # fewer prompt tokens than every rank's chunk: spread them evenly (filling the first ranks would leave the
+        # others idle in attention, and in a data-parallel prefill in the experts too)
+        total = int(tokens.sum())
+        budget = np.full(snap.num_ranks, min(chunk, -(-total // snap.num_ranks)))
         ranks = split_by_budget(tokens, budget)
         n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
         if not snap.layerwise_offload:
