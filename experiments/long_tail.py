@@ -60,7 +60,10 @@ def tail_stats(out) -> dict:
     s = step_arrays(out)
     gpus = out.prepared.cluster.instance_size
     bct = float(out.prepared.state.table.finish_time.max())
-    tail = s.running <= TAIL_RUNNING_PER_GPU * gpus
+    # the tail: from the run after the last one with more running sequences than that (a short run between
+    # prefill forwards, with few running, is not the tail)
+    bulk = np.flatnonzero(s.running > TAIL_RUNNING_PER_GPU * gpus)
+    tail = np.arange(s.running.size) > (bulk[-1] if bulk.size else -1)
     decode = s.phase == "decode"
 
     def per_iteration(mask):
