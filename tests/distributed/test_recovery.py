@@ -65,13 +65,13 @@ def check_recovered(out, ref, procs, lost, survivors, kept=True):
 @pytest.mark.parametrize("keep,shared", [(True, True), (False, True), (True, False)],
                          ids=["survivor-keeps-its-kv", "nothing-kept", "no-shared-host-copies"])
 def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, kill_at, monkeypatch, keep, shared):
-    """2 processes, rank 1 killed at its 30th forward (3 sequences done, one running on rank 1 and one whose host
-    copy it holds, one of rank 0's mid-forward): rank 0 alone (the plain MoE layer) finishes the job, keeping
-    the KV its cache holds (its interrupted forward's slot dropped), restoring the suspended one from rank 1's
-    shared host pool (its published copy holds exactly prompt + generated - 1 tokens, and the job's latency
+    """2 processes, rank 1 killed at its 30th forward (some sequences done, one running on rank 1 and some whose
+    host copies it holds, one of rank 0's mid-forward): rank 0 alone (the plain MoE layer) finishes the job,
+    keeping the KV its cache holds (its interrupted forward's slot dropped), restoring the suspended ones from rank
+    1's shared host pool (each published copy holds exactly prompt + generated - 1 tokens, and the job's latency
     model prices its restore below its prefill) and recomputing the one that was running there; or, with
     nothing kept (the path of a survivors' memory plan that gives another pool), recomputing every unfinished
-    sequence of its own; or, without shared host copies, recomputing rank 1's suspended one too."""
+    sequence of its own; or, without shared host copies, recomputing rank 1's suspended ones too."""
     from batchgen.dist import run as run_module
 
     if not keep:
@@ -86,7 +86,7 @@ def test_a_killed_worker_is_recovered_from_on_the_survivor(saved, loop_kernel, k
     assert took < 60
     rec = out.recoveries[0]
     if shared:  # restored from the dead process's file, not recomputed (check_recovered: recomputes == requeued)
-        assert rec.restored == rec.restorable == 1, rec
+        assert rec.restored == rec.restorable >= 1, rec
         assert rec.finished_before + rec.kept + rec.restored + rec.requeued == N
     else:
         assert rec.restored == rec.restorable == 0, rec
@@ -107,7 +107,7 @@ def test_a_stalled_worker_is_fenced_and_the_run_finishes(saved, loop_kernel, kil
     assert time.monotonic() - t0 < 60
     check_recovered(out, reference(path, 2), 2, lost=[1], survivors=[0])
     rec = out.recoveries[0]
-    assert rec.fenced == [1] and rec.restored == rec.restorable == 1, rec
+    assert rec.fenced == [1] and rec.restored == rec.restorable >= 1, rec
 
 
 @pytest.mark.slow  # three processes on a loaded 2-core machine
