@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from batchgen.dist.ep_moe import check_pipeline
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.launch import ENV_VARS, check_procs
@@ -106,9 +108,21 @@ def check_dist(job: Job, settings: DistSettings, *, launched: bool = True) -> No
         cpu = devices[0].type == "cpu"  # (GPUs: only the host KV pools are counted here)
         check_fits(job, settings.model_path, settings.kv_budget_mb, devices if cpu else [], dtype, local,
                    weight_copies=local, host_kv_bytes=host.explicit_bytes * local,
+                   extra_per_copy=dp_prefill_bytes(config, dtype, cluster.instance_size)
+                   if policy.prefill_parallel == "dp" else 0.0,
                    host_kv=f"backend.host_kv_gb={settings.host_kv_gb} GB per node, a host KV pool in each of "
                            f"{local} processes (each may grow to it)" if host.explicit_bytes else "")
     kv_pools(job, settings, config, dtype, host)  # every sequence against the host KV a pool holds too
+
+
+def dp_prefill_bytes(config, dtype: torch.dtype, instance_size: int) -> float:
+    """Bytes a process keeps beyond the whole model it built under data-parallel prefill (dist/dp_prefill.py): the
+    host copy is the built layers' experts themselves, and beside them its expert shard (every MoE layer's) and
+    two ring slots of one layer's experts."""
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * torch.tensor([], dtype=dtype).element_size()
+    moe_layers = config.num_layers - config.num_dense_layers
+    held = -(-config.num_experts // instance_size)
+    return float(per_expert * (held * moe_layers + 2 * config.num_experts))
 
 
 def local_procs(settings: DistSettings) -> int:

@@ -48,9 +48,9 @@ def parameter_count(job, model_path: str | None) -> tuple[int, str] | None:
     return int(job.model.total_params), f"model={job.model.name}"
 
 
-def _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies):
+def _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies, extra=0.0):
     """(bytes each device needs, and what the error message says about them), or None for a model directory
-    whose size is unknown."""
+    whose size is unknown. `extra`: bytes each weight copy's holder keeps beyond the model (check_fits)."""
     counted = parameter_count(job, model_path)
     if counted is None:
         return None
@@ -64,11 +64,11 @@ def _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, st
     host = torch.device("cpu")
     need: dict[torch.device, float] = {}
     for device in dict.fromkeys(devices):  # weights (and the host copies of streamed ones) once per device
-        need[device] = need.get(device, 0.0) + on_device * weight_copies
+        need[device] = need.get(device, 0.0) + (on_device + extra) * weight_copies
         need[host] = need.get(host, 0.0) + host_copy * weight_copies
     for device in devices:  # each instance's ranks keep their KV on its device
         need[device] += ranks_per_instance * kv_budget_mb * 2**20
-    return need, params, source, weights, host_copy, staging, off_device
+    return need, params, source, weights, host_copy, staging, off_device, extra
 
 
 def host_kv_room(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device],
@@ -87,7 +87,7 @@ def host_kv_room(job, model_path: str | None, kv_budget_mb: float, devices: list
 
 def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[torch.device], dtype: torch.dtype,
                ranks_per_instance: int, free=free_bytes, streamed=None, weight_copies: int = 1,
-               host_kv_bytes: float = 0.0, host_kv: str = "") -> None:
+               host_kv_bytes: float = 0.0, host_kv: str = "", extra_per_copy: float = 0.0) -> None:
     """Raise ConfigError when some device cannot hold its weights and KV budget.
 
     `weight_copies`: whole copies of the weights each device holds at once (backend=dist: every process on the
@@ -99,8 +99,12 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
     the host: both count there.
 
     `host_kv_bytes`: host KV pools of an explicit budget, all of them, counted in host memory; `host_kv` says
-    what they are (the setting and how many pools), for the error."""
-    needs = _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies)
+    what they are (the setting and how many pools), for the error.
+
+    `extra_per_copy`: bytes each holder of a weight copy keeps beyond the whole model (backend=dist's
+    data-parallel prefill: its expert shard and two ring slots, beside the host copy of every expert)."""
+    needs = _needs(job, model_path, kv_budget_mb, devices, dtype, ranks_per_instance, streamed, weight_copies,
+                   extra_per_copy)
     if needs is not None:
         _check_devices(free, dtype, weight_copies, *needs)
     host = torch.device("cpu")
@@ -115,7 +119,7 @@ def check_fits(job, model_path: str | None, kv_budget_mb: float, devices: list[t
 
 
 def _check_devices(free, dtype, weight_copies, need, params, source, weights, host_copy, staging,
-                   off_device) -> None:
+                   off_device, extra) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     for device, bytes_ in need.items():
         have = free(device)
@@ -134,6 +138,8 @@ def _check_devices(free, dtype, weight_copies, need, params, source, weights, ho
         fewer = ", fewer processes (backend.procs)" if weight_copies > 1 else ""
         raise ConfigError(
             f"{source} has {params / 1e9:.1f}B parameters: {weights / 1e9:.1f} GB of {dtype_name} weights{copies} "
-            f"plus {(bytes_ - weights * weight_copies) / 1e9:.1f} GB of KV budget on {device}, which has "
+            f"plus {(bytes_ - weights * weight_copies) / 1e9:.1f} GB of KV budget"
+            + (f" and of data-parallel prefill's expert shards and ring ({extra / 1e9:.1f} GB a process: "
+               "policy.prefill_parallel=ep frees them)" if extra else "") + f" on {device}, which has "
             f"{have / 1e9:.1f} GB free: choose a smaller model (model=tiny_moe or model=small_moe), a smaller "
             f"backend.kv_budget_mb, backend.dtype=bfloat16{fewer}, or a device with more memory")

@@ -51,6 +51,26 @@ def test_backend_dist_refuses_a_model_the_machine_cannot_build_once_per_process(
         check_dist(job, DistSettings(device="cpu", procs=2, kv_budget_mb=512))
 
 
+def test_backend_dist_counts_what_data_parallel_prefill_keeps_beside_the_model(monkeypatch):
+    """Under policy.prefill_parallel=dp each process keeps its expert shard and two ring slots beside the host
+    copy of every expert (the layers it built): Qwen3-30B-A3B in fp32 over 2 processes, 122 GB a model, fits 300
+    GB free twice (245 GB with the KV budgets), not with 63 GB more per process."""
+    import functools
+
+    from batchgen.dist import settings as dist_settings
+    from batchgen.dist.run import DistSettings, check_dist
+
+    monkeypatch.setattr(dist_settings, "check_fits", functools.partial(check_fits, free=lambda d: int(300 * GB)))
+    settings = DistSettings(device="cpu", procs=2, kv_budget_mb=512, host_kv_gb=1.0)
+    job = make_job("coroutine", model="qwen3_30b_a3b", n=4, cluster_overrides={"num_gpus": 2},
+                   policy_overrides={"attention_tp": 1})
+    check_dist(job, settings)
+    dp = make_job("coroutine", model="qwen3_30b_a3b", n=4, cluster_overrides={"num_gpus": 2},
+                  policy_overrides={"attention_tp": 1, "prefill_parallel": "dp"})
+    with pytest.raises(ConfigError, match="data-parallel prefill's expert shards and ring"):
+        check_dist(dp, settings)
+
+
 # ---- the host KV pools (host copies of every node's sequences) ---------------------------------------------
 from batchgen.exec.host_pool import tokens_within  # noqa: E402
 
