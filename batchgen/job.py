@@ -11,7 +11,7 @@ from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
 from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_shape_of, check_prompts_fit,
-                             group_budget, plan_memory, prefill_ring_bytes, prefill_stream_seconds)
+                             dp_prefill_copy, group_budget, plan_memory, prefill_ring_bytes)
 from batchgen.plan.planner import AUTO, PREFILL_CHUNKS, TIE, Plan, WorkloadStats, needs_plan, plan_job
 from batchgen.pricing.batch import BatchTime, batch_time
 from batchgen.policy.base import Policy
@@ -291,14 +291,14 @@ def _predict(job: Job) -> tuple:
     gpus, lat, c, policy, plan = planned(job)
     budget = _budget(job, lat, gpus, policy, plan.streamed_layers)
     stream_s = float(lat.h2d(budget.streamed_bytes_per_iter)) if budget.streamed_bytes_per_iter else 0.0
-    m = job.model
-    dp = policy.prefill_parallel == "dp" and m.is_moe and lat.ep_ranks > 1  # as the simulator runs it
+    dp_stream_s = (dp_prefill_copy(job.model, lat, budget.streamed_bytes_per_iter)[1]
+                   if policy.prefill_parallel == "dp" else None)  # as the simulator prices it
     w = job.workload
     return policy, batch_time(
         lat, sequences=len(w), mean_input=float(w.input_lens.mean()), mean_output=float(w.output_lens.mean()),
         ranks=c.instance_size, instances=c.num_instances, chunk=int(policy.prefill_tokens_per_rank),
         micro_batch=int(plan.b_attn), decode_tokens_per_s=plan.batch_tokens_per_s, weight_stream_s=stream_s,
-        dp_stream_s=prefill_stream_seconds(m, lat, budget.streamed_bytes_per_iter) if dp else None)
+        dp_stream_s=dp_stream_s)
 
 
 def plan_prefill(job: Job) -> Job:

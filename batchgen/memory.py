@@ -225,11 +225,16 @@ def prefill_stream_bytes_per_layer(model: ModelSpec, lat: LatencyModel) -> float
     return float((model.num_experts - held) * model.expert_params * model.weight_bytes)
 
 
-def prefill_stream_seconds(model: ModelSpec, lat: LatencyModel, streamed_bytes_per_iter: float) -> float:
-    """Seconds per MoE layer of a data-parallel prefill's copy on one rank: the experts it does not hold, and its
-    share of any decode weights that stream anyway (`MemoryBudget.streamed_bytes_per_iter`)."""
+def dp_prefill_copy(model: ModelSpec, lat: LatencyModel, streamed_bytes_per_iter: float) -> tuple[float, float | None]:
+    """(bytes, seconds per MoE layer) of what one rank copies from host in a data-parallel prefill forward: every
+    MoE layer's experts it does not hold, and the decode weights that stream anyway
+    (`MemoryBudget.streamed_bytes_per_iter`); (0, None) where data parallel is expert parallel (a dense model, one
+    rank per instance). One account for the simulator and the planner's prediction."""
+    if not model.is_moe or lat.ep_ranks == 1:
+        return 0.0, None
     n_moe = model.num_moe_layers
-    return float(lat.h2d(prefill_stream_bytes_per_layer(model, lat) + streamed_bytes_per_iter / n_moe))
+    copied = n_moe * prefill_stream_bytes_per_layer(model, lat) + streamed_bytes_per_iter
+    return copied, float(lat.h2d(copied / n_moe))
 
 
 def prefill_ring_bytes(model: ModelSpec, lat: LatencyModel, policy) -> float:

@@ -18,7 +18,7 @@ from batchgen.core.state import ClusterState
 from batchgen.engine import StepPlan, StepResult, filled
 from batchgen.engine.apply import _FEW_CHUNKS
 from batchgen.latency import LatencyModel
-from batchgen.memory import prefill_stream_bytes_per_layer, prefill_stream_seconds
+from batchgen.memory import dp_prefill_copy
 from batchgen.policy.base import Capabilities
 from batchgen.sim import repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
@@ -72,12 +72,10 @@ class SimBackend:
         self.weight_stream_s = weight_stream_s
         n_moe = lat.layer_counts()[1]
         self._prefetch_per_layer = self.stream_bytes_per_iter / n_moe if n_moe else 0.0
-        self.dp_prefill = bool(dp_prefill) and n_moe > 0 and lat.ep_ranks > 1
         # a data-parallel prefill forward's copy per rank: every MoE layer's missing experts, and the streamed ones
-        self._dp_stream_bytes = (n_moe * prefill_stream_bytes_per_layer(lat.model, lat) + self.stream_bytes_per_iter
-                                 if self.dp_prefill else 0.0)
-        self._dp_stream_s = (prefill_stream_seconds(lat.model, lat, self.stream_bytes_per_iter) if self.dp_prefill
-                             else None)
+        self._dp_stream_bytes, self._dp_stream_s = (dp_prefill_copy(lat.model, lat, self.stream_bytes_per_iter)
+                                                    if dp_prefill else (0.0, None))
+        self.dp_prefill = self._dp_stream_s is not None
         self.host_bytes = 0.0
         self.h2d_bytes = 0.0  # the host -> device share of host_bytes (weights streamed, KV restored, outputs back)
         self.decode_host_bytes = 0.0
