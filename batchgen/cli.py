@@ -127,7 +127,10 @@ def command_line_problem(argv: list[str], command: str) -> str | None:
     cfg = _composed(config, [_first_choice(o) for o in groups])
     if cfg is None:
         return None
+    deleted = {o.key_or_group for o in overrides if o.is_delete()}
     for o in keys:
+        if o.is_add() and o.key_or_group in deleted:
+            continue  # ~key then +key: Hydra's way to replace a whole section's value
         problem = _key_problem(o, cfg, command)
         if problem:
             return problem

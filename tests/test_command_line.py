@@ -66,6 +66,7 @@ def test_plain_and_plus_forms_give_the_same_line():
     (EXPERIMENT, ["+policy=coroutine", "backend=exec", "backend.kv_budget_mb=8", "hydra.run.dir=x"]),
     (EXPERIMENT, ["+policy=coroutine", "hydra/launcher=joblib", "workload=glob(*)"]),
     (EXPERIMENT, ["+policy=coroutine", "+page_token=16"]),  # added with +: check_known_keys' business
+    (EXPERIMENT, ["+policy=coroutine", "~workload.output", "+workload.output={kind:fixed,value:64}"]),
     (EXPERIMENT, ["--help"]),
     (RUN, ["+policy=coroutine", "job.input=a.jsonl", "job.output=b.jsonl", "model.path=m"]),
 ])
