@@ -109,7 +109,6 @@ def _longbench(cluster: str) -> Experiment:
         "1.31-1.85x (8 H20), 1.25-1.66x (16 H20, 8 H200)")
 
 
-CHUNK = "policy.prefill_tokens_per_rank=8192"  # experiments/offload_baselines.py's coroutine on the A5000
 EXPERIMENTS = {
     "scale_12k_4k": _scale("12k_4k"),
     "scale_6_5k_2_8k": _scale("6_5k_2_8k"),
@@ -127,12 +126,16 @@ EXPERIMENTS = {
     "longbench_h200_8": _longbench("h200_8"),
     "memory_limited": Experiment(
         ("model=mixtral_8x7b", "cluster=a5000_1", "workload=gsm8k_512_256"),
-        [("coroutine: module batching alone", "coroutine", [CHUNK, "policy.kv_residency=device"]),
-         ("+ host-resident KV, attention on the GPU", "coroutine", [CHUNK, "policy.kv_residency=host",
+        [("coroutine: module batching alone", "coroutine", ["policy.kv_residency=device"]),
+         ("+ host-resident KV, attention on the GPU", "coroutine", ["policy.kv_residency=host",
                                                                      "policy.attention=gpu"]),
-         (f"+ attention beside the KV on the CPU = {SHIPPED}", "coroutine", [CHUNK]),
+         (f"+ attention beside the KV on the CPU = {SHIPPED}", "coroutine", []),
          ("flexgen (its own search)", "flexgen", []),
+         ("flexgen, KV on the GPU", "flexgen", ["policy.cache_on=gpu"]),
+         ("flexgen, KV on the host restored to the GPU", "flexgen", ["policy.cache_on=cpu",
+                                                                      "policy.cpu_delegation=false"]),
          ("moe_lightning (its own search)", "moe_lightning", []),
+         ("moe_lightning, attention on the GPU", "moe_lightning", ["policy.attention=gpu"]),
          ("zero_inference", "zero_inference", [])],
         "mixtral_8x7b", "a5000_1", "gsm8k_512_256", None, "flexgen (its own search)",
         "up to 9.6x (the best offloading system)"),

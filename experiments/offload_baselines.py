@@ -9,10 +9,10 @@ point, BCT, decode throughput, the decode per-expert batch (tokens per expert pe
 host -> device, and coroutine's BCT ratio against the best of the three, beside the paper's numbers. Writes
 offload_baselines.csv and offload_baselines.png/.pdf to --out.
 
-Coroutine runs with its planner where it plans the model; where the planner cannot (Mixtral-8x22B and
-DeepSeek-V2: even the non-expert weights, or them with a two-layer expert ring, exceed the A5000, so whole
-layers stream, which the planner does not enumerate) it runs host-resident KV with explicit batches (CPU
-attention for GQA, GPU attention for MLA) and the best of a few b_moe values is kept (printed).
+Coroutine runs its planner's plan (batches, KV residency, attention, prefill chunk; all three models plan, whole
+layers streamed where even the non-expert weights with a two-layer expert ring exceed the A5000); for a model the
+planner cannot fit it falls back to host-resident KV with explicit batches (CPU attention for GQA, GPU attention
+for MLA) and keeps the best of a few b_moe values (printed).
 """
 
 from __future__ import annotations
@@ -72,15 +72,14 @@ def run_point(base: list[str], policy: str, extra: list[str]) -> dict:
 
 def run_coroutine(base: list[str], model: str) -> dict:
     """Planned where the planner plans the model; else host-resident KV with the best of a few b_moe."""
-    chunk = ["policy.prefill_tokens_per_rank=8192"]
     try:
-        return run_point(base, "coroutine", chunk)
+        return run_point(base, "coroutine", [])
     except ConfigError:
         pass
     mla = model.startswith("deepseek")
     attention = "gpu" if mla else "cpu"
     # DeepSeek-V2's two-layer ring takes 17.7 GB of the A5000: smaller prefill chunks and micro-batches fit it
-    chunk = ["policy.prefill_tokens_per_rank=2048"] if mla else chunk
+    chunk = ["policy.prefill_tokens_per_rank=2048" if mla else "policy.prefill_tokens_per_rank=8192"]
     best = None
     for b_moe in COROUTINE_FIXED:
         extra = [*chunk, f"policy.b_moe={b_moe}", f"policy.b_attn={64 if mla else 256}", "policy.kv_residency=host",
