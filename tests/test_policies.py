@@ -216,6 +216,24 @@ def test_unmixed_chunks_run_alone_with_the_whole_budget_while_decodes_wait():
     assert lens == {True: [100, 100, 46], False: [100, 100, 50]}
 
 
+def test_unmixed_chunks_hold_only_their_own_ranks_decodes():
+    """Each data-parallel attention rank is its own scheduler (SGLang's DP attention): the rank that prefills runs
+    its chunks alone while its running sequences wait, and the other rank decodes in the same forward."""
+    from batchgen.engine import apply_decision
+    job = squeezed(make_job("sglang_opt", n=10, inputs=np.full(10, 100), outputs=np.full(10, 2000),
+                            cluster_overrides={"num_gpus": 2, "gpus_per_node": 2},
+                            policy_overrides={"token_budget": 250}), 3000)
+    state = prepare(job).state
+    run_on_gpu(state, np.arange(3), 0)
+    run_on_gpu(state, np.arange(3, 6), 1)
+    d = job.policy.decide(snapshot(state))
+    assert d.chunks_only and d.chunk_ids.size and set(d.chunk_ranks.tolist()) == {0, 1}
+    keep = d.chunk_ranks == 1  # only rank 1 takes a chunk: rank 0 decodes beside it
+    d.chunk_ids, d.chunk_ranks, d.chunk_lens = d.chunk_ids[keep], d.chunk_ranks[keep], d.chunk_lens[keep]
+    plan = apply_decision(state, 0, d, InstanceProgress(2))
+    assert sorted(plan.decode_ids.tolist()) == [0, 1, 2] and plan.waiting == 3
+
+
 def test_a_chunks_only_forward_counts_the_decodes_that_wait_for_it_as_running(monkeypatch):
     """Beside a forward of chunks alone (mixed_chunks=false) the running sequences wait, but they still run (they hold
     their KV and decode next): its step record counts them, so the time-weighted `running` metric does not fall when

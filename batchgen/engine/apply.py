@@ -58,7 +58,11 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
             decode_ids = decode_ids[~partial]
     waiting = 0
     if chunked and d.chunks_only:
-        waiting, decode_ids = decode_ids.size, _EMPTY  # a prefill-only forward: the running sequences wait for it
+        # each rank that prefills runs its chunks alone and its running sequences wait; the other ranks decode in
+        # the same forward (one scheduler per rank, as SGLang's data-parallel attention ranks)
+        ranks = state.gpu_rank[t.where[decode_ids]]
+        held = np.isin(ranks, d.chunk_ranks)
+        waiting, decode_ids = int(held.sum()), decode_ids[~held]
     chunk = {}
     if chunked:
         chunk = _take_chunks(state, instance, d, gpus)

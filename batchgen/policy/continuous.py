@@ -61,8 +61,8 @@ class ContinuousPolicy(PolicyDefaults):
     token_budget: int | str = "auto" # chunked prefill: tokens per rank per forward (decodes + prompt chunks); auto:
     #                                  the engine's default for the GPU
     mixed_chunks: bool = True        # chunked prefill: chunks ride in a forward with every decode (vLLM; SGLang with
-    #                                  --enable-mixed-chunk); false: a forward of chunks alone, decodes waiting for
-    #                                  it, the whole budget for the chunks (SGLang's default)
+    #                                  --enable-mixed-chunk); false: a rank's chunks alone, its decodes waiting for
+    #                                  them, the whole budget theirs (SGLang's default); other ranks decode meanwhile
     admission: str = "greedy"        # chunked prefill: greedy (vLLM V1) | conservative (SGLang's reserve)
     init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
     min_new_token_ratio: float = 0.1      # ... floor (SGLang: 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098) ...

@@ -4,7 +4,8 @@ the paper says it tuned.
 What it keeps from `continuous` (the same decisions, no code of its own): chunked prefill, SGLang's
 conservative admission (new_token_ratio reserve), preemption by recompute, pinned data-parallel attention
 ranks. SGLang's own defaults (batchgen.policy.engine_defaults): the chunked-prefill size picked from the GPU's
-memory (`token_budget` auto), a prefill batch of chunks alone while the decodes wait (`mixed_chunks` false:
+memory (`token_budget` auto), a rank's prefill batch of chunks alone while its decodes wait, the other ranks
+decoding in the same forward (`mixed_chunks` false:
 --enable-mixed-chunk is off by default), no two-batch overlap (`two_batch_overlap` false:
 --enable-two-batch-overlap is off by default), a running cap derived from the KV pool (`max_running` 0, up to
 `running_cap`, SGLang's largest request pool, 4096, which also sizes the activations). What the paper tuned
