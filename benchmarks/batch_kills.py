@@ -136,12 +136,17 @@ def lines_in(path: Path) -> int:
 
 
 def saved_tokens(output: Path) -> int:
-    """Tokens the checkpoint holds (of requests still decoding), 0 when there is none or it is torn."""
+    """Tokens the checkpoint holds (of choices still decoding), 0 when there is none or it is torn."""
     try:
         saved = json.loads(output.with_name(output.name + ".partial").read_text())["requests"]
-        return sum(len(e["tokens"]) for e in saved.values())
-    except (OSError, ValueError, KeyError, TypeError):
+        return sum(len(c["tokens"]) for e in saved.values() for c in _choices(e) if "finish_reason" not in c)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0
+
+
+def _choices(entry: dict) -> list[dict]:
+    """An entry's choices (batchgen.batch.checkpoint: format 2 keeps them per index; format 1 held choice 0)."""
+    return list(entry["choices"].values()) if "choices" in entry else [entry]
 
 
 def killed_run(cmd: list[str], output: Path, log: Path, at_s: float | None, at_records: int = 0,
