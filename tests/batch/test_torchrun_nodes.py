@@ -1,9 +1,10 @@
 """Two nodes under torchrun, shown on one machine as two agents meeting through c10d rendezvous: the batch job's
 records equal the single-process job's, undisturbed and after SIGKILL of the worker of rank 1 mid-run, which
 torchrun's elastic restart (--max-restarts) answers by restarting every worker; the job resumes from its
-results file and checkpoint (docs/distributed.md, "Launchers and recovery")."""
+results file, and from its checkpoint what was still in flight (docs/distributed.md, "Launchers and recovery")."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,5 +90,8 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes(demo, job,
     os.kill(victim, signal.SIGKILL)
     _wait(agents, output)
     logs = "".join(output.with_name(f"{output.name}.node{n}.log").read_text() for n in range(2))
-    assert "already in the output" in logs and "continued from the" in logs  # the restart resumed the job
+    # the restart resumed the job from its results file; whether some request also continued from checkpointed
+    # tokens depends on what rank 0 finished alone before torchrun stopped it (under load, often all in flight)
+    resumed = [int(m) for m in re.findall(r"([\d,]+) already in the output", logs.replace(",", ""))]
+    assert resumed and resumed[-1] > 0, logs[-3000:]
     assert comparable(read_records(output)) == expected
