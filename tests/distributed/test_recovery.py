@@ -140,12 +140,14 @@ def test_without_recovery_the_run_stops_saying_what_finished(saved, loop_kernel,
         assert toks == ref.tokens.generated[sid]
 
 
-def test_a_killed_rank_0_stops_the_run_within_seconds_keeping_what_finished(saved, loop_kernel, kill_at):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_a_lost_rank_0_stops_the_run_within_seconds_keeping_what_finished(saved, loop_kernel, kill_at, sig):
     """Rank 0 holds the engine and hosts the store: nothing to recover with. The worker must not wait for a
     recovery decision that never comes: it stops naming rank 0. What had finished reached the launcher as it
-    finished (DistContext.report), so it survives rank 0."""
+    finished (DistContext.report), so it survives rank 0. Stalled (alive, silent, its store unanswering), rank 0
+    is found by its heartbeat's silence, not after the collective's timeout."""
     _, path = saved
-    kill_at(0, 30)
+    kill_at(0, 30, sig)
     t0 = time.monotonic()
     with pytest.raises(DistRunFailed) as err:
         execute_dist(job_for(2)[0], dist_settings(path, 2, timeout_s=120.0))
