@@ -160,9 +160,10 @@ def test_requests_end_at_eos_unless_ignore_eos(demo, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume(demo, tmp_path):
-    # ~13K tokens: a few seconds of decoding on one CPU thread, so that the kills land mid-run
+    # ~16K tokens: a few seconds of decoding on one CPU thread, so that the kills land mid-run (with 160 requests
+    # an idle machine sometimes finished the first resume before its kill)
     lines = [completion(f"r{k}", f"Request number {k}: summarize the following text", max_tokens=40 + k % 80)
-             for k in range(160)]
+             for k in range(200)]
     lines.insert(7, "{torn")  # a bad line too: its error record must not be duplicated by resumes
     requests = write_lines(tmp_path / "requests.jsonl", lines)
     baseline = tmp_path / "baseline.jsonl"
@@ -186,7 +187,7 @@ def test_sigkill_at_random_points_then_resume(demo, tmp_path):
                     and Path(f"{output}.partial").exists()):
                 break
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, 0.3))
         if proc.poll() is not None:  # it finished before the kill: it was the resume
             assert proc.returncode == 0, log.read_text()
             ran_to_end = log.read_text()
