@@ -72,8 +72,9 @@ def test_greedy_matches_hf_generate(saved, policy, kv_tokens):
 def test_continuous_chunked_prefill_matches_hf_generate(saved, chunked, mixed, token_budget, kv_tokens):
     """Chunked prefill with a budget below most prompts: prompts are split over several forwards (each chunk
     attends over the KV its earlier chunks left in the paged cache, beside the running sequences' decodes, or
-    alone on their rank while its decodes wait with mixed_chunks=false), and greedy outputs still equal transformers'; with a small KV
-    pool part-prefilled prompts are preempted too. chunked_prefill=false keeps the whole-prompt rule."""
+    alone on their rank while its decodes wait with mixed_chunks=false), and greedy outputs still equal
+    transformers'; with a small KV pool part-prefilled prompts are preempted too. chunked_prefill=false keeps the
+    whole-prompt rule."""
     model, path = saved
     rng = np.random.default_rng(3)
     inputs, outputs = rng.integers(4, 40, N), rng.integers(8, 40, N)
