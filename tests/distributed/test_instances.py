@@ -8,8 +8,8 @@ time (rank 0 posts a forward to one instance, then to the next, and only then wa
   ordered step of both: control.py).
 - The instances overlap: every worker records the wall-clock interval of each forward it runs (a wrapper on
   RankWorker._forward inherited by the forked workers, writing to a file per process; one machine, one
-  monotonic clock); forwards of instance 1 run while forwards of instance 0 run. Run in turn (one instance's
-  forward collected before the next is posted), no two would overlap at all.
+  monotonic clock); forwards of instance 1 run while many forwards of instance 0 run. Run in turn (one
+  instance's forward collected before the next is posted), no two would overlap at all.
 - Idle is idle: a worker waiting for its next command is not counted busy.
 """
 
@@ -104,8 +104,12 @@ def test_two_instances_match_exec_and_hf_and_overlap(saved, loop_kernel, forward
     assert len(first) > 5 and len(second) > 5
     both = overlap_s(first, second)
     shorter = min((first[:, 1] - first[:, 0]).sum(), (second[:, 1] - second[:, 0]).sum())
-    print(f"forwards: instance 0 {len(first)}, instance 1 {len(second)}; overlap {both:.3f} s of {shorter:.3f} s")
-    assert both > 0.25 * shorter, (both, shorter)
+    overlapping = sum(overlap_s(second, first[i:i + 1]) > 0 for i in range(len(first)))
+    print(f"forwards: instance 0 {len(first)}, instance 1 {len(second)}; overlap {both:.3f} s of {shorter:.3f} s, "
+          f"{overlapping} of instance 0's forwards overlapped")
+    # run in turn, the overlap would be exactly 0; how much of it there is depends on how busy the machine's
+    # cores are (a 2-core CI machine gave 24%), so the test asks for overlap in many forwards, not for a share
+    assert overlapping >= max(3, len(first) // 10) and both > 0, (overlapping, len(first), both, shorter)
 
 
 def test_refused_before_any_process_starts(saved):
