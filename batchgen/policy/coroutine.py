@@ -5,7 +5,8 @@ Per instance, at every page boundary (page_tokens decode iterations):
    to finishing) until every running sequence can grow by one page;
 2. if little runnable work is left (running + suspended on this instance's nodes) and prompts are waiting,
    switch to prefill: prompts are prefilled in large per-rank chunks and their KV goes straight to host;
-   keep prefilling while the host pool is short of `prefill_ahead` x the decode slots and under the watermark;
+   keep prefilling while the host pool is under the watermark (the authors' rule) and, where `prefill_ahead`
+   is set, short of that many x the decode slots;
 3. refill every rank from its node's suspended pool in FIFO order (COMBINE), then MIGRATE from other nodes of
    the instance, then (once this instance has drained) from other instances;
 4. with nothing left to refill: spread the remaining sequences evenly over ranks (MIGRATE running sequences,
@@ -62,7 +63,7 @@ class CoroutinePolicy(PolicyDefaults):
     prefill_tokens_per_rank: int | str = 32768  # auto: planned (the largest chunk that costs decode nothing)
     host_watermark: float = 0.7
     refill_below: float = 0.5
-    prefill_ahead: float = 2.0
+    prefill_ahead: float | None = None  # None: prefill until the host watermark, as the authors' code does
     migrate: bool = True
     migrate_across_instances: bool = True
     rebalance_ratio: float = 1.25
@@ -140,7 +141,8 @@ class CoroutinePolicy(PolicyDefaults):
         watermark = self.host_watermark if runnable else 1.0
         if pending:  # _prefill takes nothing when the host has no room below the watermark
             refill_low = runnable < self.refill_below * slots_total
-            keep_going = snap.last_phase == "prefill" and pooled < self.prefill_ahead * slots_total
+            ahead = self.prefill_ahead
+            keep_going = snap.last_phase == "prefill" and (ahead is None or pooled < ahead * slots_total)
             if refill_low or keep_going:
                 self._prefill(snap, d, watermark, snap.pages_capacity - used)
         # host room left once evicted copies are dropped and every running copy has grown by a page
