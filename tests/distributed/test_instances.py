@@ -109,7 +109,7 @@ def test_two_instances_match_exec_and_hf_and_overlap(saved, loop_kernel, forward
           f"{overlapping} of instance 0's forwards overlapped")
     # run in turn, the overlap would be exactly 0; how much of it there is depends on how busy the machine's
     # cores are (a 2-core CI machine gave 24%), so the test asks for overlap in many forwards, not for a share
-    assert overlapping >= max(3, len(first) // 10) and both > 0, (overlapping, len(first), both, shorter)
+    assert overlapping >= max(3, len(first) // 10), (overlapping, len(first), both, shorter)
 
 
 def test_refused_before_any_process_starts(saved):
