@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -8,6 +9,14 @@ from batchgen.policy import make_policy
 from batchgen.policy.base import Decision, PolicyDefaults
 from batchgen.specs import load_cluster, load_model
 from batchgen.workload import Workload
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's `-n 2`) each worker shares the machine with the others: one intra-op thread
+    per test process, and per process a test starts (they inherit it; backend.threads=auto reads it), so that N
+    workers use N cores instead of fighting over them. Runs before any test module imports torch."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def priced(state, instance=0):

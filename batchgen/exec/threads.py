@@ -45,12 +45,22 @@ def _cgroup_quota() -> int | None:
         return None
 
 
+def _omp_threads() -> int | None:
+    """OMP_NUM_THREADS as a whole number >= 1; None when it is unset or not one."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return n if n >= 1 else None
+
+
 def resolve_threads(setting: int | str | None) -> int | None:
-    """`auto`: the available physical cores; an int: that many; None: keep the process's current setting."""
+    """`auto`: the available physical cores, or fewer where OMP_NUM_THREADS asks for fewer (a scheduler or a test
+    runner that splits the machine between processes); an int: that many; None: keep the process's setting."""
     if setting is None:
         return None
     if setting == "auto":
-        return available_cores()
+        return min(available_cores(), _omp_threads() or available_cores())
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise ConfigError(f"backend.threads={setting!r}: give a whole number >= 1, or auto (the physical cores "
                           f"this process may use: {available_cores()} here)")

@@ -53,7 +53,8 @@ def test_results_record_what_ran(repeated):
     assert 0 < s["cpu_share"] <= 1.5 and len(repeated.repeat_cpu_shares) == 3
 
 
-def test_threads_are_pinned_during_the_run_and_restored_after():
+def test_threads_are_pinned_during_the_run_and_restored_after(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     seen = []
     with pinned_threads(1) as n:
@@ -80,6 +81,13 @@ def test_bad_thread_counts_are_refused(bad):
 def test_bad_repeats_are_refused(bad):
     with pytest.raises(ConfigError, match="backend.repeats"):
         execute(tiny_job(), ExecSettings(device="cpu", repeats=bad))
+
+
+@pytest.mark.parametrize("omp,expected", [("1", 1), ("4096", None), ("", None), ("zero", None), ("0", None)])
+def test_auto_takes_fewer_threads_where_omp_num_threads_asks_for_fewer(monkeypatch, omp, expected):
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert resolve_threads("auto") == (expected or available_cores())
+    assert resolve_threads(3) == 3  # a pinned count is what it says
 
 
 def test_available_cores_is_within_the_affinity():
