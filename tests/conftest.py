@@ -14,9 +14,13 @@ from batchgen.workload import Workload
 def pytest_configure(config):
     """Under pytest-xdist (the README's `-n 2`) each worker shares the machine with the others: one intra-op thread
     per test process, and per process a test starts (they inherit it; backend.threads=auto reads it), so that N
-    workers use N cores instead of fighting over them. Runs before any test module imports torch."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
+    workers use N cores instead of fighting over them; and a master port of its own for the torchrun commands its
+    tests start (torchrun's default, 29500, taken by two workers at once fails one). Runs before any test module
+    imports torch."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("PET_MASTER_PORT", str(29510 + int(worker.removeprefix("gw"))))
 
 
 def priced(state, instance=0):
