@@ -60,7 +60,8 @@ def resolve_threads(setting: int | str | None) -> int | None:
     if setting is None:
         return None
     if setting == "auto":
-        return min(available_cores(), _omp_threads() or available_cores())
+        cores, omp = available_cores(), _omp_threads()
+        return min(cores, omp) if omp else cores
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise ConfigError(f"backend.threads={setting!r}: give a whole number >= 1, or auto (the physical cores "
                           f"this process may use: {available_cores()} here)")
