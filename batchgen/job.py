@@ -370,6 +370,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
                          host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
                          kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
+    if getattr(policy, "prefix_cache", False) and w.prefix_group is not None and (w.prefix_group >= 0).any():
+        state.share_prefixes(w.prefix_group, w.prefix_len)
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
     route = policy.route

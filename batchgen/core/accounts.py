@@ -106,9 +106,11 @@ class Accounts:
         """Pages each GPU of a running sequence's group holds for `tokens` tokens: a head shard packs tp times
         the tokens into a page (KV split by heads), a replicated latent does not."""
         if not self.partitioned_ever:  # every degree is 1
-            return -(-np.asarray(tokens, np.int64) // self.page_tokens)
-        per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
-        return -(-np.asarray(tokens, np.int64) // per_page)
+            pages = -(-np.asarray(tokens, np.int64) // self.page_tokens)
+        else:
+            per_page = self.page_tokens * (self.table.tp[ids].astype(np.int64) if self.kv_split_by_heads else 1)
+            pages = -(-np.asarray(tokens, np.int64) // per_page)
+        return self.prefix_pages_needed(ids, pages) if self.sharing else pages
 
     def _set_pages(self, ids: np.ndarray, pages: np.ndarray) -> None:
         t = self.table
@@ -150,7 +152,9 @@ class Accounts:
             self.peak_pages[g] = used
 
     def _free_pages(self, ids: np.ndarray) -> None:
-        """`_set_pages` to 0: pages only fall, so no capacity or peak to check."""
+        """`_set_pages` to 0 (and a shared prefix let go): pages only fall, so no capacity or peak to check."""
+        if self.sharing:
+            self._let_go(ids)
         self._add_pages(ids, -self.table.pages[ids])
         self.table.pages[ids] = 0
 
@@ -226,8 +230,8 @@ class Accounts:
             raise InvariantError("a chunked prefill is under way although num_part_prefilled says none is")
         running = np.flatnonzero(t.where >= 0)
         rep, gpus = self.group_gpus(running)
-        if not np.array_equal(np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus)
-                              .astype(np.int64), self.pages_used):
+        counted = np.bincount(gpus, t.pages[running][rep], self.topo.num_gpus).astype(np.int64)
+        if not np.array_equal(counted + self.check_prefixes(), self.pages_used):
             raise InvariantError("GPU page counts drifted from the per-sequence pages")
         if np.any(self.pages_used > self.gpu_pages):
             raise InvariantError("a GPU holds more KV pages than its capacity")

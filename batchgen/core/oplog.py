@@ -26,8 +26,9 @@ COLUMNS = {
     "migrate": ("ids", "src", "dst", "cross", "from_device", "to_device", "host_copy", "bytes"),
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
+    "share": ("ids", "gpu", "group", "tokens", "creates"),
 }
-_UNPRICED = ("free", "evict")  # kinds that never move a byte (every other kind, "resume" too, may)
+_UNPRICED = ("free", "evict", "share")  # kinds that never move a byte (every other kind, "resume" too, may)
 
 
 class OpLog:
@@ -47,7 +48,7 @@ class OpLog:
             self._priced = self._priced or kind not in _UNPRICED
 
     def moves_anything(self) -> bool:
-        """Whether an op that may move a byte was emitted (frees and evictions move none)."""
+        """Whether an op that may move a byte was emitted (frees, evictions and shares move none)."""
         return self._priced
 
     def empty(self) -> bool:

@@ -25,7 +25,8 @@ KV or invariants are checked. `KVLedger.apply` checks every op against it before
 and the GPU, before any backend moves a tensor.
 
 Execution order within a boundary is the order of `KVOps`' fields: join, free, evict, yield, offload, migrate,
-restore, reshard; then the run (prefill or chunks, and decode). A sequence is in at most one of free / evict /
+restore, reshard, share (a shared prompt prefix created or taken: batchgen.core.prefix_pages); then the run (prefill
+or chunks, and decode). A sequence is in at most one of free / evict /
 yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
 sequence's group moves to its new lead, then changes degree there: the state's MIGRATE, then its PARTITION).
 """
@@ -101,13 +102,21 @@ class KVOps:
     reshard_to_degree: np.ndarray = _ints()
     reshard_host_copy: np.ndarray = _flags()  # the lead holds a host copy (it follows a new lead)
     reshard_bytes: np.ndarray = _floats()  # the sequence's KV (each part carries its share: core.reshard)
+    share_ids: np.ndarray = _ints()       # a shared prefix (batchgen.core.prefix_pages), no byte moved: ...
+    share_gpu: np.ndarray = _ints()
+    share_group: np.ndarray = _ints()
+    share_tokens: np.ndarray = _ints()    # ... the prefix's tokens (whole pages) ...
+    share_creates: np.ndarray = _flags()  # ... created: the first `tokens` tokens this pending sequence's prefill
+    #                                       writes are its group's prefix on that GPU (its pages taken now); else
+    #                                       taken: the pending sequence holds the group's prefix pages by reference
+    #                                       and its prefill starts at `tokens`
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
     by_heads: bool = True                 # shards split the KV by heads (MLA's latent: replicas)
 
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
                     or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size
-                    or self.reshard_ids.size)
+                    or self.reshard_ids.size or self.share_ids.size)
 
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
@@ -214,6 +223,10 @@ class KVOps:
                              self.migrate_cross[recv].tolist(), self.migrate_to_device[recv].tolist(),
                              self._host_copy()[recv].tolist())),
             restore=mine(self.restore_ids, self.restore_gpu), reshard=reshards,
+            share=list(zip(self.share_ids[self.share_gpu == gpu].tolist(),
+                           self.share_group[self.share_gpu == gpu].tolist(),
+                           self.share_tokens[self.share_gpu == gpu].tolist(),
+                           self.share_creates[self.share_gpu == gpu].tolist())),
             nodes=self.nodes() if joins or reshards else {})
 
 
@@ -241,6 +254,7 @@ class GpuOps:
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
+    share: list = field(default_factory=list)    # (id, group, tokens, creates): a shared prefix, last
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)
     chunks: list = field(default_factory=list)   # (id, start, length) of chunked prefill
@@ -341,6 +355,11 @@ class KVLedger:
                        "reshard (a group's KV, device to device)")
             self._fail((lead != to_lead) | (degree != to_degree), ops.reshard_ids[row], lead, "reshard to its group")
             h[sid], sp[sid] = int(to_lead[0]), int(to_degree[0]) if to_degree[0] > 1 else 0
+        ids = ops.share_ids[~ops.share_creates] if ops.share_ids.size else _I
+        if ids.size:  # a prefix taken: the KV starts on device there (a created one is written by the first chunk)
+            gpus = ops.share_gpu[~ops.share_creates]
+            self._fail(h[ids] < 0, ids, gpus, "share (a prefix taken by a pending sequence)")
+            h[ids], dev[ids] = gpus, True
         if fresh_ids.size:
             self._fail(h[fresh_ids] < 0, fresh_ids, fresh_gpu, "prefill (KV written from scratch)")
             h[fresh_ids], dev[fresh_ids] = fresh_gpu, ~np.asarray(fresh_to_host, bool)

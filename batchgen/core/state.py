@@ -16,6 +16,7 @@ from batchgen.core.few import FewIds
 from batchgen.core.move_order import carried_out_in
 from batchgen.core.ops import KVOps
 from batchgen.core.oplog import OpLog
+from batchgen.core.prefix_pages import PrefixPages
 from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 from batchgen.core.topology import Topology, node_instance
@@ -23,7 +24,7 @@ from batchgen.core.topology import Topology, node_instance
 __all__ = ["ClusterState", "Moves", "Topology"]
 
 
-class ClusterState(FewIds, Accounts):
+class ClusterState(FewIds, PrefixPages, Accounts):
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
@@ -64,6 +65,7 @@ class ClusterState(FewIds, Accounts):
         # `prefilled`: at 0 the engine skips looking for them (`check` verifies it)
         self.num_part_prefilled = 0
         self.oplogs = [OpLog() for _ in range(topo.num_instances)]  # ops emitted since each instance's boundary
+        self.prefill_computed = 0  # prompt (and recomputed) tokens whose KV a prefill or chunk computed
 
     def take_ops(self, instance: int) -> KVOps:
         """The KV ops the instance's primitives emitted since its last boundary (its runs' finishes included),
@@ -258,7 +260,7 @@ class ClusterState(FewIds, Accounts):
         if split.any():  # the group moves to its new lead at its degree
             degree = t.tp[ids[split]].astype(np.int64)
             log.add("reshard", ids[split], src[split], degree, dst[split], degree, copy[split], bytes_[split])
-        pages = t.pages[ids].copy()
+        pages = t.pages[ids] + (self.prefix_held[ids] // self.page_tokens if self.sharing else 0)  # arrives whole
         self._free_pages(ids)
         t.where[ids] = gpus
         t.kv_gpu[ids] = gpus
@@ -308,6 +310,8 @@ class ClusterState(FewIds, Accounts):
         gpus = t.where[ids]
         self._require(ids, (gpus >= 0) & (t.prefilled[ids] == 0), "running, done prefilling")
         self._require(ids, ~t.host_resident[ids], "device-resident (a host-resident sequence cannot be PARTITIONed)")
+        if self.sharing:
+            self._require(ids, self.prefix_held[ids] == 0, "holding no shared prefix (its pages are its group's)")
         degree = np.asarray(degree, np.int64)
         n_gpus = self.topo.instance_gpus(instance).size
         if np.any(degree < 1) or np.any(degree > n_gpus):
@@ -375,6 +379,7 @@ class ClusterState(FewIds, Accounts):
         queue.take_head_ids(ids)
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
+        self.prefill_computed += int(self.table.context(ids).sum())
         self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
         self.table.kv_gpu[ids] = gpus  # the prefill writes its KV there (into that GPU's host copy)
 
@@ -394,6 +399,7 @@ class ClusterState(FewIds, Accounts):
     def prefilled_to_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int) -> None:
         """Prefill output kept in the GPU's paged cache (serving-engine style)."""
         self._require(ids, self.table.where[ids] == PENDING, "pending")
+        self.prefill_computed += int(self.table.context(ids).sum())
         self._join_gpu(instance, ids, gpus, lookahead_tokens)
 
     def prefill_chunks(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
@@ -406,8 +412,9 @@ class ClusterState(FewIds, Accounts):
         sequence whose chunk completes its context is an ordinary running one (prefilled 0) from here on."""
         t = self.table
         starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-        if ids.size <= _FEW and not self.partitioned_ever and self._prefill_chunks_few(instance, ids, gpus, starts,
-                                                                                     lengths):
+        self.prefill_computed += sum(lengths.tolist()) if lengths.size <= _FEW else int(lengths.sum())
+        if (ids.size <= _FEW and not self.partitioned_ever and not self.sharing
+                and self._prefill_chunks_few(instance, ids, gpus, starts, lengths)):
             return
         new = starts == 0
         end = starts + lengths
@@ -435,6 +442,8 @@ class ClusterState(FewIds, Accounts):
             self._set_pages(ids, need)
         elif grow.any():
             self._set_pages(ids[grow], need[grow])
+        if self.sharing:
+            self._create(instance, ids, gpus, starts, end)
         now = np.where(done, 0, end)
         self.num_part_prefilled += int(np.count_nonzero(now)) - int(np.count_nonzero(before))
         t.prefilled[ids] = now
@@ -452,7 +461,7 @@ class ClusterState(FewIds, Accounts):
 
     def finish(self, instance: int, ids: np.ndarray, times: np.ndarray) -> None:
         t = self.table
-        if (ids.size <= _FEW and not self.partitioned_ever and not self._host_any
+        if (ids.size <= _FEW and not self.partitioned_ever and not self._host_any and not self.sharing
                 and not self.prefilling[instance].size and self._finish_few(instance, ids, times)):
             return
         self._require(ids, t.decoded[ids] == t.output_len[ids], "done generating")

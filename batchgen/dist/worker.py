@@ -244,7 +244,7 @@ class RankWorker:
 
     def _kv(self, ops: GpuOps, migrations: list) -> None:
         """This rank's KV ops in the order of `KVOps`' fields (join, free, evict, yield, offload, migrate,
-        restore, reshard). Joins and reshards are walked in plan order by every rank of their groups, like
+        restore, reshard, share). Joins and reshards are walked in plan order by every rank of their groups, like
         migrations (partition.py): each rank counts the parts it receives; the new lead counts the partition."""
         if (ops.join or ops.reshard) and self.partition is None:
             raise RuntimeError(f"a plan partitions sequences over one process (rank {self.rank}): PARTITION "
@@ -298,6 +298,8 @@ class RankWorker:
             if len(new) > 1 and self.rank in new:
                 # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
                 self._count("partition" if new[0] == self.rank else "partition_shard", 1)
+        for sid, group, tokens, creates in ops.share:  # shared prefixes: nothing copied (batchgen.exec.kv_prefixes)
+            cache.share_prefix(sid, group, tokens, creates)
         if files is not None:
             files.publish(cache)
 

@@ -132,7 +132,7 @@ class ExecBackend:
         copy) straight into the destination's device pages (or host copy), which keeps a host copy exactly when
         the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
         Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
-        would."""
+        would. Shared prefixes last (`kv_prefixes`): created or taken by reference, nothing copied."""
         caches, account = self.caches, self.account
         for sid, lead, degree, to_host in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
                                               ops.join_degree.tolist(), ops.join_to_host.tolist()):
@@ -167,6 +167,10 @@ class ExecBackend:
                 for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
                     account.add("reshard_host_copy", tier, new[0], nbytes)
             self.moves["partition"] += int(len(new) > 1)
+        for sid, g, group, tokens, creates in zip(ops.share_ids.tolist(), ops.share_gpu.tolist(),
+                                                  ops.share_group.tolist(), ops.share_tokens.tolist(),
+                                                  ops.share_creates.tolist()):
+            caches[g].share_prefix(sid, group, tokens, creates)
 
     def _parts(self, kind: str):
         """A `shards.Count` that charges each part of a reshard or gather to the GPU that receives it, as `kind`:
@@ -194,6 +198,7 @@ class ExecBackend:
         t = self.state.table
         for g in plan.gpus.tolist():
             cache = self.caches[g]
+            cache.check()  # its own pages: none lost, a shared one held exactly as often as it is counted
             held = np.array(cache.seq_ids(), np.int64)
             if not held.size:
                 continue

@@ -26,7 +26,7 @@ Layout decisions (the paper is silent on them):
   is one gather and one index_copy for any number of sequences, and one layer of a batch of sequences (what
   host-resident decode restores) is one gather of whole pages. The pool grows when full, within its budget
   (`HostMemoryFullError` past it).
-- MIGRATE: batchgen.exec.kv_migration.
+- MIGRATE: batchgen.exec.kv_migration. Shared prompt prefixes (pages held by reference): batchgen.exec.kv_prefixes.
 - A sequence is in one of two places: on device (pages held; its first `synced` tokens also on host) or on
   host only (no pages; the host copy holds all of it). Evicted and released sequences are forgotten: a
   recomputed sequence comes back through `prepare` with start position 0, like a new one.
@@ -44,10 +44,11 @@ from batchgen.exec.host_pool import HostPool
 from batchgen.exec.kv_host_steps import HostResidentSteps
 from batchgen.exec.kv_migration import HostKV, Migrated, Migration, migrate  # noqa: F401 (re-exported)
 from batchgen.exec.kv_pages import CacheFullError, _block_table, _cdiv, _index, _Seq, _v_width  # noqa: F401
+from batchgen.exec.kv_prefixes import SharedPrefixes
 from batchgen.exec.metadata import AttentionMetadata
 
 
-class PagedKVCache(HostResidentSteps, Migration):
+class PagedKVCache(SharedPrefixes, HostResidentSteps, Migration):
     """One device's paged KV pool for all layers, plus the host copy that is each sequence's source of truth."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
@@ -96,6 +97,7 @@ class PagedKVCache(HostResidentSteps, Migration):
                                                              device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack; page 0 is handed out first
         self._seqs: dict[int, _Seq] = {}
+        self._prefixes_init()  # shared prompt prefixes (batchgen.exec.kv_prefixes)
         # what this cache's own copies moved, measured from the tensors copied: bytes host -> device (h2d:
         # restores) and device -> host (d2h: checkpoints), and how many sequences' KV each (h2d_seqs, d2h_seqs)
         self.copied: Counter = Counter()
@@ -392,10 +394,6 @@ class PagedKVCache(HostResidentSteps, Migration):
         self._device_to_host([s], [0], [tokens])
         s.synced = tokens
 
-    def _free_device(self, s: _Seq) -> None:
-        self._free.extend(reversed(s.pages))
-        s.pages, s.device_len = [], 0
-
     def yield_to_host(self, seq_ids) -> int:
         """YIELD: checkpoint, then give the pages back; the host copy carries the sequence. Returns tokens copied."""
         self._require_on_device(seq_ids, "yield")
@@ -448,7 +446,7 @@ class PagedKVCache(HostResidentSteps, Migration):
     def check(self) -> None:
         """Recount pages (the host pool's over every cache that uses it) and lengths; raises InvariantError on
         the first broken rule."""
-        owned = [p for s in self._seqs.values() for p in s.pages] + (
+        owned = self._check_prefixes([p for s in self._seqs.values() for p in s.pages]) + (
             self.shards.owned_pages() if self.shards is not None else [])
         every = owned + self._free
         if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):

@@ -64,6 +64,9 @@ class ContinuousPolicy(PolicyDefaults):
     #                                  --enable-mixed-chunk); false: a rank's chunks alone, its decodes waiting for
     #                                  them, the whole budget theirs (SGLang's default); other ranks decode meanwhile
     admission: str = "greedy"        # chunked prefill: greedy (vLLM V1) | conservative (SGLang's reserve)
+    prefix_cache: bool = True        # chunked prefill: a prompt whose group's prefix is on its rank takes its pages
+    #                                  and prefills the rest (vLLM's automatic prefix caching, SGLang's radix cache:
+    #                                  both on by default; batchgen.core.prefix_pages)
     init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
     min_new_token_ratio: float = 0.1      # ... floor (SGLang: 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098) ...
     new_token_ratio_decay: float = 0.001  # ... per decode forward: (0.7 - 0.1) over SGLang's 600 decay steps

@@ -214,8 +214,8 @@ def summarize(out) -> dict[str, Any]:
     res: dict[str, Any] = _identity(out)
     res.update(bct_s=total_bct, sct_p50_s=_percentile(finished, 50), sct_p99_s=_percentile(finished, 99),
                output_tokens=output_tokens, prompt_tokens=int(t.input_len.sum()),
-               # what sharing could save, from the workload's prefix columns (the run itself prefilled all of it)
-               **out.job.workload.prefill_tokens(),
+               # what sharing could save, from the workload's prefix columns, and what the run's prefills computed
+               **out.job.workload.prefill_tokens(), prefill_tokens_computed=int(out.prepared.state.prefill_computed),
                tokens_per_s=_ratio(output_tokens, total_bct),
                tokens_per_s_per_gpu=_ratio(output_tokens, total_bct * out.job.cluster.num_gpus))
     res.update(_time_fractions(out, steps))

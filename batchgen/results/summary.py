@@ -33,6 +33,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("host GB/iter", "host_bytes_per_decode_iter", lambda v: f"{v / 1e9:,.1f}"),
     ("prefill tok", "prefill_tokens_submitted", lambda v: f"{v:,}"),  # shown only where a prefix is shared
     ("distinct tok", "prefill_tokens_distinct", lambda v: f"{v:,}"),
+    ("computed tok", "prefill_tokens_computed", lambda v: f"{v:,}"),
     ("yields", "yields", str),
     ("migrations", "migrations", str),
     ("recomputes", "recomputes", str),
@@ -54,7 +55,7 @@ def _cell(row: Row, key: str, fmt: Callable[[Any], str]) -> str:
 KEEP = ("policy", "bct_s")
 # Every results.json has these; they are shown only when some run's workload shares a prefix, so a table of
 # runs that share nothing stays as narrow as before.
-SHARING = ("prefill_tokens_submitted", "prefill_tokens_distinct")
+SHARING = ("prefill_tokens_submitted", "prefill_tokens_distinct", "prefill_tokens_computed")
 
 
 def shares_prefix(row: Row) -> bool:

@@ -1,0 +1,151 @@
+"""Prompt prefixes shared by reference on a GPU: the state's side of a prefix cache (vLLM's automatic prefix
+caching, SGLang's radix cache, at one level: a workload's `prefix_group`).
+
+Why. Sequences of one group (n samples of a prompt, one system prompt or few-shot block before many questions)
+begin with the same tokens, so their KV for those tokens is the same. On a GPU that holds a group's prefix, a new
+member takes its pages by reference and prefills only the rest of its prompt.
+
+The model, kept exact by every primitive:
+- A group's prefix on a GPU is the whole pages of its shared tokens, `prefix_tokens` (at most the member's context
+  less one token, so that the member's own prefill computes its last token's logits). The partial page where the
+  members diverge is each member's own: it is recomputed, not copied (copy-on-write at page granularity).
+- The prefix is created by the first member whose prefill passes it on that GPU: the chunk that writes its last
+  token turns the member's first pages into the group's (`_create`; nothing moves). From the instance's next
+  boundary (the forward that writes it has run then) a member whose prefill starts on that GPU takes it
+  (`attach`): it holds the prefix pages by reference and its prefill stands at `prefix_tokens`.
+- The prefix's pages are counted once on the GPU (`pages_used`), beside each holder's own pages (`table.pages`:
+  the pages past the prefix). A holder lets go whenever its device pages go (finish, evict, YIELD, OFFLOAD,
+  MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages); the last holder's going frees
+  the prefix. Nothing moves when it is shared or let go, so the ops that say so (`share`) carry no bytes.
+- Only chunked prefill shares (a first chunk starts at the prefix); PARTITION refuses a holder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchgen.core.sequences import PENDING, InvariantError
+
+
+@dataclass
+class GroupPrefix:
+    """One group's prefix on one GPU."""
+
+    tokens: int       # shared tokens: whole pages
+    pages: int        # pages it holds, counted once on its GPU
+    holders: int      # sequences that hold it by reference (the creator included while it does)
+
+
+class PrefixPages:
+    """Shared prefixes of `ClusterState` (mixed in; it owns the table, `pages_used` and the op logs)."""
+
+    sharing = False  # set by `share_prefixes`; off, none of this runs
+
+    def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray) -> None:
+        """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on)."""
+        group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
+        if group.size != len(self.table) or prefix_len.size != len(self.table):
+            raise ValueError("share_prefixes needs one group and one prefix length per sequence")
+        self.sharing = True
+        self.prefix_group = group
+        self.prefix_len = prefix_len
+        self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
+        self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
+
+    def _share_tokens(self, sid: int) -> int:
+        """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
+        if self.prefix_group[sid] < 0:
+            return 0
+        ctx = int(self.table.input_len[sid] + self.table.decoded[sid])
+        tokens = min(int(self.prefix_len[sid]), ctx - 1)
+        return tokens // self.page_tokens * self.page_tokens
+
+    def prefix_start(self, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+        """Where each pending sequence's prefill would start on its GPU: the tokens of its group's prefix there (0:
+        none). Asked before a boundary's chunks are taken, it sees only prefixes whose forward has run."""
+        start = np.zeros(ids.size, np.int64)
+        if not self.sharing:
+            return start
+        for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
+            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
+            if entry is not None and self._share_tokens(sid) >= entry.tokens:
+                start[i] = entry.tokens
+        return start
+
+    def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray) -> None:
+        """Pending sequences (already taken from their queue) start on their GPUs holding their group's ready
+        prefix by reference: their prefill stands at `starts` (`prefix_start`), their own pages none yet."""
+        t = self.table
+        self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
+        ok = (starts > 0) & (starts == self.prefix_start(ids, gpus))
+        self._require(ids, ok, "given the ready prefix of their group on that GPU")
+        for sid, g, s in zip(ids.tolist(), gpus.tolist(), starts.tolist()):
+            self.prefixes[(g, int(self.prefix_group[sid]))].holders += 1
+        self.prefix_held[ids] = starts
+        self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
+        t.prefilled[ids] = starts
+        self.num_part_prefilled += ids.size
+        self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], starts,
+                                  np.zeros(ids.size, bool))
+
+    def _create(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
+                ends: np.ndarray) -> None:
+        """Chunks about to be written (`prefill_chunks`, pages set): the first that passes its group's prefix on a
+        GPU without one creates it from the sequence's first pages (its own until now: no page count changes)."""
+        t, made = self.table, []
+        for i, (sid, g, s, e) in enumerate(zip(ids.tolist(), gpus.tolist(), starts.tolist(), ends.tolist())):
+            group = int(self.prefix_group[sid])
+            tokens = self._share_tokens(sid)
+            if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
+                continue
+            pages = tokens // self.page_tokens
+            self.prefixes[(g, group)] = GroupPrefix(tokens, pages, 1)
+            self.prefix_held[sid] = tokens
+            t.pages[sid] -= pages
+            made.append(i)
+        if made:
+            made = np.array(made, np.int64)
+            self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
+                                      self.prefix_held[ids[made]], np.ones(made.size, bool))
+
+    def _let_go(self, ids: np.ndarray) -> None:
+        """The sequences' device pages go: each lets go of the prefix it holds, the last holder freeing it."""
+        held = ids[self.prefix_held[ids] > 0]
+        for sid in held.tolist():
+            g = int(self.table.where[sid])
+            key = (g, int(self.prefix_group[sid]))
+            entry = self.prefixes[key]
+            entry.holders -= 1
+            if entry.holders == 0:
+                del self.prefixes[key]
+                self.pages_used[g] -= entry.pages
+        self.prefix_held[held] = 0
+
+    def prefix_pages_needed(self, ids: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """A holder's own pages: those of its tokens less the prefix's."""
+        return np.maximum(pages - self.prefix_held[ids] // self.page_tokens, 0)
+
+    def check_prefixes(self) -> np.ndarray:
+        """Recount the prefixes from their holders; returns the pages they hold per GPU (for the page check)."""
+        pages = np.zeros(self.topo.num_gpus, np.int64)
+        if not self.sharing:
+            return pages
+        t = self.table
+        holders = np.flatnonzero(self.prefix_held)
+        if np.any(t.where[holders] < 0) or np.any(t.host_resident[holders]) or np.any(t.tp[holders] != 1):
+            raise InvariantError("a sequence holds a shared prefix while not running device-resident on one GPU")
+        count: dict[tuple[int, int], int] = {}
+        for sid in holders.tolist():
+            key = (int(t.where[sid]), int(self.prefix_group[sid]))
+            count[key] = count.get(key, 0) + 1
+            entry = self.prefixes.get(key)
+            if entry is None or entry.tokens != self.prefix_held[sid]:
+                raise InvariantError(f"sequence {sid} holds a prefix GPU {key[0]} does not have for group {key[1]}")
+        for (g, group), entry in self.prefixes.items():
+            if count.get((g, group), 0) != entry.holders or entry.holders < 1:
+                raise InvariantError(f"group {group}'s prefix on GPU {g} counts {entry.holders} holders, "
+                                     f"{count.get((g, group), 0)} hold it")
+            pages[g] += entry.pages
+        return pages

@@ -1,0 +1,76 @@
+"""A paged cache's shared prompt prefixes: pages that several sequences hold by reference (the executors' side of
+batchgen.core.prefix_pages, performed from the state's `share` ops).
+
+A group's prefix is the first pages of the sequence that created it; a sequence that takes it starts its page list
+with those pages and its KV at the prefix's end, so its prefill writes only the rest and attention reads the
+prefix from the same pages as every other holder. A shared page is never written again (a holder's new tokens land
+past the prefix, in its own pages), and it goes back to the free list when its last holder lets go (`_free_device`).
+"""
+
+from __future__ import annotations
+
+from batchgen.core.sequences import InvariantError
+from batchgen.exec.kv_pages import _Seq
+
+
+class SharedPrefixes:
+    """Reference counts of shared pages, mixed into `PagedKVCache` (which owns `_seqs`, `_free` and `page_size`)."""
+
+    def _prefixes_init(self) -> None:
+        self._refs: dict[int, int] = {}              # shared page -> sequences that hold it
+        self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
+
+    def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
+        """creates: the sequence's first `tokens` tokens (its prefill writes them) become the group's prefix here,
+        their pages taken now; else the sequence (new to this cache) holds the group's prefix pages and its KV
+        starts at `tokens`."""
+        if tokens % self.page_size or tokens < self.page_size:
+            raise InvariantError(f"a shared prefix is whole pages of {self.page_size} tokens, got {tokens}")
+        n = tokens // self.page_size
+        if creates:
+            if group in self._prefix_pages:
+                raise InvariantError(f"group {group} already has a prefix in this cache")
+            self._grow_to({seq_id: max(tokens, self._resident_tokens(seq_id))}, f"group {group}'s prefix")
+            pages = self._seqs[seq_id].pages[:n]
+        else:
+            pages = self._prefix_pages.get(group)
+            if pages is None or len(pages) != n:
+                raise InvariantError(f"sequence {seq_id} takes group {group}'s prefix of {tokens} tokens, which this "
+                                     "cache does not hold")
+            if seq_id in self._seqs:
+                raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV in this cache")
+            self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
+        self._prefix_pages[group] = pages
+        for p in pages:
+            self._refs[p] = self._refs.get(p, 0) + 1
+
+    def _free_device(self, s: _Seq) -> None:
+        """The sequence's pages go back to the free list, a shared one only with its last holder."""
+        if self._refs:
+            shared = [p for p in s.pages if p in self._refs]
+            for p in shared:
+                self._refs[p] -= 1
+            gone = [p for p in shared if not self._refs[p]]
+            if gone:
+                for p in gone:
+                    del self._refs[p]
+                self._prefix_pages = {g: pages for g, pages in self._prefix_pages.items() if pages[0] in self._refs}
+            keep = set(shared) - set(gone)
+            self._free.extend(reversed([p for p in s.pages if p not in keep]))
+        else:
+            self._free.extend(reversed(s.pages))
+        s.pages, s.device_len = [], 0
+
+    def _check_prefixes(self, owned: list[int]) -> list[int]:
+        """The pages the sequences own, each once; raises InvariantError where a shared page's count is wrong."""
+        counts: dict[int, int] = {}
+        for p in owned:
+            counts[p] = counts.get(p, 0) + 1
+        for p, n in counts.items():
+            if n != self._refs.get(p, 1):
+                raise InvariantError(f"page {p} is owned twice or lost a holder: {n} sequences hold it, "
+                                     f"{self._refs.get(p, 0)} counted as sharing it")
+        for group, pages in self._prefix_pages.items():
+            if any(p not in self._refs for p in pages):
+                raise InvariantError(f"group {group}'s prefix names a page no sequence holds")
+        return list(counts)

@@ -1,0 +1,62 @@
+"""Shared prompt prefixes on the executor (batchgen.exec.kv_prefixes, from the state's `share` ops): sequences of
+a group hold their prefix's pages by reference and prefill only the rest, and their greedy outputs are the
+unshared run's and transformers' own, with room to spare and with a pool so small that sequences are preempted
+while they share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from batchgen.exec.run import ExecSettings, execute
+from batchgen.workload.spec import Workload
+from conftest import make_job
+
+from .test_exec_parity import hf_greedy, kv_mb_for
+from .test_models import tiny_hf
+
+N, GROUP, PREFIX = 12, 4, 37  # a prefix that ends inside a page: its last part is each member's own
+
+
+def grouped(policy: str, prefix_cache: bool, num_gpus: int = 2, **knobs):
+    rng = np.random.default_rng(11)
+    inputs = PREFIX + rng.integers(4, 20, N)  # longer than a forward's budget: one prompt starts per forward
+    outputs = rng.integers(4, 30, N)
+    job = make_job(policy, "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": num_gpus, "gpus_per_instance": None},
+                   policy_overrides={"prefix_cache": prefix_cache, "token_budget": 40, **knobs})
+    return dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(N) // GROUP,
+                                                      prefix_len=np.full(N, PREFIX)))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = tiny_hf("qwen3_moe")
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("policy,kv_tokens,gpus", [("continuous", 5000, 2), ("continuous", 120, 2),
+                                                   ("sglang_opt", 5000, 1)])
+def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv_tokens, gpus):
+    """(sglang_opt pins each prompt to the rank with the least load, wherever its group's prefix is: on one GPU
+    its members meet; a max_tokens of 64 lets its reserve admit several at once.)"""
+    model, path = saved
+    knobs = {"two_batch_overlap": False, "reserve_max_tokens": 64} if policy == "sglang_opt" else {}
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens), threads=1)
+    on = execute(grouped(policy, True, gpus, **knobs), settings)
+    off = execute(grouped(policy, False, gpus, **knobs), settings)
+    assert on.prepared.state.sharing and not off.prepared.state.sharing
+    assert on.tokens.prompts[0][:PREFIX].tolist() == on.tokens.prompts[GROUP - 1][:PREFIX].tolist()
+    t = on.prepared.state.table
+    for sid in range(N):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(t.output_len[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+    computed, submitted = on.prepared.state.prefill_computed, off.prepared.state.prefill_computed
+    assert computed < submitted, (computed, submitted)
+    if kv_tokens < 1000:  # the pool holds a few sequences: preempted sequences let go of the prefix and come back
+        assert t.recomputes.sum() > 0
