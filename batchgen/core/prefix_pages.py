@@ -10,9 +10,10 @@ The model, kept exact by every primitive:
   less one token, so that the member's own prefill computes its last token's logits). The partial page where the
   members diverge is each member's own: it is recomputed, not copied (copy-on-write at page granularity).
 - The prefix is created by the first member whose prefill passes it on that GPU: the chunk that writes its last
-  token turns the member's first pages into the group's (`_create`; nothing moves). From the instance's next
-  boundary (the forward that writes it has run then) a member whose prefill starts on that GPU takes it
-  (`attach`): it holds the prefix pages by reference and its prefill stands at `prefix_tokens`.
+  token turns the member's first pages into the group's (`_create`; nothing moves). A member whose prefill starts
+  on that GPU in that forward or later takes it (`attach`): it holds the prefix pages by reference and its
+  prefill stands at `prefix_tokens` (`sharing_starts`; in the creating forward the executor runs the creator's
+  attention first, so the prefix's KV is written before a taker reads it).
 - The prefix's pages are counted once on the GPU (`pages_used`), beside each holder's own pages (`table.pages`:
   the pages past the prefix). A holder lets go whenever its device pages go (finish, evict, YIELD, OFFLOAD,
   MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages); the last holder's going frees
@@ -62,9 +63,36 @@ class PrefixPages:
         tokens = min(int(self.prefix_len[sid]), ctx - 1)
         return tokens // self.page_tokens * self.page_tokens
 
+    def sharing_starts(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Where each of a forward's chunks starts with prefix caching: a pending sequence's past its group's prefix
+        on its GPU, whether the prefix is there already or a chunk of this forward creates it (the first that
+        passes it; the executor runs a creator's attention before the others' on its GPU, as vLLM writes a step's
+        KV before attention reads it); every other chunk where it stands."""
+        t, out = self.table, starts.copy()
+        made: dict[tuple[int, int], int] = {}  # prefixes this forward creates: (GPU, group) -> tokens
+        pending = t.where[ids] == PENDING
+        for i in np.flatnonzero(~pending).tolist():  # a prefill under way that passes its prefix now
+            sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
+            tokens = self._share_tokens(sid)
+            if (tokens > 0 and starts[i] < tokens <= starts[i] + lens[i] and not self.prefix_held[sid]
+                    and key not in self.prefixes and key not in made):
+                made[key] = tokens
+        for i in np.flatnonzero(pending).tolist():
+            sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
+            tokens = self._share_tokens(sid)
+            if tokens <= 0:
+                continue
+            there = self.prefixes[key].tokens if key in self.prefixes else made.get(key)
+            if there is not None:
+                if tokens >= there:
+                    out[i] = there
+            elif lens[i] >= tokens:  # its first chunk passes the prefix: it creates it
+                made[key] = tokens
+        return out
+
     def prefix_start(self, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Where each pending sequence's prefill would start on its GPU: the tokens of its group's prefix there (0:
-        none). Asked before a boundary's chunks are taken, it sees only prefixes whose forward has run."""
+        none)."""
         start = np.zeros(ids.size, np.int64)
         if not self.sharing:
             return start

@@ -188,27 +188,30 @@ def _take_chunks(state: ClusterState, instance: int, d: Decision, gpus: np.ndarr
                 state.take_pending(instance, new)
         completes = starts + lens == t.context(ids)
     if state.sharing:
-        starts, lens, completes = _take_prefixes(state, instance, ids, gpus[ranks], starts, lens, completes)
-    state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
+        starts, lens, completes = _take_prefixes(state, instance, ids, gpus[ranks], starts, lens)
+    else:
+        state.prefill_chunks(instance, ids, gpus[ranks], starts, lens)
     return dict(chunk_ids=ids, chunk_rank=ranks, chunk_start=starts, chunk_len=lens, chunk_completes=completes)
 
 
 def _take_prefixes(state: ClusterState, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
-                   lens: np.ndarray, completes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Prefix caching (batchgen.core.prefix_pages): a first chunk whose group's prefix is on its GPU takes it and
-    starts past it, its length cut to what is left of its context. Returns the chunks' starts, lengths and
+                   lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`prefill_chunks` with prefix caching (batchgen.core.prefix_pages): a first chunk whose group's prefix is on
+    its GPU, or is created there by another chunk of this forward, takes it and starts past it, its length cut to
+    what is left of its context; the creating chunks are taken first. Returns the chunks' starts, lengths and
     whether each completes its context."""
-    first = np.flatnonzero(state.table.where[ids] == PENDING)
-    at = state.prefix_start(ids[first], gpus[first])
-    hit = first[at > 0]
-    if not hit.size:
-        return starts, lens, completes
-    state.attach(instance, ids[hit], gpus[hit], at[at > 0])
-    starts, lens = starts.copy(), lens.copy()
-    starts[hit] = at[at > 0]
+    at = state.sharing_starts(ids, gpus, starts, lens)
+    hit = at != starts
+    if not hit.any():
+        state.prefill_chunks(instance, ids, gpus, starts, lens)
+        return starts, lens, starts + lens == state.table.context(ids)
+    if not hit.all():
+        state.prefill_chunks(instance, ids[~hit], gpus[~hit], starts[~hit], lens[~hit])
     ctx = state.table.context(ids)
-    lens[hit] = np.minimum(lens[hit], ctx[hit] - starts[hit])
-    return starts, lens, starts + lens == ctx
+    lens = np.where(hit, np.minimum(lens, ctx - at), lens)
+    state.attach(instance, ids[hit], gpus[hit], at[hit])
+    state.prefill_chunks(instance, ids[hit], gpus[hit], at[hit], lens[hit])
+    return at, lens, at + lens == ctx
 
 
 def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: float,

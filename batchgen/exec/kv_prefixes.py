@@ -19,6 +19,7 @@ class SharedPrefixes:
     def _prefixes_init(self) -> None:
         self._refs: dict[int, int] = {}              # shared page -> sequences that hold it
         self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
+        self._creating: set[int] = set()  # sequences whose coming forward writes a prefix others may read in it
 
     def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
         """creates: the sequence's first `tokens` tokens (its prefill writes them) become the group's prefix here,
@@ -32,6 +33,7 @@ class SharedPrefixes:
                 raise InvariantError(f"group {group} already has a prefix in this cache")
             self._grow_to({seq_id: max(tokens, self._resident_tokens(seq_id))}, f"group {group}'s prefix")
             pages = self._seqs[seq_id].pages[:n]
+            self._creating.add(seq_id)
         else:
             pages = self._prefix_pages.get(group)
             if pages is None or len(pages) != n:
@@ -43,6 +45,12 @@ class SharedPrefixes:
         self._prefix_pages[group] = pages
         for p in pages:
             self._refs[p] = self._refs.get(p, 0) + 1
+
+    def take_creating(self) -> set[int]:
+        """The sequences whose forward writes a prefix that others read in the same forward (their attention must
+        run first), once: the forward that asks is that one."""
+        creating, self._creating = self._creating, set()
+        return creating
 
     def _free_device(self, s: _Seq) -> None:
         """The sequence's pages go back to the free list, a shared one only with its last holder."""

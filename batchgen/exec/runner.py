@@ -260,9 +260,12 @@ class InstanceRunner:
                 # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
                 # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
                 mine = [i for i in order if host[i] == resident and tp[i] == 1]
-                prompts = [i for i in mine if batch.new_counts[i] > 1]
-                decodes = [i for i in mine if batch.new_counts[i] == 1]
-                for group in (prompts, decodes):
+                # a prompt that writes a shared prefix runs before the prompts that read it (kv_prefixes)
+                creating = batch.cache.take_creating() if not resident else set()
+                first = [i for i in mine if batch.seq_ids[i] in creating]
+                prompts = [i for i in mine if batch.new_counts[i] > 1 and batch.seq_ids[i] not in creating]
+                decodes = [i for i in mine if batch.new_counts[i] == 1 and batch.seq_ids[i] not in creating]
+                for group in (first, prompts, decodes):
                     ends = [batch.start_positions[i] + batch.new_counts[i] for i in group]
                     if resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
                         pages = [-(-n // batch.cache.page_size) for n in ends]

@@ -20,13 +20,13 @@ from .test_models import tiny_hf
 N, GROUP, PREFIX = 12, 4, 37  # a prefix that ends inside a page: its last part is each member's own
 
 
-def grouped(policy: str, prefix_cache: bool, num_gpus: int = 2, **knobs):
+def grouped(policy: str, prefix_cache: bool, num_gpus: int = 2, token_budget: int = 40, **knobs):
     rng = np.random.default_rng(11)
-    inputs = PREFIX + rng.integers(4, 20, N)  # longer than a forward's budget: one prompt starts per forward
+    inputs = PREFIX + rng.integers(4, 20, N)  # a budget of 40: one prompt starts per forward
     outputs = rng.integers(4, 30, N)
     job = make_job(policy, "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": num_gpus, "gpus_per_instance": None},
-                   policy_overrides={"prefix_cache": prefix_cache, "token_budget": 40, **knobs})
+                   policy_overrides={"prefix_cache": prefix_cache, "token_budget": token_budget, **knobs})
     return dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(N) // GROUP,
                                                       prefix_len=np.full(N, PREFIX)))
 
@@ -40,16 +40,18 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("policy,kv_tokens,gpus", [("continuous", 5000, 2), ("continuous", 120, 2),
-                                                   ("sglang_opt", 5000, 1)])
-def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv_tokens, gpus):
-    """(sglang_opt pins each prompt to the rank with the least load, wherever its group's prefix is: on one GPU
-    its members meet; a max_tokens of 64 lets its reserve admit several at once.)"""
+@pytest.mark.parametrize("policy,kv_tokens,gpus,budget", [("continuous", 5000, 2, 40), ("continuous", 120, 2, 40),
+                                                          ("continuous", 5000, 2, 4096), ("sglang_opt", 5000, 1, 40),
+                                                          ("sglang_opt", 5000, 1, 4096)])
+def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv_tokens, gpus, budget):
+    """A budget of 4,096 tokens starts every prompt in the first forward: its group's prefix is created and taken
+    in the same forward. (sglang_opt pins each prompt to the rank with the least load, wherever its group's prefix
+    is: on one GPU its members meet; a max_tokens of 64 lets its reserve admit several at once.)"""
     model, path = saved
     knobs = {"two_batch_overlap": False, "reserve_max_tokens": 64} if policy == "sglang_opt" else {}
     settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens), threads=1)
-    on = execute(grouped(policy, True, gpus, **knobs), settings)
-    off = execute(grouped(policy, False, gpus, **knobs), settings)
+    on = execute(grouped(policy, True, gpus, budget, **knobs), settings)
+    off = execute(grouped(policy, False, gpus, budget, **knobs), settings)
     assert on.prepared.state.sharing and not off.prepared.state.sharing
     assert on.tokens.prompts[0][:PREFIX].tolist() == on.tokens.prompts[GROUP - 1][:PREFIX].tolist()
     t = on.prepared.state.table
@@ -60,3 +62,26 @@ def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv
     assert computed < submitted, (computed, submitted)
     if kv_tokens < 1000:  # the pool holds a few sequences: preempted sequences let go of the prefix and come back
         assert t.recomputes.sum() > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_prefix_created_and_taken_in_one_forward_is_written_before_it_is_read(saved):
+    """The creator's prompt is long and its group's others short: attention runs in calls of similar lengths,
+    shortest first, so without the creator's call first the others would read its prefix before it is written."""
+    model, path = saved
+    inputs = np.array([PREFIX + 80, PREFIX + 3, PREFIX + 5, PREFIX + 4])
+    outputs = np.array([6, 7, 5, 8])
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    runs = {}
+    for on in (True, False):
+        job = make_job("continuous", "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 1, "gpus_per_instance": None},
+                       policy_overrides={"prefix_cache": on, "token_budget": 4096})
+        runs[on] = execute(dataclasses.replace(job, workload=Workload("grouped", inputs, outputs,
+                                                                      prefix_group=np.zeros(4, np.int64),
+                                                                      prefix_len=np.full(4, PREFIX))), settings)
+    on, off = runs[True], runs[False]
+    assert on.prepared.state.prefill_computed == int(inputs.sum()) - 3 * 32  # three members took 32 tokens each
+    for sid in range(4):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
