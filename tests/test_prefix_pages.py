@@ -1,5 +1,5 @@
 """Shared prompt prefixes in the simulator (batchgen.core.prefix_pages): over random grouped workloads, squeezed KV
-pools and both chunked-prefill admissions, every boundary's recount holds (no shared page freed while held, none
+pools, both chunked-prefill admissions and coroutine's prefill forwards, every boundary's recount holds (no shared page freed while held, none
 leaked, no GPU over capacity), every sequence finishes, and sharing computes fewer prompt tokens, never fewer than
 the distinct ones."""
 
@@ -40,7 +40,7 @@ def grouped_job(policy="continuous", n=48, group_size=4, prefix=200, suffix=(1, 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.fixed_dictionaries({
-    "policy": st.sampled_from(["continuous", "sglang_opt"]),
+    "policy": st.sampled_from(["continuous", "sglang_opt", "coroutine"]),
     "group_size": st.sampled_from([1, 3, 16]),
     "prefix": st.integers(1, 600),
     "page_tokens": st.sampled_from([16, 64]),
@@ -52,6 +52,8 @@ def test_shared_pages_are_counted_exactly_and_every_sequence_finishes(p):
     knobs = {"token_budget": p["token_budget"]}
     if p["policy"] == "sglang_opt":
         knobs["two_batch_overlap"] = False
+    if p["policy"] == "coroutine":  # its prefill forwards share (to host); device residency keeps the rest
+        knobs = {"kv_residency": "device", "prefill_tokens_per_rank": p["token_budget"]}
     try:
         job = grouped_job(p["policy"], group_size=p["group_size"], prefix=p["prefix"], page_tokens=p["page_tokens"],
                           seed=p["seed"], kv_gb=p["kv_gb"], **knobs)
@@ -71,8 +73,10 @@ def test_shared_pages_are_counted_exactly_and_every_sequence_finishes(p):
         assert state.prefill_computed <= int(w.input_lens.sum())
 
 
-def test_sharing_computes_each_groups_prefix_about_once_per_gpu():
-    job = grouped_job(n=64, group_size=16, prefix=512, page_tokens=16, num_gpus=2, token_budget=1024)
+@pytest.mark.parametrize("policy,knobs", [("continuous", {"token_budget": 1024}), ("continuous", {}),
+                                          ("coroutine", {})])
+def test_sharing_computes_each_groups_prefix_about_once_per_gpu(policy, knobs):
+    job = grouped_job(policy, n=64, group_size=16, prefix=512, page_tokens=16, num_gpus=2, **knobs)
     on = simulate(job)
     off = simulate(dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_cache=False)))
     assert not off.prepared.state.sharing

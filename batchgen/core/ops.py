@@ -355,9 +355,10 @@ class KVLedger:
                        "reshard (a group's KV, device to device)")
             self._fail((lead != to_lead) | (degree != to_degree), ops.reshard_ids[row], lead, "reshard to its group")
             h[sid], sp[sid] = int(to_lead[0]), int(to_degree[0]) if to_degree[0] > 1 else 0
-        ids = ops.share_ids[~ops.share_creates] if ops.share_ids.size else _I
+        taken = ~ops.share_creates & ~np.isin(ops.share_ids, fresh_ids)  # a prompt prefilled to host: as fresh
+        ids = ops.share_ids[taken] if ops.share_ids.size else _I
         if ids.size:  # a prefix taken: the KV starts on device there (a created one is written by the first chunk)
-            gpus = ops.share_gpu[~ops.share_creates]
+            gpus = ops.share_gpu[taken]
             self._fail(h[ids] < 0, ids, gpus, "share (a prefix taken by a pending sequence)")
             h[ids], dev[ids] = gpus, True
         if fresh_ids.size:

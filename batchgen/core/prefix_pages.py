@@ -102,9 +102,12 @@ class PrefixPages:
                 start[i] = entry.tokens
         return start
 
-    def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray) -> None:
-        """Pending sequences (already taken from their queue) start on their GPUs holding their group's ready
-        prefix by reference: their prefill stands at `starts` (`prefix_start`), their own pages none yet."""
+    def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
+               whole_lookahead: int | None = None) -> None:
+        """Pending sequences (already taken from their queue) start on their GPUs holding their group's prefix by
+        reference (`prefix_start`): their prefill stands at `starts`, their own pages none yet; or, with
+        `whole_lookahead`, the coming forward prefills the rest of each context whole (`prefilled_to_gpu` past the
+        prefix), pages for it and that many more tokens taken now."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
         ok = (starts > 0) & (starts == self.prefix_start(ids, gpus))
@@ -112,11 +115,41 @@ class PrefixPages:
         for sid, g, s in zip(ids.tolist(), gpus.tolist(), starts.tolist()):
             self.prefixes[(g, int(self.prefix_group[sid]))].holders += 1
         self.prefix_held[ids] = starts
-        self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
-        t.prefilled[ids] = starts
-        self.num_part_prefilled += ids.size
+        if whole_lookahead is None:
+            self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
+            t.prefilled[ids] = starts
+            self.num_part_prefilled += ids.size
+        else:
+            self.prefill_computed += int((t.context(ids) - starts).sum())
+            self._join_gpu(instance, ids, gpus, whole_lookahead)
         self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], starts,
                                   np.zeros(ids.size, bool))
+
+    def share_in_forward(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+        """Prompts prefilled to host (`start_prefill_to_host`) share their group's prefix within their forward: on
+        each GPU the first of a group without a prefix there writes it and the others take it and compute only the
+        rest; every one's KV then goes to its host copy whole, the prefix included, and the device pages go with
+        the forward (nothing is kept, so nothing is counted here). Returns where each prefill starts."""
+        t = self.table
+        ctx = t.context(ids)
+        at = self.sharing_starts(ids, gpus, np.zeros(ids.size, np.int64), ctx)
+        take = at > 0
+        taken = {(int(g), int(self.prefix_group[sid])) for sid, g in zip(ids[take].tolist(), gpus[take].tolist())}
+        writes: dict[tuple[int, int], int] = {}  # (GPU, group) -> the prompt that writes it for the others
+        for i in np.flatnonzero(~take).tolist():
+            key = (int(gpus[i]), int(self.prefix_group[ids[i]]))
+            if key in taken and key not in self.prefixes and key not in writes and self._share_tokens(int(ids[i])):
+                writes[key] = i
+        if writes:
+            made = np.array(sorted(writes.values()), np.int64)
+            tokens = np.array([self._share_tokens(int(ids[i])) for i in made.tolist()], np.int64)
+            self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
+                                      tokens, np.ones(made.size, bool))
+        if take.any():
+            self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
+                                      at[take], np.zeros(int(take.sum()), bool))
+            self.prefill_computed -= int(at.sum())
+        return at
 
     def _create(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                 ends: np.ndarray) -> None:

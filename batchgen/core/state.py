@@ -399,8 +399,11 @@ class ClusterState(FewIds, PrefixPages, Accounts):
     def prefilled_to_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int) -> None:
         """Prefill output kept in the GPU's paged cache (serving-engine style)."""
         self._require(ids, self.table.where[ids] == PENDING, "pending")
-        self.prefill_computed += int(self.table.context(ids).sum())
+        ctx = self.table.context(ids)
+        self.prefill_computed += int(ctx.sum())
         self._join_gpu(instance, ids, gpus, lookahead_tokens)
+        if self.sharing:  # the first of its group on its GPU creates its prefix (batchgen.core.prefix_pages)
+            self._create(instance, ids, gpus, np.zeros(ids.size, np.int64), ctx)
 
     def prefill_chunks(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                        lengths: np.ndarray) -> None:

@@ -47,8 +47,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
                       host_resident=admit.host_resident, keep_host_copy=admit.keep_host_copy)
     if d.partition_ids.size:
         state.partition(instance, d.partition_ids, d.partition_degree)
+    prefill_start = _EMPTY
     if prefill:
-        _take_prefill(state, instance, d, gpus)
+        prefill_start = _take_prefill(state, instance, d, gpus)
     decode_ids = state.active[instance]
     if prefill and not d.prefill_to_host:
         decode_ids = np.setdiff1d(decode_ids, d.prefill_ids, assume_unique=True)
@@ -75,7 +76,7 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     pad_rows, pad_context = progress.pads()
     decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
     one_gpu = gpus.size == 1  # every running sequence of the instance is on rank 0
-    ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids)
+    ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids, prefill_start)
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
         decode_rank=filled(decode_ids.size, 0, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
@@ -83,12 +84,12 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
         cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
-        waiting=waiting, **chunk,
+        waiting=waiting, prefill_start=prefill_start, **chunk,
     )
 
 
 def _kv_ops(state: ClusterState, ledger: KVLedger | None, instance: int, d: Decision, gpus: np.ndarray,
-            chunk: dict, decode_ids: np.ndarray) -> tuple[KVOps | None, Moves]:
+            chunk: dict, decode_ids: np.ndarray, prefill_start: np.ndarray) -> tuple[KVOps | None, Moves]:
     """The boundary's KV ops, as the primitives emitted them, and the bytes they copy. With a ledger, every op is
     checked against where the ledger has the KV and recorded there (and the running sequences' KV against where
     the state runs them); without one, ops that move no byte (frees, evictions) are dropped unbuilt (None)."""
@@ -101,6 +102,8 @@ def _kv_ops(state: ClusterState, ledger: KVLedger | None, instance: int, d: Deci
         return None, state.take_ops(instance).moves(num_gpus)
     ops = state.take_ops(instance)
     fresh_ids, fresh_gpu = d.prefill_ids, gpus[d.prefill_ranks]
+    if prefill_start.size and not d.prefill_to_host:  # a prefill that takes a shared prefix starts on it (its
+        fresh_ids, fresh_gpu = fresh_ids[prefill_start == 0], fresh_gpu[prefill_start == 0]  # share op)
     to_host = np.full(fresh_ids.size, bool(d.prefill_to_host))
     if chunk:
         first = chunk["chunk_start"] == 0
@@ -133,7 +136,9 @@ def _reserve_host(state: ClusterState, instance: int, d: Decision, decode_ids: n
                        np.concatenate(parts_tokens) if parts_tokens else empty)
 
 
-def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> None:
+def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndarray) -> np.ndarray:
+    """Prompts leave their queue and start. Returns where each prefill starts (empty: every one at its first
+    token): past its group's prefix where it takes one (batchgen.core.prefix_pages)."""
     ids, ranks = d.prefill_ids, d.prefill_ranks
     if d.prefill_pinned:
         for r in _distinct(ranks):
@@ -142,9 +147,21 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
         state.take_pending(instance, ids)
     if d.prefill_to_host:
         state.start_prefill_to_host(instance, ids, gpus[ranks])
-    else:
-        # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
+        if state.sharing:
+            at = state.share_in_forward(instance, ids, gpus[ranks])
+            return at if at.any() else _EMPTY
+        return _EMPTY
+    # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
+    if not state.sharing:
         state.prefilled_to_gpu(instance, ids, gpus[ranks], lookahead_tokens=1)
+        return _EMPTY
+    at = state.sharing_starts(ids, gpus[ranks], np.zeros(ids.size, np.int64), state.table.context(ids))
+    hit = at > 0
+    state.prefilled_to_gpu(instance, ids[~hit], gpus[ranks[~hit]], lookahead_tokens=1)  # creators among them
+    if not hit.any():
+        return _EMPTY
+    state.attach(instance, ids[hit], gpus[ranks[hit]], at[hit], whole_lookahead=1)
+    return at
 
 
 def _distinct(ranks: np.ndarray) -> list[int]:

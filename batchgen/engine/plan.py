@@ -45,6 +45,9 @@ class StepPlan:
     chunk_start: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_len: np.ndarray = field(default_factory=lambda: _EMPTY)
     chunk_completes: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # the chunk ends its context
+    # whole prefills that take a shared prefix (batchgen.core.prefix_pages) start past it: per prefill, the first
+    # context token it computes (empty: every one from its first token)
+    prefill_start: np.ndarray = field(default_factory=lambda: _EMPTY)
     # the KV ops that come before the run, as the primitives emitted them (batchgen.core.ops); None for a backend
     # that prices their bytes (`moves`) instead of moving KV (the simulator) and does not ask for them
     ops: KVOps | None = None

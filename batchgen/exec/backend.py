@@ -204,6 +204,8 @@ class ExecBackend:
                 continue
             host_only = np.array([not cache.on_device(s) for s in held.tolist()], bool)
             ok = (t.where[held] == g) | ((t.where[held] == SUSPENDED) & host_only)
+            if plan.prefill_to_host:  # prompts that write or take a shared prefix in their forward (share ops)
+                ok |= np.isin(held, plan.prefill_ids)
             if not ok.all():
                 sid = int(held[~ok][0])
                 raise InvariantError(f"GPU {g}'s cache holds sequence {sid}, which the state has at "
@@ -225,8 +227,9 @@ class ExecBackend:
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
                       host: np.ndarray | None = None) -> list[RankBatch]:
-        """Per rank: each sequence's new tokens (the whole context when `whole`, else its last token), and
-        whether it runs host-resident (`host`, per id)."""
+        """Per rank: each sequence's new tokens (the whole context when `whole`, from the plan's `prefill_start`
+        where a prefill takes a shared prefix; else its last token), and whether it runs host-resident (`host`,
+        per id)."""
         out = []
         t = self.state.table
         for r, g in enumerate(plan.gpus):
@@ -234,12 +237,14 @@ class ExecBackend:
             mine = ids[on_rank].tolist()
             batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist(),
                               [] if whole else t.tp[ids[on_rank]].tolist())
-            for sid in mine:
+            starts = plan.prefill_start[on_rank].tolist() if whole and plan.prefill_start.size else None
+            for i, sid in enumerate(mine):
                 if whole:
                     ctx = self.tokens.context(sid)
-                    batch.token_ids.extend(ctx)
-                    batch.new_counts.append(len(ctx))
-                    batch.start_positions.append(0)
+                    start = starts[i] if starts else 0
+                    batch.token_ids.extend(ctx[start:])
+                    batch.new_counts.append(len(ctx) - start)
+                    batch.start_positions.append(start)
                 else:
                     batch.token_ids.append(self.tokens.last_token(sid))
                     batch.new_counts.append(1)

@@ -75,6 +75,8 @@ class CoroutinePolicy(PolicyDefaults):
     comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
     prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank;
     #                               sim and dist), auto (the shorter predicted batch: batchgen.job.plan_prefill)
+    prefix_cache: bool = True     # a prompt prefilled onto a GPU that holds its group's prefix takes those pages
+    #                               and prefills the rest (batchgen.core.prefix_pages; prompts prefilled to host do not)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True

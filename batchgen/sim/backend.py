@@ -115,8 +115,13 @@ class SimBackend:
             prompts = t.context(plan.prefill_ids)
             if plan.padded:
                 prompts = _padded(prompts, plan.prefill_rank, R)
-            load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R, plan.micro_batch,
-                                self.similar_calls)
+            if plan.prefill_start.size:  # past shared prefixes: each prompt's rest, over its prefix's KV
+                load = mixed_load(plan.prefill_rank, plan.prefill_start, prompts - plan.prefill_start,
+                                  np.ones(prompts.size, bool), plan.decode_rank, decode_context, R, plan.micro_batch,
+                                  self.similar_calls)
+            else:
+                load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R,
+                                    plan.micro_batch, self.similar_calls)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             if self.dp_prefill:  # each rank's experts run on its own tokens: one expert batch per rank
                 cost = price(self.lat, load, dp_stream_s=self._dp_stream_s)
