@@ -44,14 +44,15 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("policy,kv_tokens,gpus,budget", [("continuous", 5000, 2, 40), ("continuous", 120, 2, 40),
                                                           ("continuous", 5000, 2, 4096), ("sglang_opt", 5000, 1, 40),
                                                           ("sglang_opt", 5000, 1, 4096), ("coroutine", 5000, 2, 0),
-                                                          ("coroutine", 120, 2, 0)])
+                                                          ("coroutine", 120, 2, 0), ("whole", 5000, 2, 0)])
 def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv_tokens, gpus, budget):
     """A budget of 4,096 tokens starts every prompt in the first forward: its group's prefix is created and taken
     in the same forward (coroutine: its prefill forwards, to host). (sglang_opt pins each prompt to the rank with the least load, wherever its group's prefix
     is: on one GPU its members meet; a max_tokens of 64 lets its reserve admit several at once.)"""
     model, path = saved
     knobs = {"sglang_opt": {"two_batch_overlap": False, "reserve_max_tokens": 64},
-             "coroutine": {"b_moe": 4, "b_attn": 4}}.get(policy, {})
+             "coroutine": {"b_moe": 4, "b_attn": 4}, "whole": {"chunked_prefill": False}}.get(policy, {})
+    policy = "continuous" if policy == "whole" else policy  # whole prompts prefilled onto the device
     settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, kv_tokens), threads=1)
     on = execute(grouped(policy, True, gpus, budget, **knobs), settings)
     off = execute(grouped(policy, False, gpus, budget, **knobs), settings)
