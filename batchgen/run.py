@@ -154,10 +154,13 @@ def estimate_job(cfg: DictConfig) -> None:
         raise ConfigError(f"job.input={src}: no valid request to estimate ({len(errors)} bad lines; run the job "
                           "to get an error record for each)")
     choices = np.array([r.n for r in requests])  # every choice of a request is a sequence of its own
-    inp = EstimateInput(np.repeat([len(r.prompt_ids) for r in requests], choices),
-                        np.repeat([r.params.max_tokens for r in requests], choices),
+    prompt_lens = np.repeat([len(r.prompt_ids) for r in requests], choices)
+    request = np.repeat(np.arange(len(requests)), choices)
+    shared = np.repeat(choices > 1, choices)  # a request's choices share its whole prompt (prefix caching counts it)
+    inp = EstimateInput(prompt_lens, np.repeat([r.params.max_tokens for r in requests], choices),
                         np.repeat([r.params.ignore_eos for r in requests], choices),
-                        approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer), requests=len(requests))
+                        approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer), requests=len(requests),
+                        prefix_group=np.where(shared, request, -1), prefix_len=np.where(shared, prompt_lens, 0))
     names = list(job.get("estimate_policies") or [])
     unknown = [n for n in names if n not in policy_names()]
     if not names or unknown:

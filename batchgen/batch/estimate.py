@@ -76,6 +76,8 @@ class EstimateInput:
     ignore_eos: np.ndarray    # bool per sequence
     approximate_prompts: bool = False  # prompt lengths were guessed (no tokenizer): the printout says so
     requests: int | None = None  # the requests those sequences answer (None: one sequence each)
+    prefix_group: np.ndarray | None = None  # sequences that share a prompt prefix (a request's n choices), with ...
+    prefix_len: np.ndarray | None = None    # ... its length (batchgen.workload.prefixes; None: nothing shared)
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt_lens)
@@ -244,7 +246,7 @@ def _summary_row(policy_name: str, out, total_output_tokens: int, wall: float, s
 
 def _run_one(model: ModelSpec, cluster: ClusterSpec, prompts: np.ndarray, outputs: np.ndarray,
              policy_cfg: Mapping, total_output_tokens: int, efficiency: Efficiency | dict, latency: LatencySettings,
-             memory: MemorySettings, page_tokens: int, name: str) -> EstimateRow:
+             memory: MemorySettings, page_tokens: int, name: str, prefixes: tuple | None = None) -> EstimateRow:
     """One policy's simulation (run in-process or in a worker process). `efficiency` may come as its dict
     (`Efficiency.to_dict`): its read-only factor maps do not unpickle."""
     from batchgen.job import Job
@@ -257,7 +259,7 @@ def _run_one(model: ModelSpec, cluster: ClusterSpec, prompts: np.ndarray, output
     if not isinstance(efficiency, Efficiency):
         efficiency = Efficiency.from_dict(efficiency)
     try:
-        job = Job(model=model, cluster=cluster, workload=Workload(name, prompts, outputs),
+        job = Job(model=model, cluster=cluster, workload=Workload(name, prompts, outputs, *(prefixes or ())),
                   policy=make_policy(policy_cfg), memory=memory, efficiency=efficiency, latency=latency,
                   page_tokens=page_tokens)
         out = simulate(job)
@@ -303,8 +305,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, inp: EstimateInput, policie
         sim_cluster, idx, groups = cluster, np.arange(n), 1
     prompts, outs = inp.prompt_lens[idx], outputs[idx]
     total_tokens = int(outputs.sum())
+    prefixes = None if inp.prefix_group is None else (inp.prefix_group[idx], inp.prefix_len[idx])
     args = dict(total_output_tokens=total_tokens, efficiency=efficiency, latency=latency, memory=memory,
-                page_tokens=page_tokens, name="estimate")
+                page_tokens=page_tokens, name="estimate", prefixes=prefixes)
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = min(len(policies), cores) if workers is None else max(1, int(workers))

@@ -53,6 +53,7 @@ class PrefixPages:
         self.prefix_group = group
         self.prefix_len = prefix_len
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
+        self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
         self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
 
     def _share_tokens(self, sid: int) -> int:
@@ -115,6 +116,7 @@ class PrefixPages:
         for sid, g, s in zip(ids.tolist(), gpus.tolist(), starts.tolist()):
             self.prefixes[(g, int(self.prefix_group[sid]))].holders += 1
         self.prefix_held[ids] = starts
+        self.prefix_taken += int(starts.sum())
         if whole_lookahead is None:
             self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
             t.prefilled[ids] = starts
@@ -149,6 +151,7 @@ class PrefixPages:
             self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
                                       at[take], np.zeros(int(take.sum()), bool))
             self.prefill_computed -= int(at.sum())
+            self.prefix_taken += int(at.sum())
         return at
 
     def _create(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,

@@ -203,6 +203,18 @@ def _measurement(out) -> dict[str, Any]:
                 else list(range(int(out.procs)))} if out.backend == "dist" else {})}
 
 
+def _prefix_hits(out) -> dict[str, Any]:
+    """Prompt tokens a prefill took from a shared prefix instead of computing them, and their share of what a
+    perfect prefix cache could take (the tokens submitted less the distinct ones); empty where nothing is shared."""
+    state, w = out.prepared.state, out.job.workload
+    if not state.sharing:
+        return {}
+    counts = w.prefill_tokens()
+    shareable = counts["prefill_tokens_submitted"] - counts["prefill_tokens_distinct"]
+    return {"prefill_tokens_shared": int(state.prefix_taken),
+            "prefix_hit_rate": _ratio(state.prefix_taken, shareable)}
+
+
 def summarize(out) -> dict[str, Any]:
     """One flat dict of plain types per run, so runs can be tabulated, compared and dumped to JSON."""
     t = out.prepared.state.table
@@ -216,6 +228,7 @@ def summarize(out) -> dict[str, Any]:
                output_tokens=output_tokens, prompt_tokens=int(t.input_len.sum()),
                # what sharing could save, from the workload's prefix columns, and what the run's prefills computed
                **out.job.workload.prefill_tokens(), prefill_tokens_computed=int(out.prepared.state.prefill_computed),
+               **_prefix_hits(out),
                tokens_per_s=_ratio(output_tokens, total_bct),
                tokens_per_s_per_gpu=_ratio(output_tokens, total_bct * out.job.cluster.num_gpus))
     res.update(_time_fractions(out, steps))

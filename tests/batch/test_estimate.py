@@ -151,3 +151,19 @@ def test_the_share_is_stated_and_close_to_the_whole_cluster(tiny):
     assert "one of the cluster's 2 independent groups of 2 GPUs" in text and "100 of 200 requests" in text
     assert "approximation" in text and "longtail distribution (mean=100)" in text
     assert "groups" not in format_estimate(whole, inp, LONGTAIL, model, cluster)
+
+
+def test_the_estimate_counts_a_requests_choices_sharing_their_prompt(tiny):
+    """n choices of a request share its whole prompt: with prefix caching on, the simulated job prefills each
+    prompt about once per GPU, and finishes sooner than with it off."""
+    model, cluster = tiny
+    rng = np.random.default_rng(4)
+    requests, n = 16, 8
+    prompts = np.repeat(rng.integers(400, 900, requests), n)
+    group = np.repeat(np.arange(requests), n)
+    inp = EstimateInput(prompts, np.full(prompts.size, 64), np.zeros(prompts.size, bool), requests=requests,
+                        prefix_group=group, prefix_len=prompts)
+    rows = estimate(model, cluster, inp, [{"name": "continuous"}, {"name": "continuous", "prefix_cache": False}],
+                    output={"kind": "max_tokens"}, seed=0, workers=1, share=False)
+    on, off = rows
+    assert on.ok and off.ok and on.bct_s < off.bct_s
