@@ -120,6 +120,10 @@ class Accounts:
         t.pages[ids] = pages
         self._add_pages(ids, delta)
         over = self.pages_used > self.gpu_pages
+        if over.any() and self.sharing:  # prefixes no one holds make room first, as a prefix cache evicts them
+            for g in np.flatnonzero(over).tolist():
+                self._make_room(g)
+            over = self.pages_used > self.gpu_pages
         if over.any():
             g = int(np.flatnonzero(over)[0])
             raise InvariantError(f"GPU {g} would hold {self.pages_used[g]} KV pages, capacity {self.gpu_pages[g]}: "
@@ -145,6 +149,8 @@ class Accounts:
     def _gpu_holds(self, g: int, used: int) -> None:
         """GPU g now holds `used` KV pages (a scalar path's count): within its capacity, its peak kept."""
         self.pages_used[g] = used
+        if used > self.gpu_pages[g] and self.sharing:  # prefixes no one holds make room first
+            used = self._make_room(g)
         if used > self.gpu_pages[g]:
             raise InvariantError(f"GPU {g} would hold {used} KV pages, capacity {self.gpu_pages[g]}: "
                                  "the policy must yield or evict before it grows")

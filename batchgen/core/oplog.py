@@ -18,6 +18,7 @@ from batchgen.core.ops import KVOps
 
 # the columns of each kind's rows, as KVOps names them (`<kind>_<column>`); "bytes": the KV bytes the op moves
 COLUMNS = {
+    "unshare": ("group", "gpu"),
     "join": ("ids", "lead", "degree", "to_host", "bytes"),
     "free": ("ids", "gpu"),
     "evict": ("ids", "gpu"),
@@ -28,7 +29,7 @@ COLUMNS = {
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
     "share": ("ids", "gpu", "group", "tokens", "creates"),
 }
-_UNPRICED = ("free", "evict", "share")  # kinds that never move a byte (every other kind, "resume" too, may)
+_UNPRICED = ("free", "evict", "share", "unshare")  # kinds that never move a byte (every other kind, "resume" too, may)
 
 
 class OpLog:

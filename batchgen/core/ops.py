@@ -24,10 +24,10 @@ KV or invariants are checked. `KVLedger.apply` checks every op against it before
 (restore of a sequence that is not on host there, a migration from a GPU that does not hold it) fails with the id
 and the GPU, before any backend moves a tensor.
 
-Execution order within a boundary is the order of `KVOps`' fields: join, free, evict, yield, offload, migrate,
-restore, reshard, share (a shared prompt prefix created or taken: batchgen.core.prefix_pages); then the run (prefill
-or chunks, and decode). A sequence is in at most one of free / evict /
-yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
+Execution order within a boundary is the order of `KVOps`' fields: unshare (a shared prompt prefix dropped), join,
+free, evict, yield, offload, migrate, restore, reshard, share (a shared prompt prefix created or taken:
+batchgen.core.prefix_pages); then the run (prefill or chunks, and decode). A sequence is in at most one of free /
+evict / yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
 sequence's group moves to its new lead, then changes degree there: the state's MIGRATE, then its PARTITION).
 """
 
@@ -68,6 +68,8 @@ class KVOps:
     """One boundary's KV moves, as arrays (one row per op, a GPU column each), in execution order."""
 
     gpus: np.ndarray                 # the instance's GPUs (a partition group is a run of them, wrapping)
+    unshare_group: np.ndarray = _ints()   # a shared prefix no one holds leaves this GPU (core.prefix_pages): its
+    unshare_gpu: np.ndarray = _ints()     # pages are freed as its holders' are gone (no byte moved)
     join_ids: np.ndarray = _ints()        # a PARTITIONed sequence leaves its group (lead, degree) ...
     join_lead: np.ndarray = _ints()
     join_degree: np.ndarray = _ints()
@@ -116,7 +118,7 @@ class KVOps:
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
                     or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size
-                    or self.reshard_ids.size or self.share_ids.size)
+                    or self.reshard_ids.size or self.share_ids.size or self.unshare_group.size)
 
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
@@ -223,6 +225,7 @@ class KVOps:
                              self.migrate_cross[recv].tolist(), self.migrate_to_device[recv].tolist(),
                              self._host_copy()[recv].tolist())),
             restore=mine(self.restore_ids, self.restore_gpu), reshard=reshards,
+            unshare=self.unshare_group[self.unshare_gpu == gpu].tolist(),
             share=list(zip(self.share_ids[self.share_gpu == gpu].tolist(),
                            self.share_group[self.share_gpu == gpu].tolist(),
                            self.share_tokens[self.share_gpu == gpu].tolist(),
@@ -255,6 +258,7 @@ class GpuOps:
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
     share: list = field(default_factory=list)    # (id, group, tokens, creates): a shared prefix, last
+    unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)
     chunks: list = field(default_factory=list)   # (id, start, length) of chunked prefill

@@ -16,9 +16,18 @@ The model, kept exact by every primitive:
   attention first, so the prefix's KV is written before a taker reads it).
 - The prefix's pages are counted once on the GPU (`pages_used`), beside each holder's own pages (`table.pages`:
   the pages past the prefix). A holder lets go whenever its device pages go (finish, evict, YIELD, OFFLOAD,
-  MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages); the last holder's going frees
-  the prefix. Nothing moves when it is shared or let go, so the ops that say so (`share`) carry no bytes.
-- Only chunked prefill shares (a first chunk starts at the prefix); PARTITION refuses a holder.
+  MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages). Nothing moves when a prefix is
+  shared or let go, so the ops that say so (`share`, `unshare`) carry no bytes.
+- A prefix with no holder stays on its GPU (its pages still counted) while members of its group have not started
+  their prefill; once none is left to start, the last holder's going drops it (`unshare`), and one that no one
+  holds then is dropped after the instance's next run (`sweep_prefixes`). A batch job knows what is still to come:
+  the prefix is kept as long as it can be taken, unless the GPU needs its pages: after each run unheld prefixes
+  are dropped, the longest unheld first, until the GPU is at most `KEEP_BELOW` full, and a primitive that would
+  overfill it drops them first (`_make_room`), as a prefix cache evicts. The policies see unheld prefixes' pages
+  as taken (`Snapshot.pages_capacity` is less by them), so their admissions leave them room.
+- Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
+  the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
+- PARTITION refuses a holder.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ import numpy as np
 from batchgen.core.sequences import PENDING, InvariantError
 
 
+KEEP_BELOW = 0.9  # a prefix no one holds is kept while its GPU's pages are at most this full
+
+
 @dataclass
 class GroupPrefix:
     """One group's prefix on one GPU."""
@@ -37,6 +49,7 @@ class GroupPrefix:
     tokens: int       # shared tokens: whole pages
     pages: int        # pages it holds, counted once on its GPU
     holders: int      # sequences that hold it by reference (the creator included while it does)
+    pins: int = 0     # prefills about to take it or reading it in their forward: not dropped meanwhile
 
 
 class PrefixPages:
@@ -55,6 +68,14 @@ class PrefixPages:
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
         self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
         self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
+        grouped = group[group >= 0]
+        # members of each group that have not started their prefill (a preempted one starts again)
+        self.group_left = np.bincount(grouped, minlength=int(grouped.max()) + 1 if grouped.size else 0)
+        self._gpus_of_group: dict[int, set[int]] = {}  # group -> GPUs with its prefix
+        self._exhausted: set[int] = set()  # groups none of whose members is left to start, with prefixes to drop
+        self._after_forward: list[list[tuple[int, int]]] = [[] for _ in range(self.topo.num_instances)]
+        self._read_in_forward: list[list] = [[] for _ in range(self.topo.num_instances)]  # pinned till swept
+        self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
 
     def _share_tokens(self, sid: int) -> int:
         """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
@@ -113,8 +134,11 @@ class PrefixPages:
         self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
         ok = (starts > 0) & (starts == self.prefix_start(ids, gpus))
         self._require(ids, ok, "given the ready prefix of their group on that GPU")
-        for sid, g, s in zip(ids.tolist(), gpus.tolist(), starts.tolist()):
-            self.prefixes[(g, int(self.prefix_group[sid]))].holders += 1
+        for sid, g in zip(ids.tolist(), gpus.tolist()):
+            entry = self.prefixes[(g, int(self.prefix_group[sid]))]
+            if not entry.holders:  # a kept prefix taken again
+                self.unheld_pages[g] -= entry.pages
+            entry.holders += 1
         self.prefix_held[ids] = starts
         self.prefix_taken += int(starts.sum())
         if whole_lookahead is None:
@@ -130,26 +154,41 @@ class PrefixPages:
     def share_in_forward(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Prompts prefilled to host (`start_prefill_to_host`) share their group's prefix within their forward: on
         each GPU the first of a group without a prefix there writes it and the others take it and compute only the
-        rest; every one's KV then goes to its host copy whole, the prefix included, and the device pages go with
-        the forward (nothing is kept, so nothing is counted here). Returns where each prefill starts."""
+        rest; every one's KV then goes to its host copy whole, the prefix included. The prefix stays on the GPU
+        (no holder) while members of its group are left to start and its pages fit, else it goes after the forward.
+        Returns where each prefill starts."""
         t = self.table
         ctx = t.context(ids)
         at = self.sharing_starts(ids, gpus, np.zeros(ids.size, np.int64), ctx)
         take = at > 0
         taken = {(int(g), int(self.prefix_group[sid])) for sid, g in zip(ids[take].tolist(), gpus[take].tolist())}
+        grouped = self.prefix_group[ids]
+        starting = np.bincount(grouped[grouped >= 0], minlength=self.group_left.size)
+        later = self.group_left - starting  # members still to start after this forward (`prefills_started` follows)
         writes: dict[tuple[int, int], int] = {}  # (GPU, group) -> the prompt that writes it for the others
         for i in np.flatnonzero(~take).tolist():
-            key = (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            if key in taken and key not in self.prefixes and key not in writes and self._share_tokens(int(ids[i])):
+            key = (int(gpus[i]), int(grouped[i]))
+            if ((key in taken or (key[1] >= 0 and later[key[1]] > 0)) and key not in self.prefixes
+                    and key not in writes and self._share_tokens(int(ids[i]))):
                 writes[key] = i
         if writes:
             made = np.array(sorted(writes.values()), np.int64)
             tokens = np.array([self._share_tokens(int(ids[i])) for i in made.tolist()], np.int64)
             self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
                                       tokens, np.ones(made.size, bool))
+            for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
+                g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
+                if later[group] > 0 and self.pages_used[g] + pages <= self.gpu_pages[g] * KEEP_BELOW:
+                    self._keep(instance, g, group, GroupPrefix(n, pages, 0))
+                    self._gpu_holds(g, int(self.pages_used[g]) + pages)
+                    self.unheld_pages[g] += pages
+                else:
+                    self._after_forward[instance].append((g, group))
         if take.any():
             self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
                                       at[take], np.zeros(int(take.sum()), bool))
+            # read in the forward: kept until it has run (`sweep_prefixes`)
+            self._read_in_forward[instance].append(self.pin_prefixes(ids, gpus, at))
             self.prefill_computed -= int(at.sum())
             self.prefix_taken += int(at.sum())
         return at
@@ -165,7 +204,7 @@ class PrefixPages:
             if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
                 continue
             pages = tokens // self.page_tokens
-            self.prefixes[(g, group)] = GroupPrefix(tokens, pages, 1)
+            self._keep(instance, g, group, GroupPrefix(tokens, pages, 1))
             self.prefix_held[sid] = tokens
             t.pages[sid] -= pages
             made.append(i)
@@ -174,17 +213,101 @@ class PrefixPages:
             self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
                                       self.prefix_held[ids[made]], np.ones(made.size, bool))
 
+    def pin_prefixes(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray) -> list[GroupPrefix]:
+        """Keep the prefixes there that these prefills take (those with a start) from being dropped to make room
+        while they are being taken; returns them, for `unpin`."""
+        pinned = []
+        for sid, g in zip(ids[starts > 0].tolist(), gpus[starts > 0].tolist()):
+            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
+            if entry is not None:  # (one this forward creates has its creator as a holder)
+                entry.pins += 1
+                pinned.append(entry)
+        return pinned
+
+    @staticmethod
+    def unpin(pinned: list[GroupPrefix]) -> None:
+        for entry in pinned:
+            entry.pins -= 1
+
+    def prefills_started(self, ids: np.ndarray) -> None:
+        """Pending sequences started their prefill (after the boundary's shares): their groups have fewer left."""
+        grouped = self.prefix_group[ids]
+        for group in grouped[grouped >= 0].tolist():
+            self.group_left[group] -= 1
+            if not self.group_left[group] and group in self._gpus_of_group:
+                self._exhausted.add(group)
+
+    def back_to_pending(self, ids: np.ndarray) -> None:
+        """Evicted sequences will start their prefill again."""
+        grouped = self.prefix_group[ids]
+        np.add.at(self.group_left, grouped[grouped >= 0], 1)
+        self._exhausted.difference_update(grouped[grouped >= 0].tolist())
+
+    def _keep(self, instance: int, gpu: int, group: int, entry: GroupPrefix) -> None:
+        self.prefixes[(gpu, group)] = entry
+        self._gpus_of_group.setdefault(group, set()).add(gpu)
+
+    def _drop(self, instance: int, gpu: int, group: int, unheld: bool = True) -> None:
+        """A prefix no one holds leaves its GPU (its pages freed there by the `unshare` op); `unheld`: it was kept
+        unheld (counted in `unheld_pages`), not let go just now."""
+        entry = self.prefixes.pop((gpu, group))
+        self.pages_used[gpu] -= entry.pages
+        if unheld:
+            self.unheld_pages[gpu] -= entry.pages
+        gpus = self._gpus_of_group[group]
+        gpus.discard(gpu)
+        if not gpus:
+            del self._gpus_of_group[group]
+            self._exhausted.discard(group)
+        self.oplogs[instance].add("unshare", np.array([group], np.int64), np.array([gpu], np.int64))
+
+    def sweep_prefixes(self, instance: int) -> None:
+        """After an instance's run: its prefixes that no one holds and no member is left to take are dropped, and
+        those its forward wrote only for itself (`share_in_forward`) too."""
+        for gpu, group in self._after_forward[instance]:
+            self.oplogs[instance].add("unshare", np.array([group], np.int64), np.array([gpu], np.int64))
+        self._after_forward[instance].clear()
+        for pinned in self._read_in_forward[instance]:
+            self.unpin(pinned)
+        self._read_in_forward[instance].clear()
+        gpus = self._instance_gpus[instance]
+        tight = gpus[(self.unheld_pages[gpus] > 0) & (self.pages_used[gpus] > self.gpu_pages[gpus] * KEEP_BELOW)]
+        for g in tight.tolist():  # kept prefixes give way first when the GPU fills (a prefix cache's eviction)
+            self._make_room(g, int(self.gpu_pages[g] * KEEP_BELOW))
+        if not self._exhausted:
+            return
+        mine = set(gpus.tolist())
+        for group in list(self._exhausted):
+            for gpu in sorted(self._gpus_of_group.get(group, set()) & mine):
+                entry = self.prefixes[(gpu, group)]
+                if not entry.holders and not entry.pins:
+                    self._drop(instance, gpu, group)
+
+    def _make_room(self, gpu: int, limit: int | None = None) -> int:
+        """GPU `gpu` holds more pages than `limit` (default: its capacity): drop the prefixes there that no one
+        holds, the longest unheld first, until it fits (or none is left). Returns the pages it holds then."""
+        limit = int(self.gpu_pages[gpu]) if limit is None else limit
+        for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
+            if self.pages_used[gpu] <= limit:
+                break
+            if g == gpu and not entry.holders and not entry.pins:
+                self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
+        return int(self.pages_used[gpu])
+
     def _let_go(self, ids: np.ndarray) -> None:
-        """The sequences' device pages go: each lets go of the prefix it holds, the last holder freeing it."""
+        """The sequences' device pages go: each lets go of the prefix it holds; the last holder drops it unless a
+        member of its group is still to start."""
         held = ids[self.prefix_held[ids] > 0]
         for sid in held.tolist():
-            g = int(self.table.where[sid])
-            key = (g, int(self.prefix_group[sid]))
-            entry = self.prefixes[key]
+            g, group = int(self.table.where[sid]), int(self.prefix_group[sid])
+            entry = self.prefixes[(g, group)]
             entry.holders -= 1
             if entry.holders == 0:
-                del self.prefixes[key]
-                self.pages_used[g] -= entry.pages
+                if not self.group_left[group] and not entry.pins:
+                    self._drop(int(self.topo.gpu_instance[g]), g, group, unheld=False)
+                else:  # kept for the members still to start: the newest unheld, dropped last to make room
+                    self.prefixes[(g, group)] = self.prefixes.pop((g, group))
+                    self.unheld_pages[g] += entry.pages
         self.prefix_held[held] = 0
 
     def prefix_pages_needed(self, ids: np.ndarray, pages: np.ndarray) -> np.ndarray:
@@ -208,8 +331,13 @@ class PrefixPages:
             if entry is None or entry.tokens != self.prefix_held[sid]:
                 raise InvariantError(f"sequence {sid} holds a prefix GPU {key[0]} does not have for group {key[1]}")
         for (g, group), entry in self.prefixes.items():
-            if count.get((g, group), 0) != entry.holders or entry.holders < 1:
+            if count.get((g, group), 0) != entry.holders:
                 raise InvariantError(f"group {group}'s prefix on GPU {g} counts {entry.holders} holders, "
                                      f"{count.get((g, group), 0)} hold it")
             pages[g] += entry.pages
+        unheld = np.zeros(self.topo.num_gpus, np.int64)
+        for (g, _), entry in self.prefixes.items():
+            unheld[g] += entry.pages if not entry.holders else 0
+        if not np.array_equal(unheld, self.unheld_pages):
+            raise InvariantError("the pages of prefixes no one holds drifted from their count")
         return pages

@@ -346,6 +346,8 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         t.where[ids] = PENDING
         t.instance[ids] = instance  # it waits in this instance's queue now
         t.recomputes[ids] += 1
+        if self.sharing:
+            self.back_to_pending(ids)
         # Recompute means prefilling prompt + generated tokens again: fold generated tokens into the prompt
         # cost by keeping `decoded`; the backend charges prefill over the whole context.
         pinned = t.home_gpu[ids] >= 0

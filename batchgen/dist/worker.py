@@ -243,13 +243,15 @@ class RankWorker:
         self._bytes(kind, tier, after[tier] - before[tier], after[f"{tier}_seqs"] - before[f"{tier}_seqs"])
 
     def _kv(self, ops: GpuOps, migrations: list) -> None:
-        """This rank's KV ops in the order of `KVOps`' fields (join, free, evict, yield, offload, migrate,
+        """This rank's KV ops in the order of `KVOps`' fields (unshare, join, free, evict, yield, offload, migrate,
         restore, reshard, share). Joins and reshards are walked in plan order by every rank of their groups, like
         migrations (partition.py): each rank counts the parts it receives; the new lead counts the partition."""
         if (ops.join or ops.reshard) and self.partition is None:
             raise RuntimeError(f"a plan partitions sequences over one process (rank {self.rank}): PARTITION "
                                "needs a degree of at most backend.procs")
         cache = self.cache
+        for group in ops.unshare:  # shared prefixes dropped (batchgen.exec.kv_prefixes)
+            cache.unshare_prefix(group)
         files = self.host_files
         if files is not None:  # the published index must not name a sequence whose pages this boundary may reuse
             files.publish_before_release(cache, [*ops.free, *ops.evict, *(j[0] for j in ops.join),

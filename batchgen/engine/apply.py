@@ -149,6 +149,7 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
         state.start_prefill_to_host(instance, ids, gpus[ranks])
         if state.sharing:
             at = state.share_in_forward(instance, ids, gpus[ranks])
+            state.prefills_started(ids)
             return at if at.any() else _EMPTY
         return _EMPTY
     # Running from the prefill on: pages for the prompt (and the first token) are allocated now.
@@ -157,11 +158,13 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
         return _EMPTY
     at = state.sharing_starts(ids, gpus[ranks], np.zeros(ids.size, np.int64), state.table.context(ids))
     hit = at > 0
+    pinned = state.pin_prefixes(ids[hit], gpus[ranks[hit]], at[hit])  # the others must not drop what is taken
     state.prefilled_to_gpu(instance, ids[~hit], gpus[ranks[~hit]], lookahead_tokens=1)  # creators among them
-    if not hit.any():
-        return _EMPTY
-    state.attach(instance, ids[hit], gpus[ranks[hit]], at[hit], whole_lookahead=1)
-    return at
+    if hit.any():
+        state.attach(instance, ids[hit], gpus[ranks[hit]], at[hit], whole_lookahead=1)
+    state.unpin(pinned)
+    state.prefills_started(ids)
+    return at if hit.any() else _EMPTY
 
 
 def _distinct(ranks: np.ndarray) -> list[int]:
@@ -217,17 +220,22 @@ def _take_prefixes(state: ClusterState, instance: int, ids: np.ndarray, gpus: np
     its GPU, or is created there by another chunk of this forward, takes it and starts past it, its length cut to
     what is left of its context; the creating chunks are taken first. Returns the chunks' starts, lengths and
     whether each completes its context."""
+    first = state.table.where[ids] == PENDING
     at = state.sharing_starts(ids, gpus, starts, lens)
     hit = at != starts
     if not hit.any():
         state.prefill_chunks(instance, ids, gpus, starts, lens)
+        state.prefills_started(ids[first])
         return starts, lens, starts + lens == state.table.context(ids)
+    pinned = state.pin_prefixes(ids[hit], gpus[hit], at[hit])  # the creators' pages must not drop what is taken
     if not hit.all():
         state.prefill_chunks(instance, ids[~hit], gpus[~hit], starts[~hit], lens[~hit])
     ctx = state.table.context(ids)
     lens = np.where(hit, np.minimum(lens, ctx - at), lens)
     state.attach(instance, ids[hit], gpus[hit], at[hit])
+    state.unpin(pinned)
     state.prefill_chunks(instance, ids[hit], gpus[hit], at[hit], lens[hit])
+    state.prefills_started(ids[first])
     return at, lens, at + lens == ctx
 
 
@@ -236,6 +244,8 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     """Fold what the run produced back into the state: tokens, finishes, prefilled sequences."""
     t = state.table
     inst = plan.instance
+    if state.sharing:  # prefixes no one can take any more, and those a forward wrote for itself, go
+        state.sweep_prefixes(inst)
     if plan.decode_ids.size:
         ids = plan.decode_ids
         state.advance(ids, res.produced, plan.host_sync)

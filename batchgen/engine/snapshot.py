@@ -124,7 +124,8 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
-        pages_capacity=views.pages_capacity[instance],
+        pages_capacity=(views.pages_capacity[instance] if not state.sharing or not state.unheld_pages.any()
+                        else views.pages_capacity[instance] - state.unheld_pages[gpus]),  # kept prefixes' pages
         pad_rows=progress.pads()[0],
         active_ids=_frozen(ids), active_context=t.input_len[ids] + decoded,
         # every running sequence of a one-GPU instance is on its rank 0

@@ -132,8 +132,10 @@ class ExecBackend:
         copy) straight into the destination's device pages (or host copy), which keeps a host copy exactly when
         the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
         Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
-        would. Shared prefixes last (`kv_prefixes`): created or taken by reference, nothing copied."""
+        would. Shared prefixes dropped first and created or taken last (`kv_prefixes`), nothing copied."""
         caches, account = self.caches, self.account
+        for group, g in zip(ops.unshare_group.tolist(), ops.unshare_gpu.tolist()):
+            caches[g].unshare_prefix(group)
         for sid, lead, degree, to_host in zip(ops.join_ids.tolist(), ops.join_lead.tolist(),
                                               ops.join_degree.tolist(), ops.join_to_host.tolist()):
             group = tuple(ops.group(lead, degree))

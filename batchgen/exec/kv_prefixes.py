@@ -4,7 +4,8 @@ batchgen.core.prefix_pages, performed from the state's `share` ops).
 A group's prefix is the first pages of the sequence that created it; a sequence that takes it starts its page list
 with those pages and its KV at the prefix's end, so its prefill writes only the rest and attention reads the
 prefix from the same pages as every other holder. A shared page is never written again (a holder's new tokens land
-past the prefix, in its own pages), and it goes back to the free list when its last holder lets go (`_free_device`).
+past the prefix, in its own pages). The prefix itself holds its pages too, until the state drops it (`unshare`): a
+page goes back to the free list when neither the prefix nor any sequence holds it (`_free_device`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class SharedPrefixes:
     """Reference counts of shared pages, mixed into `PagedKVCache` (which owns `_seqs`, `_free` and `page_size`)."""
 
     def _prefixes_init(self) -> None:
-        self._refs: dict[int, int] = {}              # shared page -> sequences that hold it
+        self._refs: dict[int, int] = {}              # shared page -> holders: its prefix and each sequence
         self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
         self._creating: set[int] = set()  # sequences whose coming forward writes a prefix others may read in it
 
@@ -34,6 +35,10 @@ class SharedPrefixes:
             self._grow_to({seq_id: max(tokens, self._resident_tokens(seq_id))}, f"group {group}'s prefix")
             pages = self._seqs[seq_id].pages[:n]
             self._creating.add(seq_id)
+            self._prefix_pages[group] = pages
+            for p in pages:  # the prefix's own hold, then its creator's
+                self._refs[p] = self._refs.get(p, 0) + 2
+            return
         else:
             pages = self._prefix_pages.get(group)
             if pages is None or len(pages) != n:
@@ -42,9 +47,15 @@ class SharedPrefixes:
             if seq_id in self._seqs:
                 raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV in this cache")
             self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
-        self._prefix_pages[group] = pages
         for p in pages:
-            self._refs[p] = self._refs.get(p, 0) + 1
+            self._refs[p] += 1
+
+    def unshare_prefix(self, group: int) -> None:
+        """The group's prefix leaves this cache: its pages go as their last holder does."""
+        pages = self._prefix_pages.pop(group, None)
+        if pages is None:
+            raise InvariantError(f"group {group} has no prefix in this cache to drop")
+        self._release_pages(pages)
 
     def take_creating(self) -> set[int]:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must
@@ -55,30 +66,33 @@ class SharedPrefixes:
     def _free_device(self, s: _Seq) -> None:
         """The sequence's pages go back to the free list, a shared one only with its last holder."""
         if self._refs:
-            shared = [p for p in s.pages if p in self._refs]
-            for p in shared:
-                self._refs[p] -= 1
-            gone = [p for p in shared if not self._refs[p]]
-            if gone:
-                for p in gone:
-                    del self._refs[p]
-                self._prefix_pages = {g: pages for g, pages in self._prefix_pages.items() if pages[0] in self._refs}
-            keep = set(shared) - set(gone)
-            self._free.extend(reversed([p for p in s.pages if p not in keep]))
+            self._release_pages(s.pages)
         else:
             self._free.extend(reversed(s.pages))
         s.pages, s.device_len = [], 0
 
+    def _release_pages(self, pages: list[int]) -> None:
+        """One holder lets go of each page: an unshared page, or a shared one's last holder, frees it."""
+        freed = []
+        for p in pages:
+            n = self._refs.get(p)
+            if n is None:
+                freed.append(p)
+            elif n == 1:
+                del self._refs[p]
+                freed.append(p)
+            else:
+                self._refs[p] = n - 1
+        self._free.extend(reversed(freed))
+
     def _check_prefixes(self, owned: list[int]) -> list[int]:
-        """The pages the sequences own, each once; raises InvariantError where a shared page's count is wrong."""
+        """The pages the sequences and the prefixes own, each once; raises InvariantError where a shared page's
+        count is wrong."""
         counts: dict[int, int] = {}
-        for p in owned:
+        for p in owned + [p for pages in self._prefix_pages.values() for p in pages]:
             counts[p] = counts.get(p, 0) + 1
         for p, n in counts.items():
             if n != self._refs.get(p, 1):
                 raise InvariantError(f"page {p} is owned twice or lost a holder: {n} sequences hold it, "
                                      f"{self._refs.get(p, 0)} counted as sharing it")
-        for group, pages in self._prefix_pages.items():
-            if any(p not in self._refs for p in pages):
-                raise InvariantError(f"group {group}'s prefix names a page no sequence holds")
         return list(counts)
