@@ -1,15 +1,15 @@
 """Prefix caching on the executor: a job whose prompts share a prefix, run with `policy.prefix_cache` on and off,
 side by side in one process (rounds alternate), greedy outputs compared token for token.
 
-    python benchmarks/shared_prefix.py [--prompts 96] [--group-size 8] [--prefix 384] [--policies continuous,sglang_opt]
-        [--rounds 2] [--threads 1] [--kv-mb 64]
+    python benchmarks/shared_prefix.py [--prompts 96] [--group-size 8] [--prefix 384]
+        [--policies coroutine,continuous,sglang_opt] [--rounds 2] [--threads 1] [--kv-mb 64]
 
 The model is `small_moe` with random weights (seeded; batchgen.exec.models builds it), on one CPU "GPU"; the
 prompts are groups of `--group-size` sequences whose first `--prefix` tokens are the same (the workload's prefix
 columns), each with a short part of its own (16-64 tokens) and long-tailed outputs. Per policy it prints the best
 BCT of the rounds with sharing on and off, the prompt tokens computed and whether the outputs are identical; the
-last line reads `<policy>:sharing_on/sharing_off=<r> ...` (the BCT ratio: below 1 is faster with sharing).
-`coroutine` does not share prefixes yet (docs/simulator.md, Shared prefixes): on it the ratio is noise.
+last line reads `<policy>:sharing_on/sharing_off=<r> ...` (the BCT ratio: below 1 is faster with sharing). What
+each policy shares: docs/simulator.md, Shared prefixes.
 
 Recorded results (with the machine and the date): benchmarks/results/shared_prefix.md.
 """
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=384, help="shared tokens at the start of every prompt of a group")
-    ap.add_argument("--policies", default="continuous,sglang_opt")
+    ap.add_argument("--policies", default="coroutine,continuous,sglang_opt")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-mb", type=float, default=64.0, help="device KV memory")
@@ -67,8 +67,7 @@ def main() -> None:
         computed: dict[bool, int] = {}
         for _ in range(args.rounds):
             for on in (True, False):
-                cache = {"prefix_cache": on} if name != "coroutine" else {}
-                policy = make_policy(policy_config(name, spec, **knobs, **cache))
+                policy = make_policy(policy_config(name, spec, **knobs, prefix_cache=on))
                 out = execute(Job(spec, cluster, workload, policy, page_tokens=PAGE), settings)
                 s = summarize(out)
                 best[on] = min(best.get(on, float("inf")), s["bct_s"])
