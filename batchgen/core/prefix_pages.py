@@ -21,10 +21,10 @@ The model, kept exact by every primitive:
 - A prefix with no holder stays on its GPU (its pages still counted) while members of its group have not started
   their prefill; once none is left to start, the last holder's going drops it (`unshare`), and one that no one
   holds then is dropped after the instance's next run (`sweep_prefixes`). A batch job knows what is still to come:
-  the prefix is kept as long as it can be taken, unless the GPU needs its pages: after each run unheld prefixes
-  are dropped, the longest unheld first, until the GPU is at most `KEEP_BELOW` full, and a primitive that would
-  overfill it drops them first (`_make_room`), as a prefix cache evicts. The policies see unheld prefixes' pages
-  as taken (`Snapshot.pages_capacity` is less by them), so their admissions leave them room.
+  the prefix is kept as long as it can be taken, unless the GPU needs its pages: a primitive that would overfill
+  it drops unheld prefixes first, the longest unheld first (`_make_room`), as a prefix cache evicts on demand. The
+  policies see unheld prefixes' pages as taken (`Snapshot.pages_capacity` is less by them), so their admissions
+  leave them room.
 - Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
   the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
 - PARTITION refuses a holder.
@@ -37,9 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.core.sequences import PENDING, InvariantError
-
-
-KEEP_BELOW = 0.9  # a prefix no one holds is kept while its GPU's pages are at most this full
 
 
 @dataclass
@@ -178,7 +175,7 @@ class PrefixPages:
                                       tokens, np.ones(made.size, bool))
             for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
                 g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
-                if later[group] > 0 and self.pages_used[g] + pages <= self.gpu_pages[g] * KEEP_BELOW:
+                if later[group] > 0 and self.pages_used[g] + pages <= self.gpu_pages[g]:
                     self._keep(instance, g, group, GroupPrefix(n, pages, 0))
                     self._gpu_holds(g, int(self.pages_used[g]) + pages)
                     self.unheld_pages[g] += pages
@@ -270,25 +267,20 @@ class PrefixPages:
         for pinned in self._read_in_forward[instance]:
             self.unpin(pinned)
         self._read_in_forward[instance].clear()
-        gpus = self._instance_gpus[instance]
-        tight = gpus[(self.unheld_pages[gpus] > 0) & (self.pages_used[gpus] > self.gpu_pages[gpus] * KEEP_BELOW)]
-        for g in tight.tolist():  # kept prefixes give way first when the GPU fills (a prefix cache's eviction)
-            self._make_room(g, int(self.gpu_pages[g] * KEEP_BELOW))
         if not self._exhausted:
             return
-        mine = set(gpus.tolist())
+        mine = set(self._instance_gpus[instance].tolist())
         for group in list(self._exhausted):
             for gpu in sorted(self._gpus_of_group.get(group, set()) & mine):
                 entry = self.prefixes[(gpu, group)]
                 if not entry.holders and not entry.pins:
                     self._drop(instance, gpu, group)
 
-    def _make_room(self, gpu: int, limit: int | None = None) -> int:
-        """GPU `gpu` holds more pages than `limit` (default: its capacity): drop the prefixes there that no one
-        holds, the longest unheld first, until it fits (or none is left). Returns the pages it holds then."""
-        limit = int(self.gpu_pages[gpu]) if limit is None else limit
+    def _make_room(self, gpu: int) -> int:
+        """GPU `gpu` holds more pages than it has: drop the prefixes there that no one holds, the longest unheld
+        first, until it fits (or none is left). Returns the pages it holds then."""
         for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
-            if self.pages_used[gpu] <= limit:
+            if self.pages_used[gpu] <= self.gpu_pages[gpu]:
                 break
             if g == gpu and not entry.holders and not entry.pins:
                 self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
