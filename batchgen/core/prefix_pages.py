@@ -286,6 +286,18 @@ class PrefixPages:
                 self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
         return int(self.pages_used[gpu])
 
+    def drop_unheld(self, instance: int) -> bool:
+        """An instance's policy runs nothing: the prefixes on its GPUs that no one holds (kept for members still to
+        start, their pages taken from what the policy may admit) go, so that those members can start. Returns
+        whether any went."""
+        if not self.unheld_pages[self._instance_gpus[instance]].any():
+            return False
+        going = [(gpu, group) for (gpu, group), e in self.prefixes.items()
+                 if not e.holders and not e.pins and self.topo.gpu_instance[gpu] == instance]
+        for gpu, group in going:
+            self._drop(instance, gpu, group)
+        return bool(going)
+
     def _let_go(self, ids: np.ndarray) -> None:
         """The sequences' device pages go: each lets go of the prefix it holds; the last holder drops it unless a
         member of its group is still to start."""

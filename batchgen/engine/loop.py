@@ -186,6 +186,8 @@ class Engine:
                 if not state.remaining_work(instance) and (state.all_finished() or not receives(instance)):
                     liveness.done(backend, instance)
                     return  # nothing here any more; other instances may still run
+                if state.sharing and state.drop_unheld(instance):
+                    continue  # shared prefixes kept for later members held pages the policy waits for: decide again
                 idle += 1
                 if idle <= self.max_idle_decisions:
                     continue  # the decision may have freed something (yields, evictions): decide again
