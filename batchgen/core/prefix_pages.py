@@ -24,7 +24,7 @@ The model, kept exact by every primitive:
   the prefix is kept as long as it can be taken, unless the GPU needs its pages: a primitive that would overfill
   it drops unheld prefixes first, the longest unheld first (`_make_room`), as a prefix cache evicts on demand. The
   policies see unheld prefixes' pages as taken (`Snapshot.pages_capacity` is less by them), so their admissions
-  leave them room.
+  leave them room; an instance whose policy runs nothing drops its unheld prefixes (`drop_unheld`).
 - Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
   the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
 - PARTITION refuses a holder.
