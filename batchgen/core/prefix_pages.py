@@ -109,27 +109,16 @@ class PrefixPages:
                 made[key] = tokens
         return out
 
-    def prefix_start(self, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
-        """Where each pending sequence's prefill would start on its GPU: the tokens of its group's prefix there (0:
-        none)."""
-        start = np.zeros(ids.size, np.int64)
-        if not self.sharing:
-            return start
-        for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
-            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
-            if entry is not None and self._share_tokens(sid) >= entry.tokens:
-                start[i] = entry.tokens
-        return start
-
     def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                whole_lookahead: int | None = None) -> None:
         """Pending sequences (already taken from their queue) start on their GPUs holding their group's prefix by
-        reference (`prefix_start`): their prefill stands at `starts`, their own pages none yet; or, with
+        reference (`sharing_starts`): their prefill stands at `starts`, their own pages none yet; or, with
         `whole_lookahead`, the coming forward prefills the rest of each context whole (`prefilled_to_gpu` past the
         prefix), pages for it and that many more tokens taken now."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
-        ok = (starts > 0) & (starts == self.prefix_start(ids, gpus))
+        none = np.zeros(ids.size, np.int64)
+        ok = (starts > 0) & (starts == self.sharing_starts(ids, gpus, none, none))  # prefixes already there
         self._require(ids, ok, "given the ready prefix of their group on that GPU")
         for sid, g in zip(ids.tolist(), gpus.tolist()):
             entry = self.prefixes[(g, int(self.prefix_group[sid]))]
@@ -176,7 +165,7 @@ class PrefixPages:
             for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
                 g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
                 if later[group] > 0 and self.pages_used[g] + pages <= self.gpu_pages[g]:
-                    self._keep(instance, g, group, GroupPrefix(n, pages, 0))
+                    self._keep(g, group, GroupPrefix(n, pages, 0))
                     self._gpu_holds(g, int(self.pages_used[g]) + pages)
                     self.unheld_pages[g] += pages
                 else:
@@ -201,7 +190,7 @@ class PrefixPages:
             if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
                 continue
             pages = tokens // self.page_tokens
-            self._keep(instance, g, group, GroupPrefix(tokens, pages, 1))
+            self._keep(g, group, GroupPrefix(tokens, pages, 1))
             self.prefix_held[sid] = tokens
             t.pages[sid] -= pages
             made.append(i)
@@ -240,7 +229,7 @@ class PrefixPages:
         np.add.at(self.group_left, grouped[grouped >= 0], 1)
         self._exhausted.difference_update(grouped[grouped >= 0].tolist())
 
-    def _keep(self, instance: int, gpu: int, group: int, entry: GroupPrefix) -> None:
+    def _keep(self, gpu: int, group: int, entry: GroupPrefix) -> None:
         self.prefixes[(gpu, group)] = entry
         self._gpus_of_group.setdefault(group, set()).add(gpu)
 
@@ -334,14 +323,13 @@ class PrefixPages:
             entry = self.prefixes.get(key)
             if entry is None or entry.tokens != self.prefix_held[sid]:
                 raise InvariantError(f"sequence {sid} holds a prefix GPU {key[0]} does not have for group {key[1]}")
+        unheld = np.zeros(self.topo.num_gpus, np.int64)
         for (g, group), entry in self.prefixes.items():
             if count.get((g, group), 0) != entry.holders:
                 raise InvariantError(f"group {group}'s prefix on GPU {g} counts {entry.holders} holders, "
                                      f"{count.get((g, group), 0)} hold it")
             pages[g] += entry.pages
-        unheld = np.zeros(self.topo.num_gpus, np.int64)
-        for (g, _), entry in self.prefixes.items():
-            unheld[g] += entry.pages if not entry.holders else 0
+            unheld[g] += 0 if entry.holders else entry.pages
         if not np.array_equal(unheld, self.unheld_pages):
             raise InvariantError("the pages of prefixes no one holds drifted from their count")
         return pages
