@@ -73,6 +73,7 @@ class PrefixPages:
         self._after_forward: list[list[tuple[int, int]]] = [[] for _ in range(self.topo.num_instances)]
         self._read_in_forward: list[list] = [[] for _ in range(self.topo.num_instances)]  # pinned till swept
         self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
+        self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
 
     def _share_tokens(self, sid: int) -> int:
         """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
@@ -81,6 +82,17 @@ class PrefixPages:
         ctx = int(self.table.input_len[sid] + self.table.decoded[sid])
         tokens = min(int(self.prefix_len[sid]), ctx - 1)
         return tokens // self.page_tokens * self.page_tokens
+
+    def share_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """`_share_tokens` of many sequences at once (0 where a sequence is in no group)."""
+        t = self.table
+        tokens = np.minimum(self.prefix_len[ids], t.context(ids) - 1) // self.page_tokens * self.page_tokens
+        return np.where(self.prefix_group[ids] >= 0, np.maximum(tokens, 0), 0)
+
+    def prefixes_on(self, gpus: np.ndarray) -> dict[tuple[int, int], int]:
+        """(rank, group) -> tokens of each prefix on these GPUs (rank: the GPU's index in `gpus`)."""
+        rank = {int(g): r for r, g in enumerate(gpus.tolist())}
+        return {(rank[g], group): e.tokens for (g, group), e in self.prefixes.items() if g in rank}
 
     def sharing_starts(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Where each of a forward's chunks starts with prefix caching: a pending sequence's past its group's prefix
@@ -231,6 +243,7 @@ class PrefixPages:
 
     def _keep(self, gpu: int, group: int, entry: GroupPrefix) -> None:
         self.prefixes[(gpu, group)] = entry
+        self.prefix_pages[gpu] += entry.pages
         self._gpus_of_group.setdefault(group, set()).add(gpu)
 
     def _drop(self, instance: int, gpu: int, group: int, unheld: bool = True) -> None:
@@ -238,6 +251,7 @@ class PrefixPages:
         unheld (counted in `unheld_pages`), not let go just now."""
         entry = self.prefixes.pop((gpu, group))
         self.pages_used[gpu] -= entry.pages
+        self.prefix_pages[gpu] -= entry.pages
         if unheld:
             self.unheld_pages[gpu] -= entry.pages
         gpus = self._gpus_of_group[group]
@@ -330,6 +344,6 @@ class PrefixPages:
                                      f"{count.get((g, group), 0)} hold it")
             pages[g] += entry.pages
             unheld[g] += 0 if entry.holders else entry.pages
-        if not np.array_equal(unheld, self.unheld_pages):
-            raise InvariantError("the pages of prefixes no one holds drifted from their count")
+        if not np.array_equal(unheld, self.unheld_pages) or not np.array_equal(pages, self.prefix_pages):
+            raise InvariantError("the pages of prefixes (or of those no one holds) drifted from their count")
         return pages

@@ -108,6 +108,24 @@ def tp_and_hosted(state: ClusterState, ids: np.ndarray) -> tuple[np.ndarray, np.
     return tp, hosted
 
 
+class _StatePrefixes:
+    """`PrefixView` of a state's prefix cache, for one instance's ranks."""
+
+    __slots__ = ("_state", "_gpus")
+
+    def __init__(self, state: ClusterState, gpus: np.ndarray):
+        self._state, self._gpus = state, gpus
+
+    def group(self, ids: np.ndarray) -> np.ndarray:
+        return self._state.prefix_group[ids]
+
+    def shared_tokens(self, ids: np.ndarray) -> np.ndarray:
+        return self._state.share_tokens(ids)
+
+    def on_ranks(self) -> dict[tuple[int, int], int]:
+        return self._state.prefixes_on(self._gpus)
+
+
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:
     t = state.table
@@ -124,8 +142,9 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
     return Snapshot(
         now=now, instance=instance, page_tokens=state.page_tokens, gpus=gpus,
         rank_node=views.rank_node[instance], pages_used=state.pages_used[gpus],
-        pages_capacity=(views.pages_capacity[instance] if not state.sharing or not state.unheld_pages.any()
-                        else views.pages_capacity[instance] - state.unheld_pages[gpus]),  # kept prefixes' pages
+        # shared prefixes' pages are the GPU's, not any sequence's: `active_shared` says what each holds of them
+        pages_capacity=(views.pages_capacity[instance] if not state.sharing or not state.prefix_pages.any()
+                        else views.pages_capacity[instance] - state.prefix_pages[gpus]),
         pad_rows=progress.pads()[0],
         active_ids=_frozen(ids), active_context=t.input_len[ids] + decoded,
         # every running sequence of a one-GPU instance is on its rank 0
@@ -137,4 +156,5 @@ def make_snapshot(state: ClusterState, instance: int, now: float, progress: Inst
         host_used_tokens=state.host_committed(except_instance=instance),
         lengths=views.lengths, last_phase=progress.last_phase, gpus_per_node=gpus_per_node,
         capabilities=capabilities, active_prefilled=t.prefilled[ids], carry=progress.carry,
+        **({"prefixes": _StatePrefixes(state, gpus), "active_shared": state.prefix_held[ids]} if state.sharing else {}),
     )

@@ -26,6 +26,15 @@ class PoolView(Protocol):
     def peek(self, n: int) -> np.ndarray: ...
 
 
+class PrefixView(Protocol):
+    """The prefix cache as a policy may read it (batchgen.core.prefix_pages): which prompts share, and which
+    prefixes its ranks hold, so that a prefill budget counts the tokens a forward computes, not those it takes."""
+
+    def group(self, ids: np.ndarray) -> np.ndarray: ...         # each sequence's group (-1: none)
+    def shared_tokens(self, ids: np.ndarray) -> np.ndarray: ...  # the prefix it would take or create (whole pages)
+    def on_ranks(self) -> dict[tuple[int, int], int]: ...       # (rank, group) -> tokens of a prefix there
+
+
 @dataclass(frozen=True)
 class Lengths:
     """Per-sequence lengths a real engine knows: the prompt and what was generated so far."""
@@ -102,6 +111,11 @@ class Snapshot:
     # what this policy's previous decision on this instance left for the next one (`Decision.carry`; None at the
     # first): a policy that must remember (SGLang's new_token_ratio) stays a pure function of its snapshot
     carry: Any = None
+    # the prefix cache, where the job shares prefixes (None: nothing is shared)
+    prefixes: PrefixView | None = None
+    # per running sequence: the tokens of a shared prefix it holds by reference (their pages are not its own but
+    # its GPU's, already out of `pages_capacity`); empty where nothing is shared (`prefixes` None)
+    active_shared: np.ndarray = field(default_factory=lambda: EMPTY)
 
     @property
     def layerwise_offload(self) -> bool:

@@ -48,6 +48,7 @@ from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import check_attention_tp, pages_for, shed_to_fit
 from batchgen.policy.engine_defaults import vllm_offline_caps
+from batchgen.policy.prefix_budget import ForwardPrefixes, computed_whole
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class ContinuousPolicy(PolicyDefaults):
         need = (snap.active_context + (self.page_lookahead + P - 1)) // P  # pages_for(context + lookahead, P)
         if going_at.size:
             need[going_at] = pages_for(snap.active_prefilled[going_at], P)
+        if snap.prefixes is not None:  # a shared prefix's pages are not the holder's own
+            need -= snap.active_shared // P
         used = np.bincount(rank, weights=need, minlength=R).tolist()  # whole numbers, exact as floats
         capacity = capacity.tolist()
         if any(u > c for u, c in zip(used, capacity)):
@@ -206,6 +209,7 @@ class ContinuousPolicy(PolicyDefaults):
             room, d.carry = self._admit_room(snap, waiting, drop, going_at, free, count)
         ids_out, ranks_out, lens_out = [], [], []
         evicted = set(snap.active_rank[drop].tolist()) if drop.size else ()
+        prefixes = None if snap.prefixes is None else snap.prefixes.on_ranks()  # chunks budget what they compute
         for r in range(R):
             decoding = count[r] - len(going[r])
             budget = self.token_budget - decoding if self.mixed_chunks else self.token_budget
@@ -215,7 +219,7 @@ class ContinuousPolicy(PolicyDefaults):
             ids, lens = self._rank_chunks(
                 snap, snap.pinned[r], fresh, going[r], max(self.max_running - count[r], 0),
                 None if room is None else room[r], not count[r], budget, free[r],
-                self.admission == "greedy" and decoding > 0)
+                self.admission == "greedy" and decoding > 0, r, prefixes)
             if ids:
                 ids_out += ids
                 ranks_out += [r] * len(ids)
@@ -229,13 +233,14 @@ class ContinuousPolicy(PolicyDefaults):
         return d
 
     def _rank_chunks(self, snap: Snapshot, queue, fresh: np.ndarray, going_at: list[int], slots: int,
-                     room: float | None, first_always: bool, budget: int, free: float, whole: bool
-                     ) -> tuple[list[int], list[int]]:
+                     room: float | None, first_always: bool, budget: int, free: float, whole: bool, rank: int = 0,
+                     prefixes: dict | None = None) -> tuple[list[int], list[int]]:
         """One rank's chunks: the sequences part-way through (`going_at`, indices into the snapshot's running
         ones) continue first, then up to `slots` prompts of its queue and then of the prompts pinned to it now
         (`fresh`), FIFO; SGLang's check keeps a prompt out unless it and its clipped output fit the `room`.
         Only the head of the queue that can move is looked at: a FIFO cut never depends on what follows it, so
-        the rest is read only where the whole head moves."""
+        the rest is read only where the whole head moves. With `prefixes` (the instance's, `PrefixView.on_ranks`)
+        a prompt starts past the prefix it takes on this `rank` (batchgen.policy.prefix_budget)."""
         going, going_start, going_context = [], [], []
         if going_at:
             going = snap.active_ids[going_at].tolist()
@@ -250,13 +255,18 @@ class ContinuousPolicy(PolicyDefaults):
             final = head == look  # every candidate is looked at (else a head of them)
             queued_context = snap.lengths.context(queued).tolist()
             if room is not None and queued.size:
-                n = _fitting(queued_context, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
+                fit = queued_context if prefixes is None else computed_whole(
+                    snap.prefixes, queued, queued_context, rank, dict(prefixes))
+                n = _fitting(fit, self._max_tokens(snap, queued).tolist(), self.clip_max_new_tokens,
                              room, first_always)
                 if n < queued.size:  # a cut inside the head: the whole queue is cut at the same place
                     queued, queued_context, final = queued[:n], queued_context[:n], True
             cand = going + queued.tolist()
+            seen = None
+            if prefixes is not None:
+                seen = ForwardPrefixes(snap.prefixes, np.array(cand, np.int64), dict(prefixes))
             ids, lens = _fill(cand, going_start + [0] * queued.size, going_context + queued_context, budget, free,
-                              snap.page_tokens, whole)
+                              snap.page_tokens, whole, seen, rank)
             if len(ids) < len(cand) or final:
                 return ids, lens
             head = look  # every candidate looked at moved: the rest of the queue may too
@@ -369,17 +379,21 @@ def _fitting(context: list[int], max_tokens: list[int], clip: int, room: float, 
 
 
 def _fill(cand: list[int], start: list[int], context: list[int], budget: int, free_pages: float, page_tokens: int,
-          whole: bool) -> tuple[list[int], list[int]]:
+          whole: bool, seen: ForwardPrefixes | None = None, rank: int = 0) -> tuple[list[int], list[int]]:
     """Chunks for FIFO candidates (those part-way through first) within a rank's token budget and free pages:
     each takes what is left of its context or of the budget (a chunk that completes its context also needs room
     for the first token). With `whole` (vLLM V1: a chunk's slots are allocated whole or not at all) a chunk whose
     pages are not all free waits; otherwise it is cut to the pages it can still get (SGLang's chunked request,
     and a rank where nothing decodes, so that nothing would free pages). Stops at the first candidate that cannot
-    move, so FIFO order holds. Returns (ids, chunk lengths)."""
+    move, so FIFO order holds. With `seen` a prompt that takes a prefix on `rank` starts past it, holding its pages
+    by reference, and a chunk that passes its prefix writes it for the ones after it. Returns (ids, chunk
+    lengths)."""
     ids, lens = [], []
-    for sid, s, c in zip(cand, start, context):
+    for i, (sid, s, c) in enumerate(zip(cand, start, context)):
         if budget <= 0:
             break
+        if seen is not None:
+            s = seen.start(rank, i, s)
         held = -(-s // page_tokens)
         end = min(c, s + budget)
         if whole and -(-(end + (end == c)) // page_tokens) - held > free_pages:
@@ -389,6 +403,8 @@ def _fill(cand: list[int], start: list[int], context: list[int], budget: int, fr
         end = min(end, int((held + max(free_pages, 0)) // 1) * page_tokens)
         if end <= s:
             break
+        if seen is not None:
+            seen.wrote(rank, i, s, end)
         ids.append(sid)
         lens.append(end - s)
         budget -= end - s

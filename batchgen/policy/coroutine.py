@@ -43,6 +43,7 @@ import numpy as np
 from batchgen.core.move_order import one_at_a_time
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
+from batchgen.policy.prefix_budget import spread_sharing
 from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit,
                                    split_by_budget)
 
@@ -75,8 +76,8 @@ class CoroutinePolicy(PolicyDefaults):
     comm_overlap: bool = False   # each micro-batch's expert all-to-all beside the next one's compute (sim and dist)
     prefill_parallel: str = "ep"  # prefill forwards: ep (expert parallel), dp (every expert streamed to each rank;
     #                               sim and dist), auto (the shorter predicted batch: batchgen.job.plan_prefill)
-    prefix_cache: bool = True     # a prompt prefilled onto a GPU that holds its group's prefix takes those pages
-    #                               and prefills the rest (batchgen.core.prefix_pages; prompts prefilled to host do not)
+    prefix_cache: bool = True     # a prompt prefilled on a GPU that holds its group's prefix, or whose forward writes
+    #                               it, takes those pages and prefills (and budgets) the rest (core.prefix_pages)
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
@@ -234,16 +235,20 @@ class CoroutinePolicy(PolicyDefaults):
         growth = np.bincount(snap.rank_node[snap.active_rank], minlength=n_nodes) * snap.page_tokens
         room = np.floor(snap.host_capacity_tokens * watermark - snap.host_used_tokens - growth).astype(np.int64)
         chunk = self.knob("prefill_tokens_per_rank")
-        cand = snap.pending.peek(snap.num_ranks * max(chunk // 64, 1))
+        # enough for prompts of 64 tokens, or (shared prefixes) of a page past their prefix
+        cand = snap.pending.peek(snap.num_ranks * max(chunk // (64 if snap.prefixes is None else snap.page_tokens), 1))
         tokens = snap.lengths.context(cand) + 1  # the prefill's first token lands on host too
         # fewer prompt tokens than every rank's chunk: spread them evenly (filling the first ranks would leave the
         # others idle in attention, and in a data-parallel prefill in the experts too)
         total = int(tokens.sum())
-        budget = np.full(snap.num_ranks, min(chunk, -(-total // snap.num_ranks)))
-        ranks = split_by_budget(tokens, budget)
+        if snap.prefixes is None:
+            budget = np.full(snap.num_ranks, min(chunk, -(-total // snap.num_ranks)))
+            ranks, computed = split_by_budget(tokens, budget), tokens
+        else:  # the budget counts the tokens computed, less the prefixes taken (batchgen.policy.prefix_budget)
+            ranks, computed = spread_sharing(cand, tokens, chunk, snap.num_ranks, snap.prefixes)
         n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
-        if not snap.layerwise_offload:
-            n = min(n, _host_prefix(ranks[:n], pages_for(tokens[:n], snap.page_tokens),
+        if not snap.layerwise_offload:  # pages during the forward: a prompt's own, past a prefix it takes
+            n = min(n, _host_prefix(ranks[:n], pages_for(computed[:n], snap.page_tokens),
                                     np.maximum(free_pages, 0).astype(np.int64)))
         d.prefill_ids, d.prefill_ranks = cand[:n], ranks[:n]
         d.prefill_to_host = True

@@ -1,0 +1,109 @@
+"""FIFO prompts split over ranks by the tokens each forward computes when prompts share prefixes.
+
+Why. A forward's prefill budget (tokens per rank) stands for the work and activations of the tokens it computes.
+With prefix caching a prompt whose group's prefix is on its rank, or is written there by an earlier prompt of
+the same forward, computes only the rest (batchgen.core.prefix_pages' `sharing_starts`; vLLM's scheduler and
+SGLang's prefill adder count only uncached tokens against their budgets too). Budgeting whole prompts would run
+forwards that compute a fraction of what they could: on a few-shot evaluation, each a fifth of the budget, each
+paying the whole forward's fixed cost (in a data-parallel prefill, every expert streamed in).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.policy.base import PrefixView
+
+
+class ForwardPrefixes:
+    """The prefixes a forward's prompts find on their ranks as the policy builds it, candidate by candidate: those
+    there already and those its earlier chunks write (the rule of `sharing_starts`: a chunk that passes its
+    group's prefix on a rank without one writes it; a prompt that starts there later takes it, if its own shared
+    tokens reach it)."""
+
+    def __init__(self, prefixes: PrefixView, ids: np.ndarray, there: dict[tuple[int, int], int] | None = None):
+        self.group = prefixes.group(ids).tolist()
+        self.shared = prefixes.shared_tokens(ids).tolist()
+        # (rank, group) -> tokens, `prefixes.on_ranks()` unless given (one forward's ranks share it); grows with the
+        # prefixes written
+        self.there = prefixes.on_ranks() if there is None else there
+
+    def start(self, rank: int, i: int, s: int) -> int:
+        """Where candidate i's chunk starts on `rank`: past the prefix it takes if it has not started (s == 0)."""
+        if s or self.group[i] < 0:
+            return s
+        have = self.there.get((rank, self.group[i]))
+        return have if have and self.shared[i] >= have else 0
+
+    def wrote(self, rank: int, i: int, s: int, end: int) -> None:
+        """Candidate i's chunk covers [s, end) on `rank`: it writes its group's prefix there if it passes it first."""
+        shared = self.shared[i]
+        if shared and s < shared <= end and (rank, self.group[i]) not in self.there:
+            self.there[(rank, self.group[i])] = shared
+
+
+def computed_whole(prefixes: PrefixView, ids: np.ndarray, context: list[int], rank: int,
+                   there: dict[tuple[int, int], int]) -> list[int]:
+    """The tokens each FIFO prompt computes on `rank` if every one before it is prefilled whole there (what
+    SGLang's admission charges a prompt: its tokens past the cached prefix)."""
+    seen = ForwardPrefixes(prefixes, ids, there)
+    out = []
+    for i, c in enumerate(context):
+        s = seen.start(rank, i, 0)
+        seen.wrote(rank, i, s, c)
+        out.append(c - s)
+    return out
+
+
+def split_sharing(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray,
+                  prefixes: PrefixView) -> tuple[np.ndarray, np.ndarray]:
+    """`common.split_by_budget` over the tokens each prompt computes: give FIFO prompts (`tokens` each, whole) to
+    ranks in order, each rank with budget taking at least one and keeping its computed tokens within its budget
+    (`ForwardPrefixes` says what each takes). Returns (rank, computed tokens) of each taken prompt (a FIFO prefix
+    of `ids`)."""
+    seen = ForwardPrefixes(prefixes, ids)
+    budgets = np.asarray(budget_per_rank).tolist()
+    ranks: list[int] = []
+    computed: list[int] = []
+    r, used, n_on_rank = 0, 0, 0
+    for i in range(ids.size):
+        while r < len(budgets) and budgets[r] <= 0:
+            r += 1
+        if r == len(budgets):
+            break
+        c = int(tokens[i]) - seen.start(r, i, 0)
+        if n_on_rank and used + c > budgets[r]:  # this rank is full: the next one with budget takes it
+            r, used, n_on_rank = r + 1, 0, 0
+            while r < len(budgets) and budgets[r] <= 0:
+                r += 1
+            if r == len(budgets):
+                break
+            c = int(tokens[i]) - seen.start(r, i, 0)
+        ranks.append(r)
+        computed.append(c)
+        used += c
+        n_on_rank += 1
+        seen.wrote(r, i, int(tokens[i]) - c, int(tokens[i]))
+    return np.array(ranks, np.int64), np.array(computed, np.int64)
+
+
+def spread_sharing(ids: np.ndarray, tokens: np.ndarray, chunk: int, num_ranks: int,
+                   prefixes: PrefixView, tries: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """`split_sharing` with `chunk` computed tokens per rank; where that takes every prompt, the same prompts
+    spread over the ranks as evenly as the prefixes allow: the smallest equal budget found (in `tries` halvings
+    from an even split of the computed tokens) under which every prompt is still taken. A budget split evenly
+    over the ranks would make more of them write a group's prefix and take fewer prompts."""
+    ranks, computed = split_sharing(ids, tokens, np.full(num_ranks, chunk), prefixes)
+    if ranks.size < ids.size or num_ranks == 1:
+        return ranks, computed
+    lo, hi = -(-int(computed.sum()) // num_ranks), chunk  # hi: every prompt is taken
+    for k in range(tries):
+        if lo >= hi:
+            break
+        mid = lo if k == 0 else (lo + hi) // 2  # the even split first
+        r, c = split_sharing(ids, tokens, np.full(num_ranks, mid), prefixes)
+        if r.size == ids.size:
+            ranks, computed, hi = r, c, mid
+        else:
+            lo = mid + 1
+    return ranks, computed

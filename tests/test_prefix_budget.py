@@ -1,0 +1,99 @@
+"""Prefill budgets count the tokens a forward computes, not the prompt tokens it takes from shared prefixes
+(batchgen.policy.prefix_budget): the split's rules, and the engine computing exactly what the policy budgeted."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import batchgen.engine.apply as apply
+from batchgen.policy.prefix_budget import computed_whole, split_sharing
+from batchgen.sim.run import simulate
+from test_prefix_pages import grouped_job
+
+
+class View:
+    """A prefix cache as a policy reads it: groups, shared tokens and the prefixes already on ranks."""
+
+    def __init__(self, group, shared, there=None):
+        self._group, self._shared, self._there = np.array(group), np.array(shared), dict(there or {})
+
+    def group(self, ids):
+        return self._group[ids]
+
+    def shared_tokens(self, ids):
+        return self._shared[ids]
+
+    def on_ranks(self):
+        return dict(self._there)
+
+
+def test_the_first_of_a_group_on_a_rank_computes_its_prefix_and_the_rest_only_their_own_tokens():
+    # six prompts of 1,100 tokens sharing 1,024; a budget of 1,400 computed tokens per rank
+    view = View([0] * 6, [1024] * 6)
+    ranks, computed = split_sharing(np.arange(6), np.full(6, 1100), np.array([1400, 1400]), view)
+    # 1,100 + 3 x 76 fit 1,400 and a fourth taker does not: on rank 1 the next writes the prefix again
+    assert ranks.tolist() == [0, 0, 0, 0, 1, 1]
+    assert computed.tolist() == [1100, 76, 76, 76, 1100, 76]
+
+
+def test_a_prefix_already_on_a_rank_is_taken_and_a_shorter_one_is_not():
+    view = View([0, 0, 1, -1], [1024, 1024, 512, 0], there={(0, 0): 1024, (0, 1): 768})
+    ranks, computed = split_sharing(np.arange(4), np.array([1100, 1100, 600, 300]), np.array([10_000]), view)
+    # group 1's prefix on rank 0 is longer than what its prompt shares: computed whole, and not written again
+    assert ranks.tolist() == [0, 0, 0, 0] and computed.tolist() == [76, 76, 600, 300]
+    assert computed_whole(view, np.arange(4), [1100, 1100, 600, 300], 1, {}) == [1100, 76, 600, 300]
+
+
+def test_ranks_without_budget_take_nothing_and_each_rank_with_budget_takes_one():
+    view = View([0, 0, 0], [64, 64, 64])
+    ranks, computed = split_sharing(np.arange(3), np.array([5000, 5000, 5000]), np.array([0, 100, 100]), view)
+    assert ranks.tolist() == [1, 2] and computed.tolist() == [5000, 5000]
+
+
+_TAKE_PREFILL, _TAKE_PREFIXES = apply._take_prefill, apply._take_prefixes
+
+
+def _forwards(monkeypatch, job):
+    """Simulate `job`; returns each forward's computed prefill tokens per rank, and the chunks the engine cut."""
+    seen, cut = [], []
+    take_prefill, take_prefixes = _TAKE_PREFILL, _TAKE_PREFIXES
+
+    def prefill(state, instance, d, gpus):
+        at = take_prefill(state, instance, d, gpus)
+        tokens = state.table.context(d.prefill_ids) + 1 - (at if at.size else 0)
+        seen.append(np.bincount(d.prefill_ranks, weights=tokens, minlength=gpus.size))
+        return at
+
+    def prefixes(state, instance, ids, gpus, starts, lens):
+        out = take_prefixes(state, instance, ids, gpus, starts, lens)
+        cut.append(int((out[1] != lens).sum()))
+        return out
+
+    monkeypatch.setattr(apply, "_take_prefill", prefill)
+    monkeypatch.setattr(apply, "_take_prefixes", prefixes)
+    out = simulate(job)
+    return out, seen, cut
+
+
+def test_coroutine_fills_its_prefill_forwards_with_computed_tokens(monkeypatch):
+    job = grouped_job("coroutine", n=96, group_size=24, prefix=960, suffix=(8, 60), page_tokens=16, num_gpus=2,
+                      prefill_tokens_per_rank=2048)
+    on, fwd_on, _ = _forwards(monkeypatch, job)
+    off, fwd_off, _ = _forwards(monkeypatch, dataclasses.replace(
+        job, policy=dataclasses.replace(job.policy, prefix_cache=False)))
+    for per_rank in fwd_on:  # a prompt of at most 1,020 tokens: never one alone over the budget
+        assert per_rank.max() <= 2048
+    # whole prompts: two of about 1,000 tokens per rank and forward; computed tokens: a prefix and ~20 others
+    assert len(fwd_on) * 4 <= len(fwd_off)
+    assert on.prepared.state.prefill_computed < off.prepared.state.prefill_computed / 4
+
+
+@pytest.mark.parametrize("policy", ["continuous", "sglang_opt"])
+def test_chunks_are_budgeted_past_the_prefix_they_take(monkeypatch, policy):
+    knobs = {"token_budget": 1024, **({"two_batch_overlap": False} if policy == "sglang_opt" else {})}
+    job = grouped_job(policy, n=64, group_size=16, prefix=512, page_tokens=16, num_gpus=2, **knobs)
+    on, _, cut = _forwards(monkeypatch, job)
+    assert sum(cut) == 0  # the policy knew where every chunk starts: the engine cut none to its context
+    off = simulate(dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_cache=False)))
+    assert on.prepared.state.prefill_computed < off.prepared.state.prefill_computed / 2
