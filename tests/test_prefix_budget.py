@@ -45,6 +45,15 @@ def test_a_prefix_already_on_a_rank_is_taken_and_a_shorter_one_is_not():
     assert computed_whole(view, np.arange(4), [1100, 1100, 600, 300], 1, {}) == [1100, 76, 600, 300]
 
 
+def test_a_prompt_goes_to_the_rank_that_holds_its_groups_prefix_while_it_has_budget():
+    # group 0's prefix is on rank 1 already; group 1 starts on rank 0, the rank being filled
+    view = View([1, 0, 0, 1, 0], [512] * 5, there={(1, 0): 512})
+    ranks, computed = split_sharing(np.arange(5), np.full(5, 600), np.array([1000, 300]), view)
+    # group 0's members take rank 1's prefix (88 tokens each, 264 of its 300); group 1's second member follows its
+    # first to rank 0
+    assert ranks.tolist() == [0, 1, 1, 0, 1] and computed.tolist() == [600, 88, 88, 88, 88]
+
+
 def test_ranks_without_budget_take_nothing_and_each_rank_with_budget_takes_one():
     view = View([0, 0, 0], [64, 64, 64])
     ranks, computed = split_sharing(np.arange(3), np.array([5000, 5000, 5000]), np.array([0, 100, 100]), view)

@@ -57,33 +57,42 @@ def computed_whole(prefixes: PrefixView, ids: np.ndarray, context: list[int], ra
 
 def split_sharing(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray,
                   prefixes: PrefixView) -> tuple[np.ndarray, np.ndarray]:
-    """`common.split_by_budget` over the tokens each prompt computes: give FIFO prompts (`tokens` each, whole) to
+    """`common.split_by_budget` over the tokens each prompt computes: FIFO prompts (`tokens` each, whole) go to
     ranks in order, each rank with budget taking at least one and keeping its computed tokens within its budget
-    (`ForwardPrefixes` says what each takes). Returns (rank, computed tokens) of each taken prompt (a FIFO prefix
-    of `ids`)."""
+    (`ForwardPrefixes` says what each takes), except that a prompt whose group's prefix a rank holds, or is
+    writing in this forward, goes to the first such rank with budget left for it: sharers meet where their prefix
+    is. Returns (rank, computed tokens) of each taken prompt (a FIFO prefix of `ids`)."""
     seen = ForwardPrefixes(prefixes, ids)
     budgets = np.asarray(budget_per_rank).tolist()
+    used, count = [0] * len(budgets), [0] * len(budgets)
+    homes: dict[int, list[int]] = {}  # group -> ranks with its prefix, in the order they got it
+    for r, g in sorted(seen.there):
+        homes.setdefault(g, []).append(r)
     ranks: list[int] = []
     computed: list[int] = []
-    r, used, n_on_rank = 0, 0, 0
+    r = 0  # the rank being filled in order
     for i in range(ids.size):
-        while r < len(budgets) and budgets[r] <= 0:
-            r += 1
-        if r == len(budgets):
-            break
-        c = int(tokens[i]) - seen.start(r, i, 0)
-        if n_on_rank and used + c > budgets[r]:  # this rank is full: the next one with budget takes it
-            r, used, n_on_rank = r + 1, 0, 0
-            while r < len(budgets) and budgets[r] <= 0:
-                r += 1
+        g, at = seen.group[i], None
+        for h in homes.get(g, ()) if g >= 0 else ():
+            c = int(tokens[i]) - seen.start(h, i, 0)
+            if used[h] + c <= budgets[h]:
+                at = h
+                break
+        if at is None:
+            while r < len(budgets) and (budgets[r] <= 0 or (count[r] and used[r] + int(tokens[i])
+                                                             - seen.start(r, i, 0) > budgets[r])):
+                r += 1  # this rank is full (or has no budget): the next one takes it
             if r == len(budgets):
                 break
-            c = int(tokens[i]) - seen.start(r, i, 0)
-        ranks.append(r)
+            at, c = r, int(tokens[i]) - seen.start(r, i, 0)
+        ranks.append(at)
         computed.append(c)
-        used += c
-        n_on_rank += 1
-        seen.wrote(r, i, int(tokens[i]) - c, int(tokens[i]))
+        used[at] += c
+        count[at] += 1
+        if g >= 0 and (at, g) not in seen.there:
+            seen.wrote(at, i, int(tokens[i]) - c, int(tokens[i]))
+            if (at, g) in seen.there:
+                homes.setdefault(g, []).append(at)
     return np.array(ranks, np.int64), np.array(computed, np.int64)
 
 
