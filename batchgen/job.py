@@ -294,8 +294,11 @@ def _predict(job: Job) -> tuple:
     dp_stream_s = (dp_prefill_copy(job.model, lat, budget.streamed_bytes_per_iter)[1]
                    if policy.prefill_parallel == "dp" else None)  # as the simulator prices it
     w = job.workload
+    mean_input = float(w.input_lens.mean())
+    if getattr(policy, "prefix_cache", False) and w.prefix_group is not None and (w.prefix_group >= 0).any():
+        mean_input = w.prefill_tokens()["prefill_tokens_distinct"] / len(w)  # each group's prefix computed once
     return policy, batch_time(
-        lat, sequences=len(w), mean_input=float(w.input_lens.mean()), mean_output=float(w.output_lens.mean()),
+        lat, sequences=len(w), mean_input=mean_input, mean_output=float(w.output_lens.mean()),
         ranks=c.instance_size, instances=c.num_instances, chunk=int(policy.prefill_tokens_per_rank),
         micro_batch=int(plan.b_attn), decode_tokens_per_s=plan.batch_tokens_per_s, weight_stream_s=stream_s,
         dp_stream_s=dp_stream_s)
