@@ -9,6 +9,7 @@ with --no-deps (never imported: its __init__ needs the `llm` package). Skips cle
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
@@ -158,3 +159,30 @@ def test_stop_string_ends_the_text_before_it(smol):
     assert out.tokens.finish_reason(0) == "stop_string"
     assert out.tokens.text(0) == "The capital of France is"
     assert out.prepared.state.table.output_len[0] == len(out.tokens.generated[0]) < NEW_TOKENS
+
+
+@pytest.mark.parametrize("policy", ["coroutine", "continuous"])
+def test_chats_share_their_system_prompts_kv_and_answer_as_transformers(smol, policy):
+    """The chat template puts the same system prompt before both chats: as one prefix group, the second chat
+    takes the first one's KV for it (real weights, real attention patterns) and both answers stay
+    transformers'."""
+    from batchgen.workload.spec import Workload
+
+    chats = smol.prompts[1:]
+    common = next(i for i, (a, b) in enumerate(zip(*chats)) if a != b)
+    assert common >= 16  # the system prompt: at least two whole pages of 8 tokens
+    inputs, outputs = [len(p) for p in chats], [NEW_TOKENS] * len(chats)
+    job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": 1},
+                   policy_overrides={"b_moe": 4} if policy == "coroutine" else {"token_budget": 4096})
+    job = dataclasses.replace(job, workload=Workload("chats", np.array(inputs), np.array(outputs),
+                                                     prefix_group=np.zeros(2, np.int64),
+                                                     prefix_len=np.full(2, common)))
+    settings = ExecSettings(device="cpu", dtype="float32", model_path=str(smol.moe_dir), kv_budget_mb=2 * KV_MB,
+                            ignore_eos=False)  # room for both: nothing preempted, the prefix taken once
+    out = execute(job, settings, prompts=chats)
+    state = out.prepared.state
+    assert state.sharing and not state.table.recomputes.any() and state.prefix_taken == common // 8 * 8
+    assert state.prefill_computed == sum(inputs) - state.prefix_taken
+    for sid, expected in enumerate(smol.expected[1:]):
+        assert out.tokens.generated[sid] == expected, sid
