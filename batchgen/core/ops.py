@@ -359,7 +359,11 @@ class KVLedger:
                        "reshard (a group's KV, device to device)")
             self._fail((lead != to_lead) | (degree != to_degree), ops.reshard_ids[row], lead, "reshard to its group")
             h[sid], sp[sid] = int(to_lead[0]), int(to_degree[0]) if to_degree[0] > 1 else 0
-        taken = ~ops.share_creates & ~np.isin(ops.share_ids, fresh_ids)  # a prompt prefilled to host: as fresh
+        restored = np.isin(ops.share_ids, ops.restore_ids)  # taken by a restore: the rest of its KV copied in
+        if restored.any():
+            ids, gpus = ops.share_ids[restored], ops.share_gpu[restored]
+            self._fail((h[ids] == gpus) & dev[ids], ids, gpus, "share (a prefix taken by a restore onto that GPU)")
+        taken = ~ops.share_creates & ~np.isin(ops.share_ids, fresh_ids) & ~restored  # prefilled to host: as fresh
         ids = ops.share_ids[taken] if ops.share_ids.size else _I
         if ids.size:  # a prefix taken: the KV starts on device there (a created one is written by the first chunk)
             gpus = ops.share_gpu[taken]

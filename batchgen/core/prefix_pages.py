@@ -19,14 +19,17 @@ The model, kept exact by every primitive:
   MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages). Nothing moves when a prefix is
   shared or let go, so the ops that say so (`share`, `unshare`) carry no bytes.
 - A prefix with no holder stays on its GPU (its pages still counted) while members of its group have not started
-  their prefill; once none is left to start, the last holder's going drops it (`unshare`), and one that no one
-  holds then is dropped after the instance's next run (`sweep_prefixes`). A batch job knows what is still to come:
+  their prefill, or wait in a host pool with their host copy in that GPU's cache (`_parked_on`); once none is
+  left, the last holder's going drops it (`unshare`), and one that no one holds then is dropped after the
+  instance's next run (`sweep_prefixes`). A batch job knows what is still to come:
   the prefix is kept as long as it can be taken, unless the GPU needs its pages: a primitive that would overfill
   it drops unheld prefixes first, the longest unheld first (`_make_room`), as a prefix cache evicts on demand. The
   policies see unheld prefixes' pages as taken (`Snapshot.pages_capacity` is less by them), so their admissions
   leave them room; an instance whose policy runs nothing drops its unheld prefixes (`drop_unheld`).
 - Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
   the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
+- A suspended member restored onto the GPU whose cache holds its host copy takes the prefix there
+  (`attach_restored`): the restore copies only the rest of its KV (its host copy stays whole).
 - PARTITION refuses a holder.
 """
 
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen.core.sequences import PENDING, InvariantError
+from batchgen.core.sequences import PENDING, SUSPENDED, InvariantError
 
 
 @dataclass
@@ -64,6 +67,7 @@ class PrefixPages:
         self.prefix_len = prefix_len
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
         self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
+        self.prefix_restored = 0  # tokens whose KV a restore took by reference instead of copying it from host
         self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
         grouped = group[group >= 0]
         # members of each group that have not started their prefill (a preempted one starts again)
@@ -74,6 +78,9 @@ class PrefixPages:
         self._read_in_forward: list[list] = [[] for _ in range(self.topo.num_instances)]  # pinned till swept
         self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
         self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
+        order = np.argsort(group, kind="stable")  # each group's members, for `_parked_on`
+        bounds = np.searchsorted(group[order], np.arange(self.group_left.size + 1)).tolist()
+        self._members = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _share_tokens(self, sid: int) -> int:
         """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
@@ -176,7 +183,7 @@ class PrefixPages:
                                       tokens, np.ones(made.size, bool))
             for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
                 g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
-                if later[group] > 0 and self.pages_used[g] + pages <= self.gpu_pages[g]:
+                if self.pages_used[g] + pages <= self.gpu_pages[g]:  # its members park here: kept for them too
                     self._keep(g, group, GroupPrefix(n, pages, 0))
                     self._gpu_holds(g, int(self.pages_used[g]) + pages)
                     self.unheld_pages[g] += pages
@@ -241,6 +248,38 @@ class PrefixPages:
         np.add.at(self.group_left, grouped[grouped >= 0], 1)
         self._exhausted.difference_update(grouped[grouped >= 0].tolist())
 
+    def _parked_on(self, gpu: int, group: int) -> bool:
+        """Whether members of the group wait in a host pool with their host copy in `gpu`'s cache: restored there,
+        they take its prefix (`attach_restored`)."""
+        members = self._members[group]
+        t = self.table
+        return bool(np.any((t.where[members] == SUSPENDED) & (t.kv_gpu[members] == gpu)))
+
+    def attach_restored(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+        """Suspended sequences about to be restored onto the GPU whose cache holds their host copy: each whose
+        group's prefix is there takes it by reference, so its restore copies only the rest of its KV and its own
+        pages are those past the prefix. Returns the tokens each takes (0: none)."""
+        at = np.zeros(ids.size, np.int64)
+        grouped = np.flatnonzero(self.prefix_group[ids] >= 0)
+        if not grouped.size or not self.prefixes:
+            return at
+        share = self.share_tokens(ids[grouped])
+        for i, sid, g, n in zip(grouped.tolist(), ids[grouped].tolist(), gpus[grouped].tolist(), share.tolist()):
+            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
+            if entry is None or n < entry.tokens:
+                continue
+            if not entry.holders:
+                self.unheld_pages[g] -= entry.pages
+            entry.holders += 1
+            at[i] = entry.tokens
+        take = np.flatnonzero(at)
+        if take.size:
+            self.prefix_held[ids[take]] = at[take]
+            self.prefix_restored += int(at.sum())
+            self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
+                                      at[take], np.zeros(take.size, bool))
+        return at
+
     def _keep(self, gpu: int, group: int, entry: GroupPrefix) -> None:
         self.prefixes[(gpu, group)] = entry
         self.prefix_pages[gpu] += entry.pages
@@ -276,7 +315,7 @@ class PrefixPages:
         for group in list(self._exhausted):
             for gpu in sorted(self._gpus_of_group.get(group, set()) & mine):
                 entry = self.prefixes[(gpu, group)]
-                if not entry.holders and not entry.pins:
+                if not entry.holders and not entry.pins and not self._parked_on(gpu, group):
                     self._drop(instance, gpu, group)
 
     def _make_room(self, gpu: int) -> int:
@@ -310,7 +349,7 @@ class PrefixPages:
             entry = self.prefixes[(g, group)]
             entry.holders -= 1
             if entry.holders == 0:
-                if not self.group_left[group] and not entry.pins:
+                if not self.group_left[group] and not entry.pins and not self._parked_on(g, group):
                     self._drop(int(self.topo.gpu_instance[g]), g, group, unheld=False)
                 else:  # kept for the members still to start: the newest unheld, dropped last to make room
                     self.prefixes[(g, group)] = self.prefixes.pop((g, group))

@@ -203,6 +203,8 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         here = src == gpus  # back on the GPU whose host copy it is: restored in place (host-resident: nothing)
         log = self.oplogs[instance]
         restore = here & ~host_resident
+        if self.sharing and restore.any():  # back where its group's prefix is: it takes it, and restores the rest
+            bytes_[restore] -= self.attach_restored(instance, ids[restore], src[restore]) * self.kv_bytes_per_token
         if restore.all():  # the usual admit: each back onto the device of the GPU it was yielded from
             log.add("restore", ids, src, bytes_)
         else:

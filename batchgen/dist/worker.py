@@ -283,6 +283,10 @@ class RankWorker:
                 moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm))
                 for kind, tier, nbytes in migration_tiers(moved, cross):
                     self._bytes(kind, tier, nbytes)
+        restoring = set(ops.restore)
+        for sid, group, tokens, creates in ops.share:  # a restore that takes its prefix: only the rest is copied
+            if sid in restoring:
+                cache.share_prefix(sid, group, tokens, creates)
         self._counted("restore", "h2d", cache.restore, ops.restore)
         self._count("restore", len(ops.restore))
         for sid, old, new, host_copy in ops.reshard:
@@ -301,7 +305,8 @@ class RankWorker:
                 # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
                 self._count("partition" if new[0] == self.rank else "partition_shard", 1)
         for sid, group, tokens, creates in ops.share:  # shared prefixes: nothing copied (batchgen.exec.kv_prefixes)
-            cache.share_prefix(sid, group, tokens, creates)
+            if sid not in restoring:
+                cache.share_prefix(sid, group, tokens, creates)
         if files is not None:
             files.publish(cache)
 

@@ -244,8 +244,6 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     """Fold what the run produced back into the state: tokens, finishes, prefilled sequences."""
     t = state.table
     inst = plan.instance
-    if state.sharing:  # prefixes no one can take any more, and those a forward wrote for itself, go
-        state.sweep_prefixes(inst)
     if plan.decode_ids.size:
         ids = plan.decode_ids
         state.advance(ids, res.produced, plan.host_sync)
@@ -284,6 +282,8 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         done = ids[res.chunk_finished]
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
+    if state.sharing:  # prefixes no one can take any more (prompts prefilled to host parked by now), and those a
+        state.sweep_prefixes(inst)  # forward wrote for itself, go
     state.reserve_host(inst, _EMPTY, _EMPTY)  # the run's additions are real now
     if padded:
         running = state.gpu_rank[t.where[state.active[inst]]]

@@ -132,7 +132,8 @@ class ExecBackend:
         copy) straight into the destination's device pages (or host copy), which keeps a host copy exactly when
         the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
         Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
-        would. Shared prefixes dropped first and created or taken last (`kv_prefixes`), nothing copied."""
+        would. Shared prefixes dropped first and created or taken last (`kv_prefixes`), nothing copied, but taken before
+        a restore that takes one (it then copies only the rest)."""
         caches, account = self.caches, self.account
         for group, g in zip(ops.unshare_group.tolist(), ops.unshare_gpu.tolist()):
             caches[g].unshare_prefix(group)
@@ -158,6 +159,12 @@ class ExecBackend:
             for kind, tier, nbytes in migration_tiers(moved, cross):
                 account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
+        shares = list(zip(ops.share_ids.tolist(), ops.share_gpu.tolist(), ops.share_group.tolist(),
+                          ops.share_tokens.tolist(), ops.share_creates.tolist()))
+        restoring = set(ops.restore_ids.tolist())
+        for sid, g, group, tokens, creates in shares:  # a restore that takes its prefix: only the rest is copied
+            if sid in restoring:
+                caches[g].share_prefix(sid, group, tokens, creates)
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
             self._counted("restore", "h2d", g, caches[g].restore, ids)
             self.moves["restore"] += len(ids)
@@ -169,10 +176,9 @@ class ExecBackend:
                 for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
                     account.add("reshard_host_copy", tier, new[0], nbytes)
             self.moves["partition"] += int(len(new) > 1)
-        for sid, g, group, tokens, creates in zip(ops.share_ids.tolist(), ops.share_gpu.tolist(),
-                                                  ops.share_group.tolist(), ops.share_tokens.tolist(),
-                                                  ops.share_creates.tolist()):
-            caches[g].share_prefix(sid, group, tokens, creates)
+        for sid, g, group, tokens, creates in shares:
+            if sid not in restoring:
+                caches[g].share_prefix(sid, group, tokens, creates)
 
     def _parts(self, kind: str):
         """A `shards.Count` that charges each part of a reshard or gather to the GPU that receives it, as `kind`:

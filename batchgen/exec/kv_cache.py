@@ -403,9 +403,11 @@ class PagedKVCache(SharedPrefixes, HostResidentSteps, Migration):
         return copied
 
     def restore(self, seq_ids) -> int:
-        """COMBINE/resume: pages for the whole host copy, then one gather, one H2D and one index_copy for all."""
+        """COMBINE/resume: pages for the whole host copy, then one gather, one H2D and one index_copy for all (for a
+        sequence that took a shared prefix just before, `share_prefix`, only what follows it). Returns tokens
+        copied."""
         for sid in seq_ids:
-            if self._get(sid).on_device:
+            if self._get(sid).on_device and sid not in self._attached:
                 raise ValueError(f"sequence {sid} is already on device: only yielded sequences can be restored")
             if self._seqs[sid].pending:
                 raise ValueError(f"sequence {sid} is in a host-resident step: finish it before restoring")
@@ -414,10 +416,12 @@ class PagedKVCache(SharedPrefixes, HostResidentSteps, Migration):
         tokens = {sid: self._seqs[sid].synced for sid in seq_ids}
         self._grow_to(tokens, f"restoring {len(seq_ids)} sequences ({sum(tokens.values())} tokens)")
         seqs = [self._seqs[sid] for sid in seq_ids]
-        self._host_to_device(seqs, [0] * len(seqs), [s.synced for s in seqs])
+        first = [s.device_len for s in seqs]  # past a shared prefix it took (kv_prefixes), else from its first token
+        self._attached.difference_update(seq_ids)
+        self._host_to_device(seqs, first, [s.synced for s in seqs])
         for s in seqs:
             s.device_len = s.synced
-        return sum(tokens.values())
+        return sum(tokens.values()) - sum(first)
 
     def _require_on_device(self, seq_ids, action: str) -> None:
         for sid in seq_ids:

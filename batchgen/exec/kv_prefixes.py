@@ -21,11 +21,12 @@ class SharedPrefixes:
         self._refs: dict[int, int] = {}              # shared page -> holders: its prefix and each sequence
         self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
         self._creating: set[int] = set()  # sequences whose coming forward writes a prefix others may read in it
+        self._attached: set[int] = set()  # host copies holding a prefix here, about to restore the rest (`restore`)
 
     def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
         """creates: the sequence's first `tokens` tokens (its prefill writes them) become the group's prefix here,
-        their pages taken now; else the sequence (new to this cache) holds the group's prefix pages and its KV
-        starts at `tokens`."""
+        their pages taken now; else the sequence (new to this cache, or a host copy about to be restored) holds the
+        group's prefix pages and its KV on device starts at `tokens`."""
         if tokens % self.page_size or tokens < self.page_size:
             raise InvariantError(f"a shared prefix is whole pages of {self.page_size} tokens, got {tokens}")
         n = tokens // self.page_size
@@ -44,9 +45,14 @@ class SharedPrefixes:
             if pages is None or len(pages) != n:
                 raise InvariantError(f"sequence {seq_id} takes group {group}'s prefix of {tokens} tokens, which this "
                                      "cache does not hold")
-            if seq_id in self._seqs:
-                raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV in this cache")
-            self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
+            s = self._seqs.get(seq_id)
+            if s is None:
+                self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
+            elif not s.pages and s.synced > tokens and not s.pending:  # its host copy is restored next: the rest only
+                s.pages, s.device_len = list(pages), tokens
+                self._attached.add(seq_id)
+            else:
+                raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV on device in this cache")
         for p in pages:
             self._refs[p] += 1
 

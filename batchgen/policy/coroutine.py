@@ -133,7 +133,7 @@ class CoroutinePolicy(PolicyDefaults):
             d.offload_ids = np.setdiff1d(d.offload_ids, d.evict_ids)
         ids, rank, ctx = snap.active_ids[keep], snap.active_rank[keep], snap.active_context[keep]
         on_device = keep & ~snap.active_host_resident & ~_among(snap.active_ids, d.offload_ids)
-        used = per_rank(snap.active_rank[on_device], pages_for(snap.active_context[on_device] + P, P), R)
+        used = per_rank(snap.active_rank[on_device], self._own_pages(snap, on_device), R)
         count = np.bincount(rank, minlength=R)
         own = snap.own_nodes()
         pooled = sum(len(snap.suspended[n]) for n in own)
@@ -189,7 +189,7 @@ class CoroutinePolicy(PolicyDefaults):
         host-resident is allowed, OFFLOAD them (they keep running; `keep` stays true)."""
         P = snap.page_tokens
         dev = np.flatnonzero(~snap.active_host_resident)
-        need = pages_for(snap.active_context[dev] + P, P)
+        need = self._own_pages(snap, dev)
         drop = dev[shed_to_fit(snap.active_rank[dev], need, snap.active_decoded[dev], snap.pages_capacity)]
         keep = np.ones(snap.active_ids.size, bool)
         if drop.size and mode == "device":
@@ -198,6 +198,14 @@ class CoroutinePolicy(PolicyDefaults):
         elif drop.size:
             d.offload_ids = snap.active_ids[drop]
         return keep
+
+    @staticmethod
+    def _own_pages(snap: Snapshot, rows: np.ndarray) -> np.ndarray:
+        """Pages the running sequences `rows` (a mask or indices) hold once they grow by a page: a shared prefix's
+        are not their own (the snapshot's capacity is already less by them)."""
+        P = snap.page_tokens
+        need = pages_for(snap.active_context[rows] + P, P)
+        return need if snap.prefixes is None else need - snap.active_shared[rows] // P
 
     def _evict_for_host(self, snap: Snapshot, d: Decision, keep: np.ndarray) -> np.ndarray:
         """Running sequences' host copies grow by a page each: when a node's host memory cannot take that,

@@ -66,6 +66,8 @@ def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv
     assert computed < submitted, (computed, submitted)
     if kv_tokens < 1000:  # the pool holds a few sequences: preempted or yielded ones let go of the prefix
         assert (t.recomputes + t.yields).sum() > 0
+    elif policy == "coroutine":  # restored onto the GPU that prefilled them, they take the prefix kept there
+        assert on.prepared.state.prefix_restored > 0
 
 
 @pytest.mark.usefixtures("one_thread")
