@@ -78,9 +78,7 @@ class PrefixPages:
         self._read_in_forward: list[list] = [[] for _ in range(self.topo.num_instances)]  # pinned till swept
         self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
         self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
-        order = np.argsort(group, kind="stable")  # each group's members, for `_parked_on`
-        bounds = np.searchsorted(group[order], np.arange(self.group_left.size + 1)).tolist()
-        self._members = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        self.group_parked = np.zeros(self.group_left.size, np.int64)  # members waiting in a host pool
 
     def _share_tokens(self, sid: int) -> int:
         """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
@@ -249,11 +247,17 @@ class PrefixPages:
         self._exhausted.difference_update(grouped[grouped >= 0].tolist())
 
     def _parked_on(self, gpu: int, group: int) -> bool:
-        """Whether members of the group wait in a host pool with their host copy in `gpu`'s cache: restored there,
-        they take its prefix (`attach_restored`)."""
-        members = self._members[group]
-        t = self.table
-        return bool(np.any((t.where[members] == SUSPENDED) & (t.kv_gpu[members] == gpu)))
+        """Whether members of the group wait in a host pool: restored onto the GPU whose cache holds their host copy,
+        they take its prefix there (`attach_restored`). (Counted per group, not per GPU: a prefix may stay on a GPU
+        none of them returns to, until it is needed for room.)"""
+        return bool(self.group_parked[group])
+
+    def parked(self, ids: np.ndarray, delta: int) -> None:
+        """Sequences joined (+1) or left (-1) a host pool."""
+        grouped = self.prefix_group[ids]
+        grouped = grouped[grouped >= 0]
+        if grouped.size:
+            np.add.at(self.group_parked, grouped, delta)
 
     def attach_restored(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Suspended sequences about to be restored onto the GPU whose cache holds their host copy: each whose
@@ -385,4 +389,7 @@ class PrefixPages:
             unheld[g] += 0 if entry.holders else entry.pages
         if not np.array_equal(unheld, self.unheld_pages) or not np.array_equal(pages, self.prefix_pages):
             raise InvariantError("the pages of prefixes (or of those no one holds) drifted from their count")
+        waiting = self.prefix_group[(t.where == SUSPENDED) & (self.prefix_group >= 0)]
+        if not np.array_equal(np.bincount(waiting, minlength=self.group_parked.size), self.group_parked):
+            raise InvariantError("the members of groups waiting in host pools drifted from their count")
         return pages

@@ -178,6 +178,8 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         self._push_by_node(ids, t.host_node[ids])
 
     def _push_by_node(self, ids: np.ndarray, nodes: np.ndarray) -> None:
+        if self.sharing:
+            self.parked(ids, 1)
         for node in np.unique(nodes):
             self.suspended[int(node)].push(ids[nodes == node])
 
@@ -191,6 +193,8 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         """
         t = self.table
         self.suspended[node].take_head_ids(ids)
+        if self.sharing:
+            self.parked(ids, -1)
         host_resident = np.asarray(host_resident, bool)
         # one flag for the whole admit (the usual case): a plain array is cheaper to index than a broadcast view
         host_resident = np.full(ids.shape, bool(host_resident)) if host_resident.ndim == 0 else \
@@ -342,6 +346,8 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         self._drop_kv(instance, ids, running=~parked)
         for node in np.unique(t.host_node[ids[parked]]):
             self.suspended[int(node)].remove(ids[parked & (t.host_node[ids] == node)])
+        if self.sharing and parked.any():
+            self.parked(ids[parked], -1)
         self._host_drop(ids)
         if (~parked).any():
             self._leave_gpu(instance, ids[~parked])

@@ -343,6 +343,8 @@ def requeue(old: ClusterState, generated: list[list[int]], done: np.ndarray, new
         if park.size:
             tn.where[park] = SUSPENDED
             new.suspended[int(node[rank])].push(park)
+            if new.sharing:
+                new.parked(park, 1)
         with_copy = ids[copy]
         if with_copy.size:
             tn.host_node[with_copy] = node[rank]
