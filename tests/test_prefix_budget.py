@@ -117,3 +117,15 @@ def test_the_planner_predicts_a_shared_workloads_prefill_from_its_distinct_token
     assert [row[:2] for row in on] == [row[:2] for row in off] and on
     for shared, whole in zip(on, off):  # (mode, chunk, prefill s, decode s): about a 20th of the tokens computed
         assert shared[2] < whole[2] / 4 and shared[3] == whole[3]
+
+
+def test_a_restore_goes_home_where_it_takes_its_prefix_and_the_rest_spread():
+    from batchgen.policy.prefix_budget import fill_homes
+    need = np.array([10, 10, 10, 10])        # pages of each whole KV
+    shared = np.array([8, 8, 0, 8])          # pages of the prefix each takes at home
+    home = np.array([1, 1, -1, 0])           # rank 0 has no room for even its own 2 pages
+    ranks, pages = fill_homes(need, shared, home, slots=np.array([4, 4]), caps=np.array([2, 3]),
+                              free=np.array([1, 30]), order=np.array([1, 0]))
+    # home twice on rank 1 (2 pages each, out of its even share too); the third has no home: rank 1 (first in
+    # order, one of its share left) whole; the fourth's home has no room and no rank has 10 pages left: cut there
+    assert ranks.tolist() == [1, 1, 1] and pages.tolist() == [2, 2, 10]

@@ -99,6 +99,19 @@ class PrefixPages:
         rank = {int(g): r for r, g in enumerate(gpus.tolist())}
         return {(rank[g], group): e.tokens for (g, group), e in self.prefixes.items() if g in rank}
 
+    def restore_shares(self, ids: np.ndarray, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Suspended sequences' home ranks among `gpus` (the GPU whose cache holds their host copy; -1: none of
+        them) and the prefix tokens each would take restored there (`attach_restored`'s rule; 0: none)."""
+        rank_of = {int(g): r for r, g in enumerate(gpus.tolist())}
+        home = np.array([rank_of.get(g, -1) for g in self.table.kv_gpu[ids].tolist()], np.int64)
+        tokens = np.zeros(ids.size, np.int64)
+        share = self.share_tokens(ids)
+        for i, (sid, h) in enumerate(zip(ids.tolist(), home.tolist())):
+            entry = self.prefixes.get((int(gpus[h]), int(self.prefix_group[sid]))) if h >= 0 else None
+            if entry is not None and share[i] >= entry.tokens:
+                tokens[i] = entry.tokens
+        return home, tokens
+
     def sharing_starts(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Where each of a forward's chunks starts with prefix caching: a pending sequence's past its group's prefix
         on its GPU, whether the prefix is there already or a chunk of this forward creates it (the first that

@@ -125,6 +125,9 @@ class _StatePrefixes:
     def on_ranks(self) -> dict[tuple[int, int], int]:
         return self._state.prefixes_on(self._gpus)
 
+    def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._state.restore_shares(ids, self._gpus)
+
 
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:

@@ -43,7 +43,7 @@ import numpy as np
 from batchgen.core.move_order import one_at_a_time
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
-from batchgen.policy.prefix_budget import spread_sharing
+from batchgen.policy.prefix_budget import fill_homes, spread_sharing
 from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit,
                                    split_by_budget)
 
@@ -229,7 +229,7 @@ class CoroutinePolicy(PolicyDefaults):
         slots = self.knob("b_moe") * snap.num_ranks
         if self.residency(snap) != "device":
             return int(slots)
-        ctx = snap.active_context
+        ctx = snap.active_context if snap.prefixes is None else snap.active_context - snap.active_shared  # own
         typical = float(np.mean(ctx)) if ctx.size else float(np.mean(snap.lengths.input_len))
         per_seq = max(typical / snap.page_tokens + 1, 1.0)
         by_memory = snap.pages_capacity.sum() / per_seq
@@ -303,12 +303,18 @@ class CoroutinePolicy(PolicyDefaults):
         cand = snap.suspended[node].peek(skip + want)[skip:]
         ctx = snap.lengths.context(cand)
         need = np.zeros(cand.size, np.int64) if host_resident else pages_for(ctx + P, P)
-        if not _head_fits(snap, node, open_ranks, room, free, int(need[0]), int(ctx[0])):
+        homes = snap.prefixes is not None and not host_resident  # a restore at home takes its group's prefix
+        if not homes and not _head_fits(snap, node, open_ranks, room, free, int(need[0]), int(ctx[0])):
             return
         order = open_ranks[np.argsort(room.count[open_ranks], kind="stable")]  # least-loaded first
         caps = np.zeros_like(room.slots)
         caps[open_ranks] = level_slots(room.count[open_ranks], room.slots[open_ranks], cand.size)
-        assigned = fill_ranks(need, caps, free, order)
+        if homes:
+            home, shared = snap.prefixes.restore_shares(cand)
+            home = np.where(np.isin(home, open_ranks), home, -1)
+            assigned, need = fill_homes(need, shared // P, home, room.slots, caps, free, order)
+        else:
+            assigned = fill_ranks(need, caps, free, order)
         dest = snap.rank_node[assigned]
         # each newcomer's host copy grows by a page; a migrated one also brings its whole KV to `dest`
         n = _host_prefix(dest, P + np.where(dest != node, ctx[:assigned.size], 0), room.host_free)

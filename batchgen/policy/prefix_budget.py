@@ -116,3 +116,29 @@ def spread_sharing(ids: np.ndarray, tokens: np.ndarray, chunk: int, num_ranks: i
         else:
             lo = mid + 1
     return ranks, computed
+
+
+def fill_homes(need: np.ndarray, shared_pages: np.ndarray, home: np.ndarray, slots: np.ndarray, caps: np.ndarray,
+               free: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`common.fill_ranks` for restores that may take a shared prefix: FIFO candidates (`need` pages each, whole)
+    go to their home rank (the one whose cache holds their host copy; -1: none open) while it has a slot left
+    (`slots`) and room for their own pages (`need` less the `shared_pages` of the prefix they take there), else to
+    the first rank of `order` within its `caps` (the even spread) with room for all of them; the run is cut at the
+    first that fits nowhere (FIFO). Returns (rank, pages) of each assigned candidate."""
+    slots, caps = np.asarray(slots, np.int64).tolist(), np.asarray(caps, np.int64).tolist()
+    free, order = np.asarray(free, np.int64).tolist(), [int(r) for r in order]
+    ranks: list[int] = []
+    pages: list[int] = []
+    for n, own, h in zip(need.tolist(), (need - shared_pages).tolist(), home.tolist()):
+        if h >= 0 and slots[h] > 0 and own <= free[h]:
+            r, n = h, own
+        else:
+            r = next((q for q in order if caps[q] > 0 and slots[q] > 0 and n <= free[q]), -1)
+            if r < 0:
+                break
+        slots[r] -= 1
+        caps[r] -= 1
+        free[r] -= n
+        ranks.append(r)
+        pages.append(n)
+    return np.array(ranks, np.int64), np.array(pages, np.int64)
