@@ -113,7 +113,8 @@ def test_the_planner_predicts_a_shared_workloads_prefill_from_its_distinct_token
     job = grouped_job("coroutine", n=256, group_size=64, prefix=2048, page_tokens=16, num_gpus=2,
                       prefill_parallel="auto")
     on = plan_prefill(job).prefill_plan
-    off = plan_prefill(dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_cache=False))).prefill_plan
+    unshared = dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_cache=False))
+    off = plan_prefill(unshared).prefill_plan
     assert [row[:2] for row in on] == [row[:2] for row in off] and on
     for shared, whole in zip(on, off):  # (mode, chunk, prefill s, decode s): about a 20th of the tokens computed
         assert shared[2] < whole[2] / 4 and shared[3] == whole[3]

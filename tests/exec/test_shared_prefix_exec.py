@@ -47,8 +47,9 @@ def saved(tmp_path_factory):
                                                           ("coroutine", 120, 2, 0), ("whole", 5000, 2, 0)])
 def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv_tokens, gpus, budget):
     """A budget of 4,096 tokens starts every prompt in the first forward: its group's prefix is created and taken
-    in the same forward (coroutine: its prefill forwards, to host). (sglang_opt pins each prompt to the rank with the least load, wherever its group's prefix
-    is: on one GPU its members meet; a max_tokens of 64 lets its reserve admit several at once.)"""
+    in the same forward (coroutine: its prefill forwards, to host). (sglang_opt pins each prompt to the rank with
+    the least load, wherever its group's prefix is: on one GPU its members meet; a max_tokens of 64 lets its
+    reserve admit several at once.)"""
     model, path = saved
     knobs = {"sglang_opt": {"two_batch_overlap": False, "reserve_max_tokens": 64},
              "coroutine": {"b_moe": 4, "b_attn": 4}, "whole": {"chunked_prefill": False}}.get(policy, {})
