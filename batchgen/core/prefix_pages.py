@@ -19,13 +19,13 @@ The model, kept exact by every primitive:
   MIGRATE: its KV moves whole, the prefix included, and arrives as its own pages). Nothing moves when a prefix is
   shared or let go, so the ops that say so (`share`, `unshare`) carry no bytes.
 - A prefix with no holder stays on its GPU (its pages still counted) while members of its group have not started
-  their prefill, or wait in a host pool with their host copy in that GPU's cache (`_parked_on`); once none is
-  left, the last holder's going drops it (`unshare`), and one that no one holds then is dropped after the
-  instance's next run (`sweep_prefixes`). A batch job knows what is still to come:
-  the prefix is kept as long as it can be taken, unless the GPU needs its pages: a primitive that would overfill
-  it drops unheld prefixes first, the longest unheld first (`_make_room`), as a prefix cache evicts on demand. The
-  policies see unheld prefixes' pages as taken (`Snapshot.pages_capacity` is less by them), so their admissions
-  leave them room; an instance whose policy runs nothing drops its unheld prefixes (`drop_unheld`).
+  their prefill, or wait in a host pool (`_parked`); once none is left, the last holder's going drops it
+  (`unshare`), and one that no one holds then is dropped after the instance's next run (`sweep_prefixes`). A batch
+  job knows what is still to come: the prefix is kept as long as it can be taken, unless the GPU needs its pages: a
+  primitive that would overfill it drops unheld prefixes first, the longest unheld first (`_make_room`), as a
+  prefix cache evicts on demand. The policies see every prefix's pages as taken (`Snapshot.pages_capacity` is less
+  by them, `Snapshot.active_shared` says what each holder holds of them), so their admissions leave them room; an
+  instance whose policy runs nothing drops its unheld prefixes (`drop_unheld`).
 - Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
   the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
 - A suspended member restored onto the GPU whose cache holds its host copy takes the prefix there
@@ -80,16 +80,9 @@ class PrefixPages:
         self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
         self.group_parked = np.zeros(self.group_left.size, np.int64)  # members waiting in a host pool
 
-    def _share_tokens(self, sid: int) -> int:
-        """The whole pages of a sequence's shared prefix that leave its last context token to compute."""
-        if self.prefix_group[sid] < 0:
-            return 0
-        ctx = int(self.table.input_len[sid] + self.table.decoded[sid])
-        tokens = min(int(self.prefix_len[sid]), ctx - 1)
-        return tokens // self.page_tokens * self.page_tokens
-
     def share_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """`_share_tokens` of many sequences at once (0 where a sequence is in no group)."""
+        """The whole pages of each sequence's shared prefix that leave its last context token to compute (0 where a
+        sequence is in no group)."""
         t = self.table
         tokens = np.minimum(self.prefix_len[ids], t.context(ids) - 1) // self.page_tokens * self.page_tokens
         return np.where(self.prefix_group[ids] >= 0, np.maximum(tokens, 0), 0)
@@ -105,12 +98,18 @@ class PrefixPages:
         rank_of = {int(g): r for r, g in enumerate(gpus.tolist())}
         home = np.array([rank_of.get(g, -1) for g in self.table.kv_gpu[ids].tolist()], np.int64)
         tokens = np.zeros(ids.size, np.int64)
-        share = self.share_tokens(ids)
-        for i, (sid, h) in enumerate(zip(ids.tolist(), home.tolist())):
-            entry = self.prefixes.get((int(gpus[h]), int(self.prefix_group[sid]))) if h >= 0 else None
-            if entry is not None and share[i] >= entry.tokens:
-                tokens[i] = entry.tokens
+        here = np.flatnonzero(home >= 0)
+        tokens[here] = [0 if e is None else e.tokens for e in self._restore_takes(ids[here], gpus[home[here]])]
         return home, tokens
+
+    def _restore_takes(self, ids: np.ndarray, gpus: np.ndarray) -> list[GroupPrefix | None]:
+        """The prefix each sequence would take restored onto its GPU: its group's there, if it shares as much."""
+        share = self.share_tokens(ids).tolist()
+        out: list[GroupPrefix | None] = []
+        for sid, g, n in zip(ids.tolist(), gpus.tolist(), share):
+            entry = self.prefixes.get((int(g), int(self.prefix_group[sid])))  # (none for group -1)
+            out.append(entry if entry is not None and n >= entry.tokens else None)
+        return out
 
     def sharing_starts(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Where each of a forward's chunks starts with prefix caching: a pending sequence's past its group's prefix
@@ -120,15 +119,16 @@ class PrefixPages:
         t, out = self.table, starts.copy()
         made: dict[tuple[int, int], int] = {}  # prefixes this forward creates: (GPU, group) -> tokens
         pending = t.where[ids] == PENDING
+        shared = self.share_tokens(ids).tolist()
         for i in np.flatnonzero(~pending).tolist():  # a prefill under way that passes its prefix now
             sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            tokens = self._share_tokens(sid)
+            tokens = shared[i]
             if (tokens > 0 and starts[i] < tokens <= starts[i] + lens[i] and not self.prefix_held[sid]
                     and key not in self.prefixes and key not in made):
                 made[key] = tokens
         for i in np.flatnonzero(pending).tolist():
-            sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            tokens = self._share_tokens(sid)
+            key = (int(gpus[i]), int(self.prefix_group[ids[i]]))
+            tokens = shared[i]
             if tokens <= 0:
                 continue
             there = self.prefixes[key].tokens if key in self.prefixes else made.get(key)
@@ -181,15 +181,15 @@ class PrefixPages:
         grouped = self.prefix_group[ids]
         starting = np.bincount(grouped[grouped >= 0], minlength=self.group_left.size)
         later = self.group_left - starting  # members still to start after this forward (`prefills_started` follows)
+        shared = self.share_tokens(ids)
         writes: dict[tuple[int, int], int] = {}  # (GPU, group) -> the prompt that writes it for the others
-        for i in np.flatnonzero(~take).tolist():
+        for i in np.flatnonzero(~take & (shared > 0)).tolist():
             key = (int(gpus[i]), int(grouped[i]))
-            if ((key in taken or (key[1] >= 0 and later[key[1]] > 0)) and key not in self.prefixes
-                    and key not in writes and self._share_tokens(int(ids[i]))):
+            if (key in taken or later[key[1]] > 0) and key not in self.prefixes and key not in writes:
                 writes[key] = i
         if writes:
             made = np.array(sorted(writes.values()), np.int64)
-            tokens = np.array([self._share_tokens(int(ids[i])) for i in made.tolist()], np.int64)
+            tokens = shared[made]
             self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
                                       tokens, np.ones(made.size, bool))
             for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
@@ -214,9 +214,10 @@ class PrefixPages:
         """Chunks about to be written (`prefill_chunks`, pages set): the first that passes its group's prefix on a
         GPU without one creates it from the sequence's first pages (its own until now: no page count changes)."""
         t, made = self.table, []
+        shared = self.share_tokens(ids).tolist()
         for i, (sid, g, s, e) in enumerate(zip(ids.tolist(), gpus.tolist(), starts.tolist(), ends.tolist())):
             group = int(self.prefix_group[sid])
-            tokens = self._share_tokens(sid)
+            tokens = shared[i]
             if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
                 continue
             pages = tokens // self.page_tokens
@@ -259,7 +260,7 @@ class PrefixPages:
         np.add.at(self.group_left, grouped[grouped >= 0], 1)
         self._exhausted.difference_update(grouped[grouped >= 0].tolist())
 
-    def _parked_on(self, gpu: int, group: int) -> bool:
+    def _parked(self, group: int) -> bool:
         """Whether members of the group wait in a host pool: restored onto the GPU whose cache holds their host copy,
         they take its prefix there (`attach_restored`). (Counted per group, not per GPU: a prefix may stay on a GPU
         none of them returns to, until it is needed for room.)"""
@@ -277,13 +278,10 @@ class PrefixPages:
         group's prefix is there takes it by reference, so its restore copies only the rest of its KV and its own
         pages are those past the prefix. Returns the tokens each takes (0: none)."""
         at = np.zeros(ids.size, np.int64)
-        grouped = np.flatnonzero(self.prefix_group[ids] >= 0)
-        if not grouped.size or not self.prefixes:
+        if not self.prefixes:
             return at
-        share = self.share_tokens(ids[grouped])
-        for i, sid, g, n in zip(grouped.tolist(), ids[grouped].tolist(), gpus[grouped].tolist(), share.tolist()):
-            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
-            if entry is None or n < entry.tokens:
+        for i, (g, entry) in enumerate(zip(gpus.tolist(), self._restore_takes(ids, gpus))):
+            if entry is None:
                 continue
             if not entry.holders:
                 self.unheld_pages[g] -= entry.pages
@@ -332,7 +330,7 @@ class PrefixPages:
         for group in list(self._exhausted):
             for gpu in sorted(self._gpus_of_group.get(group, set()) & mine):
                 entry = self.prefixes[(gpu, group)]
-                if not entry.holders and not entry.pins and not self._parked_on(gpu, group):
+                if not entry.holders and not entry.pins and not self._parked(group):
                     self._drop(instance, gpu, group)
 
     def _make_room(self, gpu: int) -> int:
@@ -366,7 +364,7 @@ class PrefixPages:
             entry = self.prefixes[(g, group)]
             entry.holders -= 1
             if entry.holders == 0:
-                if not self.group_left[group] and not entry.pins and not self._parked_on(g, group):
+                if not self.group_left[group] and not entry.pins and not self._parked(group):
                     self._drop(int(self.topo.gpu_instance[g]), g, group, unheld=False)
                 else:  # kept for the members still to start: the newest unheld, dropped last to make room
                     self.prefixes[(g, group)] = self.prefixes.pop((g, group))
