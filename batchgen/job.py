@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen.core.cascade import CascadeRule
 from batchgen.core.sequences import SequenceTable
 from batchgen.core.state import ClusterState, Topology
 from batchgen.latency import Efficiency, LatencyModel, LatencySettings, build_latency
@@ -286,6 +287,12 @@ def _chosen(job: Job) -> BatchTime:
                 if mode == policy.prefill_parallel and (mode == "ep" or chunk == policy.prefill_tokens_per_rank))
 
 
+def shares_prefixes(policy, workload) -> bool:
+    """Whether the run shares prompt prefixes: the policy caches them and the workload has prefix groups."""
+    group = workload.prefix_group
+    return bool(getattr(policy, "prefix_cache", False) and group is not None and (group >= 0).any())
+
+
 def _predict(job: Job) -> tuple:
     """(the policy with its auto knobs resolved, the batch predicted on its plan)."""
     gpus, lat, c, policy, plan = planned(job)
@@ -295,7 +302,7 @@ def _predict(job: Job) -> tuple:
                    if policy.prefill_parallel == "dp" else None)  # as the simulator prices it
     w = job.workload
     mean_input = float(w.input_lens.mean())
-    if getattr(policy, "prefix_cache", False) and w.prefix_group is not None and (w.prefix_group >= 0).any():
+    if shares_prefixes(policy, w):
         mean_input = w.prefill_tokens()["prefill_tokens_distinct"] / len(w)  # each group's prefix computed once
     return policy, batch_time(
         lat, sequences=len(w), mean_input=mean_input, mean_output=float(w.output_lens.mean()),
@@ -373,8 +380,11 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                          gpu_pages=np.full(c.num_gpus, budget.kv_pages_per_gpu),
                          host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
                          kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
-    if getattr(policy, "prefix_cache", False) and w.prefix_group is not None and (w.prefix_group >= 0).any():
-        state.share_prefixes(w.prefix_group, w.prefix_len)
+    if shares_prefixes(policy, w):
+        roof = getattr(lat, "fallback", lat)  # a measured model's roofline, which has the kernels' constants
+        state.share_prefixes(w.prefix_group, w.prefix_len, CascadeRule(
+            getattr(policy, "cascade_attention", "off"), m.num_heads, m.num_kv_heads, m.attention == "mla",
+            lat.gpu.sm_count, roof.cascade_break_even()))
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
     route = policy.route

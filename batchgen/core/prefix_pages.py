@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.core.cascade import CascadeRule
 from batchgen.core.sequences import PENDING, SUSPENDED, InvariantError
 
 
@@ -56,13 +57,16 @@ class PrefixPages:
     """Shared prefixes of `ClusterState` (mixed in; it owns the table, `pages_used` and the op logs)."""
 
     sharing = False  # set by `share_prefixes`; off, none of this runs
+    cascade = CascadeRule()  # which holders decoding together read their prefix once (batchgen.core.cascade)
 
-    def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray) -> None:
-        """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on)."""
+    def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None) -> None:
+        """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
+        those decoding together read them by `cascade`."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
         self.sharing = True
+        self.cascade = cascade or CascadeRule()
         self.prefix_group = group
         self.prefix_len = prefix_len
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference

@@ -66,6 +66,9 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         self.num_part_prefilled = 0
         self.oplogs = [OpLog() for _ in range(topo.num_instances)]  # ops emitted since each instance's boundary
         self.prefill_computed = 0  # prompt (and recomputed) tokens whose KV a prefill or chunk computed
+        self.decode_kv_read = 0    # context tokens whose KV decode queries read, over every forward (cascade.py)
+        self.decode_forwards = 0   # instance forwards that decoded
+        self.cascade_prefix_read = 0  # of decode_kv_read: what cascades' prefix kernels read (once per call)
 
     def take_ops(self, instance: int) -> KVOps:
         """The KV ops the instance's primitives emitted since its last boundary (its runs' finishes included),

@@ -162,7 +162,7 @@ class DistBackend(ExecBackend):
         for g, b in zip(plan.gpus.tolist(), batches):
             sampled = [s for s, keep in zip(b.seq_ids, b.sample or [True] * len(b.seq_ids)) if keep]
             parts[g] = ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
-                                   b.tp, b.sample, [len(generated[s]) for s in sampled])
+                                   b.tp, b.sample, [len(generated[s]) for s in sampled], b.cascade)
         dp = self.dp_prefill and bool(plan.prefill_ids.size)  # as the simulator prices it (sim/backend.py)
         ticket = self.channel.post(Command("forward", parts, micro_batch=plan.micro_batch,
                                            cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule,
@@ -175,12 +175,14 @@ class DistBackend(ExecBackend):
                              gate_tokens=sum(r.gate_tokens for r in replies),
                              host_resident=sum(r.host_resident for r in replies),
                              restored_bytes=sum(r.restored_bytes for r in replies),
-                             appended_bytes=sum(r.appended_bytes for r in replies))
+                             appended_bytes=sum(r.appended_bytes for r in replies),
+                             prefix_reads=sum(r.prefix_reads for r in replies))
         self._busy[plan.instance] += [r.busy_s for r in replies]
         self._comm[plan.instance] += [r.comm_s for r in replies]
         t = self.traffic
         t["restored_bytes"] += stats.restored_bytes
         t["appended_bytes"] += stats.appended_bytes
+        t["cascade_prefix_reads"] += stats.prefix_reads
         t["host_resident_seq_steps"] += stats.host_resident
         t["seq_steps"] += sum(len(b.seq_ids) for b in batches)
         t["peak_rank_running"] = max(t["peak_rank_running"], max(len(b.seq_ids) for b in batches))

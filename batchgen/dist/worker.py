@@ -90,6 +90,7 @@ class ForwardPart:
     tp: list
     sample: list
     steps: list
+    cascade: list = field(default_factory=list)  # RankBatch.cascade
 
 
 @dataclass
@@ -105,6 +106,7 @@ class ForwardReply:
     host_resident: int
     busy_s: float        # since the last reply: commands' seconds minus communication
     comm_s: float        # since the last reply: Comm.comm_s (all-to-alls, KV transfers)
+    prefix_reads: int = 0  # ForwardStats.prefix_reads
 
 
 @dataclass
@@ -342,7 +344,7 @@ class RankWorker:
     @torch.inference_mode()
     def _forward(self, part: ForwardPart, cmd: Command) -> ForwardReply:
         batch = RankBatch(self.cache, part.seq_ids, part.token_ids, part.new_counts, part.start_positions,
-                          part.host_resident, part.tp, part.sample)
+                          part.host_resident, part.tp, part.sample, part.cascade)
         if self.partition is not None:  # every rank: the instance's partition groups, from every rank's part
             self.partition.begin([cmd.parts[r] for r in self.comm.ranks])  # in the instance's rank order
         logits, stats = self.runner.forward([batch], cmd.micro_batch, cmd.cpu_attention, cmd.ffn_schedule,
@@ -355,7 +357,8 @@ class RankWorker:
                             job_seed=self.job_seed).tolist()
         head = stats.head_s + time.perf_counter() - start
         return ForwardReply(ids, tokens, stats.rank_attention_s[0], stats.ffn_s, head, stats.gate_tokens,
-                            stats.restored_bytes, stats.appended_bytes, stats.host_resident, 0.0, 0.0)
+                            stats.restored_bytes, stats.appended_bytes, stats.host_resident, 0.0, 0.0,
+                            stats.prefix_reads)
 
     def totals(self) -> Totals:
         wall = time.perf_counter() - self._start

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from batchgen.core.cascade import decode_reads
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import PENDING, InvariantError
 from batchgen.core.state import ClusterState, Moves
@@ -77,15 +78,34 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     decode_tp, decode_hosted = tp_and_hosted(state, decode_ids)
     one_gpu = gpus.size == 1  # every running sequence of the instance is on rank 0
     ops, moves = _kv_ops(state, ledger, instance, d, gpus, chunk, decode_ids, prefill_start)
+    decode_rank = filled(decode_ids.size, 0, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]]
+    cascade = _cascades(state, d, decode_ids, decode_rank, decode_tp, decode_hosted, chunk) if state.sharing else {}
     return StepPlan(
         instance=instance, gpus=gpus, decode_ids=decode_ids,
-        decode_rank=filled(decode_ids.size, 0, np.int64) if one_gpu else state.gpu_rank[t.where[decode_ids]],
+        decode_rank=decode_rank,
         decode_tp=decode_tp, prefill_ids=d.prefill_ids, prefill_rank=d.prefill_ranks,
         steps=steps, stop=d.stop, micro_batch=d.micro_batch, decode_host_resident=decode_hosted,
         cpu_attention=d.cpu_attention, pad_rows=pad_rows, pad_context=pad_context, moves=moves, host_sync=d.host_sync,
         prefill_to_host=d.prefill_to_host, padded=d.padded, start=now, ffn_schedule=d.ffn_schedule, ops=ops,
-        waiting=waiting, prefill_start=prefill_start, **chunk,
+        waiting=waiting, prefill_start=prefill_start, **chunk, **cascade,
     )
+
+
+def _cascades(state: ClusterState, d: Decision, ids: np.ndarray, rank: np.ndarray, tp: np.ndarray,
+              hosted: np.ndarray, chunk: dict) -> dict[str, np.ndarray]:
+    """The plan's cascade fields: which decodes read their group's prefix once per call (the state's rule)."""
+    if state.cascade.mode == "off" or not ids.size:
+        return {}
+    held = state.prefix_held[ids]
+    if not held.any():
+        return {}
+    other_ids = np.concatenate([d.prefill_ids, chunk.get("chunk_ids", _EMPTY)]).astype(np.int64)
+    other_rank = np.concatenate([d.prefill_ranks, chunk.get("chunk_rank", _EMPTY)]).astype(np.int64)
+    other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_group[other_ids], -1)
+    group = state.cascade.groups(rank, state.prefix_group[ids], held, ~hosted & (tp <= 1), other_rank, other_group)
+    if not (group >= 0).any():
+        return {}
+    return dict(decode_cascade=group, decode_shared=np.where(group >= 0, held, 0))
 
 
 def _kv_ops(state: ClusterState, ledger: KVLedger | None, instance: int, d: Decision, gpus: np.ndarray,
@@ -246,6 +266,11 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
     inst = plan.instance
     if plan.decode_ids.size:
         ids = plan.decode_ids
+        read, prefix = decode_reads(t.input_len[ids] + t.decoded[ids], res.produced, plan.decode_rank,
+                                    plan.decode_cascade, plan.decode_shared, plan.micro_batch)
+        state.decode_kv_read += read
+        state.cascade_prefix_read += prefix
+        state.decode_forwards += int(res.produced.max(initial=0))
         state.advance(ids, res.produced, plan.host_sync)
         done = ids[res.finished]
         if done.size:

@@ -54,6 +54,10 @@ class StepPlan:
     # running sequences that wait beside this run without a token of it (a chunks-only forward's decodes): still
     # running, and counted so in the step record
     waiting: int = 0
+    # cascade attention (batchgen.core.cascade): per decode, the group whose prefix its query reads once per call
+    # with the others of its rank (-1: none), and that prefix's tokens (0: none); empty: no cascade in this run
+    decode_cascade: np.ndarray = field(default_factory=lambda: _EMPTY)
+    decode_shared: np.ndarray = field(default_factory=lambda: _EMPTY)
 
     @property
     def phase(self) -> Phase:

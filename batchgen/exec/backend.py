@@ -234,10 +234,10 @@ class ExecBackend:
 
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
-                      host: np.ndarray | None = None) -> list[RankBatch]:
+                      host: np.ndarray | None = None, cascade: np.ndarray | None = None) -> list[RankBatch]:
         """Per rank: each sequence's new tokens (the whole context when `whole`, from the plan's `prefill_start`
-        where a prefill takes a shared prefix; else its last token), and whether it runs host-resident (`host`,
-        per id)."""
+        where a prefill takes a shared prefix; else its last token), whether it runs host-resident (`host`, per
+        id), and the group whose prefix it reads in a cascaded call (`cascade`, per id: the plan's)."""
         out = []
         t = self.state.table
         for r, g in enumerate(plan.gpus):
@@ -245,6 +245,8 @@ class ExecBackend:
             mine = ids[on_rank].tolist()
             batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist(),
                               [] if whole else t.tp[ids[on_rank]].tolist())
+            if cascade is not None and cascade.size:
+                batch.cascade = cascade[on_rank].tolist()
             starts = plan.prefill_start[on_rank].tolist() if whole and plan.prefill_start.size else None
             for i, sid in enumerate(mine):
                 if whole:
@@ -282,6 +284,7 @@ class ExecBackend:
         self.traffic["ffn_calls"] += stats.ffn_calls
         self.traffic["restored_bytes"] += stats.restored_bytes
         self.traffic["appended_bytes"] += stats.appended_bytes
+        self.traffic["cascade_prefix_reads"] += stats.prefix_reads
         self.traffic["host_resident_seq_steps"] += stats.host_resident
         self.traffic["seq_steps"] += sum(len(b.seq_ids) for b in batches)
         self.traffic["peak_rank_running"] = max(self.traffic["peak_rank_running"],
@@ -304,7 +307,8 @@ class ExecBackend:
         for it in range(1, plan.steps + 1):
             live = ~finished
             batches = self._rank_batches(plan, ids[live], ranks[live], whole=False,
-                                         host=plan.decode_host_resident[live])
+                                         host=plan.decode_host_resident[live],
+                                         cascade=plan.decode_cascade[live] if plan.decode_cascade.size else None)
             order, logits, stats = yield from self._forward(plan, batches)
             busy += np.array(stats.rank_attention_s) + stats.ffn_s
             expert_tokens += stats.gate_tokens
@@ -340,10 +344,12 @@ class ExecBackend:
         forward, which the policy budgets for (this backend has no layer-by-layer offload)."""
         dec_ids, dec_ranks, pre_ids = plan.decode_ids, plan.decode_rank, plan.prefill_ids
         batches = self._rank_batches(plan, pre_ids, plan.prefill_rank, whole=True)
-        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident)
+        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident,
+                                     cascade=plan.decode_cascade)
         for b, d in zip(batches, decodes):
             b.host_resident = [False] * len(b.seq_ids) + d.host_resident
             b.tp = [1] * len(b.seq_ids) + d.tp
+            b.cascade = [-1] * len(b.seq_ids) + d.cascade if d.cascade else []
             b.seq_ids += d.seq_ids
             b.token_ids += d.token_ids
             b.new_counts += d.new_counts
@@ -377,7 +383,8 @@ class ExecBackend:
         KV its earlier chunks left in the paged cache, and writing its own there), then one token for every
         running sequence. Only decodes and chunks that end their context reach the LM head and sample."""
         dec_ids, dec_ranks = plan.decode_ids, plan.decode_rank
-        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident)
+        decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident,
+                                     cascade=plan.decode_cascade)
         for r, (g, batch) in enumerate(zip(plan.gpus, decodes)):
             on_rank = np.flatnonzero(plan.chunk_rank == r)
             ids = plan.chunk_ids[on_rank].tolist()
@@ -388,6 +395,7 @@ class ExecBackend:
             batch.sample = plan.chunk_completes[on_rank].tolist() + [True] * len(batch.seq_ids)
             batch.host_resident = [False] * len(ids) + (batch.host_resident or [False] * len(batch.seq_ids))
             batch.tp = [1] * len(ids) + (batch.tp or [1] * len(batch.seq_ids))
+            batch.cascade = [-1] * len(ids) + batch.cascade if batch.cascade else []
             batch.seq_ids = ids + batch.seq_ids
             batch.token_ids = tokens + batch.token_ids
             batch.new_counts = lens + batch.new_counts

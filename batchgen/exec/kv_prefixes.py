@@ -10,6 +10,8 @@ page goes back to the free list when neither the prefix nor any sequence holds i
 
 from __future__ import annotations
 
+import torch
+
 from batchgen.core.sequences import InvariantError
 from batchgen.exec.kv_pages import _Seq
 
@@ -62,6 +64,22 @@ class SharedPrefixes:
         if pages is None:
             raise InvariantError(f"group {group} has no prefix in this cache to drop")
         self._release_pages(pages)
+
+    def cascade_metadata(self, meta, seq_ids: list[int], group: int):
+        """`meta` of a call whose decode queries all hold `group`'s prefix here, as a cascaded call
+        (batchgen.core.cascade): the prefix's pages, read once by the call."""
+        pages = self._prefix_pages.get(group)
+        if pages is None:
+            raise InvariantError(f"a cascade over group {group}'s prefix, which this cache does not hold")
+        n = len(pages)
+        for sid in seq_ids:
+            if self._seqs[sid].pages[:n] != pages:
+                raise InvariantError(f"sequence {sid} is cascaded over group {group}'s prefix but does not hold it")
+        if not all(q == 1 for q in meta.query_lens().tolist()):
+            raise InvariantError("a cascaded call holds decode queries only (one new token each)")
+        meta.prefix_pages = torch.tensor(pages, dtype=torch.int64, device=meta.block_table.device)
+        meta.prefix_tokens = n * self.page_size
+        return meta
 
     def take_creating(self) -> set[int]:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must

@@ -23,6 +23,10 @@ class AttentionMetadata:
     block_table: torch.Tensor   # [B, max_pages] int64: page ids of each sequence, padded with -1
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset where each new token's K/V is written
     page_size: int
+    # a cascaded call (batchgen.core.cascade): every row is one decode query whose context begins with these
+    # shared pages; attention reads them once for the call and each row's own pages after them (`own`)
+    prefix_pages: torch.Tensor | None = None
+    prefix_tokens: int = 0
 
     @property
     def num_sequences(self) -> int:
@@ -38,7 +42,16 @@ class AttentionMetadata:
     def to(self, device: torch.device | str) -> "AttentionMetadata":
         return AttentionMetadata(self.positions.to(device), self.query_starts.to(device),
                                  self.context_lens.to(device), self.block_table.to(device),
-                                 self.slot_mapping.to(device), self.page_size)
+                                 self.slot_mapping.to(device), self.page_size,
+                                 None if self.prefix_pages is None else self.prefix_pages.to(device),
+                                 self.prefix_tokens)
+
+    def own(self) -> "AttentionMetadata":
+        """A cascaded call's rows over their own pages only: positions and contexts counted from the prefix's end
+        (attention only masks with them; the new K/V was written at the real slots)."""
+        n, p = self.prefix_tokens // self.page_size, self.prefix_tokens
+        return AttentionMetadata(self.positions - p, self.query_starts, self.context_lens - p,
+                                 self.block_table[:, n:], self.slot_mapping, self.page_size)
 
     def check(self) -> None:
         """Shapes and ranges a wrong cache or runner would break; cheap enough to run in tests."""

@@ -39,7 +39,7 @@ from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
 from batchgen.exec.threads import pinned_threads, resolve_threads
 from batchgen.exec.weight_stream import footprint, meta_model, stream_onto, stream_spec_of
-from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
+from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare, shares_prefixes
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
 from batchgen.exec.load import LoadMeter
@@ -142,6 +142,15 @@ def model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
             invariant.check_supported(config.architecture)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    cascade = getattr(job.policy, "cascade_attention", "off")
+    if cascade != "off" and shares_prefixes(job.policy, job.workload):
+        if settings.batch_invariant:
+            raise ConfigError("backend.batch_invariant=true attends each query over its own context alone; cascade "
+                              f"attention (policy.cascade_attention={cascade}) reads a shared prefix once for many: "
+                              "set policy.cascade_attention=off")
+        if config.sliding_window is not None:
+            raise ConfigError(f"this model attends a sliding window of {config.sliding_window} tokens; cascade "
+                              "attention reads a shared prefix whole: set policy.cascade_attention=off")
     return config
 
 

@@ -52,6 +52,9 @@ class RankBatch:
     # per sequence: whether its last new token's logits are wanted (a prompt chunk that does not end its context
     # samples nothing, so it skips the LM head); empty: all
     sample: list[bool] = field(default_factory=list)
+    # per sequence: the group whose shared prefix its decode query reads in a cascaded call (-1: none; the plan's
+    # `decode_cascade`, batchgen.core.cascade); empty: none
+    cascade: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ForwardStats:
     restored_bytes: int = 0       # KV restored from host into staging buffers, all layers
     appended_bytes: int = 0       # new tokens' KV sent back to host copies, all layers
     ffn_calls: int = 0            # FFN calls over all layers when each micro-batch runs its own
+    prefix_reads: int = 0         # prefix tokens the cascaded calls read, each call its prefix once (per layer)
     weight_bytes: int = 0         # weights copied host -> device in this forward (streamed weights)
 
 
@@ -140,6 +144,7 @@ class InstanceRunner:
                              "head with kv_b_proj, which stays on the accelerator; run it host-resident with "
                              "attention on the GPU (policy.attention=gpu)")
         pieces, tokens, last_rows = self._plan(ranks, mb, cpu_attention)
+        stats.prefix_reads = sum(p.meta.prefix_tokens for p in pieces if p.kind == "device")
         if not pieces and not self.collective:
             return [torch.empty(0) for _ in ranks], stats
         pipelines = self._pipelines(pieces, mb)
@@ -265,9 +270,19 @@ class InstanceRunner:
                 first = [i for i in mine if batch.seq_ids[i] in creating]
                 prompts = [i for i in mine if batch.new_counts[i] > 1 and batch.seq_ids[i] not in creating]
                 decodes = [i for i in mine if batch.new_counts[i] == 1 and batch.seq_ids[i] not in creating]
-                for group in (first, prompts, decodes):
+                cascades: dict[int, list[int]] = {}  # a group's cascaded decodes: calls of at most mb of them
+                for i in decodes if batch.cascade and not resident else ():
+                    if batch.cascade[i] >= 0:
+                        cascades.setdefault(batch.cascade[i], []).append(i)
+                if cascades:
+                    decodes = [i for i in decodes if batch.cascade[i] < 0]
+                calls = [(first, -1), (prompts, -1), (decodes, -1), *[(m, g) for g, m in cascades.items()]]
+                for group, shared in calls:
                     ends = [batch.start_positions[i] + batch.new_counts[i] for i in group]
-                    if resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
+                    if shared >= 0:  # the core's count of calls (batchgen.core.cascade.calls)
+                        step = mb or len(group)
+                        chunks = [(lo, min(lo + step, len(group))) for lo in range(0, len(group), step)]
+                    elif resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
                         pages = [-(-n // batch.cache.page_size) for n in ends]
                         chunks = _chunks_within(pages, mb, batch.cache.staging_pages)
                     else:  # attention over pages in place: calls of similar contexts, padding kept small
@@ -278,7 +293,10 @@ class InstanceRunner:
                                 [batch.start_positions[i] for i in idx])
                         n = sum(args[1])
                         rows = slice(offset, offset + n)
-                        if not resident:
+                        if shared >= 0:
+                            meta = batch.cache.cascade_metadata(batch.cache.prepare(*args), args[0], shared)
+                            p = _Piece("device", r, rows, meta.to(self.device), batch.cache, args[0])
+                        elif not resident:
                             p = _Piece("device", r, rows, batch.cache.prepare(*args).to(self.device), batch.cache,
                                        args[0])
                         elif cpu_attention:

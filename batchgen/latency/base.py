@@ -35,6 +35,10 @@ class LatencyModel(Protocol):
         """Decode attention of `tokens` queries (one per sequence) over `context_sum` context tokens, in
         `micro_batches` launches; `max_context`: the longest of those contexts."""
 
+    def attention_prefix(self, pairs, kv_tokens, calls):
+        """Cascade attention's prefix kernels: `calls` calls whose queries attend `pairs` query-key pairs of shared
+        prefixes, each reading its prefix's KV once (`kv_tokens` in all). Their own pages are `attention_decode`'s."""
+
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         """Prefill attention over `tokens` prompt tokens of `sequences` prompts whose squared lengths sum to
         `context_sq_sum`; `max_context`: the longest prompt."""

@@ -30,6 +30,12 @@ def decode_attention(tokens, context, launches, proj, kv_bytes, act_row, score_f
     return proj + streaming(score_flops * context, kv, launches, rate, bw, kernel_s, maximum)
 
 
+def prefix_attention(pairs, kv_tokens, launches, kv_bytes, act_row, score_flops, rate, bw, kernel_s, maximum):
+    """A cascade's prefix kernel: its members' queries over their shared prefix (`pairs` query-key pairs), the
+    prefix's KV read once per call (`kv_tokens`); the projections are the decode attention's."""
+    return streaming(score_flops * pairs, kv_tokens * kv_bytes, launches, rate, bw, kernel_s, maximum)
+
+
 def prefill_attention(tokens, pairs, launches, proj, kv_bytes, act_row, score_flops, rate, bw, kernel_s, maximum):
     """Prefill attention over `tokens` prompt tokens attending `pairs` query-key pairs: each prompt token's KV
     written once."""

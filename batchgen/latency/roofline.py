@@ -212,6 +212,19 @@ class Roofline(Transfers):
         seconds = formulas.decode_attention(t, ctx, mb, proj, *self._attention_constants[0], maximum_for(t, ctx, mb))
         return _out(positive(t, seconds))
 
+    def cascade_break_even(self) -> float:
+        """Context tokens whose KV a decode call reads in the time a call's launch takes: what a cascade must save
+        reading to pay for its prefix kernel (batchgen.core.cascade)."""
+        kv_bytes, _, _, _, bw, kernel_s = self._attention_constants[0]
+        return kernel_s * bw / kv_bytes
+
+    def attention_prefix(self, pairs, kv_tokens, calls):
+        """The prefix kernels of cascade attention (batchgen.core.cascade): `calls` calls whose queries attend
+        `pairs` query-key pairs of shared prefixes, each call reading its prefix's KV once (`kv_tokens` in all)."""
+        p, kv, c = _arr(pairs, "pairs"), _arr(kv_tokens, "kv_tokens"), _arr(calls, "calls")
+        seconds = formulas.prefix_attention(p, kv, c, *self._attention_constants[0], maximum_for(p, kv, c))
+        return _out(positive(c, seconds))
+
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         """Prefill attention over `tokens` prompt tokens; `context_sq_sum` = sum over prompts of length^2.
 

@@ -105,6 +105,9 @@ class TPAttention:
     def attention_decode(self, tokens, context_sum, micro_batches=1, max_context=None):
         return self.shard.attention_decode(tokens, context_sum, micro_batches, max_context)
 
+    def attention_prefix(self, pairs, kv_tokens, calls):
+        return self.shard.attention_prefix(pairs, kv_tokens, calls)
+
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         return self.shard.attention_prefill(tokens, context_sq_sum, micro_batches, max_context, sequences)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,11 +64,15 @@ class DecodeGrid:
     # where padded kernels attend restored KV: each host-resident micro-batch's padded work (M, R, K), its calls
     # cut in ascending context as the executor stages them (pricing.costs.staged_padded_work); None: summed
     host_work: np.ndarray | None = None
+    # cascaded device queries' prefix kernels (batchgen.pricing.costs.CascadeLoad); their own pages: dev_context
+    cascade: Any = None
 
 
 def device_attention(lat: LatencyModel, grid: DecodeGrid):
     """Seconds per layer of the device-resident queries' attention on each rank and iteration."""
-    return lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches, grid.dev_longest)
+    own = lat.attention_decode(grid.dev_tokens, grid.dev_context, grid.dev_micro_batches, grid.dev_longest)
+    c = grid.cascade
+    return own if c is None else own + lat.attention_prefix(c.pairs, c.kv, c.calls)
 
 
 def staged_attention(lat: LatencyModel, grid: DecodeGrid, tokens, context, launches):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.core.cascade import cascade_mode
 from batchgen.memory import BatchShape
 from batchgen.policy.base import EMPTY, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import check_attention_tp, pages_for, shed_to_fit
@@ -68,6 +69,8 @@ class ContinuousPolicy(PolicyDefaults):
     prefix_cache: bool = True        # chunked prefill: a prompt whose group's prefix is on its rank takes its pages
     #                                  and prefills the rest (vLLM's automatic prefix caching, SGLang's radix cache:
     #                                  both on by default; batchgen.core.prefix_pages)
+    cascade_attention: str = "batch"  # decodes that hold one prefix read it once per call (batchgen.core.cascade):
+    #                                   batch (vLLM's rule, on by default), groups, off
     init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
     min_new_token_ratio: float = 0.1      # ... floor (SGLang: 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098) ...
     new_token_ratio_decay: float = 0.001  # ... per decode forward: (0.7 - 0.1) over SGLang's 600 decay steps
@@ -102,6 +105,7 @@ class ContinuousPolicy(PolicyDefaults):
             raise ValueError("policy: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
         check_attention_tp(self.attention_tp)
+        object.__setattr__(self, "cascade_attention", cascade_mode(self.cascade_attention))
         for key in ("new_token_ratio_decay", "reserve_max_tokens", "model_context"):
             if getattr(self, key) < 0:
                 raise ValueError(f"policy.{key} must be >= 0, got {getattr(self, key)}")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.core.cascade import cascade_mode
 from batchgen.core.move_order import one_at_a_time
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
@@ -78,6 +79,7 @@ class CoroutinePolicy(PolicyDefaults):
     #                               sim and dist), auto (the shorter predicted batch: batchgen.job.plan_prefill)
     prefix_cache: bool = True     # a prompt prefilled on a GPU that holds its group's prefix, or whose forward writes
     #                               it, takes those pages and prefills (and budgets) the rest (core.prefix_pages)
+    cascade_attention: str = "groups"  # a group's holders decoding on a rank read its prefix once per call
     name: str = "coroutine"
     can_stream_weights: bool = True
     uses_host_kv: bool = True
@@ -95,6 +97,7 @@ class CoroutinePolicy(PolicyDefaults):
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         check_attention_tp(self.attention_tp)
+        object.__setattr__(self, "cascade_attention", cascade_mode(self.cascade_attention))
         if not isinstance(self.comm_overlap, bool):
             raise ValueError(f"policy.comm_overlap must be true or false, got {self.comm_overlap!r}")
         if self.prefill_parallel not in PREFILL_PARALLEL:

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from batchgen.core.cascade import cascade_mode
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Decision, Snapshot
 from batchgen.policy.continuous import ContinuousPolicy
@@ -42,6 +43,7 @@ class SGLangOptPolicy(ContinuousPolicy):
     gpu_memory_fraction: float = 0.97    # of HBM (replaces memory.gpu_memory_fraction); 0: keep memory's
     mixed_chunks: bool = False           # SGLang's --enable-mixed-chunk (off by default)
     two_batch_overlap: bool = False      # SGLang's --enable-two-batch-overlap (off by default)
+    cascade_attention: str = "off"       # SGLang's default attention backends read every query's context whole
     name: str = "sglang_opt"
 
     def __post_init__(self):
@@ -51,6 +53,10 @@ class SGLangOptPolicy(ContinuousPolicy):
             dataclasses.replace(self, max_running=1)
         else:
             super().__post_init__()
+        object.__setattr__(self, "cascade_attention", cascade_mode(self.cascade_attention))
+        if self.two_batch_overlap and self.cascade_attention != "off":
+            raise ValueError("policy.two_batch_overlap splits each forward in two halves, which the cascade's price "
+                             "does not follow: set policy.cascade_attention=off")
         if self.running_cap < 1:
             raise ValueError(f"policy.running_cap must be >= 1, got {self.running_cap}")
         if not 0 <= self.gpu_memory_fraction <= 1:

@@ -25,6 +25,16 @@ from batchgen.pricing.cost import RunCost, module_split
 
 
 @dataclass
+class CascadeLoad:
+    """Cascade attention's prefix kernels on each rank and iteration: (ranks x iterations) arrays."""
+
+    pairs: np.ndarray    # prefix tokens the cascaded queries attend (their own pages are in attn_context)
+    kv: np.ndarray       # prefix tokens whose KV the calls read: each prefix once per call
+    calls: np.ndarray    # prefix kernel calls
+    members: np.ndarray  # cascaded queries (called apart from the others)
+
+
+@dataclass
 class RankLoad:
     """What each rank computes in each iteration: (ranks x iterations) arrays."""
 
@@ -40,6 +50,46 @@ class RankLoad:
     sequences: np.ndarray       # sequences in the forward (the engine's per-forward overhead grows with them)
     head_rows: np.ndarray | None = None  # rows through the LM head and sampling (None: one per sequence)
     shards: tuple[Shards, ...] = ()      # PARTITIONed sequences' head shards (batchgen.plan.decode.Shards)
+    cascade: CascadeLoad | None = None   # cascaded decode queries' prefix kernels (out of attn_context)
+
+
+def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_for: np.ndarray, micro_batch: int,
+                 R: int, K: int) -> CascadeLoad | None:
+    """The prefix kernels of a run's cascades (batchgen.core.cascade; `group` and `shared` per decode query, as the
+    plan gives them): on each rank and iteration, a cascade's members still running are called in calls of at
+    most B_attn, and each call reads the prefix once. None where nothing is cascaded."""
+    on = group >= 0
+    if not on.any():
+        return None
+    r, g, tokens, alive = rank[on], group[on], shared[on].astype(float), alive_for[on]
+    key = r * (int(g.max()) + 1) + g
+    cascades, member = np.unique(key, return_inverse=True)
+    running = _alive(member, alive, np.ones(member.size), cascades.size, K)  # (cascades, K) members running
+    calls_each = np.ceil(running / micro_batch) if micro_batch > 0 else (running > 0).astype(float)
+    prefix = np.zeros(cascades.size)
+    prefix[member] = tokens  # one prefix per cascade: its members hold the same one
+    where = cascades // (int(g.max()) + 1)
+    calls, kv = np.zeros((R, K)), np.zeros((R, K))
+    np.add.at(calls, where, calls_each)
+    np.add.at(kv, where, calls_each * prefix[:, None])
+    return CascadeLoad(_alive(r, alive, tokens, R, K), kv, calls, _alive(r, alive, np.ones(r.size), R, K))
+
+
+def with_cascade(load, cascade: CascadeLoad | None, micro_batch: int, over: np.ndarray):
+    """`load` (a RankLoad or DecodeGrid whose decode contexts are their own pages) with its cascades: their
+    prefix kernels, and their members called apart from the other queries (`over`: the queries its calls are
+    counted over), in micro-batches of B_attn (under padded kernels too: their runs of similar contexts are not
+    formed again without the members)."""
+    if cascade is None:
+        return load
+    load.cascade = cascade
+    rest = over - cascade.members
+    calls = (np.ceil(rest / micro_batch) if micro_batch > 0 else (rest > 0).astype(float)) + cascade.calls
+    if isinstance(load, RankLoad):
+        load.micro_batches = np.maximum(calls, 1.0)
+    else:
+        load.dev_micro_batches = calls
+    return load
 
 
 def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,

@@ -116,6 +116,8 @@ def forward(lat: LatencyModel, load: RankLoad, weight_stream_s: float, join, ove
             + lat.attention_prefill(load.prefill_tokens, load.prefill_sq, 1.0, load.prefill_max, load.prefill_seqs))
     if load.shards:
         attn = attn + shard_attention(lat, load.shards)
+    if load.cascade is not None:
+        attn = attn + lat.attention_prefix(load.cascade.pairs, load.cascade.kv, load.cascade.calls)
     gate = load.gate_tokens
     head = lat.lm_head(load.sequences if load.head_rows is None else load.head_rows)
     zero = 0.0 if one else np.zeros(gate.shape)

@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from batchgen.core.sequences import InvariantError
+
 from batchgen.latency import LatencyModel
 from batchgen.latency.arrays import rint
 from batchgen.pricing.cost import itself, slowest_rank
@@ -66,6 +68,9 @@ def forward_tbo(lat: LatencyModel, load, join, one: bool) -> tuple:
     iteration, busy = zero, (0.0 if one else np.zeros(shape))
     comm = ffn = attention = head_s = zero
     c_moe, m_moe = [], []
+    if load.cascade is not None:
+        raise InvariantError("two-batch overlap splits a forward in halves; cascades are not priced so (the policy "
+                             "refuses policy.cascade_attention with it)")
     for h in split(load):
         if one:
             join_h = join * (h.sequences / load.sequences if load.sequences > 0 else 0.0) if np.ndim(join) else join

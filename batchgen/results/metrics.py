@@ -215,6 +215,14 @@ def _prefix_hits(out) -> dict[str, Any]:
             "prefix_hit_rate": _ratio(state.prefix_taken, shareable)}
 
 
+def _kv_read(state) -> float | None:
+    """KV bytes that an instance's decode queries read per forward that decodes, every rank and layer together
+    (cascades read a shared prefix once per call: batchgen.core.cascade)."""
+    if not state.decode_forwards:
+        return None
+    return state.decode_kv_read * state.kv_bytes_per_token / state.decode_forwards
+
+
 def summarize(out) -> dict[str, Any]:
     """One flat dict of plain types per run, so runs can be tabulated, compared and dumped to JSON."""
     t = out.prepared.state.table
@@ -228,7 +236,7 @@ def summarize(out) -> dict[str, Any]:
                output_tokens=output_tokens, prompt_tokens=int(t.input_len.sum()),
                # what sharing could save, from the workload's prefix columns, and what the run's prefills computed
                **out.job.workload.prefill_tokens(), prefill_tokens_computed=int(out.prepared.state.prefill_computed),
-               **_prefix_hits(out),
+               **_prefix_hits(out), kv_bytes_read_per_decode_iter=_kv_read(out.prepared.state),
                tokens_per_s=_ratio(output_tokens, total_bct),
                tokens_per_s_per_gpu=_ratio(output_tokens, total_bct * out.job.cluster.num_gpus))
     res.update(_time_fractions(out, steps))

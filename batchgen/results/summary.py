@@ -34,6 +34,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("prefill tok", "prefill_tokens_submitted", lambda v: f"{v:,}"),  # shown only where a prefix is shared
     ("distinct tok", "prefill_tokens_distinct", lambda v: f"{v:,}"),
     ("computed tok", "prefill_tokens_computed", lambda v: f"{v:,}"),
+    ("KV GB/iter", "kv_bytes_read_per_decode_iter", lambda v: f"{v / 1e9:,.2f}"),
     ("yields", "yields", str),
     ("migrations", "migrations", str),
     ("recomputes", "recomputes", str),
@@ -55,7 +56,8 @@ def _cell(row: Row, key: str, fmt: Callable[[Any], str]) -> str:
 KEEP = ("policy", "bct_s")
 # Every results.json has these; they are shown only when some run's workload shares a prefix, so a table of
 # runs that share nothing stays as narrow as before.
-SHARING = ("prefill_tokens_submitted", "prefill_tokens_distinct", "prefill_tokens_computed")
+SHARING = ("prefill_tokens_submitted", "prefill_tokens_distinct", "prefill_tokens_computed",
+           "kv_bytes_read_per_decode_iter")
 
 
 def shares_prefix(row: Row) -> bool:

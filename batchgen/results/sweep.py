@@ -32,7 +32,8 @@ METRIC_ORDER = ("bct_s", "bct_vs_group_best", "group_best", "tokens_per_s", "tok
                 "mean_expert_batch", "decode_expert_batch", "mean_running", "mean_gate_tokens",
                 "host_bytes_per_decode_iter", "host_gb_per_decode_iter", "yields", "migrations", "partitions",
                 "recomputes", "sct_p50_s", "sct_p99_s", "output_tokens", "prompt_tokens", "prefill_tokens_submitted",
-                "prefill_tokens_distinct", "prefill_tokens_computed", "prefill_tokens_shared", "prefix_hit_rate")
+                "prefill_tokens_distinct", "prefill_tokens_computed", "prefill_tokens_shared", "prefix_hit_rate",
+                "kv_bytes_read_per_decode_iter")
 
 
 @dataclass

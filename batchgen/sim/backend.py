@@ -24,8 +24,8 @@ from batchgen.sim import repeated
 from batchgen.sim.finishes import few_chunks_finished, finish_offsets
 from batchgen.pricing.offload import price_offload
 from batchgen.pricing import one_rank
-from batchgen.pricing.costs import (decode_grid, decode_load, decode_participation, mixed_load, partition_join,
-                                    prefill_load, price_host)
+from batchgen.pricing.costs import (cascade_load, decode_grid, decode_load, decode_participation, mixed_load,
+                                    partition_join, prefill_load, price_host, with_cascade)
 from batchgen.pricing.price import CELL_ITERATIONS, price, price_cells, price_steady
 
 
@@ -106,6 +106,8 @@ class SimBackend:
         decoded = t.decoded[ids]
         remaining = t.output_len[ids] - decoded  # t.remaining(ids) and t.context(ids), sharing the gather
         decode_context = t.input_len[ids] + decoded
+        cascaded = plan.decode_cascade.size > 0  # cascades: the queries' own pages, and the prefix kernels apart
+        attend = decode_context - plan.decode_shared if cascaded else decode_context
         if plan.padded and not self.capabilities.padded_batches:
             # finished rows dropped, prompts unpadded (the batch's slots still held: that is the policy's)
             plan = dataclasses.replace(plan, padded=False, pad_rows=np.zeros_like(plan.pad_rows),
@@ -117,11 +119,14 @@ class SimBackend:
                 prompts = _padded(prompts, plan.prefill_rank, R)
             if plan.prefill_start.size:  # past shared prefixes: each prompt's rest, over its prefix's KV
                 load = mixed_load(plan.prefill_rank, plan.prefill_start, prompts - plan.prefill_start,
-                                  np.ones(prompts.size, bool), plan.decode_rank, decode_context, R, plan.micro_batch,
+                                  np.ones(prompts.size, bool), plan.decode_rank, attend, R, plan.micro_batch,
                                   self.similar_calls)
             else:
-                load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, decode_context, R,
+                load = prefill_load(plan.prefill_rank, prompts, plan.decode_rank, attend, R,
                                     plan.micro_batch, self.similar_calls)
+            if cascaded:
+                with_cascade(load, self._cascade(plan, np.ones(ids.size, np.int64), 1), plan.micro_batch,
+                             load.sequences)
             iterations, produced = 1, np.ones(ids.size, np.int64)
             if self.dp_prefill:  # each rank's experts run on its own tokens: one expert batch per rank
                 cost = price(self.lat, load, dp_stream_s=self._dp_stream_s)
@@ -135,21 +140,24 @@ class SimBackend:
         elif plan.chunk_ids.size:  # chunked prefill: chunks and every decode in one forward
             iterations = 1
             produced = filled(ids.size, 1, np.int64)
-            if R == 1 and self.cells:  # one rank: the forward's load built and priced on floats
+            if R == 1 and self.cells and not cascaded:  # one rank: the forward's load built and priced on floats
                 cells, heads = one_rank.mixed_cells(plan.chunk_start, plan.chunk_len, plan.chunk_completes,
                                                     decode_context, plan.micro_batch)
                 cost = price_cells(self.lat, cells, heads, self.weight_stream_s, 0.0, self.tbo, self.comm_overlap)
                 gate_total = cells[2][0]
             else:
                 load = mixed_load(plan.chunk_rank, plan.chunk_start, plan.chunk_len, plan.chunk_completes,
-                                  plan.decode_rank, decode_context, R, plan.micro_batch, self.similar_calls)
+                                  plan.decode_rank, attend, R, plan.micro_batch, self.similar_calls)
+                if cascaded:
+                    with_cascade(load, self._cascade(plan, np.ones(ids.size, np.int64), 1), plan.micro_batch,
+                                 load.sequences)
                 cost = self._price(load, self.weight_stream_s)
                 gate_total = load.gate_tokens.sum()
             self.host_bytes += self.stream_bytes_per_iter * R
             self.h2d_bytes += self.stream_bytes_per_iter * R
         else:
             iterations, produced = decode_participation(remaining, plan.steps, plan.stop, plan.decode_rank, R)
-            context = decode_context
+            context = attend
             if plan.padded:  # a static batch: every row runs every iteration over the longest row's context
                 context = _padded(context, plan.decode_rank, R)
             alive = np.full(ids.size, iterations) if plan.padded else produced
@@ -168,6 +176,8 @@ class SimBackend:
                                    plan.micro_batch, plan.pad_rows, plan.pad_context,
                                    self.similar_calls and not plan.padded, bool(plan.cpu_attention))
                 load.tp_join = join
+                if cascaded:
+                    with_cascade(load, self._cascade(plan, alive, iterations), plan.micro_batch, load.dev_tokens)
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
@@ -175,7 +185,7 @@ class SimBackend:
                 self.count_decode_traffic(h2d, d2h)
             else:
                 cost = None
-                one = (R == 1 and ids.size and type(join) is float and join == 0.0 and self.cells
+                one = (R == 1 and ids.size and type(join) is float and join == 0.0 and self.cells and not cascaded
                        and (plain or int(plan.decode_tp.max()) == 1))
                 if one and iterations <= CELL_ITERATIONS and not plan.padded and not self.similar_calls:
                     # one rank, a short run: its load built and priced on floats
@@ -195,6 +205,8 @@ class SimBackend:
                     load = decode_load(plan.decode_rank, context, alive, plan.decode_tp, R, iterations,
                                        plan.micro_batch, plan.pad_rows, plan.pad_context,
                                        self.similar_calls and not plan.padded)
+                    if cascaded:
+                        with_cascade(load, self._cascade(plan, alive, iterations), plan.micro_batch, load.attn_tokens)
                     cost = self._price(load, self.weight_stream_s, join)
                     gate_total = load.gate_tokens.sum()
             self.decode_iterations += int(np.count_nonzero(cost.iteration_s))  # seconds are >= 0
@@ -224,6 +236,11 @@ class SimBackend:
                           int(gate_total - (plan.pad_rows.sum() if plan.padded else 0) * iterations),
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
+
+    def _cascade(self, plan: StepPlan, alive: np.ndarray, iterations: int):
+        """The run's cascades (the plan's, batchgen.core.cascade) as prefix kernels per rank and iteration."""
+        return cascade_load(plan.decode_rank, plan.decode_cascade, plan.decode_shared, alive, plan.micro_batch,
+                            plan.gpus.size, iterations)
 
     def timing(self, cost, in_play: int, exposed: float = 0.0) -> tuple[float, float, float, float]:
         """(compute, boundary overhead, duration, scale) of a run: its iterations' compute, copies that `exposed`

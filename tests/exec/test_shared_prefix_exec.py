@@ -10,7 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from batchgen.memory import ConfigError
 from batchgen.exec.run import ExecSettings, execute
+from batchgen.latency.roofline import Roofline
 from batchgen.workload.spec import Workload
 from conftest import make_job
 
@@ -92,3 +94,34 @@ def test_a_prefix_created_and_taken_in_one_forward_is_written_before_it_is_read(
     for sid in range(4):
         expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
         assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("policy,knobs", [("continuous", {"cascade_attention": "groups"}),
+                                          ("coroutine", {"b_moe": 4, "b_attn": 2})])
+def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypatch, policy, knobs):
+    """Members decoding together on a rank read their prefix once per call (batchgen.core.cascade): the
+    executor's cascaded calls read exactly the prefix tokens the engine counted (and the simulator prices), and
+    every output is the one without cascades and transformers'. (The tiny model's reads are too small to pay
+    for a call on the rig's roofline, so the break-even is set to 0 here.)"""
+    monkeypatch.setattr(Roofline, "cascade_break_even", lambda self: 0.0)
+    model, path = saved
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    budget = 40 if policy == "continuous" else 0
+    on = execute(grouped(policy, True, 2, budget, **knobs), settings)
+    off = execute(grouped(policy, True, 2, budget, **{**knobs, "cascade_attention": "off"}), settings)
+    state = on.prepared.state
+    assert on.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
+    assert off.kv_traffic["cascade_prefix_reads"] == off.prepared.state.cascade_prefix_read == 0
+    assert state.decode_kv_read < off.prepared.state.decode_kv_read
+    for sid in range(N):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(state.table.output_len[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+def test_batch_invariant_mode_refuses_a_cascade_before_any_work(saved):
+    _, path = saved
+    settings = ExecSettings(device="cpu", model_path=str(path), batch_invariant=True, threads=1)
+    with pytest.raises(ConfigError, match="policy.cascade_attention=off"):
+        execute(grouped("coroutine", True, 2, 0), settings)
+    assert execute(grouped("coroutine", False, 2, 0), settings).prepared.state.decode_forwards > 0

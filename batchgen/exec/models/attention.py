@@ -14,12 +14,14 @@ K/V than repeating it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
-from batchgen.exec.models import invariant
+from batchgen.exec.models import cascade, invariant
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from batchgen.exec.models.padding import gather_context, pad_queries
@@ -75,6 +77,8 @@ class PagedAttention(nn.Module):
         T, H, D = q.shape
         Hkv = k_pool.shape[2]  # all KV heads, or a PARTITIONed sequence's head shard (tensor_parallel.py)
         rep = H // Hkv
+        if meta.prefix_pages is not None:
+            return self._cascade(q, k_pool, v_pool, meta)
         p = pad_queries(q, meta, self.sliding_window)
         keys = gather_context(k_pool, meta, p.valid, q.dtype)    # [B, L, Hkv, D]
         values = gather_context(v_pool, meta, p.valid, q.dtype)
@@ -87,3 +91,27 @@ class PagedAttention(nn.Module):
         out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=maskf)
         out = out.view(B, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, rep, D]
         return p.unpad(out).reshape(T, H, D)
+
+    def _cascade(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """A cascaded call (batchgen.exec.models.cascade): its B decode queries over the shared prefix's K/V, read
+        once, and each over its own pages; q [B, H, D] -> [B, H, D]."""
+        if self.sliding_window is not None:
+            raise ValueError("cascade attention reads a shared prefix whole: a sliding-window model needs "
+                             "policy.cascade_attention=off")
+        B, H, D = q.shape
+        Hkv = k_pool.shape[2]
+        rep, scale = H // Hkv, 1.0 / math.sqrt(D)
+        keys = cascade.prefix_pages(k_pool, meta.prefix_pages, q.dtype).transpose(0, 1)  # [Hkv, P, D]
+        values = cascade.prefix_pages(v_pool, meta.prefix_pages, q.dtype).transpose(0, 1)
+        qk = q.view(B, Hkv, rep, D).permute(1, 0, 2, 3).reshape(Hkv, B * rep, D)  # every query of a KV head
+        shared, shared_lse = cascade.attend_lse(qk, keys, values, scale)
+        shared, shared_lse = shared.view(Hkv, B, rep, -1), shared_lse.view(Hkv, B, rep)
+        own = meta.own()
+        p = pad_queries(q, own)
+        ko = gather_context(k_pool, own, p.valid, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        vo = gather_context(v_pool, own, p.valid, q.dtype).transpose(1, 2)
+        qo = q.view(B, Hkv, rep, D)
+        mine, mine_lse = cascade.attend_lse(qo, ko, vo, scale, p.valid[:, None, None, :])  # [B, Hkv, rep, Dv]
+        out = cascade.merge(shared.permute(1, 0, 2, 3), shared_lse.permute(1, 0, 2), mine, mine_lse)
+        return out.reshape(B, H, -1)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.exec.metadata import AttentionMetadata
+from batchgen.exec.models import cascade
 from batchgen.exec.models.padding import gather_context, pad_queries
 from batchgen.exec.models.config import ExecModelConfig
 from batchgen.exec.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
@@ -190,17 +191,38 @@ class MLAttention(nn.Module):
                 kv_b_weight: torch.Tensor | None = None) -> torch.Tensor:
         """kv_b_weight: kv_b_proj's rows for q's heads (a PARTITIONed sequence's head shard); None: all."""
         T, N, Dq = q.shape
+        weight = self.kv_b_proj.weight if kv_b_weight is None else kv_b_weight
+        if meta.prefix_pages is not None:
+            return self._cascade(q, latent_pool, meta, weight)
         p = pad_queries(q, meta)
         B, Q, L = p.mask.shape
         latents = gather_context(latent_pool[:, :, 0], meta, p.valid, q.dtype)  # [B, L, rank + rope]
-        c_kv, k_pe = torch.split(latents, [self.rank, self.rope_dim], dim=-1)
-
-        # The naive expansion: per-head k_nope and v for every context token.
-        weight = self.kv_b_proj.weight if kv_b_weight is None else kv_b_weight
-        kv = F.linear(c_kv, weight).view(B, L, N, self.nope + self.v_dim)
-        k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-        keys = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, L, N, self.rope_dim)], dim=-1)
+        keys, values = self._expand(latents, weight, N)
 
         out = F.scaled_dot_product_attention(p.q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=p.mask[:, None], scale=self.scale)  # [B, N, Q, v]
         return p.unpad(out.transpose(1, 2))  # [T, N, v]
+
+    def _expand(self, latents: torch.Tensor, weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The naive expansion: latents [..., L, rank + rope] -> per-head keys [..., L, heads, qk] and values
+        [..., L, heads, v]."""
+        c_kv, k_pe = torch.split(latents, [self.rank, self.rope_dim], dim=-1)
+        kv = F.linear(c_kv, weight).view(*latents.shape[:-1], heads, self.nope + self.v_dim)
+        k_nope, values = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        keys = torch.cat([k_nope, k_pe[..., None, :].expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
+        return keys, values
+
+    def _cascade(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata,
+                 weight: torch.Tensor) -> torch.Tensor:
+        """A cascaded call (batchgen.exec.models.cascade): the shared prefix's latents read and expanded once for
+        its B decode queries, each query's own pages apart; q [B, N, qk] -> [B, N, v]."""
+        B, N, _ = q.shape
+        keys, values = self._expand(cascade.prefix_pages(latent_pool[:, :, 0], meta.prefix_pages, q.dtype), weight, N)
+        shared, shared_lse = cascade.attend_lse(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                                self.scale)  # [N, B, v], [N, B]
+        own = meta.own()
+        p = pad_queries(q, own)
+        ko, vo = self._expand(gather_context(latent_pool[:, :, 0], own, p.valid, q.dtype), weight, N)
+        mine, mine_lse = cascade.attend_lse(q[:, :, None, :], ko.transpose(1, 2), vo.transpose(1, 2), self.scale,
+                                            p.valid[:, None, None, :])  # [B, N, 1, v]
+        return cascade.merge(shared.transpose(0, 1), shared_lse.transpose(0, 1), mine[:, :, 0], mine_lse[:, :, 0])

@@ -1,0 +1,118 @@
+"""Cascade attention in the engine and the simulator (batchgen.core.cascade): who cascades, what the decode queries
+read, and that the simulator prices the reads the engine accounts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from batchgen.core.cascade import CascadeRule, decode_reads
+from batchgen.job import Job
+from batchgen.policy import make_policy
+from batchgen.pricing.costs import cascade_load
+from batchgen.results.metrics import summarize
+from batchgen.sim.run import simulate
+from batchgen.specs import load_cluster, load_model
+from batchgen.workload import Workload
+
+NONE = np.empty(0, np.int64)
+
+
+def test_groups_cascade_two_or_more_holders_on_a_rank_where_it_pays():
+    rank = np.array([0, 0, 0, 1, 1, 1])
+    group = np.array([3, 3, 4, 3, 3, 3])
+    held = np.array([512, 512, 512, 512, 512, 0])
+    eligible = np.array([True, True, True, True, False, True])  # rank 1's second holder is host-resident
+    rule = CascadeRule("groups", min_saved=0)
+    np.testing.assert_array_equal(rule.groups(rank, group, held, eligible, NONE, NONE), [3, 3, -1, -1, -1, -1])
+    # two members save one prefix's reading (512 tokens): less than the break-even, no cascade
+    assert (CascadeRule("groups", min_saved=600).groups(rank, group, held, eligible, NONE, NONE) == -1).all()
+    assert (CascadeRule("off").groups(rank, group, held, eligible, NONE, NONE) == -1).all()
+
+
+def test_batch_follows_vllms_rule_the_whole_forward_shares_one_long_prefix():
+    n = 40
+    rank, group, held = np.zeros(n, np.int64), np.full(n, 7), np.full(n, 4096)
+    yes = np.ones(n, bool)
+    gqa = CascadeRule("batch", heads=32, kv_heads=4, sm_count=132)
+    assert (gqa.groups(rank, group, held, yes, NONE, NONE) == 7).all()
+    # a prompt chunk in the forward that holds the prefix too: still one cascade; one that does not: none
+    assert (gqa.groups(rank, group, held, yes, np.array([0]), np.array([7])) == 7).all()
+    assert (gqa.groups(rank, group, held, yes, np.array([0]), np.array([-1])) == -1).all()
+    short, few = np.full(n, 192), slice(0, 7)
+    assert (gqa.groups(rank, group, short, yes, NONE, NONE) == -1).all()  # under 256 tokens
+    assert (gqa.groups(rank[few], group[few], held[few], yes[few], NONE, NONE) == -1).all()  # under 8 requests
+    mixed = group.copy()
+    mixed[0] = 8
+    assert (gqa.groups(rank, mixed, held, yes, NONE, NONE) == -1).all()  # two prefixes in the forward
+    assert (CascadeRule("batch", heads=128, kv_heads=128, mla=True).groups(rank, group, held, yes, NONE,
+                                                                           NONE) == -1).all()
+    # decodes only: the wave model prefers flash decoding for few requests (8 x 4 KV heads fill few SMs)
+    eight = slice(0, 8)
+    assert (gqa.groups(rank[eight], group[eight], held[eight], yes[eight], NONE, NONE) == -1).all()
+
+
+def _reads_by_iteration(context, produced, rank, group, shared, micro_batch):
+    """decode_reads spelt out: every iteration, every query over its context, each cascade's calls their prefix."""
+    total = prefix = 0
+    for k in range(int(produced.max())):
+        alive = produced > k
+        own = np.where(group >= 0, shared, 0)
+        total += int(((context + k - own) * alive).sum())
+        for r, g in {(int(a), int(b)) for a, b in zip(rank[group >= 0], group[group >= 0])}:
+            members = int((alive & (rank == r) & (group == g)).sum())
+            calls = math.ceil(members / micro_batch) if micro_batch else int(members > 0)
+            prefix += calls * int(shared[(rank == r) & (group == g)][0])
+    return total + prefix, prefix
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_reads_count_each_call_once_and_the_pricing_reads_the_same(seed):
+    rng = np.random.default_rng(seed)
+    n, R, K = 30, 3, 12
+    rank = rng.integers(0, R, n)
+    group = np.where(rng.random(n) < 0.7, rng.integers(0, 3, n), -1)
+    shared = np.where(group >= 0, 64 * (group + 1), 0)
+    context = shared + rng.integers(1, 200, n)
+    produced = rng.integers(1, K + 1, n)
+    micro_batch = int(rng.integers(0, 4))
+    assert decode_reads(context, produced, rank, group, shared, micro_batch) == _reads_by_iteration(
+        context, produced, rank, group, shared, micro_batch)
+    load = cascade_load(rank, group, shared, produced, micro_batch, R, K)
+    assert load.kv.sum() == decode_reads(context, produced, rank, group, shared, micro_batch)[1]
+    assert load.pairs.sum() == (produced * shared * (group >= 0)).sum()
+
+
+def _system_prompt(n: int, prefix: int = 2048) -> Workload:
+    rng = np.random.default_rng(0)
+    inputs = prefix + rng.integers(16, 128, n)
+    return Workload("system", inputs, rng.integers(64, 256, n), prefix_group=np.zeros(n, np.int64),
+                    prefix_len=np.full(n, prefix))
+
+
+@pytest.mark.parametrize("policy", ["continuous", "coroutine"])
+def test_cascades_read_the_prefix_once_and_shorten_the_batch(policy):
+    """Qwen3-30B-A3B on 8 H100, 400 requests after one 2,048-token system prompt: at each policy's default
+    (continuous: vLLM's rule; coroutine: groups) decode reads less KV per iteration and the batch ends sooner."""
+    runs = {}
+    for mode in ("off", "batch" if policy == "continuous" else "groups"):
+        job = Job(load_model("qwen3_30b_a3b"), load_cluster("h100_8"), _system_prompt(400),
+                  make_policy({"name": policy, "cascade_attention": mode}))
+        out = simulate(job)
+        runs[mode] = (out.prepared.state, summarize(out))
+    (off, off_res), (on, on_res) = runs["off"], runs[next(m for m in runs if m != "off")]
+    assert off.cascade_prefix_read == 0 < on.cascade_prefix_read
+    assert on_res["kv_bytes_read_per_decode_iter"] < 0.5 * off_res["kv_bytes_read_per_decode_iter"]
+    assert on_res["bct_s"] < off_res["bct_s"]
+    assert on_res["prefill_tokens_computed"] == off_res["prefill_tokens_computed"]
+
+
+def test_sglang_opt_keeps_its_default_and_refuses_a_cascade_with_two_batch_overlap():
+    assert make_policy({"name": "sglang_opt"}).cascade_attention == "off"
+    assert make_policy({"name": "sglang_opt", "cascade_attention": False}).cascade_attention == "off"  # YAML's off
+    with pytest.raises(ValueError, match="cascade_attention=off"):
+        make_policy({"name": "sglang_opt", "two_batch_overlap": True, "cascade_attention": "batch"})
+    with pytest.raises(ValueError, match="groups"):
+        make_policy({"name": "coroutine", "cascade_attention": "always"})
