@@ -15,6 +15,7 @@ from batchgen.memory import (ConfigError, MemoryBudget, MemorySettings, batch_sh
                              dp_prefill_copy, group_budget, plan_memory, prefill_ring_bytes)
 from batchgen.plan.planner import AUTO, PREFILL_CHUNKS, TIE, Plan, WorkloadStats, needs_plan, plan_job
 from batchgen.pricing.batch import BatchTime, batch_time
+from batchgen.pricing.costs import cascade_pays
 from batchgen.policy.base import Policy
 from batchgen.specs import ClusterSpec, ModelSpec
 from batchgen.workload import Workload
@@ -381,10 +382,9 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
                          host_kv_tokens=np.full(c.num_nodes, budget.host_kv_tokens_per_node),
                          kv_bytes_per_token=m.kv_bytes_per_token, kv_split_by_heads=m.attention != "mla")
     if shares_prefixes(policy, w):
-        roof = getattr(lat, "fallback", lat)  # a measured model's roofline, which has the kernels' constants
         state.share_prefixes(w.prefix_group, w.prefix_len, CascadeRule(
             getattr(policy, "cascade_attention", "off"), m.num_heads, m.num_kv_heads, m.attention == "mla",
-            lat.gpu.sm_count, roof.cascade_break_even()))
+            lat.gpu.sm_count, cascade_pays(lat)))
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
     route = policy.route

@@ -11,7 +11,8 @@ import pytest
 from batchgen.core.cascade import CascadeRule, decode_reads
 from batchgen.job import Job
 from batchgen.policy import make_policy
-from batchgen.pricing.costs import cascade_load
+from batchgen.latency.build import LatencySettings, build_latency
+from batchgen.pricing.costs import cascade_load, cascade_pays
 from batchgen.results.metrics import summarize
 from batchgen.sim.run import simulate
 from batchgen.specs import load_cluster, load_model
@@ -24,12 +25,28 @@ def test_groups_cascade_two_or_more_holders_on_a_rank_where_it_pays():
     rank = np.array([0, 0, 0, 1, 1, 1])
     group = np.array([3, 3, 4, 3, 3, 3])
     held = np.array([512, 512, 512, 512, 512, 0])
+    context = held + 100
     eligible = np.array([True, True, True, True, False, True])  # rank 1's second holder is host-resident
-    rule = CascadeRule("groups", min_saved=0)
-    np.testing.assert_array_equal(rule.groups(rank, group, held, eligible, NONE, NONE), [3, 3, -1, -1, -1, -1])
-    # two members save one prefix's reading (512 tokens): less than the break-even, no cascade
-    assert (CascadeRule("groups", min_saved=600).groups(rank, group, held, eligible, NONE, NONE) == -1).all()
-    assert (CascadeRule("off").groups(rank, group, held, eligible, NONE, NONE) == -1).all()
+    rule = CascadeRule("groups")
+    np.testing.assert_array_equal(rule.groups(rank, group, held, context, eligible, 0, NONE, NONE),
+                                  [3, 3, -1, -1, -1, -1])
+    asked = []
+    never = CascadeRule("groups", pays=lambda *a: asked.append(a) or np.zeros(a[0].size, bool))
+    assert (never.groups(rank, group, held, context, eligible, 4, NONE, NONE) == -1).all()
+    (n, ctx, prefix, mb), = asked  # the one candidate: rank 0's two holders of group 3
+    assert n.tolist() == [2] and ctx.tolist() == [1224] and prefix.tolist() == [512] and mb == 4
+    assert (CascadeRule("off").groups(rank, group, held, context, eligible, 0, NONE, NONE) == -1).all()
+
+
+def test_the_priced_test_takes_memory_bound_cascades_and_leaves_compute_bound_ones():
+    """On the roofline a cascade pays where the prefix's reads it saves outweigh its extra call: many members
+    over a long prefix of Qwen3's GQA cache, not two members over a short one, nor DeepSeek-R1's MLA (its decode
+    attention is bound by its scores, not by its small latent)."""
+    qwen = cascade_pays(build_latency(LatencySettings(), load_model("qwen3_30b_a3b"), load_cluster("h100_8").gpu))
+    n, prefix = np.array([64.0, 2.0]), np.array([4096.0, 64.0])
+    np.testing.assert_array_equal(qwen(n, n * (prefix + 200), prefix, 0), [True, False])
+    r1 = cascade_pays(build_latency(LatencySettings(), load_model("deepseek_r1"), load_cluster("h20_16").gpu))
+    assert not r1(n[:1], n[:1] * 4296, prefix[:1], 0).any()
 
 
 def test_batch_follows_vllms_rule_the_whole_forward_shares_one_long_prefix():
@@ -37,21 +54,23 @@ def test_batch_follows_vllms_rule_the_whole_forward_shares_one_long_prefix():
     rank, group, held = np.zeros(n, np.int64), np.full(n, 7), np.full(n, 4096)
     yes = np.ones(n, bool)
     gqa = CascadeRule("batch", heads=32, kv_heads=4, sm_count=132)
-    assert (gqa.groups(rank, group, held, yes, NONE, NONE) == 7).all()
+    assert (gqa.groups(rank, group, held, held, yes, 0, NONE, NONE) == 7).all()
     # a prompt chunk in the forward that holds the prefix too: still one cascade; one that does not: none
-    assert (gqa.groups(rank, group, held, yes, np.array([0]), np.array([7])) == 7).all()
-    assert (gqa.groups(rank, group, held, yes, np.array([0]), np.array([-1])) == -1).all()
+    assert (gqa.groups(rank, group, held, held, yes, 0, np.array([0]), np.array([7])) == 7).all()
+    assert (gqa.groups(rank, group, held, held, yes, 0, np.array([0]), np.array([-1])) == -1).all()
     short, few = np.full(n, 192), slice(0, 7)
-    assert (gqa.groups(rank, group, short, yes, NONE, NONE) == -1).all()  # under 256 tokens
-    assert (gqa.groups(rank[few], group[few], held[few], yes[few], NONE, NONE) == -1).all()  # under 8 requests
+    assert (gqa.groups(rank, group, short, short, yes, 0, NONE, NONE) == -1).all()  # under 256 tokens
+    assert (gqa.groups(rank[few], group[few], held[few], held[few], yes[few], 0, NONE,
+                       NONE) == -1).all()  # under 8 requests
     mixed = group.copy()
     mixed[0] = 8
-    assert (gqa.groups(rank, mixed, held, yes, NONE, NONE) == -1).all()  # two prefixes in the forward
-    assert (CascadeRule("batch", heads=128, kv_heads=128, mla=True).groups(rank, group, held, yes, NONE,
+    assert (gqa.groups(rank, mixed, held, held, yes, 0, NONE, NONE) == -1).all()  # two prefixes in the forward
+    assert (CascadeRule("batch", heads=128, kv_heads=128, mla=True).groups(rank, group, held, held, yes, 0, NONE,
                                                                            NONE) == -1).all()
     # decodes only: the wave model prefers flash decoding for few requests (8 x 4 KV heads fill few SMs)
     eight = slice(0, 8)
-    assert (gqa.groups(rank[eight], group[eight], held[eight], yes[eight], NONE, NONE) == -1).all()
+    assert (gqa.groups(rank[eight], group[eight], held[eight], held[eight], yes[eight], 0, NONE,
+                       NONE) == -1).all()
 
 
 def _reads_by_iteration(context, produced, rank, group, shared, micro_batch):

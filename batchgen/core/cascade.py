@@ -13,9 +13,10 @@ those cascades (batchgen.pricing.costs.cascade_load) and the executors perform e
 each call reading the prefix once. Decode queries only: a prompt chunk reads the prefix with its own queries.
 
 The modes (`policy.cascade_attention`):
-- `groups`: a group's device-resident holders decoding on a rank form a cascade where it pays: where the prefix
-  reads it saves, (members - 1) x prefix tokens, reach `min_saved` (the tokens whose KV takes as long to read as
-  the extra call costs to launch, from the latency model: `Roofline.cascade_break_even`);
+- `groups`: a group's device-resident holders decoding on a rank form a cascade where it pays: where the latency
+  model prices their calls split in two (own pages, and the prefix once per call) below the same calls over the
+  whole contexts (`pays`, batchgen.pricing.costs.cascade_pays): a memory-bound attention gains, a compute-bound
+  one (MLA's many heads over a short prefix) or a few tiny reads do not;
 - `batch`: vLLM's rule, at its defaults. A rank's forward runs one cascade when every sequence in it holds the same
   prefix, of at least 256 tokens, over at least 8 requests, on an attention without MLA (a sliding window the
   executor refuses for every mode); in a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -57,13 +59,14 @@ class CascadeRule:
     kv_heads: int = 1
     mla: bool = False
     sm_count: int = 0      # 0: unknown (the wave model is skipped)
-    min_saved: float = 0.0  # groups: the fewest prefix tokens a cascade must save reading
+    # groups: (members, their summed context, prefix tokens, B_attn) per candidate -> whether it pays; None: all
+    pays: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         cascade_mode(self.mode)
 
-    def groups(self, rank: np.ndarray, group: np.ndarray, held: np.ndarray, eligible: np.ndarray,
-               other_rank: np.ndarray, other_group: np.ndarray) -> np.ndarray:
+    def groups(self, rank: np.ndarray, group: np.ndarray, held: np.ndarray, context: np.ndarray,
+               eligible: np.ndarray, micro_batch: int, other_rank: np.ndarray, other_group: np.ndarray) -> np.ndarray:
         """Per decode query: the group whose prefix it reads by cascade, -1 for none. `held`: shared tokens it
         holds by reference (0: none); `eligible`: device-resident and not PARTITIONed. `other_rank`: the rank of
         each other sequence in the forward (prompts and prompt chunks), `other_group`: the group whose prefix it
@@ -75,8 +78,13 @@ class CascadeRule:
         if self.mode == "groups":
             key = rank[holder] * (int(group.max()) + 1) + group[holder]
             _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
-            pays = (counts[inverse] >= 2) & ((counts[inverse] - 1) * held[holder] >= self.min_saved)
-            members = np.flatnonzero(holder)[pays]
+            pays = counts >= 2
+            if self.pays is not None and pays.any():
+                prefix = np.zeros(counts.size)
+                prefix[inverse] = held[holder]
+                pays[pays] = self.pays(counts[pays].astype(float), np.bincount(
+                    inverse, weights=context[holder], minlength=counts.size)[pays], prefix[pays], micro_batch)
+            members = np.flatnonzero(holder)[pays[inverse]]
             out[members] = group[members]
             return out
         if self.mla:

@@ -81,8 +81,8 @@ from batchgen.exec.threads import available_cores
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models import invariant
 from batchgen.exec.run import (ExecOutput, ExecSettings, HostPools, _check_lengths, _checked_params,
-                               _checked_prompts, build_model, host_kw, host_pools, kv_pools, model_config,
-                               text_decoder)
+                               _checked_prompts, build_model, cascades_as_performed, host_kw, host_pools, kv_pools,
+                               model_config, text_decoder)
 from batchgen.exec.runner import InstanceRunner
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.weight_stream import stream_spec_of
@@ -142,6 +142,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
     if getattr(job.policy, "prefill_parallel", "ep") == "auto":  # chosen once, before the processes build layers
         job = plan_prefill(job)
+    job = cascades_as_performed(job, settings.batch_invariant, model_config(job, settings))
     if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
         warnings.warn(f"backend.shared_host_copies: this machine has no {SHM_DIR}; host KV pools stay in process "
                       "memory, so a lost worker's sequences are recomputed, not restored")

@@ -102,7 +102,8 @@ def _cascades(state: ClusterState, d: Decision, ids: np.ndarray, rank: np.ndarra
     other_ids = np.concatenate([d.prefill_ids, chunk.get("chunk_ids", _EMPTY)]).astype(np.int64)
     other_rank = np.concatenate([d.prefill_ranks, chunk.get("chunk_rank", _EMPTY)]).astype(np.int64)
     other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_group[other_ids], -1)
-    group = state.cascade.groups(rank, state.prefix_group[ids], held, ~hosted & (tp <= 1), other_rank, other_group)
+    group = state.cascade.groups(rank, state.prefix_group[ids], held, state.table.context(ids), ~hosted & (tp <= 1),
+                                 d.micro_batch, other_rank, other_group)
     if not (group >= 0).any():
         return {}
     return dict(decode_cascade=group, decode_shared=np.where(group >= 0, held, 0))

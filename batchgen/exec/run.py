@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,7 +40,7 @@ from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.sequences import SequenceTokens, random_prompts
 from batchgen.exec.threads import pinned_threads, resolve_threads
 from batchgen.exec.weight_stream import footprint, meta_model, stream_onto, stream_spec_of
-from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare, shares_prefixes
+from batchgen.job import Job, effective_cluster, prefill_as_performed, prepare
 from batchgen.memory import ConfigError, batch_shape_of
 from batchgen.policy.base import Capabilities
 from batchgen.exec.load import LoadMeter
@@ -142,16 +143,16 @@ def model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
             invariant.check_supported(config.architecture)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    cascade = getattr(job.policy, "cascade_attention", "off")
-    if cascade != "off" and shares_prefixes(job.policy, job.workload):
-        if settings.batch_invariant:
-            raise ConfigError("backend.batch_invariant=true attends each query over its own context alone; cascade "
-                              f"attention (policy.cascade_attention={cascade}) reads a shared prefix once for many: "
-                              "set policy.cascade_attention=off")
-        if config.sliding_window is not None:
-            raise ConfigError(f"this model attends a sliding window of {config.sliding_window} tokens; cascade "
-                              "attention reads a shared prefix whole: set policy.cascade_attention=off")
     return config
+
+
+def cascades_as_performed(job: Job, batch_invariant: bool, config: ExecModelConfig) -> Job:
+    """The job with no cascade attention where the executor cannot perform it, so that its plans carry none:
+    batch-invariant mode attends each query over its own context alone, and a sliding window sees only part of a
+    prefix (batchgen.core.cascade)."""
+    if getattr(job.policy, "cascade_attention", "off") == "off" or not (batch_invariant or config.sliding_window):
+        return job
+    return dataclasses.replace(job, policy=dataclasses.replace(job.policy, cascade_attention="off"))
 
 
 def _model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
@@ -332,6 +333,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         check_clock(settings.clock, {d.type for d in devices}, threads)
         dtype = settings.torch_dtype(devices)
         config = model_config(job, settings)
+        job = cascades_as_performed(job, settings.batch_invariant, config)
         _check_lengths(job, config)
         check_runs_here(prepare(job).policy, exec_capabilities(config))
         pools = kv_pools(job, settings, config, dtype)

@@ -212,12 +212,6 @@ class Roofline(Transfers):
         seconds = formulas.decode_attention(t, ctx, mb, proj, *self._attention_constants[0], maximum_for(t, ctx, mb))
         return _out(positive(t, seconds))
 
-    def cascade_break_even(self) -> float:
-        """Context tokens whose KV a decode call reads in the time a call's launch takes: what a cascade must save
-        reading to pay for its prefix kernel (batchgen.core.cascade)."""
-        kv_bytes, _, _, _, bw, kernel_s = self._attention_constants[0]
-        return kernel_s * bw / kv_bytes
-
     def attention_prefix(self, pairs, kv_tokens, calls):
         """The prefix kernels of cascade attention (batchgen.core.cascade): `calls` calls whose queries attend
         `pairs` query-key pairs of shared prefixes, each call reading its prefix's KV once (`kv_tokens` in all)."""

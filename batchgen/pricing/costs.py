@@ -75,6 +75,22 @@ def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_
     return CascadeLoad(_alive(r, alive, tokens, R, K), kv, calls, _alive(r, alive, np.ones(r.size), R, K))
 
 
+@dataclass(frozen=True)
+class cascade_pays:  # noqa: N801 - used as a function of the latency model; a class so that a state pickles
+    """The `groups` rule's test (batchgen.core.cascade.CascadeRule.pays): per candidate cascade of `n` members
+    whose contexts sum to `context` over a prefix of `prefix` tokens, whether its calls (ceil(n / B_attn)) cost
+    less split in two (own pages; the prefix once per call) than over the whole contexts."""
+
+    lat: LatencyModel
+
+    def __call__(self, n: np.ndarray, context: np.ndarray, prefix: np.ndarray, micro_batch: int) -> np.ndarray:
+        calls = np.ceil(n / micro_batch) if micro_batch > 0 else np.ones(n.size)
+        whole = self.lat.attention_decode(n, context, calls)
+        split = (self.lat.attention_decode(n, context - n * prefix, calls)
+                 + self.lat.attention_prefix(n * prefix, prefix * calls, calls))
+        return np.asarray(split < whole, bool)
+
+
 def with_cascade(load, cascade: CascadeLoad | None, micro_batch: int, over: np.ndarray):
     """`load` (a RankLoad or DecodeGrid whose decode contexts are their own pages) with its cascades: their
     prefix kernels, and their members called apart from the other queries (`over`: the queries its calls are

@@ -14,12 +14,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from batchgen import job as job_module
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.run import DistSettings, execute_dist
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.workload.spec import Workload
 from conftest import make_job
 from tests.exec.test_exec_parity import hf_greedy, kv_mb_for
+from tests.exec.test_shared_prefix_exec import always_pays
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -172,15 +174,19 @@ def test_sampled_outputs_equal_the_single_process_executor(saved, loop_kernel):
 
 
 @pytest.mark.parametrize("policy", ["continuous", "coroutine"])
-def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy):
+def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypatch):
     """Groups of prompts that share a prefix (ending inside a page), over two processes: each process's cache
     holds the prefixes its rank's members share (the state's `share`/`unshare` ops performed there, creators'
-    attention first), so each rank computes a group's prefix once; greedy outputs equal transformers'."""
+    attention first), so each rank computes a group's prefix once, and members decoding together read it once
+    per cascaded call, as the engine counted (every cascade taken to pay: a tiny model's never do); greedy outputs
+    equal transformers'."""
+    monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     model, path = saved
     n, group, prefix = 16, 4, 29
     rng = np.random.default_rng(5)
     inputs, outputs = prefix + rng.integers(3, 12, n), rng.integers(4, 24, n)
-    knobs = {"token_budget": 64} if policy == "continuous" else {"b_moe": 4, "prefill_tokens_per_rank": 128}
+    knobs = ({"token_budget": 64, "cascade_attention": "groups"} if policy == "continuous"
+             else {"b_moe": 4, "prefill_tokens_per_rank": 128})
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
     job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(n) // group,
@@ -189,6 +195,7 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy):
     state = out.prepared.state
     assert state.sharing and not state.table.recomputes.any()
     assert state.prefill_computed < int(inputs.sum()) - n * group  # 3 of a group's 4 members took 24 tokens or more
+    assert out.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
     for sid in range(n):
         assert list(out.tokens.prompts[sid][:prefix]) == list(out.tokens.prompts[sid // group * group][:prefix]), sid
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid

@@ -10,9 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from batchgen.memory import ConfigError
 from batchgen.exec.run import ExecSettings, execute
-from batchgen.latency.roofline import Roofline
+from batchgen import job as job_module
 from batchgen.workload.spec import Workload
 from conftest import make_job
 
@@ -32,6 +31,11 @@ def grouped(policy: str, prefix_cache: bool, num_gpus: int = 2, token_budget: in
                                      **({"token_budget": token_budget} if token_budget else {})})
     return dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(N) // GROUP,
                                                       prefix_len=np.full(N, PREFIX)))
+
+
+def always_pays(lat):
+    """A CascadeRule.pays that takes every candidate (tiny models' reads never pay for a call)."""
+    return lambda n, context, prefix, micro_batch: np.ones(n.size, bool)
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +107,8 @@ def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypat
     """Members decoding together on a rank read their prefix once per call (batchgen.core.cascade): the
     executor's cascaded calls read exactly the prefix tokens the engine counted (and the simulator prices), and
     every output is the one without cascades and transformers'. (The tiny model's reads are too small to pay
-    for a call on the rig's roofline, so the break-even is set to 0 here.)"""
-    monkeypatch.setattr(Roofline, "cascade_break_even", lambda self: 0.0)
+    for a call on the rig's roofline, so every cascade is taken to pay here.)"""
+    monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     model, path = saved
     settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
     budget = 40 if policy == "continuous" else 0
@@ -119,9 +123,11 @@ def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypat
         assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
 
 
-def test_batch_invariant_mode_refuses_a_cascade_before_any_work(saved):
+def test_batch_invariant_mode_runs_without_cascades(saved, monkeypatch):
+    """Each query attends its own context alone there: the job's plans carry no cascade, whatever the policy says."""
+    monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     _, path = saved
-    settings = ExecSettings(device="cpu", model_path=str(path), batch_invariant=True, threads=1)
-    with pytest.raises(ConfigError, match="policy.cascade_attention=off"):
-        execute(grouped("coroutine", True, 2, 0), settings)
-    assert execute(grouped("coroutine", False, 2, 0), settings).prepared.state.decode_forwards > 0
+    out = execute(grouped("coroutine", True, 2, 0), ExecSettings(device="cpu", model_path=str(path), threads=1,
+                                                                  batch_invariant=True))
+    assert out.prepared.state.sharing and out.prepared.state.cascade.mode == "off"
+    assert out.kv_traffic["cascade_prefix_reads"] == out.prepared.state.cascade_prefix_read == 0
