@@ -142,7 +142,7 @@ def execute_dist(job: Job, settings: DistSettings, *, prompts: list[np.ndarray] 
         job = dataclasses.replace(job, policy=dataclasses.replace(job.policy, attention_tp=1))
     if getattr(job.policy, "prefill_parallel", "ep") == "auto":  # chosen once, before the processes build layers
         job = plan_prefill(job)
-    job = cascades_as_performed(job, settings.batch_invariant, model_config(job, settings))
+    job = cascades_as_performed(job, settings)
     if settings.shared_host_copies is True and not os.path.isdir(SHM_DIR):
         warnings.warn(f"backend.shared_host_copies: this machine has no {SHM_DIR}; host KV pools stay in process "
                       "memory, so a lost worker's sequences are recomputed, not restored")

@@ -146,11 +146,13 @@ def model_config(job: Job, settings: ExecSettings) -> ExecModelConfig:
     return config
 
 
-def cascades_as_performed(job: Job, batch_invariant: bool, config: ExecModelConfig) -> Job:
+def cascades_as_performed(job: Job, settings: ExecSettings) -> Job:
     """The job with no cascade attention where the executor cannot perform it, so that its plans carry none:
     batch-invariant mode attends each query over its own context alone, and a sliding window sees only part of a
     prefix (batchgen.core.cascade)."""
-    if getattr(job.policy, "cascade_attention", "off") == "off" or not (batch_invariant or config.sliding_window):
+    if getattr(job.policy, "cascade_attention", "off") == "off":
+        return job
+    if not settings.batch_invariant and model_config(job, settings).sliding_window is None:
         return job
     return dataclasses.replace(job, policy=dataclasses.replace(job.policy, cascade_attention="off"))
 
@@ -333,7 +335,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         check_clock(settings.clock, {d.type for d in devices}, threads)
         dtype = settings.torch_dtype(devices)
         config = model_config(job, settings)
-        job = cascades_as_performed(job, settings.batch_invariant, config)
+        job = cascades_as_performed(job, settings)
         _check_lengths(job, config)
         check_runs_here(prepare(job).policy, exec_capabilities(config))
         pools = kv_pools(job, settings, config, dtype)

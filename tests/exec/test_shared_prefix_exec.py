@@ -33,9 +33,14 @@ def grouped(policy: str, prefix_cache: bool, num_gpus: int = 2, token_budget: in
                                                       prefix_len=np.full(N, PREFIX)))
 
 
-def always_pays(lat):
+class always_pays:  # noqa: N801 - stands in for batchgen.pricing.costs.cascade_pays; a class: a state pickles
     """A CascadeRule.pays that takes every candidate (tiny models' reads never pay for a call)."""
-    return lambda n, context, prefix, micro_batch: np.ones(n.size, bool)
+
+    def __init__(self, lat) -> None:
+        pass
+
+    def __call__(self, n, context, prefix, micro_batch):
+        return np.ones(n.size, bool)
 
 
 @pytest.fixture(scope="module")
