@@ -379,6 +379,20 @@ class PrefixPages:
         """A holder's own pages: those of its tokens less the prefix's."""
         return np.maximum(pages - self.prefix_held[ids] // self.page_tokens, 0)
 
+    def forget_prefixes(self) -> None:
+        """No prefix on any GPU and no holder: a recovery's output state, once every sequence has finished (its
+        counters stay)."""
+        if not self.sharing:
+            return
+        self.prefix_held[:] = 0
+        self.prefixes.clear()
+        self._gpus_of_group.clear()
+        self._exhausted.clear()
+        self._after_forward = [[] for _ in self._after_forward]
+        self._read_in_forward = [[] for _ in self._read_in_forward]
+        for counts in (self.unheld_pages, self.prefix_pages, self.group_left, self.group_parked):
+            counts[:] = 0
+
     def check_prefixes(self) -> np.ndarray:
         """Recount the prefixes from their holders; returns the pages they hold per GPU (for the page check)."""
         pages = np.zeros(self.topo.num_gpus, np.int64)

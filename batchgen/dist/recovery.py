@@ -460,12 +460,21 @@ def finished_report(tokens, ids) -> dict:
     return {"total": len(tokens.generated), "finished": {int(s): list(tokens.generated[int(s)]) for s in ids}}
 
 
+# what a generation's state counts over its run (prefill, prefix takes, decode reads): the output sums them
+RUN_COUNTERS = ("prefill_computed", "decode_kv_read", "decode_forwards", "cascade_prefix_read", "prefix_taken",
+                "prefix_restored")
+
+
 def fold_peaks(first: ClusterState, retired: ClusterState, members: tuple[int, ...]) -> None:
-    """The launched cluster's peak pages (per launch rank) and host use also count a later generation's."""
+    """The launched cluster's peak pages (per launch rank) and host use also count a later generation's, and its
+    run counters add that generation's."""
     idx = list(members)
     first.peak_pages[idx] = np.maximum(first.peak_pages[idx], retired.peak_pages)
     k = min(first.peak_host.size, retired.peak_host.size)
     first.peak_host[:k] = np.maximum(first.peak_host[:k], retired.peak_host[:k])
+    for name in RUN_COUNTERS:
+        if hasattr(retired, name):
+            setattr(first, name, getattr(first, name) + getattr(retired, name))
 
 
 def launched_instances(topo, members: tuple[int, ...]) -> np.ndarray:
@@ -489,6 +498,7 @@ def settle(first: ClusterState, last: ClusterState, members: tuple[int, ...]) ->
     first.host_used[:] = 0
     first._host_any = False
     first.host_reserved[:] = 0
+    first.forget_prefixes()
     first.pending = [IdQueue() for _ in first.pending]
     first.pinned = [IdQueue() for _ in first.pinned]
     first.suspended = [IdQueue() for _ in first.suspended]

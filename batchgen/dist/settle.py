@@ -49,8 +49,10 @@ def keep_plan(table, generated: list[list[int]], done: np.ndarray, inventories: 
 def apply_keep(cache, keep: dict) -> None:
     """A survivor: drop every sequence not kept; a kept one forgets the interrupted forward's slot (device
     tokens past the kept ones, or a host-resident step's pending tokens: an extra page held is harmless, the
-    pools only ever grow a sequence's pages)."""
+    pools only ever grow a sequence's pages). Shared prefixes go: the next generation's state starts with none,
+    and counts a kept holder's pages, the prefix's included, as its own (`inventory`)."""
     cache.release([sid for sid in cache.seq_ids() if sid not in keep])
+    cache.drop_prefixes()
     shards = getattr(cache, "shards", None)  # PARTITION's head shards (exec/shards.py): never kept
     if shards is not None:
         shards.release(shards.seq_ids())

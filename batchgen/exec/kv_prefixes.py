@@ -81,6 +81,14 @@ class SharedPrefixes:
         meta.prefix_tokens = n * self.page_size
         return meta
 
+    def drop_prefixes(self) -> None:
+        """Every prefix leaves this cache (a recovery: the next generation's state starts with none); a sequence
+        that holds one keeps its pages, which go with it."""
+        for group in list(self._prefix_pages):
+            self.unshare_prefix(group)
+        self._creating.clear()
+        self._attached.clear()
+
     def take_creating(self) -> set[int]:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must
         run first), once: the forward that asks is that one."""
