@@ -63,7 +63,7 @@ def run_job(cfg: DictConfig) -> None:
 
     writes = name == "exec" or _rank() == 0  # a torchrun worker (rank > 0) serves; rank 0 writes the results
     summary = run_batch(settings, path, build, _run_exec(backend) if name == "exec" else _run_dist(backend),
-                        writes=writes)
+                        writes=writes, page_tokens=setup.page_tokens)
     if not writes:
         return
     if summary.completed == 0 and summary.failed + summary.already_done == summary.requests:
@@ -132,6 +132,7 @@ def estimate_job(cfg: DictConfig) -> None:
     from batchgen.setup import build_setup, checked_calibration, model_path, model_spec, policy_config
     from batchgen.policy import policy_names
     from batchgen.progress import enabled
+    from batchgen.workload.prefixes import discover_prefix_columns
 
     job = _plain(cfg.job)
     src = Path(str(job.get("input") or "")).expanduser()
@@ -154,13 +155,14 @@ def estimate_job(cfg: DictConfig) -> None:
         raise ConfigError(f"job.input={src}: no valid request to estimate ({len(errors)} bad lines; run the job "
                           "to get an error record for each)")
     choices = np.array([r.n for r in requests])  # every choice of a request is a sequence of its own
-    prompt_lens = np.repeat([len(r.prompt_ids) for r in requests], choices)
-    request = np.repeat(np.arange(len(requests)), choices)
-    shared = np.repeat(choices > 1, choices)  # a request's choices share its whole prompt (prefix caching counts it)
-    inp = EstimateInput(prompt_lens, np.repeat([r.params.max_tokens for r in requests], choices),
+    prompts = [r.prompt_ids for r in requests for _ in range(r.n)]
+    # shared prefixes found in the prompts' tokens, as the run finds them (a request's choices, a system prompt)
+    group, prefix_len = discover_prefix_columns(prompts, setup.page_tokens)
+    inp = EstimateInput(np.array([len(p) for p in prompts], np.int64),
+                        np.repeat([r.params.max_tokens for r in requests], choices),
                         np.repeat([r.params.ignore_eos for r in requests], choices),
                         approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer), requests=len(requests),
-                        prefix_group=np.where(shared, request, -1), prefix_len=np.where(shared, prompt_lens, 0))
+                        prefix_group=group, prefix_len=prefix_len)
     names = list(job.get("estimate_policies") or [])
     unknown = [n for n in names if n not in policy_names()]
     if not names or unknown:

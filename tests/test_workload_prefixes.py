@@ -127,3 +127,59 @@ def test_distinct_prefix_tokens_counts_a_prefix_tree():
     assert distinct_prefix_tokens([[1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 5], [1, 2, 4, 6]]) == 8
     assert distinct_prefix_tokens([[1, 2], [1, 2, 3]]) == 3  # a prompt that is another's prefix
     assert distinct_prefix_tokens([[256, 1], [1, 256]]) == 4  # token order, not byte order of small ids
+
+
+def _saving(sequences, group, prefix_len, page=1):
+    """Prompt tokens a one-level grouping saves: each group's prefix (whole pages) once less."""
+    out = 0
+    for g in set(group.tolist()) - {-1}:
+        members = np.flatnonzero(group == g)
+        out += (members.size - 1) * (int(prefix_len[members[0]]) // page * page)
+    return out
+
+
+def test_discovered_prefixes_find_choices_and_a_system_prompt():
+    from batchgen.workload.prefixes import discover_prefix_columns
+
+    system = list(range(1000, 1130))                      # 130 tokens before every request of a family
+    family = [system + [k, k + 1, k + 2] for k in range(6)]
+    n_choices = [[7, 8, 9, k] for k in range(3) for _ in range(4)]  # three prompts, four choices each
+    loner = [[5, 5, 5]]
+    sequences = family + n_choices + loner
+    group, prefix_len = discover_prefix_columns(sequences)
+    fam, choices = group[:6], group[6:18]
+    assert (fam == fam[0]).all() and fam[0] >= 0 and (prefix_len[:6] == 130).all()
+    assert [len(set(choices[i:i + 4].tolist())) for i in range(0, 12, 4)] == [1, 1, 1]
+    assert len(set(choices.tolist()) | {int(fam[0])}) == 4 and (prefix_len[6:18] == 4).all()
+    assert group[18] == -1 and prefix_len[18] == 0
+    # whole pages of 64: the family's 130 tokens share two pages; a 4-token prompt shares none
+    group, prefix_len = discover_prefix_columns(sequences, page_tokens=64)
+    assert (group[:6] == group[0]).all() and group[0] >= 0 and (group[6:] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_discovered_prefixes_are_shared_and_save_at_least_the_choices_grouping(seed):
+    """Random families (a system prompt, then requests with n choices): every group's members share their prefix,
+    and the grouping saves at least as much as grouping each request's choices alone (one node of the tree)."""
+    from batchgen.workload.prefixes import discover_prefix_columns
+
+    rng = np.random.default_rng(seed)
+    sequences, request = [], []
+    for f in range(int(rng.integers(1, 4))):
+        system = rng.integers(0, 50, int(rng.integers(0, 40))).tolist()
+        for r in range(int(rng.integers(1, 5))):
+            prompt = system + rng.integers(0, 50, int(rng.integers(1, 20))).tolist()
+            for _ in range(int(rng.integers(1, 4))):
+                sequences.append(prompt)
+                request.append(f * 100 + r)
+    page = int(rng.choice([1, 4, 16]))
+    group, prefix_len = discover_prefix_columns(sequences, page)
+    for g in set(group.tolist()) - {-1}:
+        members = np.flatnonzero(group == g)
+        n = int(prefix_len[members[0]])
+        assert members.size >= 2 and (prefix_len[members] == n).all()
+        assert all(len(sequences[m]) >= n and sequences[m][:n] == sequences[members[0]][:n] for m in members)
+    request = np.array(request)
+    by_request = np.where(np.bincount(request)[request] > 1, request, -1)
+    whole = np.array([len(s) for s in sequences])
+    assert _saving(sequences, group, prefix_len, page) >= _saving(sequences, by_request, whole, page)

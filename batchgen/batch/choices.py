@@ -14,8 +14,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from batchgen.batch.requests import Request
 from batchgen.exec.sampling import SamplingParams
 
@@ -46,14 +44,3 @@ def choice_params(r: Request, index: int) -> SamplingParams:
 def plan_choices(todo: Sequence[Request], finished: Sequence[dict[int, object]]) -> list[Choice]:
     """The sequences to run: every choice of every request of `todo` but those in `finished[j]` (by index)."""
     return [Choice(j, i, choice_params(r, i)) for j, r in enumerate(todo) for i in range(r.n) if i not in finished[j]]
-
-
-def prefix_columns(todo: Sequence[Request], plan: Sequence[Choice]) -> tuple[np.ndarray, np.ndarray]:
-    """The workload's prefix columns: the choices of one request share its whole prompt (one group per request
-    with more than one choice in the run); anything else shares nothing."""
-    if not plan:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    requests = np.array([c.request for c in plan], dtype=np.int64)
-    prompt = np.array([len(r.prompt_ids) for r in todo], dtype=np.int64)[requests]
-    shared = np.bincount(requests, minlength=len(todo))[requests] > 1
-    return np.where(shared, requests, -1), np.where(shared, prompt, 0)

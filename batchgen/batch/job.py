@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.batch.checkpoint import load_partial, remove_partial
-from batchgen.batch.choices import plan_choices, prefix_columns
+from batchgen.batch.choices import plan_choices
 from batchgen.batch.output import ResultLog, error_record
 from batchgen.batch.requests import LineError, ModelInfo, read_requests
 from batchgen.batch.sink import JobSink
@@ -134,15 +134,18 @@ def record_line_errors(log: ResultLog, errors: list[LineError]) -> int:
     return len(errors)
 
 
-def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, writes: bool = True) -> JobSummary:
+def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, writes: bool = True,
+              page_tokens: int = 1) -> JobSummary:
     """build_job(workload) -> Job and execute(job, prompts, params, resumed, sink) -> SinkCounts: the caller's
     executor, which opens `sink` (`batchgen.batch.sink.JobSink`) in the process that holds the tokens (this one,
     or backend=dist's rank 0) and returns what it wrote there (None when it wrote elsewhere).
 
     writes=False: this process only learns the remaining requests (a torchrun worker, rank > 0): it reads the
-    results file and the checkpoint without changing them, writes no error record, and passes no sink."""
+    results file and the checkpoint without changing them, writes no error record, and passes no sink.
+    The prompts' shared prefixes are found in their tokens (`discover_prefix_columns`, whole pages of
+    `page_tokens`): a request's n choices, a system prompt or few-shot block before many requests."""
     from batchgen.workload import Workload
-    from batchgen.workload.prefixes import distinct_prefix_tokens
+    from batchgen.workload.prefixes import discover_prefix_columns, distinct_prefix_tokens
 
     start = time.perf_counter()
     info = ModelInfo.from_dir(model_path)
@@ -165,15 +168,17 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
             resumed = [saved[c.request].tokens.get(c.index, []) for c in plan]
             prompts = [todo[c.request].prompt_ids for c in plan]
             done_before = np.array([len(t) for t in resumed], dtype=np.int64)
+            # what each sequence's prefill reads: its prompt and the tokens an earlier run generated
+            contexts = [np.concatenate([p, np.asarray(t, dtype=np.int64)]) if t else p
+                        for p, t in zip(prompts, resumed)]
             workload = Workload(f"batch:{settings.input.name}",
                                 np.array([len(p) for p in prompts], dtype=np.int64) + done_before,
                                 np.array([c.params.max_tokens for c in plan], dtype=np.int64) - done_before,
-                                *prefix_columns(todo, plan))
+                                *discover_prefix_columns(contexts, page_tokens))
             summary.sequences = len(plan)
             summary.prefill_tokens_submitted = int(workload.input_lens.sum())
             if writes:  # only the writer prints a summary
-                summary.prefill_tokens_distinct = distinct_prefix_tokens(
-                    [np.concatenate([p, np.asarray(t, dtype=np.int64)]) if t else p for p, t in zip(prompts, resumed)])
+                summary.prefill_tokens_distinct = distinct_prefix_tokens(contexts)
             sink = JobSink(settings.output, todo, checkpoint_name(model_path), settings.fsync, settings.checkpoint_s,
                            settings.progress, plan, finished) if writes else None
             if plan:

@@ -90,21 +90,71 @@ def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_le
     return suffixes + int(prefix_len[grouped][first].sum())
 
 
+def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """(the sequences as arrays, their lexicographic order, lcp[i]: the common prefix of the i-th and (i-1)-th in
+    that order; lcp[0] = 0)."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
+    keys = [a.astype(">i8").tobytes() for a in arrays]  # big-endian: byte order is token order
+    order = sorted(range(len(arrays)), key=keys.__getitem__)
+    lcp = np.zeros(len(arrays), np.int64)
+    for i, (prev, cur) in enumerate(pairwise(order), start=1):
+        a, b = arrays[prev], arrays[cur]
+        m = min(a.size, b.size)
+        differ = np.flatnonzero(a[:m] != b[:m])
+        lcp[i] = int(differ[0]) if differ.size else m
+    return arrays, order, lcp
+
+
+def discover_prefix_columns(sequences, page_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """`prefix_group` and `prefix_len` found in token ids, for prompts no one labelled (a batch file's): one level
+    of sharing chosen to save the most prefill.
+
+    In lexicographic order the sequences that share a prefix of at least h tokens are runs (the nodes of their
+    prefix tree: lcp intervals). A node of depth h over k sequences saves (k - 1) x h tokens as one group, or what
+    its children save as groups of their own; bottom up, each node keeps the larger, counting only whole pages of
+    `page_tokens` (what a paged cache can share). Ties keep the larger group."""
+    arrays, order, lcp = _sorted_lcp(sequences)
+    n = len(arrays)
+    group, prefix_len = np.full(n, NO_GROUP, np.int64), np.zeros(n, np.int64)
+    if n < 2:
+        return group, prefix_len
+    # bottom-up over the lcp intervals (value, first, children), closed at the boundary where lcp falls below
+    nodes: list[tuple[int, int, int, list]] = []  # closed: (value, first, last, children), children by index
+    best: list[int] = []
+    stack: list[list] = [[0, 0, []]]
+    for i in range(1, n + 1):
+        h = int(lcp[i]) if i < n else -1
+        first, last = i - 1, None
+        while stack and h < stack[-1][0]:
+            value, first, children = stack.pop()
+            nodes.append((value, first, i - 1, children))
+            whole = (i - 1 - first) * (value // page_tokens * page_tokens)
+            best.append(max(whole, sum(best[c] for c in children)))
+            last = len(nodes) - 1
+            if stack and h <= stack[-1][0]:
+                stack[-1][2].append(last)
+        if not stack or h > stack[-1][0]:
+            stack.append([h, first, [last] if last is not None else []])
+    todo, next_group = [len(nodes) - 1], 0
+    while todo:
+        value, first, last, children = nodes[todo.pop()]
+        whole = (last - first) * (value // page_tokens * page_tokens)
+        if whole > 0 and whole >= sum(best[c] for c in children):
+            members = [order[j] for j in range(first, last + 1)]
+            group[members], prefix_len[members] = next_group, value
+            next_group += 1
+        else:
+            todo.extend(children)
+    return group, prefix_len
+
+
 def distinct_prefix_tokens(sequences) -> int:
     """Tokens of the prefix tree of `sequences` (token-id arrays): what a prefill that computes every common
     prefix once computes, at any depth (a system prompt, then a few-shot block, then a repeated question). In
     lexicographic order, each sequence shares with the tree exactly its longest common prefix with the one
     before it, so the tree holds the sum of lengths less those."""
-    arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
-    keys = [a.astype(">i8").tobytes() for a in arrays]  # big-endian: byte order is token order
-    order = sorted(range(len(arrays)), key=keys.__getitem__)
-    total = sum(a.size for a in arrays)
-    for prev, cur in pairwise(order):
-        a, b = arrays[prev], arrays[cur]
-        m = min(a.size, b.size)
-        differ = np.flatnonzero(a[:m] != b[:m])
-        total -= int(differ[0]) if differ.size else m
-    return total
+    arrays, _, lcp = _sorted_lcp(sequences)
+    return sum(a.size for a in arrays) - int(lcp.sum())
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,34 @@ def test_n8_with_a_shared_system_prompt_killed_twice_then_resumed(demo, tmp_path
     assert sorted(r["custom_id"] for r in records) == sorted(f"q{k}" for k in range(12))
     assert all(len(r["response"]["body"]["choices"]) == 8 for r in records)
     assert comparable(records) == comparable(read_records(baseline))
+
+
+def test_a_system_prompt_before_distinct_requests_is_found_and_shared(demo, tmp_path, monkeypatch):  # noqa: F811
+    """No `n`, no labels: the requests' tokens show the shared system prompt (workload.prefixes'
+    discover_prefix_columns), and the run prefills it once per GPU instead of once per request; the records equal
+    a run that shares nothing."""
+    from batchgen.exec import run as exec_run
+
+    runs = []
+    real = exec_run.execute
+
+    def watched(job, settings, **kw):
+        out = real(job, settings, **kw)
+        runs.append(out)
+        return out
+
+    monkeypatch.setattr(exec_run, "execute", watched)
+    system = "You are a careful assistant. Answer in one short paragraph and stay on topic. " * 4
+    lines = [{"custom_id": f"q{k}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "system", "content": system},
+                                    {"role": "user", "content": f"Question {k}: why is the sea salty?"}],
+                       "max_tokens": 8, "temperature": 0}} for k in range(8)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
+    shared, plain = tmp_path / "shared.jsonl", tmp_path / "plain.jsonl"
+    run_in_process(demo, requests, shared, "page_tokens=16")
+    run_in_process(demo, requests, plain, "page_tokens=16", "policy.prefix_cache=false")
+    on, off = (r.prepared.state for r in runs)
+    w = runs[0].job.workload
+    assert (w.prefix_group == w.prefix_group[0]).all() and w.prefix_group[0] >= 0 and w.prefix_len[0] >= 64
+    assert on.sharing and on.prefill_computed < off.prefill_computed == int(w.input_lens.sum())
+    assert comparable(read_records(shared)) == comparable(read_records(plain))
