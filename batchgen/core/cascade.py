@@ -18,11 +18,11 @@ The modes (`policy.cascade_attention`):
   whole contexts (`pays`, batchgen.pricing.costs.cascade_pays): a memory-bound attention gains, a compute-bound
   one (MLA's many heads over a short prefix) or a few tiny reads do not;
 - `batch`: vLLM's rule, at its defaults. A rank's forward runs one cascade when every sequence in it holds the same
-  prefix, of at least 256 tokens, over at least 8 requests, on an attention without MLA (a sliding window the
-  executor refuses for every mode); in a
-  forward of decodes only, with grouped-query heads, only where its model of the kernels' waves says a cascade
-  beats flash decoding (tiles of 128 queries and 128 keys over the GPU's SMs);
+  prefix, of at least 256 tokens, over at least 8 requests, on an attention without MLA; in a forward of decodes
+  only, with grouped-query heads, only where its model of the kernels' waves says a cascade beats flash decoding
+  (tiles of 128 queries and 128 keys over the GPU's SMs);
 - `off`: none (SGLang's default backends have no cascade).
+The executor runs batch-invariant jobs and sliding-window models without cascades (batchgen.exec.run).
 """
 
 from __future__ import annotations
@@ -114,11 +114,6 @@ class CascadeRule:
         cascade = math.ceil(self.heads * math.ceil(requests / _TILE) / self.sm_count) * tiles
         flash = math.ceil(requests * self.kv_heads * math.ceil(per_kv / _TILE) * tiles / self.sm_count)
         return cascade < flash
-
-
-def calls(members: int, micro_batch: int) -> int:
-    """A cascade's calls on its rank: its members in calls of at most B_attn (0: one call)."""
-    return math.ceil(members / micro_batch) if micro_batch > 0 else 1
 
 
 def decode_reads(context: np.ndarray, produced: np.ndarray, rank: np.ndarray, group: np.ndarray,

@@ -279,7 +279,7 @@ class InstanceRunner:
                 calls = [(first, -1), (prompts, -1), (decodes, -1), *[(m, g) for g, m in cascades.items()]]
                 for group, shared in calls:
                     ends = [batch.start_positions[i] + batch.new_counts[i] for i in group]
-                    if shared >= 0:  # the core's count of calls (batchgen.core.cascade.calls)
+                    if shared >= 0:  # a cascade: calls of at most mb members, as the engine counts them
                         step = mb or len(group)
                         chunks = [(lo, min(lo + step, len(group))) for lo in range(0, len(group), step)]
                     elif resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
