@@ -31,22 +31,25 @@ def test_groups_cascade_two_or_more_holders_on_a_rank_where_it_pays():
     np.testing.assert_array_equal(rule.groups(rank, group, held, context, eligible, 0, NONE, NONE),
                                   [3, 3, -1, -1, -1, -1])
     asked = []
-    never = CascadeRule("groups", pays=lambda *a: asked.append(a) or np.zeros(a[0].size, bool))
+    never = CascadeRule("groups", pays=lambda *a: asked.append(a) or np.zeros(a[2].size, bool))
     assert (never.groups(rank, group, held, context, eligible, 4, NONE, NONE) == -1).all()
-    (n, ctx, prefix, mb), = asked  # the one candidate: rank 0's two holders of group 3
-    assert n.tolist() == [2] and ctx.tolist() == [1224] and prefix.tolist() == [512] and mb == 4
+    # the one candidate: rank 0's two holders of group 3, among its three device queries over 1,836 tokens
+    (queries, summed, members, prefix, mb), = asked
+    assert (queries, summed, members.tolist(), prefix.tolist(), mb) == (3, 1836.0, [2.0], [512.0], 4)
     assert (CascadeRule("off").groups(rank, group, held, context, eligible, 0, NONE, NONE) == -1).all()
 
 
 def test_the_priced_test_takes_memory_bound_cascades_and_leaves_compute_bound_ones():
-    """On the roofline a cascade pays where the prefix's reads it saves outweigh its extra call: many members
-    over a long prefix of Qwen3's GQA cache, not two members over a short one, nor DeepSeek-R1's MLA (its decode
-    attention is bound by its scores, not by its small latent)."""
+    """On the roofline a cascade pays where the prefix's reads it saves outweigh its extra calls: many members over
+    a long prefix of Qwen3's GQA cache, not two members over a short one, nor many small groups that split a rank's
+    calls (B_attn 64), nor DeepSeek-R1's MLA (its decode attention is bound by its scores, not its small latent)."""
     qwen = cascade_pays(build_latency(LatencySettings(), load_model("qwen3_30b_a3b"), load_cluster("h100_8").gpu))
     n, prefix = np.array([64.0, 2.0]), np.array([4096.0, 64.0])
-    np.testing.assert_array_equal(qwen(n, n * (prefix + 200), prefix, 0), [True, False])
+    np.testing.assert_array_equal(qwen(66, float(n @ (prefix + 200)), n, prefix, 0), [True, False])
+    split = qwen(256, 256 * 400.0, np.full(32, 8.0), np.full(32, 64.0), 64)
+    assert not split.any()
     r1 = cascade_pays(build_latency(LatencySettings(), load_model("deepseek_r1"), load_cluster("h20_16").gpu))
-    assert not r1(n[:1], n[:1] * 4296, prefix[:1], 0).any()
+    assert not r1(64, 64 * 4296.0, n[:1], prefix[:1], 0).any()
 
 
 def test_batch_follows_vllms_rule_the_whole_forward_shares_one_long_prefix():

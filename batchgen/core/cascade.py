@@ -13,10 +13,11 @@ those cascades (batchgen.pricing.costs.cascade_load) and the executors perform e
 each call reading the prefix once. Decode queries only: a prompt chunk reads the prefix with its own queries.
 
 The modes (`policy.cascade_attention`):
-- `groups`: a group's device-resident holders decoding on a rank form a cascade where it pays: where the latency
-  model prices their calls split in two (own pages, and the prefix once per call) below the same calls over the
-  whole contexts (`pays`, batchgen.pricing.costs.cascade_pays): a memory-bound attention gains, a compute-bound
-  one (MLA's many heads over a short prefix) or a few tiny reads do not;
+- `groups`: a group's device-resident holders decoding on a rank form a cascade where it pays: the latency model
+  prices the rank's decode attention with and without it, the cascaded members called apart from the others and
+  each call reading the prefix once (`pays`, batchgen.pricing.costs.cascade_pays): a memory-bound attention over
+  long shared prefixes gains; a compute-bound one (MLA's many heads), tiny reads, or calls split into many small
+  ones do not;
 - `batch`: vLLM's rule, at its defaults. A rank's forward runs one cascade when every sequence in it holds the same
   prefix, of at least 256 tokens, over at least 8 requests, on an attention without MLA; in a forward of decodes
   only, with grouped-query heads, only where its model of the kernels' waves says a cascade beats flash decoding
@@ -59,8 +60,9 @@ class CascadeRule:
     kv_heads: int = 1
     mla: bool = False
     sm_count: int = 0      # 0: unknown (the wave model is skipped)
-    # groups: (members, their summed context, prefix tokens, B_attn) per candidate -> whether it pays; None: all
-    pays: Callable[[np.ndarray, np.ndarray, np.ndarray, int], np.ndarray] | None = None
+    # groups, per rank: (its device decode queries, their summed context, each candidate's members and prefix
+    # tokens, B_attn) -> which candidates to cascade; None: every one
+    pays: Callable[[int, float, np.ndarray, np.ndarray, int], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         cascade_mode(self.mode)
@@ -76,14 +78,20 @@ class CascadeRule:
         if self.mode == "off" or not holder.any():
             return out
         if self.mode == "groups":
-            key = rank[holder] * (int(group.max()) + 1) + group[holder]
-            _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+            width = int(group.max()) + 1
+            key = rank[holder] * width + group[holder]
+            cascades, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
             pays = counts >= 2
             if self.pays is not None and pays.any():
                 prefix = np.zeros(counts.size)
                 prefix[inverse] = held[holder]
-                pays[pays] = self.pays(counts[pays].astype(float), np.bincount(
-                    inverse, weights=context[holder], minlength=counts.size)[pays], prefix[pays], micro_batch)
+                where = cascades // width
+                queries = np.bincount(rank[eligible], minlength=int(rank.max()) + 1)
+                summed = np.bincount(rank[eligible], weights=context[eligible], minlength=queries.size)
+                for r in np.unique(where[pays]).tolist():
+                    mine = np.flatnonzero(pays & (where == r))
+                    pays[mine] = self.pays(int(queries[r]), float(summed[r]), counts[mine].astype(float),
+                                           prefix[mine], micro_batch)
             members = np.flatnonzero(holder)[pays[inverse]]
             out[members] = group[members]
             return out

@@ -14,6 +14,7 @@ of modules and keeps the plain sum (batchgen.pricing.price), which the DAG reduc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,18 +78,36 @@ def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_
 
 @dataclass(frozen=True)
 class cascade_pays:  # noqa: N801 - used as a function of the latency model; a class so that a state pickles
-    """The `groups` rule's test (batchgen.core.cascade.CascadeRule.pays): per candidate cascade of `n` members
-    whose contexts sum to `context` over a prefix of `prefix` tokens, whether its calls (ceil(n / B_attn)) cost
-    less split in two (own pages; the prefix once per call) than over the whole contexts."""
+    """The `groups` rule's test (batchgen.core.cascade.CascadeRule.pays), for one rank: its `queries` device decode
+    queries over `context` tokens, and candidate cascades of `members` over prefixes of `prefix` tokens. The rank's
+    decode attention is priced as `with_cascade` prices it (own pages in calls of B_attn, the cascaded members
+    apart; each cascade call reading its prefix once); candidates join, most saved reads first, while each
+    lowers that price. Returns which join."""
 
     lat: LatencyModel
 
-    def __call__(self, n: np.ndarray, context: np.ndarray, prefix: np.ndarray, micro_batch: int) -> np.ndarray:
-        calls = np.ceil(n / micro_batch) if micro_batch > 0 else np.ones(n.size)
-        whole = self.lat.attention_decode(n, context, calls)
-        split = (self.lat.attention_decode(n, context - n * prefix, calls)
-                 + self.lat.attention_prefix(n * prefix, prefix * calls, calls))
-        return np.asarray(split < whole, bool)
+    def __call__(self, queries: int, context: float, members: np.ndarray, prefix: np.ndarray,
+                 micro_batch: int) -> np.ndarray:
+        calls = np.ceil(members / micro_batch) if micro_batch > 0 else np.ones(members.size)
+
+        def price(chosen: list[int]) -> float:
+            n, p, c = members[chosen], prefix[chosen], calls[chosen]
+            rest = queries - float(n.sum())
+            own = (math.ceil(rest / micro_batch) if micro_batch > 0 else float(rest > 0)) + float(c.sum())
+            seconds = self.lat.attention_decode(float(queries), context - float(n @ p), max(own, 1.0))
+            if chosen:
+                seconds += self.lat.attention_prefix(float(n @ p), float(p @ c), float(c.sum()))
+            return float(seconds)
+
+        chosen: list[int] = []
+        best = price(chosen)
+        for k in np.argsort(-(members - 1) * prefix, kind="stable").tolist():
+            trial = price(chosen + [k])
+            if trial < best:
+                chosen, best = chosen + [k], trial
+        out = np.zeros(members.size, bool)
+        out[chosen] = True
+        return out
 
 
 def with_cascade(load, cascade: CascadeLoad | None, micro_batch: int, over: np.ndarray):

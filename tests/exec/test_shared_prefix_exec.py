@@ -39,8 +39,8 @@ class always_pays:  # noqa: N801 - stands in for batchgen.pricing.costs.cascade_
     def __init__(self, lat) -> None:
         pass
 
-    def __call__(self, n, context, prefix, micro_batch):
-        return np.ones(n.size, bool)
+    def __call__(self, queries, context, members, prefix, micro_batch):
+        return np.ones(members.size, bool)
 
 
 @pytest.fixture(scope="module")
