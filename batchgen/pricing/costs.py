@@ -14,7 +14,6 @@ of modules and keeps the plain sum (batchgen.pricing.price), which the DAG reduc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +53,13 @@ class RankLoad:
     cascade: CascadeLoad | None = None   # cascaded decode queries' prefix kernels (out of attn_context)
 
 
+def attention_calls(queries, micro_batch: int):
+    """Attention calls over `queries` in micro-batches of B_attn (0: one call where any query runs)."""
+    if micro_batch > 0:
+        return np.ceil(np.asarray(queries, float) / micro_batch)
+    return (np.asarray(queries) > 0).astype(float)
+
+
 def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_for: np.ndarray, micro_batch: int,
                  R: int, K: int) -> CascadeLoad | None:
     """The prefix kernels of a run's cascades (batchgen.core.cascade; `group` and `shared` per decode query, as the
@@ -66,7 +72,7 @@ def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_
     key = r * (int(g.max()) + 1) + g
     cascades, member = np.unique(key, return_inverse=True)
     running = _alive(member, alive, np.ones(member.size), cascades.size, K)  # (cascades, K) members running
-    calls_each = np.ceil(running / micro_batch) if micro_batch > 0 else (running > 0).astype(float)
+    calls_each = attention_calls(running, micro_batch)
     prefix = np.zeros(cascades.size)
     prefix[member] = tokens  # one prefix per cascade: its members hold the same one
     where = cascades // (int(g.max()) + 1)
@@ -88,12 +94,12 @@ class cascade_pays:  # noqa: N801 - used as a function of the latency model; a c
 
     def __call__(self, queries: int, context: float, members: np.ndarray, prefix: np.ndarray,
                  micro_batch: int) -> np.ndarray:
-        calls = np.ceil(members / micro_batch) if micro_batch > 0 else np.ones(members.size)
+        calls = attention_calls(members, micro_batch)
 
         def price(chosen: list[int]) -> float:
             n, p, c = members[chosen], prefix[chosen], calls[chosen]
             rest = queries - float(n.sum())
-            own = (math.ceil(rest / micro_batch) if micro_batch > 0 else float(rest > 0)) + float(c.sum())
+            own = float(attention_calls(rest, micro_batch)) + float(c.sum())
             seconds = self.lat.attention_decode(float(queries), context - float(n @ p), max(own, 1.0))
             if chosen:
                 seconds += self.lat.attention_prefix(float(n @ p), float(p @ c), float(c.sum()))
@@ -119,7 +125,7 @@ def with_cascade(load, cascade: CascadeLoad | None, micro_batch: int, over: np.n
         return load
     load.cascade = cascade
     rest = over - cascade.members
-    calls = (np.ceil(rest / micro_batch) if micro_batch > 0 else (rest > 0).astype(float)) + cascade.calls
+    calls = attention_calls(rest, micro_batch) + cascade.calls
     if isinstance(load, RankLoad):
         load.micro_batches = np.maximum(calls, 1.0)
     else:
@@ -287,7 +293,7 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     else:
         host_tokens = host_ctx = np.zeros((R, K))
     # attention calls over the whole-head queries (every device query and padding row when nothing is partitioned)
-    mb = np.ceil(dev_tokens / micro_batch) if micro_batch > 0 else (dev_tokens > 0).astype(float)
+    mb = attention_calls(dev_tokens, micro_batch)
     longest = None
     if similar_calls and not partitioned and not pad_rows.any():
         mb, work = padded_runs(d_rank, d_context, d_alive, micro_batch, R, K)
@@ -346,7 +352,7 @@ def decode_load(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
         longest = np.where(pad_rows[:, None] > 0, np.maximum(longest, pad_longest), longest)
         gate = gate + pad_rows[:, None]
     # attention calls over the whole-head queries (the gate's tokens when nothing is partitioned)
-    mb = np.ceil(attn_tokens / micro_batch) if micro_batch > 0 else (attn_tokens > 0).astype(float)
+    mb = attention_calls(attn_tokens, micro_batch)
     if similar_calls and all_whole and not pad_rows.any():
         mb, work = padded_runs(rank, context, alive_for, micro_batch, R, K)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -380,7 +386,7 @@ def prefill_load(prefill_rank: np.ndarray, prefill_context: np.ndarray, decode_r
     np.maximum.at(p_max, prefill_rank, prefill_context.astype(float))
     np.maximum.at(d_max, decode_rank, decode_context.astype(float))
     seqs = p_seq + d_tok
-    mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
+    mb = attention_calls(seqs, micro_batch)
     if similar_calls:
         p_calls, p_work = _static_runs(prefill_rank, prefill_context, micro_batch, R, square=True)
         d_calls, d_work = _static_runs(decode_rank, decode_context, micro_batch, R, square=False)
@@ -423,7 +429,7 @@ def mixed_load(chunk_rank: np.ndarray, chunk_start: np.ndarray, chunk_len: np.nd
     np.maximum.at(p_max, m_rank, np.sqrt(m_len * (m_start + m_len)))
     np.maximum.at(d_max, q_rank, q_ctx)
     seqs = p_seq + d_tok
-    mb = np.ceil(seqs / micro_batch) if micro_batch > 0 else (seqs > 0).astype(float)
+    mb = attention_calls(seqs, micro_batch)
     if similar_calls:
         p_calls, p_work = _chunk_runs(m_rank, m_start, m_len, micro_batch, R)
         d_calls, d_work = _static_runs(q_rank, q_ctx, micro_batch, R, square=False)
