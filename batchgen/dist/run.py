@@ -62,9 +62,9 @@ from batchgen.dist.fence import register
 from batchgen.dist.groups import control_groups, instance_groups, retire
 from batchgen.dist.launch import (ENV_VARS, DistContext, DistEnv, check_procs, die_with_parent, init_distributed,
                                   launch)
-from batchgen.dist.recovery import (Generation, PartialOutput, Recovery, RecoveryRefused, RunPieces, await_decision,
-                                    carry_totals, decide_survivors, finished_report, fold_peaks, instance_survivors,
-                                    publish, requeue, settle, watched)
+from batchgen.dist.outcome import PartialOutput, RunPieces, carry_totals, finished_report, fold_peaks, settle
+from batchgen.dist.recovery import (Generation, Recovery, RecoveryRefused, await_decision, decide_survivors,
+                                    instance_survivors, publish, requeue, watched)
 from batchgen.dist.rejoin import RegroupAborted, attempt, fence_found_lost, fence_ranks, with_partial
 from batchgen.dist.rendezvous import await_peers
 from batchgen.dist.restore import restore_from_files
@@ -111,7 +111,7 @@ class DistOutput(ExecOutput):
 class DistRunFailed(RuntimeError):
     """A process of the run failed or died: the first line says which and why (a lost worker first), the rest
     holds each failed rank's error. `partial`: what rank 0 kept when it stopped the run itself
-    (recovery.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
+    (outcome.PartialOutput: every finished sequence's tokens), None when rank 0 itself died."""
 
     def __init__(self, bad: list, rank0=None, why: str = ""):
         self.results = bad
