@@ -131,6 +131,33 @@ def test_cascades_read_the_prefix_once_and_shorten_the_batch(policy):
     assert on_res["prefill_tokens_computed"] == off_res["prefill_tokens_computed"]
 
 
+def test_staged_groups_cascade_host_resident_members_two_or_more_per_rank():
+    rank = np.array([0, 0, 0, 1, 1, 1, 1])
+    group = np.array([2, 2, 2, 2, 5, 5, -1])
+    tokens = np.array([256, 256, 256, 256, 64, 64, 0])
+    staged = np.array([True, True, False, True, True, True, True])  # the third is device-resident
+    np.testing.assert_array_equal(CascadeRule("groups").staged_groups(rank, group, tokens, staged),
+                                  [2, 2, -1, -1, 5, 5, -1])
+    for mode in ("off", "batch"):  # vLLM's rule is for device pages only
+        assert (CascadeRule(mode).staged_groups(rank, group, tokens, staged) == -1).all()
+
+
+def test_host_resident_cascades_restore_each_prefix_once_per_call():
+    """coroutine with every running sequence host-resident (DeepSeek-R1 on 16 H20, 600 requests after one 2,048-token
+    system prompt): a group's members on a rank are called together and each call restores the prefix once, so the
+    host link carries much less per decode iteration and the batch ends sooner; what the members read is counted."""
+    runs = {}
+    for mode in ("off", "groups"):
+        job = Job(load_model("deepseek_r1"), load_cluster("h20_16"), _system_prompt(600),
+                  make_policy({"name": "coroutine", "cascade_attention": mode, "kv_residency": "host"}))
+        out = simulate(job)
+        runs[mode] = (out.prepared.state, summarize(out))
+    (off, off_res), (on, on_res) = runs["off"], runs["groups"]
+    assert off.cascade_prefix_read == 0 < on.cascade_prefix_read
+    assert on_res["host_bytes_per_decode_iter"] < 0.5 * off_res["host_bytes_per_decode_iter"]
+    assert on_res["bct_s"] < off_res["bct_s"]
+
+
 def test_sglang_opt_keeps_its_default_and_refuses_a_cascade_with_two_batch_overlap():
     assert make_policy({"name": "sglang_opt"}).cascade_attention == "off"
     assert make_policy({"name": "sglang_opt", "cascade_attention": False}).cascade_attention == "off"  # YAML's off

@@ -6,18 +6,22 @@ cascade attention, vLLM's `use_cascade_attention`) splits their attention in two
 the prefix's KV, read once for all of them, and each member over its own pages; the two partial results are
 merged by their log-sum-exp (batchgen.exec.models.cascade). The scores are the same; only the KV bytes read fall.
 
-Who decides. The engine, once per run (`CascadeRule.groups`, called by `apply_decision`): the plan carries, per
-decode query, the group whose prefix it reads by cascade and that prefix's tokens. The simulator prices exactly
-those cascades (batchgen.pricing.costs.cascade_load) and the executors perform exactly those
+Who decides. The engine, once per run (`CascadeRule.groups` and `staged_groups`, called by `apply_decision`): the
+plan carries, per decode query, the group whose prefix it reads by cascade and that prefix's tokens. The simulator
+prices exactly those cascades (batchgen.pricing.costs.cascade_load) and the executors perform exactly those
 (batchgen.exec.runner): a cascade's members on a rank are called together, in calls of at most B_attn members,
 each call reading the prefix once. Decode queries only: a prompt chunk reads the prefix with its own queries.
+
+Host-resident members too. Their KV is restored from their host copies into a staging buffer for each call; every
+member's copy begins with the same prefix, so a cascaded call restores the prefix's pages once (from its first
+member's copy) and attends them once: the host link carries each prefix once per call instead of once per member.
 
 The modes (`policy.cascade_attention`):
 - `groups`: a group's device-resident holders decoding on a rank form a cascade where it pays: the latency model
   prices the rank's decode attention with and without it, the cascaded members called apart from the others and
   each call reading the prefix once (`pays`, batchgen.pricing.costs.cascade_pays): a memory-bound attention over
   long shared prefixes gains; a compute-bound one (MLA's many heads), tiny reads, or calls split into many small
-  ones do not;
+  ones do not. Its host-resident members restored into staging, two or more on a rank, form one always;
 - `batch`: vLLM's rule, at its defaults. A rank's forward runs one cascade when every sequence in it holds the same
   prefix, of at least 256 tokens, over at least 8 requests, on an attention without MLA; in a forward of decodes
   only, with grouped-query heads, only where its model of the kernels' waves says a cascade beats flash decoding
@@ -110,6 +114,21 @@ class CascadeRule:
             if not others.any() and not self._beats_flash_decoding(n, tokens):
                 continue
             out[mine] = g[0]
+        return out
+
+    def staged_groups(self, rank: np.ndarray, group: np.ndarray, tokens: np.ndarray, staged: np.ndarray) -> np.ndarray:
+        """Per decode query: the group whose prefix it reads by cascade among host-resident queries whose KV is
+        restored into staging (`staged`), -1 for none. `tokens`: the whole pages of its prefix its host copy holds.
+        Under `groups`, two or more of a group on a rank cascade: their calls restore the prefix's pages once and
+        attend them once (a copy over the host link saved per member but one, which a launch never outweighs)."""
+        out = np.full(rank.size, -1, np.int64)
+        member = staged & (group >= 0) & (tokens > 0)
+        if self.mode != "groups" or not member.any():
+            return out
+        key = rank[member] * (int(group.max()) + 1) + group[member]
+        _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+        members = np.flatnonzero(member)[counts[inverse] >= 2]
+        out[members] = group[members]
         return out
 
     def _beats_flash_decoding(self, requests: int, prefix: int) -> bool:

@@ -162,7 +162,7 @@ class DistBackend(ExecBackend):
         for g, b in zip(plan.gpus.tolist(), batches):
             sampled = [s for s, keep in zip(b.seq_ids, b.sample or [True] * len(b.seq_ids)) if keep]
             parts[g] = ForwardPart(b.seq_ids, b.token_ids, b.new_counts, b.start_positions, b.host_resident,
-                                   b.tp, b.sample, [len(generated[s]) for s in sampled], b.cascade)
+                                   b.tp, b.sample, [len(generated[s]) for s in sampled], b.cascade, b.shared)
         dp = self.dp_prefill and bool(plan.prefill_ids.size)  # as the simulator prices it (sim/backend.py)
         ticket = self.channel.post(Command("forward", parts, micro_batch=plan.micro_batch,
                                            cpu_attention=plan.cpu_attention, ffn_schedule=plan.ffn_schedule,

@@ -91,6 +91,7 @@ class ForwardPart:
     sample: list
     steps: list
     cascade: list = field(default_factory=list)  # RankBatch.cascade
+    shared: list = field(default_factory=list)   # RankBatch.shared
 
 
 @dataclass
@@ -344,7 +345,7 @@ class RankWorker:
     @torch.inference_mode()
     def _forward(self, part: ForwardPart, cmd: Command) -> ForwardReply:
         batch = RankBatch(self.cache, part.seq_ids, part.token_ids, part.new_counts, part.start_positions,
-                          part.host_resident, part.tp, part.sample, part.cascade)
+                          part.host_resident, part.tp, part.sample, part.cascade, part.shared)
         if self.partition is not None:  # every rank: the instance's partition groups, from every rank's part
             self.partition.begin([cmd.parts[r] for r in self.comm.ranks])  # in the instance's rank order
         logits, stats = self.runner.forward([batch], cmd.micro_batch, cmd.cpu_attention, cmd.ffn_schedule,

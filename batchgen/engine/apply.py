@@ -97,13 +97,17 @@ def _cascades(state: ClusterState, d: Decision, ids: np.ndarray, rank: np.ndarra
     if state.cascade.mode == "off" or not ids.size:
         return {}
     held = state.prefix_held[ids]
-    if not held.any():
-        return {}
-    other_ids = np.concatenate([d.prefill_ids, chunk.get("chunk_ids", _EMPTY)]).astype(np.int64)
-    other_rank = np.concatenate([d.prefill_ranks, chunk.get("chunk_rank", _EMPTY)]).astype(np.int64)
-    other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_group[other_ids], -1)
-    group = state.cascade.groups(rank, state.prefix_group[ids], held, state.table.context(ids), ~hosted & (tp <= 1),
-                                 d.micro_batch, other_rank, other_group)
+    group = np.full(ids.size, -1, np.int64)
+    if held.any():
+        other_ids = np.concatenate([d.prefill_ids, chunk.get("chunk_ids", _EMPTY)]).astype(np.int64)
+        other_rank = np.concatenate([d.prefill_ranks, chunk.get("chunk_rank", _EMPTY)]).astype(np.int64)
+        other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_group[other_ids], -1)
+        group = state.cascade.groups(rank, state.prefix_group[ids], held, state.table.context(ids),
+                                     ~hosted & (tp <= 1), d.micro_batch, other_rank, other_group)
+    if hosted.any() and not d.cpu_attention:  # host copies restored into staging: each begins with its prefix
+        tokens = np.where(hosted, state.share_tokens(ids), 0)
+        staged = state.cascade.staged_groups(rank, state.prefix_group[ids], tokens, hosted)
+        group, held = np.where(staged >= 0, staged, group), np.where(staged >= 0, tokens, held)
     if not (group >= 0).any():
         return {}
     return dict(decode_cascade=group, decode_shared=np.where(group >= 0, held, 0))

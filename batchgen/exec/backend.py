@@ -234,10 +234,12 @@ class ExecBackend:
 
     # ---- runs ----------------------------------------------------------------------------------------
     def _rank_batches(self, plan: StepPlan, ids: np.ndarray, ranks: np.ndarray, *, whole: bool,
-                      host: np.ndarray | None = None, cascade: np.ndarray | None = None) -> list[RankBatch]:
+                      host: np.ndarray | None = None, cascade: np.ndarray | None = None,
+                      shared: np.ndarray | None = None) -> list[RankBatch]:
         """Per rank: each sequence's new tokens (the whole context when `whole`, from the plan's `prefill_start`
         where a prefill takes a shared prefix; else its last token), whether it runs host-resident (`host`, per
-        id), and the group whose prefix it reads in a cascaded call (`cascade`, per id: the plan's)."""
+        id), and the group whose prefix it reads in a cascaded call and its tokens (`cascade`, `shared`, per id: the
+        plan's)."""
         out = []
         t = self.state.table
         for r, g in enumerate(plan.gpus):
@@ -246,7 +248,7 @@ class ExecBackend:
             batch = RankBatch(self.caches[g], mine, [], [], [], [] if host is None else host[on_rank].tolist(),
                               [] if whole else t.tp[ids[on_rank]].tolist())
             if cascade is not None and cascade.size:
-                batch.cascade = cascade[on_rank].tolist()
+                batch.cascade, batch.shared = cascade[on_rank].tolist(), shared[on_rank].tolist()
             starts = plan.prefill_start[on_rank].tolist() if whole and plan.prefill_start.size else None
             for i, sid in enumerate(mine):
                 if whole:
@@ -308,7 +310,8 @@ class ExecBackend:
             live = ~finished
             batches = self._rank_batches(plan, ids[live], ranks[live], whole=False,
                                          host=plan.decode_host_resident[live],
-                                         cascade=plan.decode_cascade[live] if plan.decode_cascade.size else None)
+                                         cascade=plan.decode_cascade[live] if plan.decode_cascade.size else None,
+                                         shared=plan.decode_shared[live] if plan.decode_cascade.size else None)
             order, logits, stats = yield from self._forward(plan, batches)
             busy += np.array(stats.rank_attention_s) + stats.ffn_s
             expert_tokens += stats.gate_tokens
@@ -345,11 +348,12 @@ class ExecBackend:
         dec_ids, dec_ranks, pre_ids = plan.decode_ids, plan.decode_rank, plan.prefill_ids
         batches = self._rank_batches(plan, pre_ids, plan.prefill_rank, whole=True)
         decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident,
-                                     cascade=plan.decode_cascade)
+                                     cascade=plan.decode_cascade, shared=plan.decode_shared)
         for b, d in zip(batches, decodes):
             b.host_resident = [False] * len(b.seq_ids) + d.host_resident
             b.tp = [1] * len(b.seq_ids) + d.tp
-            b.cascade = [-1] * len(b.seq_ids) + d.cascade if d.cascade else []
+            b.cascade, b.shared = d.cascade, d.shared
+            b.lead_with(len(b.seq_ids))
             b.seq_ids += d.seq_ids
             b.token_ids += d.token_ids
             b.new_counts += d.new_counts
@@ -384,7 +388,7 @@ class ExecBackend:
         running sequence. Only decodes and chunks that end their context reach the LM head and sample."""
         dec_ids, dec_ranks = plan.decode_ids, plan.decode_rank
         decodes = self._rank_batches(plan, dec_ids, dec_ranks, whole=False, host=plan.decode_host_resident,
-                                     cascade=plan.decode_cascade)
+                                     cascade=plan.decode_cascade, shared=plan.decode_shared)
         for r, (g, batch) in enumerate(zip(plan.gpus, decodes)):
             on_rank = np.flatnonzero(plan.chunk_rank == r)
             ids = plan.chunk_ids[on_rank].tolist()
@@ -395,7 +399,7 @@ class ExecBackend:
             batch.sample = plan.chunk_completes[on_rank].tolist() + [True] * len(batch.seq_ids)
             batch.host_resident = [False] * len(ids) + (batch.host_resident or [False] * len(batch.seq_ids))
             batch.tp = [1] * len(ids) + (batch.tp or [1] * len(batch.seq_ids))
-            batch.cascade = [-1] * len(ids) + batch.cascade if batch.cascade else []
+            batch.lead_with(len(ids))
             batch.seq_ids = ids + batch.seq_ids
             batch.token_ids = tokens + batch.token_ids
             batch.new_counts = lens + batch.new_counts

@@ -53,8 +53,15 @@ class RankBatch:
     # samples nothing, so it skips the LM head); empty: all
     sample: list[bool] = field(default_factory=list)
     # per sequence: the group whose shared prefix its decode query reads in a cascaded call (-1: none; the plan's
-    # `decode_cascade`, batchgen.core.cascade); empty: none
+    # `decode_cascade`, batchgen.core.cascade), and that prefix's tokens (the plan's `decode_shared`); empty: none
     cascade: list[int] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)
+
+    def lead_with(self, n: int) -> None:
+        """Its per-sequence cascade lists as they stand once `n` sequences that cascade nothing come first."""
+        if self.cascade:
+            self.cascade = [-1] * n + self.cascade
+            self.shared = [0] * n + self.shared
 
 
 @dataclass
@@ -144,7 +151,7 @@ class InstanceRunner:
                              "head with kv_b_proj, which stays on the accelerator; run it host-resident with "
                              "attention on the GPU (policy.attention=gpu)")
         pieces, tokens, last_rows = self._plan(ranks, mb, cpu_attention)
-        stats.prefix_reads = sum(p.meta.prefix_tokens for p in pieces if p.kind == "device")
+        stats.prefix_reads = sum(p.meta.prefix_tokens for p in pieces if p.kind in ("device", "staged"))
         if not pieces and not self.collective:
             return [torch.empty(0) for _ in ranks], stats
         pipelines = self._pipelines(pieces, mb)
@@ -271,30 +278,30 @@ class InstanceRunner:
                 prompts = [i for i in mine if batch.new_counts[i] > 1 and batch.seq_ids[i] not in creating]
                 decodes = [i for i in mine if batch.new_counts[i] == 1 and batch.seq_ids[i] not in creating]
                 cascades: dict[int, list[int]] = {}  # a group's cascaded decodes: calls of at most mb of them
-                for i in decodes if batch.cascade and not resident else ():
+                for i in decodes if batch.cascade and not (resident and cpu_attention) else ():
                     if batch.cascade[i] >= 0:
                         cascades.setdefault(batch.cascade[i], []).append(i)
                 if cascades:
                     decodes = [i for i in decodes if batch.cascade[i] < 0]
                 calls = [(first, -1), (prompts, -1), (decodes, -1), *[(m, g) for g, m in cascades.items()]]
-                for group, shared in calls:
-                    ends = [batch.start_positions[i] + batch.new_counts[i] for i in group]
-                    if shared >= 0:  # a cascade: calls of at most mb members, as the engine counts them
-                        step = mb or len(group)
-                        chunks = [(lo, min(lo + step, len(group))) for lo in range(0, len(group), step)]
+                for members, cascade in calls:
+                    ends = [batch.start_positions[i] + batch.new_counts[i] for i in members]
+                    if cascade >= 0:  # a cascade: calls of at most mb members, as the engine counts them
+                        step = mb or len(members)
+                        chunks = [(lo, min(lo + step, len(members))) for lo in range(0, len(members), step)]
                     elif resident and not cpu_attention:  # staged: each micro-batch must fit a staging buffer
                         pages = [-(-n // batch.cache.page_size) for n in ends]
                         chunks = _chunks_within(pages, mb, batch.cache.staging_pages)
                     else:  # attention over pages in place: calls of similar contexts, padding kept small
                         chunks = _chunks_similar(ends, mb)
                     for lo, hi in chunks:
-                        idx = group[lo:hi]
+                        idx = members[lo:hi]
                         args = ([batch.seq_ids[i] for i in idx], [batch.new_counts[i] for i in idx],
                                 [batch.start_positions[i] for i in idx])
                         n = sum(args[1])
                         rows = slice(offset, offset + n)
-                        if shared >= 0:
-                            meta = batch.cache.cascade_metadata(batch.cache.prepare(*args), args[0], shared)
+                        if cascade >= 0 and not resident:
+                            meta = batch.cache.cascade_metadata(batch.cache.prepare(*args), args[0], cascade)
                             p = _Piece("device", r, rows, meta.to(self.device), batch.cache, args[0])
                         elif not resident:
                             p = _Piece("device", r, rows, batch.cache.prepare(*args).to(self.device), batch.cache,
@@ -302,7 +309,9 @@ class InstanceRunner:
                         elif cpu_attention:
                             p = _Piece("cpu", r, rows, batch.cache.prepare_host(*args), batch.cache, args[0])
                         else:
-                            sb = stage(args[0], batch.cache.prepare_host(*args), batch.cache)
+                            # a cascade's call restores its prefix once, from its first member's host copy
+                            sb = stage(args[0], batch.cache.prepare_host(*args), batch.cache,
+                                       batch.shared[idx[0]] if cascade >= 0 else 0)
                             p = _Piece("staged", r, rows, sb.meta, batch.cache, args[0], sb, staged)
                             staged += 1
                         pieces.append(p)

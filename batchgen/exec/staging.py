@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.core.sequences import InvariantError
 from batchgen.exec.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -54,18 +55,33 @@ class StagedBatch:
         return self.host_pages.numel()
 
 
-def stage(seq_ids: list[int], host_meta: AttentionMetadata, cache: "PagedKVCache") -> StagedBatch:
-    """Renumber a `prepare_host` step's pages into staging pages 0..P-1 (vectorised, no loop)."""
+def stage(seq_ids: list[int], host_meta: AttentionMetadata, cache: "PagedKVCache",
+          prefix_tokens: int = 0) -> StagedBatch:
+    """Renumber a `prepare_host` step's pages into staging pages 0..P-1 (vectorised, no loop). `prefix_tokens`: a
+    cascaded call (batchgen.core.cascade) whose members' host copies all begin with that shared prefix, whole
+    pages: its pages are restored once, from the first member's copy, and read by the call once (staging pages
+    0..n-1, the metadata's prefix); each member's own pages follow."""
     table = host_meta.block_table
     valid = table >= 0
-    host_pages = table[valid]  # row-major: each sequence's pages in order, sequence after sequence
-    staged = torch.full_like(table, -1)
-    staged[valid] = torch.arange(host_pages.numel())
     ps = host_meta.page_size
+    n = prefix_tokens // ps
+    if n and (prefix_tokens % ps or not bool(valid[:, :n].all())):
+        raise InvariantError(f"a staged cascade over a prefix of {prefix_tokens} tokens: it must be whole pages of "
+                             f"{ps}, and every member's host copy must hold it")
+    own = valid
+    if n:
+        own = valid.clone()
+        own[:, :n] = False
+    host_pages = torch.cat([table[0, :n], table[own]])  # row-major: each sequence's pages in order
+    staged = torch.full_like(table, -1)
+    staged[:, :n] = torch.arange(n)
+    staged[own] = n + torch.arange(host_pages.numel() - n)
     seq = torch.repeat_interleave(torch.arange(table.shape[0]), host_meta.query_lens())
     pos = host_meta.positions
     slots = staged[seq, pos // ps] * ps + pos % ps
     meta = AttentionMetadata(pos, host_meta.query_starts, host_meta.context_lens, staged, slots, ps)
+    if n:
+        meta.prefix_pages, meta.prefix_tokens = torch.arange(n), n * ps
     appended = torch.empty(cache.num_layers, cache.planes, pos.numel(), cache.num_kv_heads, cache.head_dim,
                            dtype=cache.dtype, device=cache.device)
     return StagedBatch(list(seq_ids), host_pages, host_meta.slot_mapping, meta.to(cache.device), appended)

@@ -66,6 +66,16 @@ class DecodeGrid:
     host_work: np.ndarray | None = None
     # cascaded device queries' prefix kernels (batchgen.pricing.costs.CascadeLoad); their own pages: dev_context
     cascade: Any = None
+    # cascaded host-resident queries' (a CascadeLoad): each call restores its prefix's KV once and attends it once;
+    # their own pages: host_context
+    host_cascade: Any = None
+
+
+def attention_calls(queries, micro_batch: int):
+    """Attention calls over `queries` in micro-batches of B_attn (0: one call where any query runs)."""
+    if micro_batch > 0:
+        return np.ceil(np.asarray(queries, float) / micro_batch)
+    return (np.asarray(queries) > 0).astype(float)
 
 
 def device_attention(lat: LatencyModel, grid: DecodeGrid):
@@ -77,21 +87,26 @@ def device_attention(lat: LatencyModel, grid: DecodeGrid):
 
 def staged_attention(lat: LatencyModel, grid: DecodeGrid, tokens, context, launches):
     """Seconds per layer of each host-resident micro-batch's attention over its restored KV (`_host_micro_batches`'
-    (M, R, K) arrays), padded as the executor's calls are where the grid says so."""
+    (M, R, K) arrays), padded as the executor's calls are where the grid says so; the cascades' prefix kernels
+    beside it, each micro-batch its share of them."""
     longest = None
     if grid.host_work is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
             longest = np.where(tokens > 0, grid.host_work / tokens, 0.0)
-    return lat.attention_decode(tokens, context, launches, longest)
+    seconds = lat.attention_decode(tokens, context, launches, longest)
+    c = grid.host_cascade
+    if c is None:
+        return seconds
+    share = _share(tokens, grid.host_tokens)
+    return seconds + lat.attention_prefix(c.pairs * share, c.kv * share, c.calls * share)
 
 
 def host_attention(lat: LatencyModel, grid: DecodeGrid, micro_batch: int):
     """Seconds per layer of the host-resident queries' attention on each rank and iteration (the module split's)."""
-    if grid.host_work is None:
+    if grid.host_work is None and grid.host_cascade is None:
         launches = np.ceil(grid.host_tokens / max(micro_batch, 1))
         return lat.attention_decode(grid.host_tokens, grid.host_context, launches)
-    return np.sum(staged_attention(lat, grid, *_host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)),
-                  axis=0)
+    return np.sum(staged_attention(lat, grid, *staged_micro_batches(grid, micro_batch)[:3]), axis=0)
 
 
 @dataclass
@@ -123,11 +138,28 @@ def _host_micro_batches(host_tokens: np.ndarray, host_context: np.ndarray, micro
     size, group, m = micro_batch_layout(peak, micro_batch)
     starts = np.arange(m, dtype=float)[:, None, None] * size
     tokens = np.clip(host_tokens[None] - starts, 0.0, size)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(host_tokens > 0, tokens / host_tokens, 0.0)
-    context = host_context[None] * share
+    context = host_context[None] * _share(tokens, host_tokens)
     launches = np.ceil(tokens / (size / group)) if micro_batch > 0 else (tokens > 0).astype(float)
     return tokens, context, launches
+
+
+def _share(tokens, host_tokens):
+    """Each micro-batch's share of its rank's host-resident queries in each iteration."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(host_tokens > 0, tokens / host_tokens, 0.0)
+
+
+def staged_micro_batches(grid: DecodeGrid, micro_batch: int):
+    """(tokens, context, launches, restored) of each host-resident micro-batch of the grid: (M, R, K) arrays;
+    `restored`: the tokens whose KV it restores. A cascade's members are called apart from the others, in calls of
+    B_attn, each restoring its prefix once: every micro-batch its share of those calls and prefixes."""
+    tokens, context, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
+    c = grid.host_cascade
+    if c is None or not tokens.shape[0]:
+        return tokens, context, launches, context
+    share = _share(tokens, grid.host_tokens)
+    calls = attention_calls(grid.host_tokens - c.members, micro_batch) + c.calls
+    return tokens, context, calls[None] * share, context + c.kv[None] * share
 
 
 def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_attention: bool, moe: bool,
@@ -135,7 +167,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
     """Node costs of one decode layer (an MoE layer if `moe`, else a dense one) over the grid. `overlap`: each
     device-resident micro-batch's all-to-all beside the next one's compute (`overlapped_all_to_all`; a grid with
     host-resident sequences is refused: their DAG does not model it)."""
-    t, ctx, launches = _host_micro_batches(grid.host_tokens, grid.host_context, micro_batch)
+    t, ctx, launches, restored = staged_micro_batches(grid, micro_batch)
     dev_attn = device_attention(lat, grid)
     if grid.shards:
         dev_attn = dev_attn + shard_attention(lat, grid.shards)
@@ -155,7 +187,7 @@ def layer_costs(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *, cpu_at
                   cpu_attn=list(lat.cpu_attention(t, ctx, launches)), ship_back=list(back))
     elif t.shape[0]:
         kw = dict(host_attn=list(staged_attention(lat, grid, t, ctx, launches)),
-                  restore=list(lat.kv_restore(ctx, launches)),
+                  restore=list(lat.kv_restore(restored, launches)),
                   append=list(lat.kv_append(t, launches)))
     return LayerCosts(dev_attn=dev_attn, ffn=ffn, moe=moe_s, prefetch=prefetch_s, cpu_attention=cpu_attention,
                       serial=lat.gpu.kind == "cpu", **kw)
@@ -245,4 +277,6 @@ def host_bytes(lat: LatencyModel, grid: DecodeGrid, *, cpu_attention: bool) -> t
     if cpu_attention:
         q = m.num_heads * m.head_dim * m.act_bytes
         return m.num_layers * tokens * q, m.num_layers * tokens * (q + kv)
-    return m.num_layers * float(grid.host_context.sum()) * kv, m.num_layers * tokens * kv
+    c = grid.host_cascade
+    restored = float(grid.host_context.sum()) + (0.0 if c is None else float(c.kv.sum()))  # a prefix once per call
+    return m.num_layers * restored * kv, m.num_layers * tokens * kv

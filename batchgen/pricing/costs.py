@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.latency import LatencyModel
-from batchgen.plan.decode import (DecodeGrid, Shards, device_attention, host_attention, micro_batch_layout,
+from batchgen.plan.decode import (DecodeGrid, Shards, attention_calls, device_attention, host_attention,
+                                  micro_batch_layout,
                                   price_decode, shard_attention)
 from batchgen.pricing.cost import RunCost, module_split
 
@@ -51,13 +52,6 @@ class RankLoad:
     head_rows: np.ndarray | None = None  # rows through the LM head and sampling (None: one per sequence)
     shards: tuple[Shards, ...] = ()      # PARTITIONed sequences' head shards (batchgen.plan.decode.Shards)
     cascade: CascadeLoad | None = None   # cascaded decode queries' prefix kernels (out of attn_context)
-
-
-def attention_calls(queries, micro_batch: int):
-    """Attention calls over `queries` in micro-batches of B_attn (0: one call where any query runs)."""
-    if micro_batch > 0:
-        return np.ceil(np.asarray(queries, float) / micro_batch)
-    return (np.asarray(queries) > 0).astype(float)
 
 
 def cascade_load(rank: np.ndarray, group: np.ndarray, shared: np.ndarray, alive_for: np.ndarray, micro_batch: int,
@@ -264,12 +258,12 @@ def padded_runs(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, mi
 def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp: np.ndarray,
                 host_resident: np.ndarray, num_ranks: int, iterations: int, micro_batch: int,
                 pad_rows: np.ndarray, pad_context: np.ndarray, similar_calls: bool = False,
-                cpu_attention: bool = False) -> DecodeGrid:
+                cpu_attention: bool = False, cascade: np.ndarray | None = None) -> DecodeGrid:
     """Per-iteration load of a decode run with device- and host-resident sequences kept apart (they form
     separate attention micro-batches); padding rows are device-resident. `similar_calls`: padded kernels,
     called as the executor calls them: the device-resident queries in runs of similar contexts (as in
     `decode_load`), the host-resident ones, restored unless `cpu_attention`, in micro-batches of ascending
-    context (`staged_padded_work`)."""
+    context (`staged_padded_work`; `cascade`: each sequence's cascade, whose members are called apart)."""
     K, R = iterations, num_ranks
     partitioned = tp.size > 0 and tp.max() > 1
     if partitioned and (host_resident & (tp > 1)).any():
@@ -302,30 +296,35 @@ def decode_grid(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, tp
     host_work = None
     if similar_calls and hosted and not cpu_attention:
         host_work = staged_padded_work(rank[host_resident], context[host_resident], alive_for[host_resident],
-                                       micro_batch, R, K, float(host_tokens.max(initial=0.0)))
+                                       micro_batch, R, K, float(host_tokens.max(initial=0.0)),
+                                       None if cascade is None or not cascade.size else cascade[host_resident])
     shards = _shards(rank, context, alive_for, tp, R, K) if partitioned else ()
     return DecodeGrid(dev_tokens, dev_ctx, mb, host_tokens, host_ctx, gate, shards=shards, dev_longest=longest,
                       host_work=host_work)
 
 
 def staged_padded_work(rank: np.ndarray, context: np.ndarray, alive_for: np.ndarray, micro_batch: int, R: int,
-                       K: int, peak: float) -> np.ndarray:
+                       K: int, peak: float, cascade: np.ndarray | None = None) -> np.ndarray:
     """Padded work (M, R, K) of each host-resident micro-batch node of the DAG (`micro_batch_layout` for `peak`
     sequences on a rank): the executor restores each rank's host-resident sequences, in ascending context, in
-    calls of `micro_batch` (batchgen.exec.runner._chunks_within; 0: one call), and each call pays its sequences x
-    its longest context; node i holds the calls of positions [i size, (i + 1) size)."""
+    calls of `micro_batch` (batchgen.exec.runner._chunks_within; 0: one call), each cascade's members (`cascade`,
+    -1: none) in calls of their own, and each call pays its sequences x its longest context; node i holds the
+    calls of positions [i size, (i + 1) size)."""
     size, _, m = micro_batch_layout(peak, micro_batch)
     per_call = micro_batch if micro_batch > 0 else max(int(peak), 1)
     work = np.zeros((m, R, K))
+    key = np.full(rank.size, -1, np.int64) if cascade is None else cascade
     for k in range(K):
         live = alive_for > k
         if not live.any():
             break
-        order = np.lexsort((context[live], rank[live]))
+        order = np.lexsort((context[live], key[live], rank[live]))
         r, c = rank[live][order], context[live][order].astype(float) + k
-        first, end = np.searchsorted(r, r, side="left"), np.searchsorted(r, r, side="right")
-        pos = np.arange(r.size) - first
-        last = np.minimum(first + (pos // per_call + 1) * per_call, end) - 1  # each call's longest: its last
+        call = r * (int(key.max()) + 2) + key[live][order] + 1  # the calls' runs: a rank's, one per cascade
+        first, end = np.searchsorted(call, call, side="left"), np.searchsorted(call, call, side="right")
+        pos = np.arange(r.size) - np.searchsorted(r, r, side="left")
+        place = np.arange(r.size) - first
+        last = np.minimum(first + (place // per_call + 1) * per_call, end) - 1  # each call's longest: its last
         node = (pos // size).astype(np.int64)
         work[:, :, k] = np.bincount(node * R + r, weights=c[last], minlength=m * R).reshape(m, R)
     return work

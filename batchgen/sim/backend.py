@@ -174,10 +174,13 @@ class SimBackend:
             elif (not plain and hosted.any()) or self._prefetch_per_layer > 0:
                 load = decode_grid(plan.decode_rank, context, alive, plan.decode_tp, hosted, R, iterations,
                                    plan.micro_batch, plan.pad_rows, plan.pad_context,
-                                   self.similar_calls and not plan.padded, bool(plan.cpu_attention))
+                                   self.similar_calls and not plan.padded, bool(plan.cpu_attention),
+                                   plan.decode_cascade)
                 load.tp_join = join
-                if cascaded:
-                    with_cascade(load, self._cascade(plan, alive, iterations), plan.micro_batch, load.dev_tokens)
+                if cascaded:  # the device queries' cascades, and the host-resident ones' (restored once per call)
+                    with_cascade(load, self._cascade(plan, alive, iterations, ~hosted), plan.micro_batch,
+                                 load.dev_tokens)
+                    load.host_cascade = self._cascade(plan, alive, iterations, hosted)
                 cpu = bool(plan.cpu_attention and hosted.any())
                 cost, h2d, d2h = price_host(self.lat, load, plan.micro_batch, cpu_attention=cpu,
                                             prefetch_bytes=self._prefetch_per_layer)
@@ -237,10 +240,12 @@ class SimBackend:
                           modules=cost.modules,
                           chunk_finished=chunk_finished)
 
-    def _cascade(self, plan: StepPlan, alive: np.ndarray, iterations: int):
-        """The run's cascades (the plan's, batchgen.core.cascade) as prefix kernels per rank and iteration."""
-        return cascade_load(plan.decode_rank, plan.decode_cascade, plan.decode_shared, alive, plan.micro_batch,
-                            plan.gpus.size, iterations)
+    def _cascade(self, plan: StepPlan, alive: np.ndarray, iterations: int, among: np.ndarray | None = None):
+        """The run's cascades (the plan's, batchgen.core.cascade; those of the decodes `among`, a mask) as prefix
+        kernels per rank and iteration."""
+        group = plan.decode_cascade if among is None else np.where(among, plan.decode_cascade, -1)
+        return cascade_load(plan.decode_rank, group, plan.decode_shared, alive, plan.micro_batch, plan.gpus.size,
+                            iterations)
 
     def timing(self, cost, in_play: int, exposed: float = 0.0) -> tuple[float, float, float, float]:
         """(compute, boundary overhead, duration, scale) of a run: its iterations' compute, copies that `exposed`

@@ -173,13 +173,14 @@ def test_sampled_outputs_equal_the_single_process_executor(saved, loop_kernel):
     assert out.tokens.generated != greedy.tokens.generated
 
 
-@pytest.mark.parametrize("policy", ["continuous", "coroutine"])
+@pytest.mark.parametrize("policy", ["continuous", "coroutine", "coroutine-host"])
 def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypatch):
     """Groups of prompts that share a prefix (ending inside a page), over two processes: each process's cache
     holds the prefixes its rank's members share (the state's `share`/`unshare` ops performed there, creators'
     attention first), so each rank computes a group's prefix once, and members decoding together read it once
     per cascaded call, as the engine counted (every cascade taken to pay: a tiny model's never do); greedy outputs
-    equal transformers'."""
+    equal transformers'. coroutine-host: every member decodes host-resident, each cascaded call restoring its
+    prefix once into the process's staging buffers."""
     monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     model, path = saved
     n, group, prefix = 16, 4, 29
@@ -187,11 +188,18 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
     inputs, outputs = prefix + rng.integers(3, 12, n), rng.integers(4, 24, n)
     knobs = ({"token_budget": 64, "cascade_attention": "groups"} if policy == "continuous"
              else {"b_moe": 4, "prefill_tokens_per_rank": 128})
+    staging = {}
+    if policy == "coroutine-host":
+        policy, knobs = "coroutine", {**knobs, "b_moe": 8, "b_attn": 4, "kv_residency": "host"}
+        staging = {"staging_seqs": 4, "max_context": 64}
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
     job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(n) // group,
                                                      prefix_len=np.full(n, prefix)))
-    out = execute_dist(job, dist_settings(path, 2, kv_tokens=2000))
+    out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), procs=2, timeout_s=30.0,
+                                         kv_budget_mb=kv_mb_for(path, 2000, **staging)))
+    if staging:
+        assert out.kv_traffic["host_resident_seq_steps"] > 0 and out.kv_traffic["restored_bytes"] > 0
     state = out.prepared.state
     assert state.sharing and not state.table.recomputes.any()
     assert state.prefill_computed < int(inputs.sum()) - n * group  # 3 of a group's 4 members took 24 tokens or more

@@ -9,12 +9,16 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.models.loading import read_config
 from batchgen.exec.run import ExecSettings, execute
 from batchgen import job as job_module
 from batchgen.workload.spec import Workload
 from conftest import make_job
 
+from .test_deepseek import tiny_hf as tiny_deepseek
 from .test_exec_parity import hf_greedy, kv_mb_for
 from .test_models import tiny_hf
 
@@ -136,3 +140,41 @@ def test_batch_invariant_mode_runs_without_cascades(saved, monkeypatch):
                                                                   batch_invariant=True))
     assert out.prepared.state.sharing and out.prepared.state.cascade.mode == "off"
     assert out.kv_traffic["cascade_prefix_reads"] == out.prepared.state.cascade_prefix_read == 0
+
+
+@pytest.fixture(scope="module")
+def saved_mla(tmp_path_factory):
+    model = tiny_deepseek()
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("weights", ["saved", "saved_mla"])
+def test_host_resident_members_restore_their_prefix_once_per_call(weights, request):
+    """Host-resident members of a group decoding on a rank form cascades (batchgen.core.cascade.staged_groups):
+    each staged call restores the prefix's pages once, from its first member's host copy, and attends them once
+    (GQA and MLA). The bytes the staging restores fall by exactly the prefix reads the engine saved (every decode
+    staged, the same decisions), the executor's cascaded calls read what the engine counted, and every output is
+    the one restored member by member and transformers'."""
+    model, path = request.getfixturevalue(weights)
+    knobs = {"b_moe": 8, "b_attn": 4, "kv_residency": "host"}
+    page, longest = 8, -(-int(PREFIX + 20 + 30) // 8) * 8
+    settings = ExecSettings(device="cpu", model_path=str(path), threads=1,
+                            kv_budget_mb=kv_mb_for(path, 400, staging_seqs=4, max_context=longest))
+    on = execute(grouped("coroutine", True, 2, 0, **knobs), settings)
+    off = execute(grouped("coroutine", True, 2, 0, **{**knobs, "cascade_attention": "off"}), settings)
+    state, plain = on.prepared.state, off.prepared.state
+    # every decode staged (the other steps: each prompt's first token, made by its prefill)
+    assert on.kv_traffic["host_resident_seq_steps"] == on.kv_traffic["seq_steps"] - N > 0
+    assert on.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
+    assert off.kv_traffic["cascade_prefix_reads"] == plain.cascade_prefix_read == 0
+    saved_tokens = plain.decode_kv_read - state.decode_kv_read
+    assert saved_tokens > 0 and saved_tokens % page == 0  # whole pages of prefix, once per member but one
+    per_token = PagedKVCache.page_bytes(**read_config(path).kv_cache_geometry()._asdict(), page_size=1,
+                                        dtype=torch.float32)  # every layer's
+    assert off.kv_traffic["restored_bytes"] - on.kv_traffic["restored_bytes"] == saved_tokens * per_token
+    for sid in range(N):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(state.table.output_len[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
