@@ -411,9 +411,9 @@ def test_coroutine_moves_only_toward_less_loaded_ranks_and_in_an_order_the_execu
     no move: swapping them would leave the larger load as large (71 against 38 tokens either way round), and a
     sequence only goes toward a less loaded rank. The swap itself fits at the end either way; one move at a time
     it fits only with 0 in 9 pages (1 leaves for GPU 1 first, then 0 arrives, then 2); with 10 no order fits (0
-    arrives only once 1 has left, and 1 only once 0 has), so `_moves_fit` refuses it, as the state would."""
+    arrives only once 1 has left, and 1 only once 0 has), so `moves_fit` refuses it, as the state would."""
     from batchgen.engine import apply_decision
-    from batchgen.policy.coroutine import _moves_fit
+    from batchgen.policy.tail import moves_fit
 
     job = make_job("coroutine", n=3, inputs=np.array([long_prompt, 22, 14]), outputs=np.full(3, 8), page_tokens=8,
                    cluster_overrides={"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2})
@@ -428,7 +428,7 @@ def test_coroutine_moves_only_toward_less_loaded_ranks_and_in_an_order_the_execu
     d = prepared.policy.decide(snap)
     assert not d.admits and not d.partition_ids.size and not d.move_ids.size
     swap = np.array([0, 1, 1])
-    assert _moves_fit(snap, snap.active_ids, swap, snap.active_rank) is fits
+    assert moves_fit(snap, snap.active_ids, swap, snap.active_rank) is fits
     if fits:
         apply_decision(state, 0, dataclasses.replace(d, move_ids=ids, move_ranks=swap), InstanceProgress(2))
         assert state.table.where[:3].tolist() == [0, 1, 1]

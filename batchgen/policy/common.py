@@ -105,3 +105,8 @@ def split_by_budget(tokens: np.ndarray, budget_per_rank: np.ndarray) -> np.ndarr
         counts.append(end - pos)
         pos, base = end, int(cum[end - 1])
     return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+
+
+def among(ids: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """np.isin(ids, chosen), without its sort when nothing is chosen (the common case)."""
+    return np.isin(ids, chosen) if chosen.size else np.zeros(ids.size, bool)

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.core.cascade import cascade_mode
-from batchgen.core.move_order import one_at_a_time
 from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
+from batchgen.policy.common import (among, check_attention_tp, fill_ranks, level_slots, pages_for, per_rank,
+                                   shed_to_fit, split_by_budget)
 from batchgen.policy.prefix_budget import fill_homes, spread_sharing
-from batchgen.policy.common import (check_attention_tp, fill_ranks, level_slots, pages_for, per_rank, shed_to_fit,
-                                   split_by_budget)
+from batchgen.policy.tail import growth_fits, moves_fit, rebalance
 
 
 RESIDENCIES = ("device", "host", "mixed", "auto")
@@ -135,7 +135,7 @@ class CoroutinePolicy(PolicyDefaults):
         if d.offload_ids.size and d.evict_ids.size:
             d.offload_ids = np.setdiff1d(d.offload_ids, d.evict_ids)
         ids, rank, ctx = snap.active_ids[keep], snap.active_rank[keep], snap.active_context[keep]
-        on_device = keep & ~snap.active_host_resident & ~_among(snap.active_ids, d.offload_ids)
+        on_device = keep & ~snap.active_host_resident & ~among(snap.active_ids, d.offload_ids)
         used = per_rank(snap.active_rank[on_device], self._own_pages(snap, on_device), R)
         count = np.bincount(rank, minlength=R)
         own = snap.own_nodes()
@@ -153,7 +153,7 @@ class CoroutinePolicy(PolicyDefaults):
                 self._prefill(snap, d, watermark, snap.pages_capacity - used)
         # host room left once evicted copies are dropped and every running copy has grown by a page
         n_nodes = snap.host_capacity_tokens.size
-        evicted = _among(snap.active_ids, d.evict_ids)
+        evicted = among(snap.active_ids, d.evict_ids)
         released = np.bincount(snap.rank_node[snap.active_rank[evicted]], weights=snap.active_context[evicted],
                                minlength=n_nodes)
         growth = np.bincount(snap.rank_node[rank], minlength=n_nodes) * P
@@ -350,7 +350,7 @@ class CoroutinePolicy(PolicyDefaults):
             target = (np.arange(n) * degree) % R
             current_tp = snap.active_tp[np.isin(snap.active_ids, ids)]
             if degree > 1 and not (np.array_equal(target, rank) and np.all(current_tp == degree)):
-                if self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank):
+                if self._host_allows(snap, target, rank, ctx, room) and moves_fit(snap, ids, target, rank):
                     moving = target != rank
                     d.move_ids, d.move_ranks = ids[moving], target[moving]
                     d.partition_ids, d.partition_degree = ids, np.full(n, degree)
@@ -358,9 +358,9 @@ class CoroutinePolicy(PolicyDefaults):
         load = np.bincount(rank, weights=ctx, minlength=R)
         if load.max() <= self.rebalance_ratio * max(load.mean(), 1.0):
             return
-        target = _rebalance(ctx, rank, R)
-        if (self._host_allows(snap, target, rank, ctx, room) and _moves_fit(snap, ids, target, rank)
-                and _growth_fits(snap, ids, target)):
+        target = rebalance(ctx, rank, R)
+        if (self._host_allows(snap, target, rank, ctx, room) and moves_fit(snap, ids, target, rank)
+                and growth_fits(snap, ids, target)):
             moving = target != rank
             d.move_ids, d.move_ranks = ids[moving], target[moving]
 
@@ -387,11 +387,6 @@ class _Room:
 _UNBOUNDED = np.iinfo(np.int64).max // 4  # free pages of a host-resident admission's rank: never the limit
 
 
-def _among(ids: np.ndarray, chosen: np.ndarray) -> np.ndarray:
-    """np.isin(ids, chosen), without its sort when nothing is chosen (the common case)."""
-    return np.isin(ids, chosen) if chosen.size else np.zeros(ids.size, bool)
-
-
 def _head_fits(snap: Snapshot, node: int, open_ranks: np.ndarray, room: "_Room", free: np.ndarray,
                head_need: int, head_ctx: int) -> bool:
     """Whether an offer admits anything at all: level_slots gives the least-loaded open rank (the first
@@ -403,48 +398,6 @@ def _head_fits(snap: Snapshot, node: int, open_ranks: np.ndarray, room: "_Room",
         return False
     dest = int(snap.rank_node[first])
     return snap.page_tokens + (head_ctx if dest != node else 0) <= room.host_free[dest]
-
-
-def _moves_fit(snap: Snapshot, ids: np.ndarray, target: np.ndarray, rank: np.ndarray) -> bool:
-    """Whether the running sequences `ids` can MIGRATE from `rank` to `target`: the executors carry moves out one
-    at a time, each landing before its source lets go, so they must fit one at a time in some order (the one the
-    state takes, `one_at_a_time`) on the pages each rank holds once this decision's yields and evictions have
-    left (a decision that offloads does not migrate). Full ranks swapping sequences may not: the state would
-    refuse the moves."""
-    R = snap.num_ranks
-    pos = np.flatnonzero(_among(snap.active_ids, ids))  # ids are the kept running sequences, in snapshot order
-    pages = snap.active_pages.astype(np.int64)
-    tp = snap.active_tp.astype(np.int64)
-    gone = np.ones(pages.size, bool)
-    gone[pos] = False
-    used = np.array(snap.pages_used, np.int64)
-    for j in np.flatnonzero(gone & (pages > 0)):  # a few sequences, at the tail
-        np.subtract.at(used, _group(int(snap.active_rank[j]), int(tp[j]), R), pages[j])
-    moves = [(_group(int(r), int(g), R), np.full(g, p), _group(int(t), int(g), R), np.full(g, p))
-             for r, t, g, p in zip(rank, target, tp[pos], pages[pos]) if r != t]
-    return len(one_at_a_time(used, snap.pages_capacity, moves)) == len(moves)
-
-
-def _growth_fits(snap: Snapshot, ids: np.ndarray, target: np.ndarray) -> bool:
-    """Whether, once the running sequences `ids` run on `target` (the others where they are), every rank has the
-    pages for its device-resident sequences to grow by the run's page of tokens: the moves land whole, then the
-    run grows them where they landed."""
-    R, P = snap.num_ranks, snap.page_tokens
-    final = snap.active_rank.astype(np.int64)
-    kept = _among(snap.active_ids, ids)
-    final[kept] = target  # ids are the kept running sequences, in snapshot order
-    device = kept & ~snap.active_host_resident
-    grown = pages_for(snap.active_context + P, P)
-    tp = snap.active_tp.astype(np.int64)
-    need = np.bincount(final[device & (tp <= 1)], weights=grown[device & (tp <= 1)], minlength=R)
-    for j in np.flatnonzero(device & (tp > 1)):  # a few partitioned sequences, at the tail
-        np.add.at(need, _group(int(final[j]), int(tp[j]), R), grown[j])
-    return bool(np.all(need <= snap.pages_capacity))
-
-
-def _group(rank: int, tp: int, num_ranks: int) -> np.ndarray:
-    """The ranks a sequence of degree `tp` led from `rank` holds pages on (the next tp - 1 ranks, wrapping)."""
-    return (rank + np.arange(tp)) % num_ranks
 
 
 def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> int:
@@ -469,28 +422,3 @@ def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> i
     n = dest.size if ok.all() else int(np.argmin(ok))
     np.subtract.at(host_free, dest[:n], cost[:n])
     return n
-
-
-def _rebalance(ctx: np.ndarray, rank: np.ndarray, R: int) -> np.ndarray:
-    """Targets from where the sequences run: while the most loaded rank (summed context) is over the mean, move
-    one of its sequences to the least loaded rank, the one that leaves the two most even, as long as that lowers
-    the larger of their loads. Each move lowers the loads' sum of squares, so sequences only go toward less
-    loaded ranks and never back and forth; an assignment made from scratch (longest first) would move most of
-    them at every rebalance as contexts grow."""
-    target = rank.astype(np.int64)
-    load = np.bincount(target, weights=ctx, minlength=R).astype(float)
-    level = max(load.mean(), 1.0)
-    for _ in range(4 * ctx.size):  # runs only in the tail, when at most a few sequences per rank remain
-        hi, lo = int(np.argmax(load)), int(np.argmin(load))
-        gap = load[hi] - load[lo]
-        if load[hi] <= level:
-            break
-        on_hi = np.flatnonzero(target == hi)
-        movable = on_hi[ctx[on_hi] < gap]
-        if movable.size == 0:
-            break
-        i = int(movable[np.argmin(np.abs(ctx[movable] - gap / 2))])
-        target[i] = lo
-        load[hi] -= ctx[i]
-        load[lo] += ctx[i]
-    return target
