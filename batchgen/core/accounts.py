@@ -201,9 +201,11 @@ class Accounts:
             return  # no host copy anywhere: none to drop
         keep = t.host_node[ids] >= 0
         if keep.any():
-            np.subtract.at(self.host_used, t.host_node[ids[keep]], t.context(ids[keep]))
+            kept = ids[keep]
+            own = t.context(kept) - self._host_release(kept)  # a host prefix's tokens go with its last holder
+            np.subtract.at(self.host_used, t.host_node[kept], own)
             self._host_any = bool(self.host_used.any())
-            t.host_node[ids[keep]] = -1
+            t.host_node[kept] = -1
 
     def reserve_host(self, instance: int, nodes: np.ndarray, tokens: np.ndarray) -> None:
         if not nodes.size:  # nothing to add (most runs): the bincount would be all zeros
@@ -244,8 +246,9 @@ class Accounts:
         partial = np.flatnonzero(t.prefilled)
         if partial.size and np.any(t.pages[partial] != self.pages_needed(partial, t.prefilled[partial])):
             raise InvariantError("a part-prefilled sequence must hold exactly the pages of the chunks it has written")
-        host = t.host_node >= 0
-        recount = np.bincount(t.host_node[host], t.context(np.flatnonzero(host)), self.topo.num_nodes)
+        host = np.flatnonzero(t.host_node >= 0)
+        own = t.context(host) - (self.host_held[host] if self.host_sharing else 0)
+        recount = np.bincount(t.host_node[host], own, self.topo.num_nodes) + self.check_host_prefixes()
         if not np.array_equal(recount.astype(np.int64), self.host_used):
             raise InvariantError("host KV accounting drifted from the per-sequence host copies")
         if np.any(self.host_used > self.host_kv_tokens):

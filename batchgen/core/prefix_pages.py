@@ -59,9 +59,11 @@ class PrefixPages:
     sharing = False  # set by `share_prefixes`; off, none of this runs
     cascade = CascadeRule()  # which holders decoding together read their prefix once (batchgen.core.cascade)
 
-    def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None) -> None:
+    def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None,
+                       host: bool = False) -> None:
         """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
-        those decoding together read them by `cascade`."""
+        those decoding together read them by `cascade`; `host`: their host copies share it on a node too
+        (batchgen.core.host_prefixes)."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
@@ -83,6 +85,8 @@ class PrefixPages:
         self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
         self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
         self.group_parked = np.zeros(self.group_left.size, np.int64)  # members waiting in a host pool
+        if host:
+            self._host_prefixes_init()
 
     def share_tokens(self, ids: np.ndarray) -> np.ndarray:
         """The whole pages of each sequence's shared prefix that leave its last context token to compute (0 where a

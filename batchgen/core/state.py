@@ -13,6 +13,7 @@ import numpy as np
 
 from batchgen.core.accounts import _FEW, Accounts, Moves  # noqa: F401 (Moves: re-exported)
 from batchgen.core.few import FewIds
+from batchgen.core.host_prefixes import HostPrefixes
 from batchgen.core.move_order import carried_out_in
 from batchgen.core.ops import KVOps
 from batchgen.core.oplog import OpLog
@@ -24,7 +25,7 @@ from batchgen.core.topology import Topology, node_instance
 __all__ = ["ClusterState", "Moves", "Topology"]
 
 
-class ClusterState(FewIds, PrefixPages, Accounts):
+class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
@@ -164,8 +165,10 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         self._require(ids, t.prefilled[ids] == 0, "done prefilling (a part-prefilled prompt has no KV to yield)")
         ctx = t.context(ids)
         nodes = self.topo.gpu_node[gpus]
-        fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now
+        fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now (past a host prefix it takes)
         written = np.where(fresh, self.kv_bytes(ids), 0.0)
+        if fresh.any():
+            written[fresh] -= self._host_copies(ids[fresh], nodes[fresh], ctx[fresh]) * self.kv_bytes_per_token
         log = self.oplogs[instance]
         split = (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
         if split.any():
@@ -173,7 +176,6 @@ class ClusterState(FewIds, PrefixPages, Accounts):
                     written[split])
         device = ~split & ~t.host_resident[ids]
         log.add("yield", ids[device], gpus[device].astype(np.int64), written[device])
-        self._host_add(nodes[fresh], ctx[fresh])
         t.host_node[ids[fresh]] = nodes[fresh]
         self._leave_gpu(instance, ids)
         t.where[ids] = SUSPENDED
@@ -233,7 +235,7 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         """The host copy moves to `nodes` (where the sequence now runs)."""
         t = self.table
         ctx = t.context(ids)
-        np.subtract.at(self.host_used, t.host_node[ids], ctx)
+        np.subtract.at(self.host_used, t.host_node[ids], ctx - self._host_release(ids))  # arrives whole
         self._host_add(nodes, ctx)
         t.host_node[ids] = nodes
 
@@ -292,9 +294,11 @@ class ClusterState(FewIds, PrefixPages, Accounts):
                       "offloaded)")
         ctx = t.context(ids)
         fresh = t.host_node[ids] < 0
-        self.oplogs[instance].add("offload", ids, gpus.astype(np.int64), np.where(fresh, self.kv_bytes(ids), 0.0))
-        self._host_add(self.topo.gpu_node[gpus[fresh]], ctx[fresh])
-        t.host_node[ids[fresh]] = self.topo.gpu_node[gpus[fresh]]
+        written = np.where(fresh, self.kv_bytes(ids), 0.0)
+        nodes = self.topo.gpu_node[gpus[fresh]]
+        written[fresh] -= self._host_copies(ids[fresh], nodes, ctx[fresh]) * self.kv_bytes_per_token
+        self.oplogs[instance].add("offload", ids, gpus.astype(np.int64), written)
+        t.host_node[ids[fresh]] = nodes
         self._free_pages(ids)
         t.host_resident[ids] = True
 
@@ -403,8 +407,7 @@ class ClusterState(FewIds, PrefixPages, Accounts):
         self._require(ids, np.isin(ids, self.prefilling[instance]), f"being prefilled by instance {instance}")
         self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         nodes = self.topo.gpu_node[gpus]
-        ctx = t.context(ids)
-        self._host_add(nodes, ctx)
+        self._host_copies(ids, nodes, t.context(ids))  # written down whole, or past its node's host prefix
         t.host_node[ids] = nodes
         t.where[ids] = SUSPENDED
         self._push_by_node(ids, nodes)

@@ -128,6 +128,12 @@ class _StatePrefixes:
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._state.restore_shares(ids, self._gpus)
 
+    def host_held(self, ids: np.ndarray) -> np.ndarray:
+        return self._state.host_held[ids] if self._state.host_sharing else np.zeros(ids.size, np.int64)
+
+    def host_skips(self, ids: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        return self._state.host_skips(ids, nodes)
+
 
 def make_snapshot(state: ClusterState, instance: int, now: float, progress: InstanceProgress,
                   gpus_per_node: int, capabilities: Capabilities = Capabilities()) -> Snapshot:

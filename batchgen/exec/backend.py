@@ -54,10 +54,11 @@ def exec_capabilities(config) -> Capabilities:
     for GQA/MHA models (MLA expands its latents on the device); PARTITION over degrees that divide the heads;
     tensor-parallel attention and an FFN per micro-batch. Not: layer-by-layer prefill offload (prefill KV needs
     device pages, which policies budget for), padded batches, two-batch overlap (every forward runs whole),
-    data-parallel prefill (no expert weights are streamed in)."""
+    data-parallel prefill (no expert weights are streamed in), host copies that share a prefix (each is whole)."""
     heads = (config.num_heads,) if config.is_mla else (config.num_heads, config.num_kv_heads)
     return Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
                         cpu_attention=not config.is_mla, two_batch_overlap=False, comm_overlap=False, dp_prefill=False,
+                        host_prefixes=False,
                         partition_degrees=tuple(d for d in range(1, 9) if all(h % d == 0 for h in heads)))
 
 

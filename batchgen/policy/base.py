@@ -36,6 +36,11 @@ class PrefixView(Protocol):
     # suspended sequences' home ranks (whose cache holds their host copy; -1: not this instance's) and the prefix
     # tokens each takes if restored there (0: none)
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    # host copies' tokens held in their node's host prefix, not their own (batchgen.core.host_prefixes)
+    def host_held(self, ids: np.ndarray) -> np.ndarray: ...
+    # the tokens new host copies of these sequences, made in this order on `nodes`, would take from their node's
+    # host prefix instead of writing them
+    def host_skips(self, ids: np.ndarray, nodes: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Capabilities:
     # forwards that prefill may run data parallel, streaming in the experts a rank does not hold (a policy's
     # prefill_parallel=dp)
     dp_prefill: bool = True
+    # a node's host copies of one group's members hold its prompt prefix once (batchgen.core.host_prefixes)
+    host_prefixes: bool = True
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ class CoroutinePolicy(PolicyDefaults):
         # host room left once evicted copies are dropped and every running copy has grown by a page
         n_nodes = snap.host_capacity_tokens.size
         evicted = among(snap.active_ids, d.evict_ids)
-        released = np.bincount(snap.rank_node[snap.active_rank[evicted]], weights=snap.active_context[evicted],
+        released = np.bincount(snap.rank_node[snap.active_rank[evicted]],
+                               weights=_host_own(snap, snap.active_ids[evicted], snap.active_context[evicted]),
                                minlength=n_nodes)
         growth = np.bincount(snap.rank_node[rank], minlength=n_nodes) * P
         host_free = (snap.host_capacity_tokens - snap.host_used_tokens + released - growth).astype(np.int64)
@@ -182,7 +183,7 @@ class CoroutinePolicy(PolicyDefaults):
         node = max(own, key=lambda n: len(snap.suspended[n]))
         queue = snap.suspended[node].peek(len(snap.suspended[node]))
         short = P - int(room.host_free[node])
-        ctx = snap.lengths.context(queue[::-1][:-1])  # newest first, never the head itself
+        ctx = _host_own(snap, queue[::-1][:-1], snap.lengths.context(queue[::-1][:-1]))  # newest first, not the head
         n = int(np.searchsorted(np.cumsum(ctx), short)) + 1
         d.evict_ids = np.concatenate([d.evict_ids, queue[::-1][:min(n, ctx.size)]])
 
@@ -214,7 +215,7 @@ class CoroutinePolicy(PolicyDefaults):
         """Running sequences' host copies grow by a page each: when a node's host memory cannot take that,
         drop the least-decoded ones (least work lost) to be recomputed later."""
         P = snap.page_tokens
-        ctx = snap.active_context
+        ctx = _host_own(snap, snap.active_ids, snap.active_context)
         node = snap.rank_node[snap.active_rank]
         on_node = np.bincount(node[keep], weights=ctx[keep], minlength=snap.host_capacity_tokens.size)
         available = snap.host_capacity_tokens - snap.host_used_tokens + on_node.astype(np.int64)
@@ -257,7 +258,10 @@ class CoroutinePolicy(PolicyDefaults):
             ranks, computed = split_by_budget(tokens, budget), tokens
         else:  # the budget counts the tokens computed, less the prefixes taken (batchgen.policy.prefix_budget)
             ranks, computed = spread_sharing(cand, tokens, chunk, snap.num_ranks, snap.prefixes)
-        n = _host_prefix(snap.rank_node[ranks], tokens[:ranks.size] + snap.page_tokens, room)
+        cost = tokens[:ranks.size] + snap.page_tokens
+        if snap.prefixes is not None:  # past the host prefix of its group its node holds (or its forward writes)
+            cost = cost - snap.prefixes.host_skips(cand[:ranks.size], snap.rank_node[ranks])
+        n = _host_prefix(snap.rank_node[ranks], cost, room)
         if not snap.layerwise_offload:  # pages during the forward: a prompt's own, past a prefix it takes
             n = min(n, _host_prefix(ranks[:n], pages_for(computed[:n], snap.page_tokens),
                                     np.maximum(free_pages, 0).astype(np.int64)))
@@ -398,6 +402,12 @@ def _head_fits(snap: Snapshot, node: int, open_ranks: np.ndarray, room: "_Room",
         return False
     dest = int(snap.rank_node[first])
     return snap.page_tokens + (head_ctx if dest != node else 0) <= room.host_free[dest]
+
+
+def _host_own(snap: Snapshot, ids: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    """The host KV tokens of these sequences' host copies that are their own: past what they hold of their node's
+    host prefix (batchgen.core.host_prefixes)."""
+    return ctx if snap.prefixes is None else ctx - snap.prefixes.host_held(ids)
 
 
 def _host_prefix(dest: np.ndarray, cost: np.ndarray, host_free: np.ndarray) -> int:

@@ -322,15 +322,19 @@ _NONE.flags.writeable = False
 
 def prefill_to_host_bytes(state: ClusterState, plan: StepPlan) -> np.ndarray:
     """The run's own write-down of the prompts it prefills to host, per rank, read before the run: each prompt's
-    whole context (a recompute's generated tokens too), as the executors copy it after the forward. A prompt whose
+    whole context (a recompute's generated tokens too; past its node's host prefix where it takes one), as the
+    executors copy it after the forward. A prompt whose
     one token is its last finishes there and is never written."""
     R = plan.gpus.size
     if not (plan.prefill_to_host and plan.prefill_ids.size):
         return np.zeros(R)
     t = state.table
     bound = t.remaining(plan.prefill_ids) > 1
-    return np.bincount(plan.prefill_rank[bound], weights=t.context(plan.prefill_ids[bound]) * state.kv_bytes_per_token,
-                       minlength=R)
+    ids, ranks = plan.prefill_ids[bound], plan.prefill_rank[bound]
+    tokens = t.context(ids)
+    if state.host_sharing:  # past the node's host prefix each takes (core.host_prefixes; the same rule, in order)
+        tokens = tokens - state.host_skips(ids, state.topo.gpu_node[plan.gpus[ranks]])
+    return np.bincount(ranks, weights=tokens * state.kv_bytes_per_token, minlength=R)
 
 
 def synced_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:

@@ -62,7 +62,8 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
     start = time.perf_counter()
     if capabilities is not None:
         job = prefill_as_performed(job, capabilities.dp_prefill)
-    prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu)
+    prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu,
+                       host_prefixes=capabilities is None or capabilities.host_prefixes)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
     policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner
