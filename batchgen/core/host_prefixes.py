@@ -43,6 +43,12 @@ class HostPrefixes:
         held, creates = self._host_rule(ids, nodes)
         return np.where(creates, 0, held)
 
+    def host_plan(self, ids: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens each of these new host copies, made in this order on `nodes`, would hold in its node's prefix (0:
+        none), whether it creates it): what a backend decides for the prompts it writes to host after a forward
+        (`prefilled_to_host` is then given the first)."""
+        return self._host_rule(ids, nodes)
+
     def _host_rule(self, ids: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(tokens held by reference, creates the prefix) of each new host copy, made in this order on `nodes`."""
         held, creates = np.zeros(ids.size, np.int64), np.zeros(ids.size, bool)
@@ -61,10 +67,21 @@ class HostPrefixes:
                 held[i] = there
         return held, creates
 
-    def _host_copies(self, ids: np.ndarray, nodes: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    def _host_copies(self, ids: np.ndarray, nodes: np.ndarray, ctx: np.ndarray,
+                     held: np.ndarray | None = None) -> np.ndarray:
         """New host copies of `ids` (contexts `ctx`) on `nodes`: each takes or creates its node's prefix of its
-        group, and host memory grows by what it writes. Returns the tokens each took instead of writing them."""
-        held, creates = self._host_rule(ids, nodes)
+        group, and host memory grows by what it writes. `held`: what each holds as a backend decided it
+        (`host_plan`): a prefix it was to take that its last holder has let go of since is created again by it.
+        Returns the tokens each took instead of writing them."""
+        if held is None or not self.host_sharing:
+            held, creates = self._host_rule(ids, nodes)
+        else:
+            group, creates = self.prefix_group[ids], np.zeros(ids.size, bool)
+            made: set[tuple[int, int]] = set()
+            for i in np.flatnonzero(held).tolist():
+                key = (int(nodes[i]), int(group[i]))
+                creates[i] = key not in self.host_prefixes and key not in made
+                made.add(key)
         skipped = np.where(creates, 0, held)
         self._host_add(nodes, ctx - skipped)
         if held.any():

@@ -58,16 +58,18 @@ def carried_out_in(state, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
     before any move leaves (the usual case)."""
     t, topo = state.table, state.topo
     G = topo.num_gpus
-    pages = t.pages[ids].astype(np.int64)
+    pages = t.pages[ids].astype(np.int64)  # what each leaves: a shared prefix's pages stay (core.prefix_pages)
+    whole = pages + (state.prefix_held[ids] // state.page_tokens if state.sharing else 0)  # what arrives
     node = topo.gpu_node
     src = t.where[ids]
     carried = (t.host_node[ids] >= 0) & (node[src] != node[gpus])  # a host copy that crosses nodes
-    host = np.where(carried, t.context(ids), 0)
+    host = np.where(carried, t.context(ids), 0)  # arrives whole; leaves its own (core.host_prefixes)
+    host_own = host - (np.where(carried, state.host_held[ids], 0) if state.host_sharing else 0)
     tp = t.tp[ids].astype(np.int64)
     used = np.concatenate([state.pages_used, state.host_used])
     capacity = np.concatenate([state.gpu_pages, state.host_kv_tokens])
     if not (tp > 1).any():  # each move arrives on one GPU: every arrival at once, before any move leaves
-        ahead = used + np.bincount(np.concatenate([gpus, G + node[gpus]]), np.concatenate([pages, host]),
+        ahead = used + np.bincount(np.concatenate([gpus, G + node[gpus]]), np.concatenate([whole, host]),
                                    used.size).astype(np.int64)
         if np.all(ahead <= capacity):
             return np.arange(ids.size)
@@ -75,11 +77,11 @@ def carried_out_in(state, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
     for i in range(ids.size):
         leave = np.array(state.group_of(int(src[i]), int(tp[i])), np.int64)
         arrive = np.array(state.group_of(int(gpus[i]), int(tp[i])), np.int64)
-        amount = np.full(leave.size, pages[i])
+        frees, takes = np.full(leave.size, pages[i]), np.full(arrive.size, whole[i])
         if carried[i]:
             leave, arrive = np.append(leave, G + node[src[i]]), np.append(arrive, G + node[gpus[i]])
-            amount = np.append(amount, host[i])
-        plan.append((leave, amount, arrive, amount))
+            frees, takes = np.append(frees, host_own[i]), np.append(takes, host[i])
+        plan.append((leave, frees, arrive, takes))
     order = np.array(one_at_a_time(used, capacity, plan), np.int64)
     if order.size < ids.size:
         left = np.setdiff1d(np.arange(ids.size), order)

@@ -167,10 +167,12 @@ class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
         nodes = self.topo.gpu_node[gpus]
         fresh = t.host_node[ids] < 0   # no host copy yet: the whole KV goes down now (past a host prefix it takes)
         written = np.where(fresh, self.kv_bytes(ids), 0.0)
-        if fresh.any():
-            written[fresh] -= self._host_copies(ids[fresh], nodes[fresh], ctx[fresh]) * self.kv_bytes_per_token
         log = self.oplogs[instance]
         split = (t.tp[ids] > 1) if self.partitioned_ever else np.zeros(ids.size, bool)
+        if fresh.any():  # a PARTITIONed one's lead gathers and writes its whole KV (no host prefix taken)
+            shares = fresh & ~split
+            written[shares] -= self._host_copies(ids[shares], nodes[shares], ctx[shares]) * self.kv_bytes_per_token
+            self._host_add(nodes[fresh & split], ctx[fresh & split])
         if split.any():
             log.add("join", ids[split], gpus[split], t.tp[ids[split]].astype(np.int64), np.ones(int(split.sum()), bool),
                     written[split])
@@ -400,14 +402,16 @@ class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
         self.prefilling[instance] = np.concatenate([self.prefilling[instance], ids])
         self.table.kv_gpu[ids] = gpus  # the prefill writes its KV there (into that GPU's host copy)
 
-    def prefilled_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
-        """Prefill output offloaded layer by layer: the sequences join their node's suspended pool."""
+    def prefilled_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray,
+                          host_held: np.ndarray | None = None) -> None:
+        """Prefill output offloaded layer by layer: the sequences join their node's suspended pool (`host_held`:
+        what each copy holds of its node's host prefix, as the backend wrote it; None: by the state's rule now)."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending")
         self._require(ids, np.isin(ids, self.prefilling[instance]), f"being prefilled by instance {instance}")
         self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
         nodes = self.topo.gpu_node[gpus]
-        self._host_copies(ids, nodes, t.context(ids))  # written down whole, or past its node's host prefix
+        self._host_copies(ids, nodes, t.context(ids), host_held)  # written down whole, or past its node's prefix
         t.host_node[ids] = nodes
         t.where[ids] = SUSPENDED
         self._push_by_node(ids, nodes)

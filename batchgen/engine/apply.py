@@ -294,7 +294,8 @@ def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: 
         done = ids[res.prefill_finished]
         if plan.prefill_to_host:
             live = ~res.prefill_finished
-            state.prefilled_to_host(inst, ids[live], gpus[live])
+            held = res.prefill_host_held[live] if res.prefill_host_held.size else None
+            state.prefilled_to_host(inst, ids[live], gpus[live], held)
         if done.size:
             state.finish(inst, done, np.full(done.size, start + res.duration))
     if plan.chunk_ids.size:

@@ -98,6 +98,9 @@ class StepResult:
     modules: dict[str, float] = field(default_factory=dict)
     chunk_finished: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # per chunk: ended its context
                                                                                   # and its one token was the last
+    # per prompt written to host after the forward: the tokens its copy holds of its node's host prefix, as the
+    # backend wrote it (batchgen.core.host_prefixes; 0 for one that finished); empty: the state decides at record
+    prefill_host_held: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 _EMPTY = np.empty(0, np.int64)

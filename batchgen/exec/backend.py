@@ -54,11 +54,11 @@ def exec_capabilities(config) -> Capabilities:
     for GQA/MHA models (MLA expands its latents on the device); PARTITION over degrees that divide the heads;
     tensor-parallel attention and an FFN per micro-batch. Not: layer-by-layer prefill offload (prefill KV needs
     device pages, which policies budget for), padded batches, two-batch overlap (every forward runs whole),
-    data-parallel prefill (no expert weights are streamed in), host copies that share a prefix (each is whole)."""
+    data-parallel prefill (no expert weights are streamed in)."""
     heads = (config.num_heads,) if config.is_mla else (config.num_heads, config.num_kv_heads)
     return Capabilities(layerwise_offload=False, host_resident_decode=True, padded_batches=False,
                         cpu_attention=not config.is_mla, two_batch_overlap=False, comm_overlap=False, dp_prefill=False,
-                        host_prefixes=False,
+                        host_prefixes=True,
                         partition_degrees=tuple(d for d in range(1, 9) if all(h % d == 0 for h in heads)))
 
 
@@ -150,6 +150,8 @@ class ExecBackend:
         for g, ids in _by_gpu(ops.evict_ids, ops.evict_gpu):  # recomputed later from prompt + generated tokens
             caches[g].release(ids)
             self.moves["evict"] += len(ids)
+        self._share_host_prefixes(np.concatenate([ops.yield_ids, ops.offload_ids]),
+                                  np.concatenate([ops.yield_gpu, ops.offload_gpu]))
         for kind, ids_, gpus in (("yield", ops.yield_ids, ops.yield_gpu), ("offload", ops.offload_ids,
                                                                           ops.offload_gpu)):
             for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
@@ -180,6 +182,19 @@ class ExecBackend:
         for sid, g, group, tokens, creates in shares:
             if sid not in restoring:
                 caches[g].share_prefix(sid, group, tokens, creates)
+
+    def _share_host_prefixes(self, ids: np.ndarray, gpus: np.ndarray) -> None:
+        """The host copies these yields and offloads write hold their node's host prefix where the state's
+        primitives had them take or create it (`ClusterState.host_held`; batchgen.core.host_prefixes), in the
+        order the state made them: the first of a group on a node creates it."""
+        state = self.state
+        if not state.host_sharing:
+            return
+        for sid, g in zip(ids.tolist(), gpus.tolist()):
+            tokens, cache = int(state.host_held[sid]), self.caches[g]
+            if tokens and not cache.host_pages(sid):  # a copy written now (one written earlier holds its prefix)
+                group = int(state.prefix_group[sid])
+                cache.share_host_prefix(sid, group, tokens, creates=group not in cache.host_pool.prefixes)
 
     def _parts(self, kind: str):
         """A `shards.Count` that charges each part of a reshard or gather to the GPU that receives it, as `kind`:
@@ -367,21 +382,35 @@ class ExecBackend:
         pre_finished = np.array([done[int(s)] for s in pre_ids], bool)
         finished = np.array([done[int(s)] for s in dec_ids], bool)
         produced = np.ones(dec_ids.size, np.int64)
-        if plan.prefill_to_host:
-            self._prefills_to_host(plan, pre_finished)
+        held = self._prefills_to_host(plan, pre_finished) if plan.prefill_to_host else None
         self._true_lengths(pre_ids, np.ones(pre_ids.size, np.int64), pre_finished)
         self._true_lengths(dec_ids, produced, finished)
         if plan.host_sync:
             self._sync(plan, dec_ids[~finished])
         busy = np.array(stats.rank_attention_s) + stats.ffn_s
         offsets = np.where(finished, now, np.nan)
-        return self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1, modules)
+        res = self._result(plan, 1, produced, finished, offsets, pre_finished, busy, stats.gate_tokens, 1, modules)
+        if held is not None:
+            res.prefill_host_held = held
+        return res
 
-    def _prefills_to_host(self, plan: StepPlan, pre_finished: np.ndarray) -> None:
-        """Prefills bound for host (and not finished at once): yielded to their host copies after the forward."""
+    def _prefills_to_host(self, plan: StepPlan, pre_finished: np.ndarray) -> np.ndarray:
+        """Prefills bound for host (and not finished at once): yielded to their host copies after the forward, each
+        past its node's host prefix of its group where it takes one (the state's rule, decided now and returned
+        for `prefilled_to_host`: the tokens each holds there)."""
+        state, held = self.state, np.zeros(plan.prefill_ids.size, np.int64)
+        live = ~pre_finished
+        if state.host_sharing and live.any():
+            ids, gpus = plan.prefill_ids[live], plan.gpus[plan.prefill_rank[live]]
+            tokens, creates = state.host_plan(ids, state.topo.gpu_node[gpus])
+            held[live] = tokens
+            for sid, g, n, c in zip(ids.tolist(), gpus.tolist(), tokens.tolist(), creates.tolist()):
+                if n:
+                    self.caches[g].share_host_prefix(sid, int(state.prefix_group[sid]), n, c)
         for r, g in enumerate(plan.gpus.tolist()):
             self._counted("to_host", "d2h", g, self.caches[g].yield_to_host,
                           plan.prefill_ids[(plan.prefill_rank == r) & ~pre_finished].tolist())
+        return held
 
     def _chunked(self, plan: StepPlan) -> Generator[Any, Any, StepResult]:
         """One forward of chunked prefill: per rank, each chunk's tokens at their positions (attending over the

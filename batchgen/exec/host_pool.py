@@ -47,6 +47,8 @@ class HostPool:
             pages = min(pages, budget_pages)
         self.kv = self._new(pages)
         self.free = list(range(pages - 1, -1, -1))  # a stack; page 0 is handed out first
+        # group -> [its host prefix's pages, host copies holding them] (batchgen.core.host_prefixes)
+        self.prefixes: dict[int, list] = {}
         self.peak_used = 0
         self.users: list = []  # the caches that draw on it (their sequences own its pages)
 
@@ -97,6 +99,26 @@ class HostPool:
     def give_back(self, pages: list[int]) -> None:
         self.free.extend(reversed(pages))
 
+    def hold_prefix(self, group: int, pages: int, creates: bool, what: str) -> list[int]:
+        """The pages of `group`'s host prefix, for one more host copy that holds them: `pages` fresh ones, which
+        that copy writes, where it `creates` the prefix."""
+        entry = self.prefixes.get(group)
+        if creates != (entry is None) or (entry is not None and len(entry[0]) != pages):
+            raise InvariantError(f"group {group}'s host prefix of {pages} pages: " + (
+                "created again while this pool holds it" if creates else "taken, but this pool does not hold it"))
+        if creates:
+            entry = self.prefixes[group] = [self.take(pages, what), 0]
+        entry[1] += 1
+        return list(entry[0])
+
+    def release_prefix(self, group: int) -> None:
+        """A host copy lets go of its group's prefix: the last one's going frees its pages."""
+        entry = self.prefixes[group]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.prefixes[group]
+            self.give_back(entry[0])
+
     def flat(self) -> torch.Tensor:
         """[num_layers, planes, pages * page_size, kv_heads, head_dim]: one row per token slot."""
         layers, planes, _, heads, dim, _ = self.geometry
@@ -104,7 +126,15 @@ class HostPool:
 
     def check(self) -> None:
         """Every page owned by exactly one host copy of the caches that use the pool, or free."""
-        owned = [p for cache in self.users for p in cache.owned_host_pages()]
+        shared = {p for pages, _ in self.prefixes.values() for p in pages}
+        owned = [p for cache in self.users for p in cache.owned_host_pages() if p not in shared] + list(shared)
+        holders: dict[int, int] = {}
+        for cache in self.users:
+            for s in cache._seqs.values():
+                if s.host_group >= 0:
+                    holders[s.host_group] = holders.get(s.host_group, 0) + 1
+        if holders != {g: n for g, (_, n) in self.prefixes.items()}:
+            raise InvariantError("a host prefix's holder count drifted from the host copies that hold it")
         every = owned + self.free
         total = self.capacity_pages()
         if len(every) != total or set(every) != set(range(total)):

@@ -443,7 +443,12 @@ class PagedKVCache(SharedPrefixes, HostResidentSteps, Migration):
             self._drop_host_copy(s)
 
     def _drop_host_copy(self, s: _Seq) -> None:
-        self.host_pool.give_back(s.host_pages)
+        own = s.host_pages
+        if s.host_group >= 0:  # its first pages are its group's host prefix: it lets go of them
+            own = own[len(self.host_pool.prefixes[s.host_group][0]):]
+            self.host_pool.release_prefix(s.host_group)
+            s.host_group = -1
+        self.host_pool.give_back(own)
         s.host_pages, s.synced = [], 0
 
     # ---- invariants ------------------------------------------------------------------------------------

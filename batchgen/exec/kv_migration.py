@@ -181,8 +181,8 @@ def migrate(src: "PagedKVCache", dst: "PagedKVCache", seq_id: int, *, to_device:
         dst._grow_to({seq_id: n}, f"migrating sequence {seq_id} here ({n} tokens)")
     handed = s.synced if host_copy or not s.on_device else 0
     if handed:  # the host copy changes hands in the node's pool
-        d.host_pages, d.synced = s.host_pages, s.synced
-        s.host_pages, s.synced = [], 0
+        d.host_pages, d.synced, d.host_group = s.host_pages, s.synced, s.host_group
+        s.host_pages, s.synced, s.host_group = [], 0, -1
     if s.on_device:  # device pages to device pages
         slots = src._token_slots([s], "pages", [0], [n], src.device)
         moved = Migrated("device", "device", dst._write_device(dst._token_slots([d], "pages", [0], [n]),

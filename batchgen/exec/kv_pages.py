@@ -25,6 +25,7 @@ class _Seq:
     host_pages: list[int] = field(default_factory=list)  # host pages: exactly those covering synced + pending
     synced: int = 0               # tokens of the host copy; a prefix of the sequence
     pending: int = 0              # tokens a host-resident step is writing (prepare_host .. host_advance)
+    host_group: int = -1          # the group whose host prefix its host copy's first pages are (-1: none)
 
     @property
     def on_device(self) -> bool:

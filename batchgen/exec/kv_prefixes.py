@@ -89,6 +89,20 @@ class SharedPrefixes:
         self._creating.clear()
         self._attached.clear()
 
+    def share_host_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
+        """Before the sequence's first host copy is written (batchgen.core.host_prefixes): its first `tokens` tokens
+        are its group's prefix in this node's host pool, held by reference. A taker's copy then holds them written
+        already (its write covers the rest); a creator's gets fresh pages for them, which its write fills."""
+        s = self._get(seq_id)
+        if s.host_pages or s.synced or tokens % self.page_size or tokens < self.page_size:
+            raise InvariantError(f"sequence {seq_id}: a host prefix of {tokens} tokens is taken by a host copy not yet "
+                                 f"written, in whole pages of {self.page_size}")
+        s.host_pages = self.host_pool.hold_prefix(group, tokens // self.page_size, creates,
+                                                  f"group {group}'s host prefix")
+        s.host_group = group
+        if not creates:
+            s.synced = tokens
+
     def take_creating(self) -> set[int]:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must
         run first), once: the forward that asks is that one."""

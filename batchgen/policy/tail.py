@@ -25,8 +25,10 @@ def moves_fit(snap: Snapshot, ids: np.ndarray, target: np.ndarray, rank: np.ndar
     used = np.array(snap.pages_used, np.int64)
     for j in np.flatnonzero(gone & (pages > 0)):  # a few sequences, at the tail
         np.subtract.at(used, group_of(int(snap.active_rank[j]), int(tp[j]), R), pages[j])
-    moves = [(group_of(int(r), int(g), R), np.full(g, p), group_of(int(t), int(g), R), np.full(g, p))
-             for r, t, g, p in zip(rank, target, tp[pos], pages[pos]) if r != t]
+    # a holder of a shared prefix leaves its own pages and arrives whole (the prefix's pages as its own)
+    whole = pages if snap.prefixes is None else pages + snap.active_shared // snap.page_tokens
+    moves = [(group_of(int(r), int(g), R), np.full(g, p), group_of(int(t), int(g), R), np.full(g, w))
+             for r, t, g, p, w in zip(rank, target, tp[pos], pages[pos], whole[pos]) if r != t]
     return len(one_at_a_time(used, snap.pages_capacity, moves)) == len(moves)
 
 

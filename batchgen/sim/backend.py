@@ -215,7 +215,8 @@ class SimBackend:
             self.decode_iterations += int(np.count_nonzero(cost.iteration_s))  # seconds are >= 0
         still = not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any()
         finished = produced == remaining
-        transfer = None if still else self._transfer_seconds(plan, produced, finished)  # None: nothing moves
+        host_held = _host_held(self.state, plan)
+        transfer = None if still else self._transfer_seconds(plan, produced, finished, host_held)  # None: none moves
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
         compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
                                                          + plan.chunk_ids.size, exposed)
@@ -238,7 +239,7 @@ class SimBackend:
                           # padding rows only in a padded plan (apply_decision zeroes them otherwise)
                           int(gate_total - (plan.pad_rows.sum() if plan.padded else 0) * iterations),
                           modules=cost.modules,
-                          chunk_finished=chunk_finished)
+                          chunk_finished=chunk_finished, prefill_host_held=host_held[0])
 
     def _cascade(self, plan: StepPlan, alive: np.ndarray, iterations: int, among: np.ndarray | None = None):
         """The run's cascades (the plan's, batchgen.core.cascade; those of the decodes `among`, a mask) as prefix
@@ -293,14 +294,15 @@ class SimBackend:
         """Bytes moved between host and device per decode iteration (whole cluster), on average."""
         return self.decode_host_bytes / self.decode_iterations if self.decode_iterations else 0.0
 
-    def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:
+    def _transfer_seconds(self, plan: StepPlan, produced: np.ndarray, finished: np.ndarray,
+                          host_held: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Copies of KV per rank, overlapped with the run's compute (async checkpoint and restore)."""
         g = plan.gpus
         R = g.size
         if not (plan.host_sync or plan.prefill_to_host) and not plan.moves.any():
             return np.zeros(R)  # nothing moves (most runs): what the sums below give, without them
         d2h = plan.moves.d2h[g] + synced_bytes(self.state, plan, produced, finished) + prefill_to_host_bytes(
-            self.state, plan)
+            self.state, plan, *host_held)
         lat = self.lat
         seconds = np.zeros(R)
         self.host_bytes += float(plan.moves.h2d[g].sum() + d2h.sum())
@@ -318,23 +320,39 @@ class SimBackend:
 
 _NONE = np.empty(0, bool)
 _NONE.flags.writeable = False
+_NO_HELD = np.empty(0, np.int64)
+_NO_HELD.flags.writeable = False
 
 
-def prefill_to_host_bytes(state: ClusterState, plan: StepPlan) -> np.ndarray:
+def _host_held(state: ClusterState, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, creates) per prompt the run writes to host: what its copy holds of its node's host prefix
+    (batchgen.core.host_prefixes; 0 for a prompt that ends at its one token, never written), decided now."""
+    if not (state.host_sharing and plan.prefill_to_host and plan.prefill_ids.size):
+        return _NO_HELD, _NONE
+    bound = state.table.remaining(plan.prefill_ids) > 1
+    held, creates = np.zeros(bound.size, np.int64), np.zeros(bound.size, bool)
+    held[bound], creates[bound] = state.host_plan(plan.prefill_ids[bound],
+                                                  state.topo.gpu_node[plan.gpus[plan.prefill_rank[bound]]])
+    return held, creates
+
+
+def prefill_to_host_bytes(state: ClusterState, plan: StepPlan, held: np.ndarray = None,
+                          creates: np.ndarray = None) -> np.ndarray:
     """The run's own write-down of the prompts it prefills to host, per rank, read before the run: each prompt's
-    whole context (a recompute's generated tokens too; past its node's host prefix where it takes one), as the
-    executors copy it after the forward. A prompt whose
+    whole context (a recompute's generated tokens too; past its node's host prefix where it takes one: `held`,
+    `creates`, per prompt), as the executors copy it after the forward. A prompt whose
     one token is its last finishes there and is never written."""
     R = plan.gpus.size
     if not (plan.prefill_to_host and plan.prefill_ids.size):
         return np.zeros(R)
     t = state.table
     bound = t.remaining(plan.prefill_ids) > 1
-    ids, ranks = plan.prefill_ids[bound], plan.prefill_rank[bound]
-    tokens = t.context(ids)
-    if state.host_sharing:  # past the node's host prefix each takes (core.host_prefixes; the same rule, in order)
-        tokens = tokens - state.host_skips(ids, state.topo.gpu_node[plan.gpus[ranks]])
-    return np.bincount(ranks, weights=tokens * state.kv_bytes_per_token, minlength=R)
+    tokens = t.context(plan.prefill_ids[bound])
+    if held is None:
+        held, creates = _host_held(state, plan)
+    if held.size:  # past the node's host prefix each takes
+        tokens = tokens - np.where(creates, 0, held)[bound]
+    return np.bincount(plan.prefill_rank[bound], weights=tokens * state.kv_bytes_per_token, minlength=R)
 
 
 def synced_bytes(state: ClusterState, plan: StepPlan, produced: np.ndarray, finished: np.ndarray) -> np.ndarray:

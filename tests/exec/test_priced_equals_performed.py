@@ -6,12 +6,15 @@ shards a partitioned sequence's lead gathers for them: `synced_gather_bytes`).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from batchgen.exec import backend as exec_backend
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.sim.backend import prefill_to_host_bytes, synced_bytes, synced_gather_bytes
+from batchgen.workload.spec import Workload
 from conftest import make_job
 
 TIERS = ("h2d", "d2h", "peer", "network")
@@ -35,7 +38,11 @@ CASES = {
     "zero_inference": ("zero_inference", {}, {}),
     "pd_disagg": ("pd_disagg", {"prefill_units": 1, "decode_units": 1, "unit_gpus": 1},
                   {"num_gpus": 2, "gpus_per_node": 2}),
+    # groups of 4 prompts sharing their first 24 tokens: prefixes shared on device and in each node's host memory
+    "coroutine-shared": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8},
+                         {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
 }
+SHARED = {"coroutine-shared": 24}
 
 
 def priced_and_performed(name, monkeypatch):
@@ -47,6 +54,11 @@ def priced_and_performed(name, monkeypatch):
     job = make_job(policy, "tiny_moe", "h100_8", rng.integers(20, 90, n), outputs, page_tokens=8,
                    policy_overrides=knobs, cluster_overrides={"num_gpus": 1, "gpus_per_node": 1,
                                                               "gpus_per_instance": None, **cluster})
+    if name in SHARED:
+        w = job.workload
+        job = dataclasses.replace(job, workload=Workload(w.name, w.input_lens + SHARED[name], w.output_lens,
+                                                         prefix_group=np.arange(n) // 4,
+                                                         prefix_len=np.full(n, SHARED[name])))
     plans, synced = [], []
     execute_plan = exec_backend.ExecBackend.execute
 
@@ -82,3 +94,5 @@ def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
     for t in TIERS:
         assert np.array_equal(performed[t], priced[t]), (name, t, performed, priced, acc.as_dict())
     assert not any(acc.of(k)["host"].any() for k in acc.kinds())  # no copy the simulator has no price for
+    if name in SHARED:  # host copies took their node's prefix, and wrote only the rest
+        assert out.prepared.state.host_sharing and out.prepared.state.host_prefix_taken > 0

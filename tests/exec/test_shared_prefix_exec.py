@@ -84,6 +84,8 @@ def test_shared_prefix_outputs_equal_unshared_and_transformers(saved, policy, kv
         assert (t.recomputes + t.yields).sum() > 0
     elif policy == "coroutine":  # restored onto the GPU that prefilled them, they take the prefix kept there
         assert on.prepared.state.prefix_restored > 0
+    if policy == "coroutine":  # their host copies hold their node's host prefix once
+        assert on.prepared.state.host_prefix_taken > 0
 
 
 @pytest.mark.usefixtures("one_thread")
