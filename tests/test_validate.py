@@ -177,23 +177,39 @@ def test_pd_disagg_cases_run_a_prefill_and_a_decode_unit():
 @pytest.mark.slow
 def test_by_default_validation_profiles_this_machine_first_and_predicts_from_that_file(tmp_path, monkeypatch, capsys):
     """The default run (no latency= on the command line) profiles first, writes its calibration under
-    outputs/validate/<time>/, and predicts every case from it, scaled by the speed its checks found (the grid and
-    repeats made small here, the in-run stage on one policy; docs/calibration.md's example validates the file its
-    profile example wrote)."""
+    outputs/validate/<time>/ with the in-run ratios of its stage, run in the same rounds as the cases, and predicts
+    every case from it (the grid and repeats made small here, the in-run stage on one policy; docs/calibration.md's
+    example validates the file its profile example wrote)."""
     from batchgen.validate import __main__ as cli
     from batchgen.validate import fresh, in_run
 
     monkeypatch.setattr(fresh, "GRID", "test")
     monkeypatch.setattr(in_run, "POLICIES", ("static",))
     monkeypatch.setattr(fresh, "REPEATS", 1)
-    monkeypatch.setattr(fresh, "IN_RUN_REPEATS", 1)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["workload=small", "workload.num_sequences=6", "workload.max_output=16", "policy=static",
-                     "backend.repeats=1"]) == 0
+                     "backend.repeats=2"]) == 0
     out, err = capsys.readouterr()
     written = list((tmp_path / "outputs" / "validate").glob("*/calibration.json"))
     assert len(written) == 1 and "profiling this machine first" in err
-    assert "in_run" in json.loads(written[0].read_text())  # the in-run stage ran and its ratios were kept
+    in_run = json.loads(written[0].read_text())["in_run"]  # the in-run stage ran and its ratios were kept
+    assert in_run["policies"] == ["static"] and set(in_run["scales"]) >= {"attention", "ffn", "head"}
+    assert err.index("round 2 of every case") < err.index("in-run scales")  # measured in the cases' rounds
     row = next(line for line in out.splitlines() if line.startswith("small/static"))
-    assert "equal" in row and re.search(r"\s\d+\.\d\dx\s", row)  # the speed column: this run's own checks
+    assert "equal" in row
     assert re.fullmatch(r"median_abs_error=\d+\.\d% worst_abs_error=\d+\.\d%", out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("stage, cases", [(3, 24), (3, 1), (1, 5), (0, 4), (3, 0)])
+def test_a_round_spreads_the_in_run_stage_evenly_among_the_cases(stage, cases):
+    """The in-run ratios and the cases must sample the machine over the same minutes: each of the stage's jobs
+    once per round, spread among the cases, every case once."""
+    from batchgen.validate.fresh import interleave
+
+    order = interleave(list(range(stage)), list(range(cases)))
+    assert sorted(order) == list(range(cases + stage))
+    where = [order.index(cases + i) for i in range(stage)]
+    assert where == sorted(where)
+    if stage and cases >= stage:
+        gaps = [b - a for a, b in zip([-1] + where, where + [len(order)])]
+        assert max(gaps) - min(gaps) <= cases // stage + 1  # no two of the stage's jobs bunched together

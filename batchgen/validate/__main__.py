@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 
@@ -10,8 +11,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.memory import ConfigError
 from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
-from batchgen.validate.compare import calibrations, compare, compose_case, measure_rounds, pick_run
-from batchgen.validate.fresh import fresh_path, profile_here
+from batchgen.validate.compare import calibrations, compare, compose_case, measure_rounds
+from batchgen.validate.fresh import add_in_run, fresh_path, interleave, profile_grid
 from batchgen.validate.report import differences, header, row, summary_line
 
 
@@ -30,48 +31,46 @@ def main(argv: list[str]) -> int:
     from batchgen.exec.load import LoadMeter  # torch: imported once the configs are known to be good
     from batchgen.profile.probe import describe, stale
 
-    meter = LoadMeter()
+    meter, log = LoadMeter(), lambda m: print(m, file=sys.stderr, flush=True)
+    stage: list = []
     if fresh is not None:
-        print("profiling this machine first (the quick grid, then the in-run stage; latency.calibration=FILE "
-              "validates a stored calibration instead)", file=sys.stderr, flush=True)
-        profile_here(configs[0], fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
+        log("profiling this machine first (the quick grid; the in-run stage then runs in the same rounds as the "
+            "cases; latency.calibration=FILE validates a stored calibration instead)")
+        calibration, stage = profile_grid(configs[0], fresh, log=log)
     tables = calibrations(configs)
-    checks = [check(tables, "before the executor's runs")]
+    checks = [] if fresh is not None else [check(tables, "before the executor's runs")]
 
     def round_done(k: int) -> None:
-        print(f"executor: round {k} of every case done", file=sys.stderr, flush=True)
-        checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
+        log(f"executor: round {k} of every case done")
+        if fresh is None:
+            checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
+    # the in-run stage's jobs as many times as the cases, in the same rounds
+    repeats = max(int(cfg.backend.repeats) for cfg in configs)
+    stage = [dataclasses.replace(c, overrides=(*c.overrides, f"backend.repeats={repeats}")) for c in stage]
+    every, every_config = cases + stage, configs + [compose_case(c) for c in stage]
+    order = interleave(stage, cases)
     try:
-        rounds = measure_rounds(cases, round_done, configs)
+        runs = measure_rounds([every[i] for i in order], round_done, [every_config[i] for i in order])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    checked = [path for path in tables if all(path in c for c in checks)]
+    rounds: list[list] = [[] for _ in every]
+    for i, case_runs in zip(order, runs):
+        rounds[i] = case_runs
+    if fresh is not None:
+        add_in_run(calibration, fresh, stage, rounds[len(cases):], log=log)
+    checked = [path for path in tables if checks and all(path in c for c in checks)]
     one = checked[0] if len(tables) == len(checked) == 1 else None  # one table in the usual run (one model)
-    drift = speeds = None
-    if fresh is not None and one is not None:
-        # this run's own calibration: each round's runs are predicted for the machine as the checks before and
-        # after that round found it, relative to the first check, taken just after the in-run stage whose ratios
-        # already fit the calibration to the machine of that moment (so the calibration describes the machine at
-        # the moment of the runs, and a change between the grid and the in-run stage is not counted twice)
-        first = checks[0][one].factor
-        speeds = [statistics.mean((checks[k][one].factor, checks[k + 1][one].factor)) / first
-                  for k in range(len(checks) - 1)]
-    elif one is not None:
+    drift = None
+    if one is not None:
         # a stored file: where its checks find that it no longer describes this machine, their mean factor
         # rescales every prediction on a line of its own (within the tolerance it is not told from noise)
         drift = statistics.mean(c[one].factor for c in checks)
         drift = drift if stale(drift) else None
     print(header(), flush=True)
     results = []
-    for case, runs in zip(cases, rounds):
-        if speeds is not None:
-            run, speed = pick_run(runs, speeds[:len(runs)])
-            results.append(compare(case, run, drift, speed))
-        else:
-            from batchgen.exec.repeats import representative_run
-
-            results.append(compare(case, representative_run(runs), drift))
+    for case, case_runs in zip(cases, rounds):
+        results.append(compare(case, case_runs, drift))
         print(row(results[-1]), flush=True)
     for line in differences(results):
         print(line)
@@ -82,17 +81,10 @@ def main(argv: list[str]) -> int:
     print(f"machine during the run: {meter.read().describe()}"
           + (f"; this run's calibration: {fresh} (latency.calibration={fresh} predicts from it again)"
              if fresh is not None else ""))
-    if speeds is not None:
-        # the last line stays the prediction as profiled: the probes' small calls follow a neighbour's load more
-        # than whole runs do, and scaled by them the median error of runs in a row spread wider than unscaled
-        # (benchmarks/results/code_figures.md)
-        print("each round's speed (seconds now per second of the first check, the checks before and after it): "
-              + ", ".join(f"{f:.2f}x" for f in speeds)
-              + f"; the predictions scaled by it (the speed column): {summary_line(results)}")
     if drift is not None:
         print(f"rescaled by the calibration check's factor {drift:.2f} (the machine's change of speed since it was "
               f"profiled taken out, an estimate): {summary_line(results, drift=True)}")
-    print(summary_line(results, unscaled=True))
+    print(summary_line(results))
     return 0
 
 

@@ -34,20 +34,18 @@ EFFICIENCY: tuple[str, ...] = ("efficiency=auto",)
 NEEDS: dict[str, tuple[str, ...]] = {"pd_disagg": ("cluster.num_gpus=2",)}  # a prefill and a decode unit
 
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
-  Profiles this machine first (the quick grid and the in-run stage, about a minute; the file is kept under
-  outputs/validate/), then runs each workload x policy on the executor (CPU, one thread, timed on the thread's CPU
-  time, the fastest repeat) and on the simulator priced by that calibration, and compares them.
+  Profiles this machine's grid first (about a minute; the file is kept under outputs/validate/), then runs each
+  workload x policy on the executor (CPU, one thread, timed on the thread's CPU time, the mean of 3 runs taken in
+  rounds over all cases) with the in-run stage's jobs spread among them in every round, adds the in-run ratios to
+  the calibration, and compares each case with the simulator priced by it.
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
   policy=NAME[,NAME...]                     only these policies (default: all)
-  backend.repeats=N  backend.threads=N      executor repeats (default 3) and threads (default 1)
+  backend.repeats=N  backend.threads=N      executor runs per case (default 3) and threads (default 1)
   latency.calibration=FILE                  validate a stored calibration instead of profiling (or latency=roofline)
   any other override (model=..., workload.num_sequences=..., efficiency=..., ...) applies to every case
-  Before the executor's runs and after each round, a few of the calibration's own points are timed again (a
-  couple of seconds): with this run's own calibration, their factor around each round scales that round's
-  predictions in the table (the speed column, and the line before the last; the last line is unscaled); with a
-  stored file, it says
-  whether the file still describes this machine, and where it does not a line before the last gives the errors
-  with the predictions rescaled by it."""
+  With a stored file, a few of its own points are timed again before the runs and after each round (a couple of
+  seconds): they say whether the file still describes this machine, and where it does not, a line before the
+  last gives the errors with the predictions rescaled by their factor."""
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,15 @@ class Side:
 @dataclass
 class CaseResult:
     case: Case
-    measured: Side
+    measured: Side                # the mean over the case's runs (rounds interleaved with every other case)
     predicted: Side
-    runs_s: list[float]           # every executor repeat's BCT (measured.bct_s: their median; the CPU clock's minimum)
-    cpu_share: float              # the median run's CPU seconds / (wall x threads): < 1 when the cores were taken
-    difference: Difference | None  # where the decision traces part; None: equal
+    runs_s: list[float]           # every executor run's BCT (on the CPU clock, the working thread's CPU time)
+    cpu_share: float              # the runs' mean CPU seconds / (wall x threads): < 1 when the cores were taken
+    difference: Difference | None  # where the decision traces part (the first run that parts); None: equal
     boundaries: int
     drift: float | None = None    # this machine's seconds per calibrated second during the run (profile.probe)
     clock: str = "wall"           # what the executor timed with (batchgen.exec.clock)
-    wall_s: float = 0.0           # the reported run's wall-clock BCT (beside a CPU-clock one)
-    speed: float | None = None    # the calibration checks' factor around the reported run's round, which
-                                  # `predicted` is scaled by (None: not scaled)
-    unscaled_s: float = 0.0       # the prediction before that scaling
+    wall_s: float = 0.0           # the runs' mean wall-clock BCT (beside a CPU-clock one)
     predicted_records: list = field(default_factory=list, repr=False)  # the simulator's step records
 
     @property
@@ -64,11 +61,6 @@ class CaseResult:
         """The error of the prediction rescaled by the calibration check's factor: an estimate of the error left
         once the machine's change of speed since it was profiled is taken out (the model of time's own)."""
         return self.predicted.bct_s * self.drift / self.measured.bct_s - 1.0 if self.drift else self.error
-
-    @property
-    def unscaled_error(self) -> float:
-        """The error of the prediction from the calibration as profiled, before the checks' factor."""
-        return self.unscaled_s / self.measured.bct_s - 1.0 if self.speed else self.error
 
     @property
     def spread(self) -> float:
@@ -105,28 +97,23 @@ def module_totals(records, total: float) -> dict[str, float]:
     return out
 
 
-def measure(cases: list[Case], progress=None, configs: list | None = None) -> list:
-    """Each case's reported run (exec.repeats.representative_run) of `measure_rounds`."""
-    from batchgen.exec.repeats import representative_run
+def side_of(run) -> Side:
+    """One run's BCT and seconds per module."""
+    total = bct(run)
+    return Side(total, module_totals(run.records, total))
 
-    return [representative_run(r) for r in measure_rounds(cases, progress, configs)]
 
-
-def pick_run(runs: list, speeds: list[float]):
-    """Of a case's runs, one per round, the fastest once each is divided by its round's speed factor (this
-    machine's seconds per calibrated second then, from the calibration checks around the round): the run least
-    disturbed for the machine it ran on. Returns (that run, carrying every run's BCT, and its factor)."""
-    from batchgen.exec.repeats import median_run
-
-    normal = [bct(r) / f for r, f in zip(runs, speeds, strict=True)]
-    best = normal.index(min(normal))
-    return median_run(runs, pick=lambda bcts: bcts[best]), speeds[best]
+def mean_side(runs: list) -> Side:
+    """The mean over runs of their BCT and of each module's seconds."""
+    sides = [side_of(r) for r in runs]
+    return Side(statistics.mean(s.bct_s for s in sides),
+                {m: statistics.mean(s.modules[m] for s in sides) for m in sides[0].modules})
 
 
 def measure_rounds(cases: list[Case], progress=None, configs: list | None = None) -> list[list]:
     """Each case's executor repeats, taken in rounds over all cases (case 1 run 1, case 2 run 1, ..., case 1
-    run 2, ...): a slow spell of a shared machine, which lasts minutes, then costs one repeat of several cases
-    instead of every repeat of one, and the medians hold. Returns each case's runs, one per round.
+    run 2, ...): a slow spell of a shared machine, which lasts seconds to minutes, then costs one run of several
+    cases instead of every run of one. Returns each case's runs, one per round.
     `configs`: the cases' configs as `compose_case` made them (composed here where not given)."""
     from batchgen.exec.run import ExecSettings, execute
 
@@ -148,18 +135,20 @@ def measure_rounds(cases: list[Case], progress=None, configs: list | None = None
     return runs
 
 
-def compare(case: Case, measured, drift: float | None = None, speed: float | None = None) -> CaseResult:
-    """The simulator's prediction for the job the executor measured, with the executor's capabilities and the
-    KV pool it allocated (the same snapshots, hence the same decisions); `speed`: the factor the prediction (and
-    its modules) is scaled by, this machine's seconds per calibrated second during the measured run's round."""
+def compare(case: Case, runs: list, drift: float | None = None) -> CaseResult:
+    """The simulator's prediction for the job the executor ran, against the mean of its `runs` (one or more
+    executor runs of the case). The simulator gets the executor's capabilities, the KV pool it allocated and the
+    policy as the executor's planner resolved it (the calibration may have gained its in-run ratios since the
+    runs, and the decisions must not move with it): the same snapshots, hence the same decisions."""
     from batchgen.sim.run import simulate
 
-    predicted = simulate(measured.job, capabilities=measured.capabilities,
-                         kv_pages_per_gpu=measured.prepared.budget.kv_pages_per_gpu)
-    m_bct, p_bct = bct(measured), bct(predicted)
-    m_trace, p_trace = trace_of(measured.records), trace_of(predicted.records)
-    f = speed or 1.0
-    modules = {k: v * f for k, v in module_totals(predicted.records, p_bct).items()}
-    return CaseResult(case, Side(m_bct, module_totals(measured.records, m_bct)), Side(p_bct * f, modules),
-                      list(measured.repeat_bcts), measured.cpu_share, first_difference(m_trace, p_trace),
-                      len(m_trace), drift, measured.clock, measured.wall_bct_s, speed, p_bct, predicted.records)
+    first = runs[0]
+    job = dataclasses.replace(first.job, policy=first.prepared.policy or first.job.policy)
+    predicted = simulate(job, capabilities=first.capabilities, kv_pages_per_gpu=first.prepared.budget.kv_pages_per_gpu)
+    p_bct = bct(predicted)
+    p_trace = trace_of(predicted.records)
+    difference = next((d for d in (first_difference(trace_of(r.records), p_trace) for r in runs) if d is not None),
+                      None)
+    return CaseResult(case, mean_side(runs), Side(p_bct, module_totals(predicted.records, p_bct)),
+                      [bct(r) for r in runs], statistics.mean(r.cpu_share for r in runs), difference, len(p_trace),
+                      drift, first.clock, statistics.mean(r.wall_bct_s for r in runs), predicted.records)

@@ -18,10 +18,11 @@ interpolates between them by the call's size.
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from batchgen.validate.cases import Case
-from batchgen.validate.compare import compare, measure
+from batchgen.validate.compare import compare, measure_rounds, side_of
 
 # module kinds with a ratio: attention over all records, and apart in decode and in prefill records
 SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "ffn_decode", "ffn_prefill", "head", "step")
@@ -41,21 +42,23 @@ def calibration_cases(model: str, device: str, threads: int | None, hardware: st
     return [Case("calibration", p, (*base, f"+policy={p}")) for p in POLICIES]
 
 
-def in_run_scales(cases, log=None) -> dict:
-    """Run the cases on the executor and the simulator; per module kind, measured / predicted seconds summed
-    over the cases, with what they were computed from."""
-    runs = measure(cases)
-    results = [compare(case, run) for case, run in zip(cases, runs)]
+def in_run_scales(cases, rounds: list[list] | None = None, log=None) -> dict:
+    """Per module kind, measured / predicted seconds summed over the cases (each case's measured seconds the mean
+    over its runs), with what they were computed from. `rounds`: each case's executor runs, where they were taken
+    already (validation interleaves them with the cases it checks); None: run them here."""
+    rounds = rounds if rounds is not None else measure_rounds(cases)
+    results = [compare(case, runs) for case, runs in zip(cases, rounds, strict=True)]
     predictions = [r.predicted_records for r in results]
-    measured = {k: sum(_total(run.records, k, r.measured) for run, r in zip(runs, results)) for k in SCALED}
+    measured = {k: sum(statistics.mean(_total(run.records, k, side_of(run)) for run in runs) for runs in rounds)
+                for k in SCALED}
     predicted = {k: sum(_total(recs, k, r.predicted) for recs, r in zip(predictions, results)) for k in SCALED}
     scales = {k: round(measured[k] / predicted[k], 4) for k in SCALED if predicted[k] > 0 and measured[k] > 0}
     if log:
         for r in results:
-            log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s, grid-only prediction "
-                f"{r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
+            log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s (mean of {len(r.runs_s)}), grid-only "
+                f"prediction {r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
-    return {"workload": "calibration", "policies": list(POLICIES), "scales": scales,
+    return {"workload": "calibration", "policies": [c.policy for c in cases], "scales": scales,
             "tokens_per_forward": tokens_per_forward(predictions),
             "measured_s": {k: round(v, 4) for k, v in measured.items()},
             "predicted_s": {k: round(v, 4) for k, v in predicted.items()},

@@ -14,11 +14,11 @@ def _pct(x: float | None) -> str:
 
 
 def header() -> str:
-    """measured s: the executor's BCT (on the CPU clock, the working thread's CPU time of the fastest repeat; wall
-    s: that run's wall time); cpu: its CPU share (CPU seconds / wall seconds); speed: the calibration checks'
-    factor around that run's round, which predicted s, error and the modules are scaled by (the last line is not)."""
+    """measured s: the mean of the executor's runs of the case (on the CPU clock, the working thread's CPU time;
+    wall s: their mean wall time); spread: (slowest - fastest) / median run; cpu: their CPU share (CPU seconds /
+    wall seconds)."""
     cols = ["case".ljust(24), "measured s".rjust(10), "spread".rjust(7), "wall s".rjust(7), "cpu".rjust(5),
-            "speed".rjust(6), "predicted s".rjust(11), "error".rjust(7), "err@cpu".rjust(7)]
+            "predicted s".rjust(11), "error".rjust(7), "err@cpu".rjust(7)]
     cols += [f"{p} meas/pred s (err)".rjust(26) for p in PARTS]
     return "  ".join(cols + ["decisions"])
 
@@ -26,7 +26,7 @@ def header() -> str:
 def row(r: CaseResult) -> str:
     cols = [r.case.name.ljust(24), f"{r.measured.bct_s:10.3f}", f"{100 * r.spread:6.1f}%",
             f"{r.wall_s:7.3f}" if r.clock == "cpu" else "-".rjust(7), f"{100 * r.cpu_share:4.0f}%",
-            f"{r.speed:5.2f}x" if r.speed else "-".rjust(6), f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}",
+            f"{r.predicted.bct_s:11.3f}", f"{_pct(r.error):>7}",
             f"{_pct(r.cpu_error):>7}"]
     for p in PARTS:
         meas, pred = r.measured.modules.get(p, 0.0), r.predicted.modules.get(p, 0.0)
@@ -41,10 +41,9 @@ def differences(results: list[CaseResult]) -> list[str]:
             if r.difference is not None]
 
 
-def summary_line(results: list[CaseResult], cpu: bool = False, drift: bool = False, unscaled: bool = False) -> str:
+def summary_line(results: list[CaseResult], cpu: bool = False, drift: bool = False) -> str:
     """`cpu`: against the CPU-share-scaled measurement (err@cpu); `drift`: the prediction rescaled by the calibration
-    check (`CaseResult.drift_error`); `unscaled`: before the rounds' speed factors (`CaseResult.unscaled_error`);
-    all for the lines before the last."""
-    errors = [abs(r.cpu_error if cpu else r.drift_error if drift else r.unscaled_error if unscaled else r.error)
+    check (`CaseResult.drift_error`); both for the lines before the last."""
+    errors = [abs(r.cpu_error if cpu else r.drift_error if drift else r.error)
               for r in results]
     return f"median_abs_error={100 * statistics.median(errors):.1f}% worst_abs_error={100 * max(errors):.1f}%"
