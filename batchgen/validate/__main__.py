@@ -16,6 +16,9 @@ from batchgen.validate.fresh import add_in_run, fresh_path, interleave, profile_
 from batchgen.validate.report import differences, header, row, summary_line
 
 
+STAGE_RUNS = 2  # runs of each in-run job per round
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -44,11 +47,13 @@ def main(argv: list[str]) -> int:
         log(f"executor: round {k} of every case done")
         if fresh is None:
             checks.append(check(tables, f"after round {k}"))  # a shared machine's speed moves within minutes
-    # the in-run stage's jobs as many times as the cases, in the same rounds
+    # the in-run stage's jobs STAGE_RUNS times per round, in the same rounds as the cases: its ratios scale every
+    # prediction, so they get more runs than any one case
     repeats = max(int(cfg.backend.repeats) for cfg in configs)
     stage = [dataclasses.replace(c, overrides=(*c.overrides, f"backend.repeats={repeats}")) for c in stage]
-    every, every_config = cases + stage, configs + [compose_case(c) for c in stage]
-    order = interleave(stage, cases)
+    copies = stage * STAGE_RUNS
+    every, every_config = cases + copies, configs + [compose_case(c) for c in copies]
+    order = interleave(copies, cases)
     try:
         runs = measure_rounds([every[i] for i in order], round_done, [every_config[i] for i in order])
     except ConfigError as e:
@@ -58,7 +63,8 @@ def main(argv: list[str]) -> int:
     for i, case_runs in zip(order, runs):
         rounds[i] = case_runs
     if fresh is not None:
-        add_in_run(calibration, fresh, stage, rounds[len(cases):], log=log)
+        stage_rounds = [sum(rounds[len(cases) + i::len(stage)], []) for i in range(len(stage))]
+        add_in_run(calibration, fresh, stage, stage_rounds, log=log)
     checked = [path for path in tables if checks and all(path in c for c in checks)]
     one = checked[0] if len(tables) == len(checked) == 1 else None  # one table in the usual run (one model)
     drift = None
