@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     repeats = max(int(cfg.backend.repeats) for cfg in configs)
     stage = [dataclasses.replace(c, overrides=(*c.overrides, f"backend.repeats={repeats}")) for c in stage]
     copies = stage * STAGE_RUNS
-    every, every_config = cases + copies, configs + [compose_case(c) for c in copies]
+    every, every_config = cases + copies, configs + [compose_case(c) for c in stage] * STAGE_RUNS
     order = interleave(copies, cases)
     try:
         runs = measure_rounds([every[i] for i in order], round_done, [every_config[i] for i in order])

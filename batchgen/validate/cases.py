@@ -36,7 +36,7 @@ NEEDS: dict[str, tuple[str, ...]] = {"pd_disagg": ("cluster.num_gpus=2",)}  # a 
 USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   Profiles this machine's grid first (about a minute; the file is kept under outputs/validate/), then runs each
   workload x policy on the executor (CPU, one thread, timed on the thread's CPU time, the mean of 3 runs taken in
-  rounds over all cases) with the in-run stage's jobs spread among them in every round, adds the in-run ratios to
+  rounds over all cases) with the in-run stage's jobs spread among them, twice in every round, adds the in-run ratios to
   the calibration, and compares each case with the simulator priced by it.
   workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
   policy=NAME[,NAME...]                     only these policies (default: all)

@@ -30,7 +30,7 @@ def fresh_path(root: Path | None = None) -> Path:
 def profile_grid(cfg, out: Path, log=None, repeats: int = REPEATS) -> tuple[dict, list[Case]]:
     """Profile the model of `cfg` (a composed validation case) on this CPU with one thread over the quick grid and
     write it to `out`; returns it with the in-run stage's cases (one run each per round), which validation runs
-    in the same rounds as the cases it checks (`with_in_run`)."""
+    in the same rounds as the cases it checks (`interleave`)."""
     import torch
 
     from batchgen.latency.calibration_file import write
