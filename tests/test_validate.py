@@ -116,6 +116,14 @@ def test_cases_follow_the_command_line():
         assert "workload.trace=my.csv" in c.overrides
 
 
+def test_one_default_workload_runs_as_in_the_default_run():
+    alone = cases_from_args(["workload=small", "policy=continuous", "workload.num_sequences=6"])
+    default = [c for c in cases_from_args(["policy=continuous"]) if c.workload == "small"]
+    assert [c.name for c in alone] == [c.name for c in default] == ["small/continuous"]
+    assert alone[0].overrides[:-1] == default[0].overrides  # the same case, then the user's override
+    assert alone[0].overrides[-1] == "workload.num_sequences=6"
+
+
 @pytest.mark.parametrize("args, words", [
     (["backend=sim"], "runs both backends"),
     (["policy=fastest"], "choose among"),

@@ -38,7 +38,8 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   workload x policy on the executor (CPU, one thread, timed on the thread's CPU time, the mean of 3 runs taken in
   rounds over all cases) with the in-run stage's jobs spread among them, twice in every round, adds the in-run ratios to
   the calibration, and compares each case with the simulator priced by it.
-  workload=NAME [workload.trace=FILE ...]   one workload instead of the default three
+  workload=NAME [workload.trace=FILE ...]   one workload instead of the default three (one of those three
+                                            runs as in the default run: the same sizes)
   policy=NAME[,NAME...]                     only these policies (default: all)
   backend.repeats=N  backend.threads=N      executor runs per case (default 3) and threads (default 1)
   latency.calibration=FILE                  validate a stored calibration instead of profiling (or latency=roofline)
@@ -94,6 +95,8 @@ def cases_from_args(args: list[str], calibration: Path | None = None) -> list[Ca
             rest.append(arg)
     if workload is None:
         groups = {name: list(o) for name, o in WORKLOADS.items()}
+    elif workload in WORKLOADS:  # one of the three alone: the same case as in the default run
+        groups = {workload: list(WORKLOADS[workload])}
     else:
         # the executor's defaults clip any workload (exec.yaml); fewer sequences keep a CPU run short
         groups = {workload: [f"workload={workload}", "workload.num_sequences=24"]}
