@@ -616,7 +616,7 @@ def test_state_check_catches_flags_out_of_step():
 
 
 def test_no_moves_is_shared_and_read_only():
-    from batchgen.core.state import Moves
+    from batchgen.core.accounts import Moves
 
     none = Moves.none(2)
     assert Moves.none(2) is none and not none.any()

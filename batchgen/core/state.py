@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen.core.accounts import _FEW, Accounts, Moves  # noqa: F401 (Moves: re-exported)
+from batchgen.core.accounts import _FEW, Accounts
 from batchgen.core.few import FewIds
 from batchgen.core.host_prefixes import HostPrefixes
 from batchgen.core.move_order import carried_out_in
@@ -22,7 +22,7 @@ from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 from batchgen.core.topology import Topology, node_instance
 
-__all__ = ["ClusterState", "Moves", "Topology"]
+__all__ = ["ClusterState", "Topology"]
 
 
 class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
@@ -30,8 +30,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each
         rank of the group holds 1/degree of it; False (MLA's latent KV) replicates it on every rank."""
-        self.table = table
-        self.topo = topo
+        self.table, self.topo = table, topo
         self.gpu_rank = topo.gpu_rank  # computed once: the engine maps GPUs to ranks at every boundary
         self.page_tokens = int(page_tokens)
         self.gpu_pages = np.asarray(gpu_pages, dtype=np.int64)            # capacity per GPU
@@ -394,8 +393,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
 
     def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
         """Remove sequences about to be prefilled from the head of their queue."""
-        queue = self.pending[instance] if gpu is None else self.pinned[gpu]
-        queue.take_head_ids(ids)
+        (self.pending[instance] if gpu is None else self.pinned[gpu]).take_head_ids(ids)
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
         self.prefill_computed += int(self.table.context(ids).sum())

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 
+from batchgen.core.accounts import Moves
 from batchgen.core.cascade import decode_reads
 from batchgen.core.ops import KVLedger, KVOps
 from batchgen.core.sequences import PENDING, InvariantError
-from batchgen.core.state import ClusterState, Moves
+from batchgen.core.state import ClusterState
 from batchgen.engine.plan import _EMPTY, FFN_SCHEDULES, StepPlan, StepResult, filled
 from batchgen.engine.snapshot import InstanceProgress, tp_and_hosted
 from batchgen.policy.base import Decision

@@ -8,9 +8,10 @@ from typing import Any, Callable, Generator, Protocol
 
 import numpy as np
 
+from batchgen.core.accounts import Moves
 from batchgen.core.ops import GpuOps, KVOps
 from batchgen.core.sequences import InvariantError
-from batchgen.core.state import ClusterState, Moves
+from batchgen.core.state import ClusterState
 from batchgen.policy.base import Capabilities, Phase
 
 

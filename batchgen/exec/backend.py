@@ -85,9 +85,7 @@ class ExecBackend:
         if len(runners) != state.topo.num_instances:
             raise ValueError(f"one runner per instance: {state.topo.num_instances} instances, {len(runners)}")
         self.state, self.runners, self.caches, self.tokens = state, runners, caches, tokens
-        self.job_seed = job_seed
-        self.events = 0
-        self.check = check
+        self.job_seed, self.check, self.events = job_seed, check, 0
         self.moves = Counter()  # KV operations carried out: yield, offload, restore, migrate, evict, partition
         self.account = KVAccount(state.topo.num_gpus)  # the bytes they (and the runs' checkpoints) copied
         self._t0 = clock.now()
