@@ -67,7 +67,10 @@ def level_slots(count: np.ndarray, slots: np.ndarray, n: int) -> np.ndarray:
     The level is the smallest L in [min(count), max(count) + n] whose room, sum(min(slots, max(L - count, 0))),
     holds n (the top of that range if none does). A refill brings a few sequences at a time, so the level is
     nearly always within n of the emptiest rank: try those levels in one array operation, and bisect (a numpy
-    pass per step) only past them."""
+    pass per step) only past them. A refill that offers as many newcomers as there are slots (the usual case) fills
+    every rank to its slots: no level to search."""
+    if n >= slots.sum() and slots.min(initial=0) >= 0:
+        return slots.copy()
     lo, hi = int(count.min(initial=0)), int(count.max(initial=0)) + n
     window = np.arange(lo, min(lo + n, lo + _LEVEL_WINDOW, hi) + 1)
     room = np.minimum(slots, np.maximum(window[:, None] - count, 0)).sum(axis=1)
