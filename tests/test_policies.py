@@ -457,3 +457,31 @@ def test_split_by_budget_gives_each_rank_a_fifo_run_within_its_budget():
             assert start + n == tokens.size or taken + int(tokens[start + n]) > budget[r]
             start += n
         assert start == ranks.size
+
+
+@pytest.mark.parametrize("key,value", [("refill_below", 7), ("refill_below", -0.1), ("partition_below", -1),
+                                       ("prefill_ahead", 0), ("rebalance_ratio", 0.5), ("host_watermark", 0),
+                                       ("host_watermark", "high"), ("migrate", 3), ("partition", "yes")])
+def test_coroutine_refuses_a_knob_out_of_its_range(key, value):
+    from batchgen.policy.coroutine import CoroutinePolicy
+
+    with pytest.raises(ValueError, match=f"policy.{key} must be .*got {value!r}"):
+        CoroutinePolicy(**{key: value})
+
+
+@pytest.mark.parametrize("key,value", [("refill_below", 0), ("refill_below", 1), ("prefill_ahead", None),
+                                       ("prefill_ahead", 2), ("rebalance_ratio", 1), ("partition_below", 0)])
+def test_coroutine_takes_a_knob_at_the_edge_of_its_range(key, value):
+    from batchgen.policy.coroutine import CoroutinePolicy
+
+    assert getattr(CoroutinePolicy(**{key: value}), key) == value
+
+
+@pytest.mark.parametrize("policy", ["continuous", "sglang_opt", "pd_disagg"])
+@pytest.mark.parametrize("value", [1, 5, -0.1])
+def test_admit_watermark_out_of_range_is_refused_before_the_run(policy, value):
+    """At 1 or more nothing is ever admitted: the run stalled with the engine's no-progress error before."""
+    from batchgen.policy import make_policy
+
+    with pytest.raises(ValueError, match=f"policy.admit_watermark must be .*got {value}"):
+        make_policy({"name": policy, "admit_watermark": value})

@@ -104,6 +104,9 @@ class ContinuousPolicy(PolicyDefaults):
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("policy: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1, got "
                              f"{self.min_new_token_ratio} and {self.init_new_token_ratio}")
+        if not 0 <= self.admit_watermark < 1:  # at 1 no prompt is ever admitted: the run could not progress
+            raise ValueError(f"policy.admit_watermark must be a share of the KV pages in [0, 1), got "
+                             f"{self.admit_watermark}")
         check_attention_tp(self.attention_tp)
         object.__setattr__(self, "cascade_attention", cascade_mode(self.cascade_attention))
         for key in ("new_token_ratio_decay", "reserve_max_tokens", "model_context"):

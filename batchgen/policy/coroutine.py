@@ -56,6 +56,15 @@ FALLBACK = {"b_attn": 256, "b_moe": 2048, "kv_residency": "device", "attention":
             "prefill_tokens_per_rank": 32768}  # an auto no planner resolved
 
 
+# the numeric knobs' ranges: (knob, test, what it must be)
+_RANGES = (("host_watermark", lambda v: 0 < v <= 1, "a share of the host KV pool in (0, 1]"),
+           ("refill_below", lambda v: 0 <= v <= 1, "a share of the decode slots in [0, 1]"),
+           ("prefill_ahead", lambda v: v > 0, "> 0 (times the decode slots) or null (prefill until the host "
+                                              "watermark)"),
+           ("rebalance_ratio", lambda v: v >= 1, ">= 1 (the largest rank load over the mean that is left alone)"),
+           ("partition_below", lambda v: v >= 0, ">= 0 (sequences per rank below which the tail is partitioned)"))
+
+
 @dataclass(frozen=True)
 class CoroutinePolicy(PolicyDefaults):
     b_attn: int | str = "auto"
@@ -103,8 +112,15 @@ class CoroutinePolicy(PolicyDefaults):
         if self.prefill_parallel not in PREFILL_PARALLEL:
             raise ValueError(f"policy.prefill_parallel must be one of {', '.join(PREFILL_PARALLEL)}, got "
                              f"{self.prefill_parallel!r}")
-        if not 0 < self.host_watermark <= 1:
-            raise ValueError(f"policy.host_watermark must be in (0, 1], got {self.host_watermark}")
+        for key, ok, what in _RANGES:
+            value = getattr(self, key)
+            if value is None and key == "prefill_ahead":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"policy.{key} must be {what}, got {value!r}")
+        for key in ("migrate", "migrate_across_instances", "partition"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"policy.{key} must be true or false, got {getattr(self, key)!r}")
 
     def knob(self, key: str):
         """A knob's value, with the documented fallback for an `auto` no planner resolved."""
