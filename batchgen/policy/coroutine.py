@@ -295,7 +295,7 @@ class CoroutinePolicy(PolicyDefaults):
         free = np.full_like(room.free, _UNBOUNDED) if host_resident else room.free
         everyone = np.arange(snap.num_ranks)
         for node in own:
-            self._offer(snap, d, int(node), np.flatnonzero(snap.rank_node == node), room, free, host_resident)
+            self._offer(snap, d, int(node), None, room, free, host_resident)
         if not self.migrate:
             return
         for node in own:
@@ -308,10 +308,10 @@ class CoroutinePolicy(PolicyDefaults):
                 self._offer(snap, d, node, everyone, room, free, host_resident,
                             limit=len(snap.suspended[node]) - node_slots)
 
-    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray, room: "_Room", free: np.ndarray,
-               host_resident: bool, limit: int | None = None) -> None:
-        """COMBINE the head of `node`'s pool onto `ranks`, evenly, within slots, GPU pages `free` (unbounded for
-        host-resident admissions) and host room (and at most `limit` sequences).
+    def _offer(self, snap: Snapshot, d: Decision, node: int, ranks: np.ndarray | None, room: "_Room",
+               free: np.ndarray, host_resident: bool, limit: int | None = None) -> None:
+        """COMBINE the head of `node`'s pool onto `ranks` (None: the node's own), evenly, within slots, GPU pages
+        `free` (unbounded for host-resident admissions) and host room (and at most `limit` sequences).
 
         A refill makes ~17 offers per boundary and most find an empty pool or a head that does not fit: those
         return before any per-candidate work (see `_head_fits`)."""
@@ -319,6 +319,8 @@ class CoroutinePolicy(PolicyDefaults):
         skip = room.taken.get(node, 0)
         if len(snap.suspended[node]) <= skip or (limit is not None and limit <= 0):
             return
+        if ranks is None:
+            ranks = np.flatnonzero(snap.rank_node == node)
         open_ranks = ranks[(room.slots[ranks] > 0) & (free[ranks] > 0)]
         if not open_ranks.size:
             return
