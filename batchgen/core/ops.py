@@ -194,7 +194,7 @@ class KVOps:
         return m
 
     def nodes(self) -> dict[int, int]:
-        """{GPU: node} of the instance's GPUs (`plan_ops` gives them; a plan with partition ops needs them)."""
+        """{GPU: node} of the instance's GPUs (`OpLog.take` gives them; a plan with partition ops needs them)."""
         if self.gpu_node.size != self.gpus.size:
             raise InvariantError("a plan with partition ops must name its GPUs' nodes (gpu_node): the tiers of the "
                                  "parts it moves depend on them")

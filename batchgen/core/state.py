@@ -252,7 +252,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
         an order in which every destination has room for each arrival (device pages, and host memory for a host
         copy that crosses nodes) on top of what it holds then (`batchgen.core.move_order`); moves that fit no such
         order (full GPUs swapping sequences) are refused. Returns the ids in that order, the order the plan lists
-        their migrations in (`plan_ops`)."""
+        their migrations in (the op log keeps the order the primitive emits them in)."""
         t = self.table
         src = t.where[ids]
         self._require(ids, (src >= 0) & (self.topo.gpu_instance[np.maximum(src, 0)] == instance),
