@@ -214,8 +214,8 @@ class ExecBackend:
                          cache.copied[f"{tier}_seqs"] - before[f"{tier}_seqs"])
 
     def check_placement(self, plan: StepPlan) -> None:
-        """What `reconcile` used to rebuild, kept as a check (with `check_invariants`): after the plan's ops,
-        every cache of the instance holds exactly what the state says it runs or keeps there, and each
+        """The caches checked against the state (with `check_invariants`): after the plan's ops, every cache of
+        the instance holds exactly what the state says it runs or keeps there, and each
         sequence about to decode is on device exactly when it runs device-resident."""
         t = self.state.table
         for g in plan.gpus.tolist():

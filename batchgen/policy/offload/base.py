@@ -23,7 +23,7 @@ def whole(value, key: str, allow_auto: bool = True) -> None:
 @dataclass(frozen=True)
 class OffloadPolicy(PolicyDefaults):
     """Subclasses define `block_plan` (their knobs as a schedule, with documented fallbacks for an unresolved
-    auto), `candidates` (their search space) and `with_knobs`."""
+    auto) and `candidates` (their search space)."""
 
     max_prompt: int | str = "auto"  # longest prompt of the job, set by the search (sizes one micro-batch's prefill)
     name: str = "offload"
