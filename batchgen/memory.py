@@ -200,10 +200,12 @@ def plan_memory(model: ModelSpec, cluster: ClusterSpec, lat: LatencyModel, setti
             if prefill_ring:
                 how += (f" (data-parallel prefill keeps {prefill_ring / gb:.1f} GB for the experts it streams: "
                         "policy.prefill_parallel=ep frees it)")
+            left = (f"only {usable / gb:.1f} GB of its {gpu.hbm_bytes / gb:.1f} GB are usable" if usable > 0 else
+                    f"none of its {gpu.hbm_bytes / gb:.1f} GB is left for them (the memory fraction's margin, the "
+                    f"reserve and the activations take {(gpu.hbm_bytes - usable) / gb:.1f} GB)")
             raise ConfigError(
                 f"{model.name} needs {weights / gb:.1f} GB of weights per GPU on {cluster.instance_size}-GPU "
-                f"instances of {gpu.name}, but only {usable / gb:.1f} GB of its {gpu.hbm_bytes / gb:.1f} GB are usable "
-                f"(policy {policy_name}): {how}")
+                f"instances of {gpu.name}, but {left} (policy {policy_name}): {how}")
         streamed, weights = streamed_bytes, resident
     pages = int((usable - weights) // page_bytes)
     host_kv = 0

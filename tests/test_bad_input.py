@@ -227,6 +227,14 @@ def test_activations_past_the_gpu_are_named_not_the_weights(tmp_path, overrides)
     assert act > usable > 70  # an H100's 85.5 GB x 0.9 less the 1 GB reserve
 
 
+def test_weights_that_fit_nowhere_beside_the_activations_name_no_negative_memory(tmp_path):
+    """DeepSeek-R1 under static on one A5000: its batch shape's activations alone pass the GPU, and the weights do
+    not fit either. The error says nothing is left for them and what takes the memory, not "only -96 GB"."""
+    msg = config_error(tmp_path, "+policy=static", "model=deepseek_r1", "cluster=a5000_1", SMALL)
+    assert_mentions(msg, "deepseek_r1", "none of its", "activations", "smaller batches")
+    assert not re.search(r"-[\d.]+ GB", msg)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Files.
 
