@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     from batchgen.exec.load import LoadMeter
     from batchgen.results.metrics import bct
     from batchgen.validate.cases import CALIBRATION, cases_from_args
-    from batchgen.validate.compare import measure_rounds
+    from batchgen.compare import measure_rounds
 
     if not any(o.startswith("latency") for o in overrides):
         overrides.append(f"latency.calibration={CALIBRATION.format(model='tiny_moe')}")

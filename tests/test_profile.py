@@ -49,7 +49,7 @@ def test_in_run_stage_measures_each_module_inside_real_runs(tmp_path):
     with the same decisions, and keeps measured / predicted per module kind."""
     import dataclasses
 
-    from batchgen.validate.in_run import SCALED, calibration_cases, in_run_scales
+    from batchgen.profile.in_run import SCALED, calibration_cases, in_run_scales
 
     out = tmp_path / "cal.json"
     assert main(["model=tiny_moe", "backend.device=cpu", "backend.threads=1", "grid=test", "warmup=0",

@@ -17,8 +17,8 @@ from batchgen.decisions import BoundaryDecision, first_difference, ranges, trace
 from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 from batchgen.sim.run import simulate
+from batchgen.compare import CaseResult, Side
 from batchgen.validate.cases import cases_from_args, profiles_first
-from batchgen.validate.compare import CaseResult, Side
 from batchgen.validate.report import summary_line
 from tests.conftest import make_job
 
@@ -188,8 +188,9 @@ def test_by_default_validation_profiles_this_machine_first_and_predicts_from_tha
     outputs/validate/<time>/ with the in-run ratios of its stage, run in the same rounds as the cases, and predicts
     every case from it (the grid and repeats made small here, the in-run stage on one policy; docs/calibration.md's
     example validates the file its profile example wrote)."""
+    from batchgen.profile import in_run
     from batchgen.validate import __main__ as cli
-    from batchgen.validate import fresh, in_run
+    from batchgen.validate import fresh
 
     monkeypatch.setattr(fresh, "GRID", "test")
     monkeypatch.setattr(in_run, "POLICIES", ("static",))

@@ -140,7 +140,7 @@ def write(data: Mapping, path: str | Path) -> Path:
         lines.append(' "gemms": [')
         lines += [f'  {json.dumps(g)}' + ("," if i < len(gemms) - 1 else "") for i, g in enumerate(gemms)]
         lines.append(" ]," if in_run else " ]")
-    if in_run:  # the profile's in-run ratios (batchgen.validate.in_run)
+    if in_run:  # the profile's in-run ratios (batchgen.profile.in_run)
         lines.append(f' "in_run": {json.dumps(in_run)}')
     lines.append("}")
     path.write_text("\n".join(lines) + "\n")

@@ -103,7 +103,7 @@ class Surface:
         return self.y[near] + ((q - p[near]) * self._grad).sum(axis=1)
 
 
-# which in-run ratio (batchgen.validate.in_run) scales each measured curve
+# which in-run ratio (batchgen.profile.in_run) scales each measured curve
 _KIND = {"dense_ffn": "ffn", "shared_experts": "ffn", "router": "ffn", "lm_head": "head", "step": "step",
          "boundary": "step", "h2d": "copy", "d2h": "copy"}
 
@@ -125,7 +125,7 @@ class TablePredictor:
         mods = data["modules"]
         sec = lambda p: p.get(statistic, p["seconds"])  # noqa: E731
         self.statistic = statistic
-        # measured inside real runs / predicted from the grid, per module kind (batchgen.validate.in_run)
+        # measured inside real runs / predicted from the grid, per module kind (batchgen.profile.in_run)
         in_run = data.get("in_run") or {}
         self.scales = {k: float(v) for k, v in in_run.get("scales", {}).items()}
         # the FFN's decode and prefill ratios placed at their phases' tokens per forward (in_run.tokens_per_forward)
@@ -214,7 +214,7 @@ class TablePredictor:
     def _scale(self, kind: str, seconds, size=None):
         """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one).
         Decode and prefill attention each have their own ratio (they differ inside runs:
-        batchgen.validate.in_run); a file with only the combined `attention` ratio applies it to both. The FFN's
+        batchgen.profile.in_run); a file with only the combined `attention` ratio applies it to both. The FFN's
         ratio for a call of `size` tokens is interpolated in log size between its decode and prefill ratios
         (clamped beyond them) where the file has both; else its one ratio."""
         if kind == "ffn" and size is not None and self._ffn_by_size is not None:

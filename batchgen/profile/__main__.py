@@ -3,7 +3,7 @@
 Own keys: grid (quick, full, test), out (the JSON path), warmup, repeats, hardware (the conf/hardware name of
 this device: recorded, and needed by the in-run stage), backend.threads (default 1 on CPU: what the validation
 pins), in_run (true: after the grid, run the executor on the calibration workload and store the in-run ratios,
-batchgen.validate.in_run), in_run_repeats (5). Every other key=value is a Hydra
+batchgen.profile.in_run), in_run_repeats (5). Every other key=value is a Hydra
 override of the repo's config composed with backend=exec (model=..., backend.dtype=..., page_tokens=...), so
 the profile sees the executor's own settings (e.g. its KV page size).
 """
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     calibration = profile(spec, settings, log=log_stderr)
     write(calibration, out)
     if own.get("in_run", "true").lower() not in ("false", "0", "no") and settings.hardware:
-        from batchgen.validate.in_run import calibration_cases, in_run_scales
+        from batchgen.profile.in_run import calibration_cases, in_run_scales
 
         cases = calibration_cases(spec.name, cfg.backend.device, settings.threads, settings.hardware, out,
                                   repeats=int(own.get("in_run_repeats", 5)))

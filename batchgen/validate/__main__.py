@@ -9,9 +9,9 @@ import sys
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from batchgen.compare import calibrations, compare, compose_case, measure_rounds
 from batchgen.memory import ConfigError
 from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
-from batchgen.validate.compare import calibrations, compare, compose_case, measure_rounds
 from batchgen.validate.fresh import add_in_run, fresh_path, interleave, profile_grid
 from batchgen.validate.report import differences, header, row, summary_line
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.compare import Case
 from batchgen.memory import ConfigError
 from batchgen.policy import policy_names
 
@@ -48,16 +48,6 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   seconds): they say whether the file still describes this machine, and where it does not, a line before the
   last gives the errors with the predictions rescaled by their factor."""
 
-
-@dataclass(frozen=True)
-class Case:
-    workload: str
-    policy: str
-    overrides: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.workload}/{self.policy}"
 
 
 def profiles_first(args: list[str]) -> bool:

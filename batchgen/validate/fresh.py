@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from batchgen.validate.cases import CPU, Case
+from batchgen.compare import Case
+from batchgen.validate.cases import CPU
 
 GRID = "quick"
 REPEATS = 5           # calls per grid point (over the grid's rounds)
@@ -37,7 +38,7 @@ def profile_grid(cfg, out: Path, log=None, repeats: int = REPEATS) -> tuple[dict
     from batchgen.profile.grid import grid_named
     from batchgen.profile.run import ProfileSettings, profile
     from batchgen.setup import model_spec
-    from batchgen.validate.in_run import calibration_cases
+    from batchgen.profile.in_run import calibration_cases
 
     spec = model_spec(cfg)
     settings = ProfileSettings(device=torch.device("cpu"), dtype=torch.float32, threads=1, grid=grid_named(GRID),
@@ -57,7 +58,7 @@ def interleave(stage: list, cases: list) -> list[int]:
 def add_in_run(calibration: dict, out: Path, stage: list, rounds: list[list], log=None) -> None:
     """The in-run ratios from the stage's runs (taken in the validation's rounds), written into the file."""
     from batchgen.latency.calibration_file import write
-    from batchgen.validate.in_run import in_run_scales
+    from batchgen.profile.in_run import in_run_scales
 
     calibration["in_run"] = in_run_scales(stage, rounds, log=log)
     write(calibration, out)

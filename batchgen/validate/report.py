@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from batchgen.validate.compare import MODULES, CaseResult
+from batchgen.compare import MODULES, CaseResult
 
 PARTS = (*MODULES, "rest")
 

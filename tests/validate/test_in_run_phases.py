@@ -2,8 +2,8 @@
 phase, the FFN's with its phase's tokens per forward."""
 from types import SimpleNamespace
 
-from batchgen.validate.compare import Side
-from batchgen.validate.in_run import _total, tokens_per_forward
+from batchgen.compare import Side
+from batchgen.profile.in_run import _total, tokens_per_forward
 
 
 def record(phase, attention, ffn=1.0, expert_tokens=0.0, expert_calls=0):

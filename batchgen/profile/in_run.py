@@ -21,8 +21,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from batchgen.validate.cases import Case
-from batchgen.validate.compare import compare, measure_rounds, side_of
+from batchgen.compare import Case, compare, measure_rounds, side_of
 
 # module kinds with a ratio: attention over all records, and apart in decode and in prefill records
 SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "ffn_decode", "ffn_prefill", "head", "step")

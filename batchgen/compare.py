@@ -1,4 +1,7 @@
-"""One case: the executor's measurement, the simulator's prediction for the same decisions, and their gap."""
+"""One case: the executor's measurement, the simulator's prediction for the same decisions, and their gap.
+
+Validation (batchgen.validate) compares its cases this way, and the profiler's in-run stage
+(batchgen.profile.in_run) its calibration jobs."""
 
 from __future__ import annotations
 
@@ -15,9 +18,21 @@ from batchgen.config import build_job
 from batchgen.memory import ConfigError
 from batchgen.decisions import Difference, first_difference, trace_of
 from batchgen.results.metrics import bct
-from batchgen.validate.cases import Case
 
 MODULES = ("attention", "ffn", "head")  # the rest: whatever the BCT holds beyond them (overheads, copies)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run to compare: a workload and a policy, as Hydra overrides."""
+
+    workload: str
+    policy: str
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload}/{self.policy}"
 
 
 @dataclass
