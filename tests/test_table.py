@@ -186,3 +186,33 @@ def test_the_ffn_ratio_follows_the_call_size_between_its_phases(tmp_path):
     cal["in_run"]["tokens_per_forward"] = {"ffn_decode": 0}
     with pytest.raises(CalibrationError, match="tokens_per_forward"):
         validate(cal)
+
+
+def test_ratios_by_call_size_scale_each_call_at_its_size(tmp_path):
+    """in_run.by_size: decode attention (by sequences per call), the FFN (tokens) and the LM head (rows) each take
+    the ratio interpolated in log size at the call's size, the nearer end's beyond the ends; prefill attention and
+    the step keep their one ratios; sizes that do not ascend are refused."""
+    plain = TablePredictor(linear_calibration(), Roofline(MODEL, HW))
+    cal = linear_calibration()
+    cal["in_run"] = {"scales": {"attention_decode": 9.0, "attention_prefill": 1.5, "ffn": 9.0, "head": 9.0,
+                                "step": 2.0, "ffn_decode": 9.0, "ffn_prefill": 9.0},
+                     "tokens_per_forward": {"ffn_decode": 8, "ffn_prefill": 512},
+                     "by_size": {"attention_decode": [[2, 0.5], [32, 1.0]], "ffn": [[2, 0.6], [8, 0.8], [512, 1.2]],
+                                 "head": [[4, 0.7], [16, 1.1]]}}
+    by = TablePredictor.from_file(write(cal, tmp_path / "by.json"), Roofline(MODEL, HW))
+    for b, ratio in ((1, 0.5), (2, 0.5), (8, 0.75), (32, 1.0), (64, 1.0)):  # 8: halfway between 2 and 32 in log
+        assert by.attention_decode(b, b * 64, 1, 64) == pytest.approx(ratio * plain.attention_decode(b, b * 64, 1, 64))
+    # two micro-batches of 8: each call's size is 8
+    assert by.attention_decode(16, 16 * 64, 2, 64) == pytest.approx(0.75 * plain.attention_decode(16, 16 * 64, 2, 64))
+    for t, ratio in ((1, 0.6), (4, 0.7), (8, 0.8), (64, 1.0), (4096, 1.2)):
+        assert by.experts(t)[0] == pytest.approx(ratio * plain.experts(t)[0])
+    for rows, ratio in ((1, 0.7), (8, 0.9), (64, 1.1)):
+        assert by.lm_head(rows) == pytest.approx(ratio * plain.lm_head(rows))
+    assert by.attention_prefill(256, 4 * 64 ** 2, 1, 64, 4) == pytest.approx(
+        1.5 * plain.attention_prefill(256, 4 * 64 ** 2, 1, 64, 4))
+    assert by.step_overhead(16) == pytest.approx(2.0 * plain.step_overhead(16))
+    del cal["in_run"]["by_size"]
+    assert TablePredictor.from_file(write(cal, tmp_path / "no.json"), Roofline(MODEL, HW)).key() != by.key()
+    cal["in_run"]["by_size"] = {"ffn": [[8, 0.8], [2, 0.6]]}
+    with pytest.raises(CalibrationError, match="by_size"):
+        validate(cal)

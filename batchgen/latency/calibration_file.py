@@ -92,6 +92,13 @@ def validate(data: Any, where: str = "calibration") -> dict:
     if not isinstance(sizes, Mapping) or not all(_number(v) and v > 0 for v in sizes.values()):
         raise CalibrationError(f"{where}: in_run.tokens_per_forward must map ratios to positive token counts, "
                                f"got {sizes!r}")
+    by_size = (data.get("in_run") or {}).get("by_size", {})
+    if not isinstance(by_size, Mapping) or not all(
+            isinstance(pts, list) and all(isinstance(p, list) and len(p) == 2 and _number(p[0]) and _number(p[1])
+                                          and p[0] > 0 and p[1] > 0 for p in pts)
+            and all(a[0] < b[0] for a, b in zip(pts, pts[1:])) for pts in by_size.values()):
+        raise CalibrationError(f"{where}: in_run.by_size must map module kinds to [size, ratio] pairs, sizes "
+                               f"ascending, both positive; got {by_size!r}")
     return dict(data)
 
 

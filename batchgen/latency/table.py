@@ -128,13 +128,17 @@ class TablePredictor:
         # measured inside real runs / predicted from the grid, per module kind (batchgen.profile.in_run)
         in_run = data.get("in_run") or {}
         self.scales = {k: float(v) for k, v in in_run.get("scales", {}).items()}
-        # the FFN's decode and prefill ratios placed at their phases' tokens per forward (in_run.tokens_per_forward)
-        sizes = in_run.get("tokens_per_forward") or {}
-        self._sizes_key = tuple(sorted((k, float(v)) for k, v in sizes.items()))
+        # ratios by a call's size (in_run.ratios_by_size): decode attention and the LM head by sequences per call,
+        # the FFN by tokens per call; a file without them: the FFN's decode and prefill ratios at their phases'
+        # tokens per forward (in_run.tokens_per_forward). Interpolated in log size, clamped beyond the ends.
+        sizes, by_size = in_run.get("tokens_per_forward") or {}, in_run.get("by_size") or {}
+        self._sizes_key = (tuple(sorted((k, float(v)) for k, v in sizes.items())), json.dumps(by_size, sort_keys=True))
         phased = [(float(sizes[k]), self.scales[k]) for k in ("ffn_decode", "ffn_prefill") if k in sizes
                   and k in self.scales]
-        self._ffn_by_size = (np.log([phased[0][0], phased[1][0]]), [phased[0][1], phased[1][1]]) if (
-            len(phased) == 2 and 0 < phased[0][0] < phased[1][0]) else None
+        tables = {"ffn": phased, **by_size}
+        self._by_size = {k: (np.log([float(x) for x, _ in pts]), np.array([float(r) for _, r in pts]))
+                         for k, pts in tables.items()
+                         if len(pts) >= 2 and pts[0][0] > 0 and all(a[0] < b[0] for a, b in zip(pts, pts[1:]))}
         self._curves: dict[str, Curve] = {}
         self._surfaces: dict[str, Surface] = {}
         for name, coord in (("dense_ffn", "tokens"), ("shared_experts", "tokens"), ("router", "tokens"),
@@ -167,7 +171,7 @@ class TablePredictor:
 
     # ---- the protocol's attributes come from the fallback ----
     def __getattr__(self, name):
-        if name in ("fallback", "calibration", "_curves", "_surfaces", "_warm_decode"):  # not yet set
+        if name in ("fallback", "calibration", "_curves", "_surfaces", "_warm_decode", "_by_size"):  # not yet set
             raise AttributeError(name)
         return getattr(self.fallback, name)
 
@@ -198,7 +202,7 @@ class TablePredictor:
         first = s(t / mb, work / mb)
         later = first if self._warm_decode is None else np.where(
             t / mb <= self._warm_tokens, self._warm_decode(t / mb, work / mb), first)
-        return _out(self._scale("attention_decode", np.where(t > 0, first + (mb - 1.0) * later, 0.0)))
+        return _out(self._scale("attention_decode", np.where(t > 0, first + (mb - 1.0) * later, 0.0), t / mb))
 
     def attention_prefill(self, tokens, context_sq_sum, micro_batches=1, max_context=None, sequences=None):
         s = self._surfaces.get("attention_prefill")
@@ -214,11 +218,12 @@ class TablePredictor:
     def _scale(self, kind: str, seconds, size=None):
         """Measured-alone seconds as they come out inside a run (the profile's in-run ratio; 1 without one).
         Decode and prefill attention each have their own ratio (they differ inside runs:
-        batchgen.profile.in_run); a file with only the combined `attention` ratio applies it to both. The FFN's
-        ratio for a call of `size` tokens is interpolated in log size between its decode and prefill ratios
-        (clamped beyond them) where the file has both; else its one ratio."""
-        if kind == "ffn" and size is not None and self._ffn_by_size is not None:
-            at, ratios = self._ffn_by_size
+        batchgen.profile.in_run); a file with only the combined `attention` ratio applies it to both. Where the
+        file has ratios by size for the kind (`_by_size`), a call of `size` takes the one interpolated at it;
+        else the kind's one ratio."""
+        table = self._by_size.get(kind) if size is not None else None
+        if table is not None:
+            at, ratios = table
             return seconds * np.interp(np.log(np.maximum(size, 1.0)), at, ratios)
         fallback = self.scales.get("attention", 1.0) if kind.startswith("attention") else 1.0
         return seconds * self.scales.get(kind, fallback)

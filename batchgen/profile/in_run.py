@@ -15,11 +15,19 @@ the calibration workload's mix misprices each phase by an amount that depends on
 FFN's calls move apart the same way with their size (a decode forward of a few dozen tokens against a whole-prompt
 prefill of thousands): it has a ratio for each phase too, with each phase's tokens per forward, and the table
 interpolates between them by the call's size.
+
+Within decode the ratio moves with the batch as much: decode calls of 1-4 sequences took 0.70-0.80x the grid's time
+inside the runs, of 25 or more 1.0-1.15x (benchmarks/results/validation.md), so a workload whose decode runs on few
+sequences (a long tail) was priced high by every one-number ratio. So the stage also keeps ratios by call size
+(`ratios_by_size`: decode attention and the LM head by sequences per forward, the FFN by tokens per call in every
+phase), and the table takes a call's ratio at its size from them where the file has them.
 """
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+
+import numpy as np
 
 from batchgen.compare import Case, compare, measure_rounds, side_of
 
@@ -56,9 +64,13 @@ def in_run_scales(cases, rounds: list[list] | None = None, log=None) -> dict:
         for r in results:
             log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s (mean of {len(r.runs_s)}), grid-only "
                 f"prediction {r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
+    by_size = ratios_by_size(rounds, predictions)
+    if log:
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
+        log("in-run scales by call size: " + "; ".join(
+            f"{k} " + ", ".join(f"{n:g}: x{r:.2f}" for n, r in pts) for k, pts in by_size.items()))
     return {"workload": "calibration", "policies": [c.policy for c in cases], "scales": scales,
-            "tokens_per_forward": tokens_per_forward(predictions),
+            "tokens_per_forward": tokens_per_forward(predictions), "by_size": by_size,
             "measured_s": {k: round(v, 4) for k, v in measured.items()},
             "predicted_s": {k: round(v, 4) for k, v in predicted.items()},
             "bct_s": {r.case.name: [round(r.measured.bct_s, 4), round(r.predicted.bct_s, 4)] for r in results}}
@@ -73,6 +85,46 @@ def tokens_per_forward(runs: list) -> dict[str, float]:
         calls = sum(r.expert_calls for r in recs)
         if calls:
             out[kind] = round(sum(r.expert_tokens for r in recs) / calls, 2)
+    return out
+
+
+# module kinds whose ratio is also kept by call size: (the size its table call is given, the phases measured):
+# decode attention and the LM head by sequences per decode forward, the FFN by tokens per call in every phase
+BY_SIZE = {"attention_decode": ("sequences", ("decode",)), "ffn": ("tokens", ("decode", "mixed", "prefill")),
+           "head": ("sequences", ("decode",))}
+MIN_SHARE = 0.02  # a size bin's share of the module's seconds (predicted) below which it is left out as noise
+
+
+def ratios_by_size(rounds: list[list], predictions: list[list]) -> dict[str, list[list[float]]]:
+    """Per module kind of BY_SIZE, measured / predicted in bins of the call's size (powers of two), each placed at
+    its records' mean size (weighted by their predicted seconds): [[size, ratio], ...] ascending, where at least
+    two bins hold MIN_SHARE of the kind's seconds. Inside a run a module's ratio to the grid moves with the size
+    of its calls: a decode call of a few sequences finds part of its layer's weights still cached, which the grid
+    (caches flushed before every call) never does, while larger calls pay for their activations
+    (benchmarks/results/validation.md). `rounds`: each stage job's runs; `predictions`: its predicted records,
+    one per run record (the same decisions)."""
+    bins: dict[str, dict[int, list[float]]] = {m: {} for m in BY_SIZE}  # bin -> [measured, predicted, size x pred]
+    for runs, predicted in zip(rounds, predictions, strict=True):
+        for i, rec in enumerate(predicted):
+            if not rec.iterations:
+                continue
+            sizes = {"sequences": rec.tokens / rec.iterations,
+                     "tokens": rec.expert_tokens / rec.expert_calls if rec.expert_calls else 0.0}
+            for kind, (axis, phases) in BY_SIZE.items():
+                module, size = kind.split("_")[0], sizes[axis]
+                pred = rec.modules.get(module, 0.0)
+                if rec.phase not in phases or size <= 0 or pred <= 0:
+                    continue
+                meas = statistics.mean(run.records[i].modules.get(module, 0.0) for run in runs)
+                acc = bins[kind].setdefault(int(np.log2(size)), [0.0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + meas, acc[1] + pred, acc[2] + size * pred
+    out = {}
+    for kind, by_bin in bins.items():
+        total = sum(b[1] for b in by_bin.values())
+        points = [[round(b[2] / b[1], 2), round(b[0] / b[1], 4)] for _, b in sorted(by_bin.items())
+                  if b[1] >= MIN_SHARE * total and b[0] > 0]
+        if len(points) >= 2:
+            out[kind] = points
     return out
 
 

@@ -28,3 +28,39 @@ def test_the_ffn_is_split_by_phase_with_its_tokens_per_forward():
     assert _total(records, "ffn_prefill", side) == 3.0
     assert _total(records, "ffn", side) == 3.75
     assert tokens_per_forward([records[:2], records[2:]]) == {"ffn_decode": round(300 / 18, 2), "ffn_prefill": 2000.0}
+
+
+def sized(phase, iterations, tokens, attention, ffn, head, expert_tokens=None, expert_calls=None):
+    return SimpleNamespace(phase=phase, iterations=iterations, tokens=tokens,
+                           modules={"attention": attention, "ffn": ffn, "head": head},
+                           expert_tokens=tokens if expert_tokens is None else expert_tokens,
+                           expert_calls=iterations if expert_calls is None else expert_calls)
+
+
+def test_ratios_by_size_bin_each_kind_by_its_call_size_and_average_the_runs():
+    """Decode records of 2 and 3 sequences fall in one bin, 40 in another; the FFN's bins also take the prefill
+    record (by tokens per call), attention and the head do not; each ratio is the runs' mean over the predicted."""
+    from batchgen.profile.in_run import ratios_by_size
+
+    predicted = [sized("decode", 10, 20, 1.0, 1.0, 0.1), sized("decode", 10, 30, 1.0, 1.0, 0.1),
+                 sized("decode", 5, 200, 2.0, 2.0, 0.2), sized("prefill", 1, 2000, 5.0, 4.0, 0.01, 2000, 1)]
+    run = lambda f: SimpleNamespace(records=[sized(r.phase, r.iterations, r.tokens,  # noqa: E731
+                                                   *(f(r) * r.modules[m] for m in ("attention", "ffn", "head")))
+                                             for r in predicted])
+    # two runs of the same job: 0.6x and 1.0x on small calls, 1.2x and 1.4x on large ones
+    runs = [run(lambda r: 0.6 if r.tokens < 100 else 1.2), run(lambda r: 1.0 if r.tokens < 100 else 1.4)]
+    out = ratios_by_size([runs], [predicted])
+    assert set(out) == {"attention_decode", "ffn", "head"}
+    assert out["attention_decode"] == [[2.5, 0.8], [40.0, 1.3]]  # sizes weighted by predicted seconds
+    assert out["head"] == [[2.5, 0.8], [40.0, 1.3]]
+    assert out["ffn"] == [[2.5, 0.8], [40.0, 1.3], [2000.0, 1.3]]
+
+
+def test_ratios_by_size_leave_out_a_kind_with_fewer_than_two_bins_that_matter():
+    from batchgen.profile.in_run import MIN_SHARE, ratios_by_size
+
+    predicted = [sized("decode", 10, 20, 1.0, 1.0, 0.1), sized("decode", 5, 200, 0.5 * MIN_SHARE, 1.0, 0.1)]
+    runs = [SimpleNamespace(records=predicted)]
+    out = ratios_by_size([runs], [predicted])
+    assert "attention_decode" not in out  # the large bin holds too small a share of attention's seconds
+    assert out["ffn"] == [[2.0, 1.0], [40.0, 1.0]]
