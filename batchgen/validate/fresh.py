@@ -49,7 +49,7 @@ def profile_grid(cfg, out: Path, log=None, repeats: int = REPEATS) -> tuple[dict
 
 
 def interleave(stage: list, cases: list) -> list[int]:
-    """The order of one round: the in-run stage's jobs spread evenly among the cases (indices into stage + cases),
+    """The order of one round: the in-run stage's jobs spread evenly among the cases (indices into cases + stage),
     so that both sample the machine over the same minutes."""
     slots = [((i + 0.5) * len(cases) / len(stage), len(cases) + i) for i in range(len(stage))]
     return [i for _, i in sorted(slots + [(k, k) for k in range(len(cases))])]
