@@ -107,8 +107,6 @@ class CoroutinePolicy(PolicyDefaults):
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
         check_attention_tp(self.attention_tp)
         object.__setattr__(self, "cascade_attention", cascade_mode(self.cascade_attention))
-        if not isinstance(self.comm_overlap, bool):
-            raise ValueError(f"policy.comm_overlap must be true or false, got {self.comm_overlap!r}")
         if self.prefill_parallel not in PREFILL_PARALLEL:
             raise ValueError(f"policy.prefill_parallel must be one of {', '.join(PREFILL_PARALLEL)}, got "
                              f"{self.prefill_parallel!r}")
@@ -118,7 +116,7 @@ class CoroutinePolicy(PolicyDefaults):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"policy.{key} must be {what}, got {value!r}")
-        for key in ("migrate", "migrate_across_instances", "partition"):
+        for key in ("comm_overlap", "migrate", "migrate_across_instances", "partition"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"policy.{key} must be true or false, got {getattr(self, key)!r}")
 

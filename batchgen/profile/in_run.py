@@ -60,12 +60,13 @@ def in_run_scales(cases, rounds: list[list] | None = None, log=None) -> dict:
                 for k in SCALED}
     predicted = {k: sum(_total(recs, k, r.predicted) for recs, r in zip(predictions, results)) for k in SCALED}
     scales = {k: round(measured[k] / predicted[k], 4) for k in SCALED if predicted[k] > 0 and measured[k] > 0}
+    # by size record against record: only jobs whose runs took the predicted decisions line up
+    same = [i for i, r in enumerate(results) if r.difference is None]
+    by_size = ratios_by_size([rounds[i] for i in same], [predictions[i] for i in same])
     if log:
         for r in results:
             log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s (mean of {len(r.runs_s)}), grid-only "
                 f"prediction {r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
-    by_size = ratios_by_size(rounds, predictions)
-    if log:
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
         log("in-run scales by call size: " + "; ".join(
             f"{k} " + ", ".join(f"{n:g}: x{r:.2f}" for n, r in pts) for k, pts in by_size.items()))

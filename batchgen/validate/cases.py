@@ -49,7 +49,6 @@ USAGE = """usage: python -m batchgen.validate [HYDRA OVERRIDE ...]
   last gives the errors with the predictions rescaled by their factor."""
 
 
-
 def profiles_first(args: list[str]) -> bool:
     """Whether validation profiles this machine first: unless the command line names a model of time."""
     return not any(a.lstrip("+").split("=", 1)[0] in ("latency", "latency.calibration", "latency.name")

@@ -36,9 +36,9 @@ def profile_grid(cfg, out: Path, log=None, repeats: int = REPEATS) -> tuple[dict
 
     from batchgen.latency.calibration_file import write
     from batchgen.profile.grid import grid_named
+    from batchgen.profile.in_run import calibration_cases
     from batchgen.profile.run import ProfileSettings, profile
     from batchgen.setup import model_spec
-    from batchgen.profile.in_run import calibration_cases
 
     spec = model_spec(cfg)
     settings = ProfileSettings(device=torch.device("cpu"), dtype=torch.float32, threads=1, grid=grid_named(GRID),
