@@ -134,3 +134,25 @@ def test_a_search_scores_every_candidate_as_alone_when_it_shares_prices():
     alone = [score(rig, c) for c in candidates]
     assert shared == alone and sum(s is not None for s in shared) > 10
     assert len(memo) < 2 * sum(s is not None for s in shared)  # some prices were shared
+
+
+def test_on_a_cpu_device_restores_and_appends_take_their_turn_on_the_compute_cores():
+    """The executor on a CPU restores, attends and appends on the thread that computes: nothing overlaps, so a
+    staged layer costs the sum of its nodes. On a GPU the restores run on the h2d link beside the compute."""
+    from batchgen.pricing.microbatch import _costs, _host_micro_batches
+    from batchgen.specs import load_hardware
+
+    gpu, cpu = _lat(), _lat()
+    cpu.gpu = load_hardware("cpu_epyc_milan_2c")
+    for lat, overlaps in ((gpu, True), (cpu, False)):
+        grid = _grid(256, 600)
+        price, _ = price_microbatched(lat, grid, 64, cpu_attention=False, pipelined=False)
+        tokens, context, launches = _host_micro_batches(grid.host_tokens, grid.host_context, 64)
+        c, _ = _costs(lat, tokens, context, launches, "staged", True, 1, 0.0)
+        layer = sum(float(np.asarray(x).sum()) for part in (c.attn, c.ffn, c.moe, c.restore, c.append) for x in part)
+        head = float(np.asarray(lat.lm_head(grid.gate_tokens) + lat.step_overhead(grid.gate_tokens)).max())
+        serial = head + lat.model.num_layers * layer
+        if overlaps:
+            assert price.iteration_s[0] < 0.99 * serial
+        else:
+            assert price.iteration_s[0] == pytest.approx(serial, rel=1e-9)

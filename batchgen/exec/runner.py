@@ -209,9 +209,9 @@ class InstanceRunner:
                                                          self.attention_tp)
                 else:
                     hidden[p.rows] = self.model.attention_block(layer, hidden[p.rows], p.meta, kv)
-                if p.kind == "staged":
-                    pipelines[p.rank].release(layer, p.index)
                 timer.stop(start, p.rank)
+                if p.kind == "staged":  # the copies (new tokens' KV kept, the next restore) are not attention
+                    pipelines[p.rank].release(layer, p.index)
             if self.partition is not None:
                 self.partition.layer(self.model, layer, hidden, [p for p in pieces if p.kind == "shard"], timer)
             start = timer.start()

@@ -57,11 +57,14 @@ class MicroBatchCosts:
     prefetch: object = 0.0  # h2d: the next layer's weights
 
 
-def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2) -> tuple[Dag, list[int]]:
-    """`layers` identical layers; returns the DAG and each layer's end node."""
+def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2, serial: bool = False) -> tuple[Dag, list[int]]:
+    """`layers` identical layers; returns the DAG and each layer's end node. `serial`: one set of cores runs every
+    node (a CPU device: the executor restores, appends and attends on the thread that computes), so every link
+    and the CPU are the compute stream and nothing overlaps."""
     dag = Dag()
     m = len(c.attn)
-    weight_link = WEIGHTS if c.kind == "cpu" else H2D
+    h2d, d2h, cpu = (GPU, GPU, GPU) if serial else (H2D, D2H, CPU)
+    weight_link = GPU if serial else WEIGHTS if c.kind == "cpu" else H2D
     weights_for = dag.add("weights L1", c.prefetch, resource=weight_link)
     ends, last_moes, staged_attn = [], [], []
     for layer in range(1, layers + 1):
@@ -73,22 +76,22 @@ def build_dag(c: MicroBatchCosts, pipelined: bool, layers: int = 2) -> tuple[Dag
         def restore(i: int) -> None:
             g = (layer - 1) * m + i
             free = staged_attn[g - 2] if g >= 2 else None
-            restores[i] = dag.add(f"restore {tag}.{i}", c.restore[i], after=[free], resource=H2D)
+            restores[i] = dag.add(f"restore {tag}.{i}", c.restore[i], after=[free], resource=h2d)
 
         def attention(i: int) -> None:
             nonlocal last_d2h
             if c.kind == "staged":
                 a = dag.add(f"attn {tag}.{i}", c.attn[i], after=[restores[i]], resource=GPU)
                 staged_attn.append(a)
-                last_d2h = dag.add(f"append {tag}.{i}", c.append[i], after=[a], resource=D2H)
+                last_d2h = dag.add(f"append {tag}.{i}", c.append[i], after=[a], resource=d2h)
                 if i + 2 < m:
                     restore(i + 2)
                 attn_done[i] = a
             elif c.kind == "cpu":
                 p = dag.add(f"proj {tag}.{i}", c.attn[i], resource=GPU)
-                last_d2h = dag.add(f"ship q,kv {tag}.{i}", c.append[i], after=[p], resource=D2H)
-                a = dag.add(f"cpu attn {tag}.{i}", c.cpu[i], after=[last_d2h], resource=CPU)
-                attn_done[i] = dag.add(f"ship out {tag}.{i}", c.back[i], after=[a], resource=H2D)
+                last_d2h = dag.add(f"ship q,kv {tag}.{i}", c.append[i], after=[p], resource=d2h)
+                a = dag.add(f"cpu attn {tag}.{i}", c.cpu[i], after=[last_d2h], resource=cpu)
+                attn_done[i] = dag.add(f"ship out {tag}.{i}", c.back[i], after=[a], resource=h2d)
             else:
                 attn_done[i] = dag.add(f"attn {tag}.{i}", c.attn[i], resource=GPU)
 
@@ -195,7 +198,7 @@ def price_microbatched(lat: LatencyModel, grid: DecodeGrid, micro_batch: int, *,
         if not count or not tokens.shape[0]:
             continue
         c, layer_calls = _costs(lat, tokens, context, launches, kind, is_moe, replicas, prefetch_s, attention)
-        dag, ends = build_dag(c, pipelined)
+        dag, ends = build_dag(c, pipelined, serial=lat.gpu.kind == "cpu")
         lt = _row(dag.finish[ends[1]] - dag.finish[ends[0]])
         work = sum(c.attn) + sum(c.ffn)
         gpu = np.asarray(work, float).max(axis=0) if np.ndim(work) == 2 else work

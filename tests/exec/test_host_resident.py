@@ -235,3 +235,24 @@ def test_host_resident_on_cuda_equals_device_resident(model, host_mask, micro_ba
         got, want = kv_of(hr, sid, n, host=h), kv_of(ref, sid, n, host=False)
         assert torch.allclose(got, want, atol=1e-5) if cpu_attention else torch.equal(got, want)
     hr.check()
+
+
+def test_a_staged_steps_restores_are_not_counted_as_its_attention(model, monkeypatch):
+    """The runner times attention apart from the copies around it (the simulator prices restores and appends as
+    their own nodes): a slow restore leaves the step's attention time alone."""
+    import time
+
+    from batchgen.exec import staging
+
+    restore = staging.StagingArea.restore
+    monkeypatch.setattr(staging.StagingArea, "restore",
+                        lambda self, *a: (time.sleep(0.05), restore(self, *a))[1])
+    runner = InstanceRunner(model)
+    cache = new_cache(model, max_context=32)
+    ids, prompts = list(range(len(PROMPTS))), list(PROMPTS)
+    run(runner, cache, ids, prompts, [0] * len(ids), [False] * len(ids), 2)
+    cache.yield_to_host(ids)
+    _, stats = run(runner, cache, ids, [[1]] * len(ids), [len(p) for p in prompts], [True] * len(ids), 2)
+    restores = 2 * model.config.num_layers  # two micro-batches of two, every layer
+    assert stats.host_resident == len(ids)
+    assert sum(stats.rank_attention_s) < 0.05 * (restores - 1) / 4
