@@ -46,7 +46,7 @@ class Side:
 @dataclass
 class CaseResult:
     case: Case
-    measured: Side                # the mean over the case's runs (rounds interleaved with every other case)
+    measured: Side                # a statistic of the case's runs (rounds interleaved with every other case)
     predicted: Side
     runs_s: list[float]           # every executor run's BCT (on the CPU clock, the working thread's CPU time)
     cpu_share: float              # the runs' mean CPU seconds / (wall x threads): < 1 when the cores were taken
@@ -118,11 +118,15 @@ def side_of(run) -> Side:
     return Side(total, module_totals(run.records, total))
 
 
-def mean_side(runs: list) -> Side:
-    """The mean over runs of their BCT and of each module's seconds."""
-    sides = [side_of(r) for r in runs]
-    return Side(statistics.mean(s.bct_s for s in sides),
-                {m: statistics.mean(s.modules[m] for s in sides) for m in sides[0].modules})
+# how a case's runs are summarised: the median keeps a run that a slow spell of a shared machine hit out of the
+# case's number, where the mean of three takes a third of it (benchmarks/results/validation.md)
+STATISTICS = {"mean": statistics.mean, "median": statistics.median}
+
+
+def summary_side(runs: list, statistic: str = "mean") -> Side:
+    """`statistic` (a name in STATISTICS) over runs of their BCT and of each module's seconds."""
+    of, sides = STATISTICS[statistic], [side_of(r) for r in runs]
+    return Side(of([s.bct_s for s in sides]), {m: of([s.modules[m] for s in sides]) for m in sides[0].modules})
 
 
 def measure_rounds(cases: list[Case], progress=None, configs: list | None = None) -> list[list]:
@@ -150,8 +154,8 @@ def measure_rounds(cases: list[Case], progress=None, configs: list | None = None
     return runs
 
 
-def compare(case: Case, runs: list, drift: float | None = None) -> CaseResult:
-    """The simulator's prediction for the job the executor ran, against the mean of its `runs` (one or more
+def compare(case: Case, runs: list, drift: float | None = None, statistic: str = "mean") -> CaseResult:
+    """The simulator's prediction for the job the executor ran, against `statistic` of its `runs` (one or more
     executor runs of the case). The simulator gets the executor's capabilities, the KV pool it allocated and the
     policy as the executor's planner resolved it (the calibration may have gained its in-run ratios since the
     runs, and the decisions must not move with it): the same snapshots, hence the same decisions."""
@@ -164,6 +168,6 @@ def compare(case: Case, runs: list, drift: float | None = None) -> CaseResult:
     p_trace = trace_of(predicted.records)
     difference = next((d for d in (first_difference(trace_of(r.records), p_trace) for r in runs) if d is not None),
                       None)
-    return CaseResult(case, mean_side(runs), Side(p_bct, module_totals(predicted.records, p_bct)),
+    return CaseResult(case, summary_side(runs, statistic), Side(p_bct, module_totals(predicted.records, p_bct)),
                       [bct(r) for r in runs], statistics.mean(r.cpu_share for r in runs), difference, len(p_trace),
                       drift, first.clock, statistics.mean(r.wall_bct_s for r in runs), predicted.records)

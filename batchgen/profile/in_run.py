@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgen.compare import Case, compare, measure_rounds, side_of
+from batchgen.compare import STATISTICS, Case, compare, measure_rounds, side_of
 
 # module kinds with a ratio: attention over all records, and apart in decode and in prefill records
 SCALED = ("attention", "attention_decode", "attention_prefill", "ffn", "ffn_decode", "ffn_prefill", "head", "step")
@@ -49,29 +49,32 @@ def calibration_cases(model: str, device: str, threads: int | None, hardware: st
     return [Case("calibration", p, (*base, f"+policy={p}")) for p in POLICIES]
 
 
-def in_run_scales(cases, rounds: list[list] | None = None, log=None) -> dict:
-    """Per module kind, measured / predicted seconds summed over the cases (each case's measured seconds the mean
-    over its runs), with what they were computed from. `rounds`: each case's executor runs, where they were taken
-    already (validation interleaves them with the cases it checks); None: run them here."""
+def in_run_scales(cases, rounds: list[list] | None = None, log=None, statistic: str = "mean") -> dict:
+    """Per module kind, measured / predicted seconds summed over the cases (each case's measured seconds
+    `statistic` over its runs, as validation summarises its cases: compare.STATISTICS), with what they were
+    computed from. `rounds`: each case's executor runs, where they were taken already (validation interleaves them
+    with the cases it checks); None: run them here."""
     rounds = rounds if rounds is not None else measure_rounds(cases)
-    results = [compare(case, runs) for case, runs in zip(cases, rounds, strict=True)]
+    results = [compare(case, runs, statistic=statistic) for case, runs in zip(cases, rounds, strict=True)]
     predictions = [r.predicted_records for r in results]
-    measured = {k: sum(statistics.mean(_total(run.records, k, side_of(run)) for run in runs) for runs in rounds)
+    of = STATISTICS[statistic]
+    measured = {k: sum(of([_total(run.records, k, side_of(run)) for run in runs]) for runs in rounds)
                 for k in SCALED}
     predicted = {k: sum(_total(recs, k, r.predicted) for recs, r in zip(predictions, results)) for k in SCALED}
     scales = {k: round(measured[k] / predicted[k], 4) for k in SCALED if predicted[k] > 0 and measured[k] > 0}
     # by size record against record: only jobs whose runs took the predicted decisions line up
     same = [i for i, r in enumerate(results) if r.difference is None]
-    by_size = ratios_by_size([rounds[i] for i in same], [predictions[i] for i in same])
+    by_size = ratios_by_size([rounds[i] for i in same], [predictions[i] for i in same], of)
     if log:
         for r in results:
-            log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s (mean of {len(r.runs_s)}), grid-only "
-                f"prediction {r.predicted.bct_s:.3f} s, decisions {'equal' if r.difference is None else 'differ'}")
+            same = "equal" if r.difference is None else "differ"
+            log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s ({statistic} of {len(r.runs_s)}), "
+                f"grid-only prediction {r.predicted.bct_s:.3f} s, decisions {same}")
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
         log("in-run scales by call size: " + "; ".join(
             f"{k} " + ", ".join(f"{n:g}: x{r:.2f}" for n, r in pts) for k, pts in by_size.items()))
-    return {"workload": "calibration", "policies": [c.policy for c in cases], "scales": scales,
-            "tokens_per_forward": tokens_per_forward(predictions), "by_size": by_size,
+    return {"workload": "calibration", "policies": [c.policy for c in cases], "statistic": statistic,
+            "scales": scales, "tokens_per_forward": tokens_per_forward(predictions), "by_size": by_size,
             "measured_s": {k: round(v, 4) for k, v in measured.items()},
             "predicted_s": {k: round(v, 4) for k, v in predicted.items()},
             "bct_s": {r.case.name: [round(r.measured.bct_s, 4), round(r.predicted.bct_s, 4)] for r in results}}
@@ -96,14 +99,14 @@ BY_SIZE = {"attention_decode": ("sequences", ("decode",)), "ffn": ("tokens", ("d
 MIN_SHARE = 0.02  # a size bin's share of the module's seconds (predicted) below which it is left out as noise
 
 
-def ratios_by_size(rounds: list[list], predictions: list[list]) -> dict[str, list[list[float]]]:
+def ratios_by_size(rounds: list[list], predictions: list[list], of=statistics.mean) -> dict[str, list[list[float]]]:
     """Per module kind of BY_SIZE, measured / predicted in bins of the call's size (powers of two), each placed at
     its records' mean size (weighted by their predicted seconds): [[size, ratio], ...] ascending, where at least
     two bins hold MIN_SHARE of the kind's seconds. Inside a run a module's ratio to the grid moves with the size
     of its calls: a decode call of a few sequences finds part of its layer's weights still cached, which the grid
     (caches flushed before every call) never does, while larger calls pay for their activations
     (benchmarks/results/validation.md). `rounds`: each stage job's runs; `predictions`: its predicted records,
-    one per run record (the same decisions)."""
+    one per run record (the same decisions); `of`: the statistic of a record's seconds over the runs."""
     bins: dict[str, dict[int, list[float]]] = {m: {} for m in BY_SIZE}  # bin -> [measured, predicted, size x pred]
     for runs, predicted in zip(rounds, predictions, strict=True):
         for i, rec in enumerate(predicted):
@@ -116,7 +119,7 @@ def ratios_by_size(rounds: list[list], predictions: list[list]) -> dict[str, lis
                 pred = rec.modules.get(module, 0.0)
                 if rec.phase not in phases or size <= 0 or pred <= 0:
                     continue
-                meas = statistics.mean(run.records[i].modules.get(module, 0.0) for run in runs)
+                meas = of([run.records[i].modules.get(module, 0.0) for run in runs])
                 acc = bins[kind].setdefault(int(np.log2(size)), [0.0, 0.0, 0.0])
                 acc[0], acc[1], acc[2] = acc[0] + meas, acc[1] + pred, acc[2] + size * pred
     out = {}

@@ -2,6 +2,8 @@
 phase, the FFN's with its phase's tokens per forward."""
 from types import SimpleNamespace
 
+import numpy as np
+
 from batchgen.compare import Side
 from batchgen.profile.in_run import _total, tokens_per_forward
 
@@ -64,3 +66,29 @@ def test_ratios_by_size_leave_out_a_kind_with_fewer_than_two_bins_that_matter():
     out = ratios_by_size([runs], [predicted])
     assert "attention_decode" not in out  # the large bin holds too small a share of attention's seconds
     assert out["ffn"] == [[2.0, 1.0], [40.0, 1.0]]
+
+
+def test_a_statistic_other_than_the_mean_summarises_the_runs_alike_in_cases_and_ratios():
+    """Three runs of one job, the last slowed 2x by a spell: the median keeps it out of the case's seconds and of
+    the ratios by size alike, the mean takes a third of it."""
+    import statistics
+
+    from batchgen.compare import summary_side
+    from batchgen.profile.in_run import ratios_by_size
+
+    predicted = [sized("decode", 10, 20, 1.0, 1.0, 0.1), sized("decode", 5, 200, 2.0, 2.0, 0.2)]
+
+    def run(f):
+        recs = [sized(r.phase, r.iterations, r.tokens, *(f * r.modules[m] for m in ("attention", "ffn", "head")))
+                for r in predicted]
+        finish = np.array([sum(sum(r.modules.values()) for r in recs)])
+        return SimpleNamespace(records=recs, prepared=SimpleNamespace(state=SimpleNamespace(
+            table=SimpleNamespace(finish_time=finish))))
+
+    runs = [run(1.0), run(1.1), run(2.0)]
+    assert ratios_by_size([runs], [predicted], statistics.median)["ffn"] == [[2.0, 1.1], [40.0, 1.1]]
+    assert ratios_by_size([runs], [predicted])["ffn"] == [[2.0, 1.3667], [40.0, 1.3667]]
+    for name, ratio in (("median", 1.1), ("mean", 4.1 / 3)):
+        side = summary_side(runs, name)
+        assert abs(side.modules["ffn"] - 3.0 * ratio) < 1e-9
+        assert abs(side.bct_s - 6.3 * ratio) < 1e-9
