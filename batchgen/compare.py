@@ -118,8 +118,8 @@ def side_of(run) -> Side:
     return Side(total, module_totals(run.records, total))
 
 
-# how a case's runs are summarised: the median keeps a run that a slow spell of a shared machine hit out of the
-# case's number, where the mean of three takes a third of it (benchmarks/results/validation.md)
+# how a case's runs are summarised. Validation uses the mean; the median, which would keep out one run that a slow
+# spell hit, did no better on the same runs (benchmarks/validation_paired.py --variant statistic)
 STATISTICS = {"mean": statistics.mean, "median": statistics.median}
 
 
