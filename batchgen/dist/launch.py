@@ -285,7 +285,10 @@ def launch(fn: Callable, procs: int, args: tuple = (), *, device: str = "cpu", t
         if isinstance(value, str) and value == _PROGRESS:
             progress[rank].append(pickle.loads(error))
         elif isinstance(value, str) and value == _JOINED:
-            joined.add(rank)
+            # the group's creation ends in a barrier (join_group): one process back from it means every one is in
+            # the group, even one whose own message lags (its queue's feeder thread had not written it when the
+            # process was stopped right after, on a loaded machine)
+            joined.update(range(procs))
         elif isinstance(value, str) and value == _STARTED:
             started.add(rank)
         else:

@@ -266,6 +266,21 @@ def test_a_stalled_store_host_is_lost():
     assert lost == 0 and after_s < 4.0, f"{after_s:.1f} s: {state}"
 
 
+def test_a_stalled_store_host_whose_joined_message_lags_is_not_lost_at_start(monkeypatch):
+    """Rank 0's own "joined" never reaches the launcher (a queue's feeder thread stopped with its process before
+    writing it): rank 1's, which comes back from the same barrier, says that both are in the group, so the stop
+    after it is the heartbeat's to find, not a process lost at start-up."""
+    from multiprocessing.queues import Queue
+
+    launch_module = importlib.import_module("batchgen.dist.launch")
+    put = Queue.put
+    monkeypatch.setattr(Queue, "put", lambda self, item, *a, **kw: None if item == (0, launch_module._JOINED, None)
+                        else put(self, item, *a, **kw))
+    pid0 = multiprocessing.get_context("fork").Value("i", 0)
+    _, (lost, after_s, state) = run_procs(_store_host_stalls, 2, pid0)
+    assert lost == 0 and after_s < 4.0, f"{after_s:.1f} s: {state}"
+
+
 def _beat_fails_once_on_the_store_host(ctx):
     hb = Heartbeat.for_context(ctx, interval_s=0.2, dead_after_s=1.0).start()
     Comm(heartbeat=hb).barrier()
