@@ -40,15 +40,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--grid", default=None, help="a grid-only calibration of tiny_moe (default: profile now)")
     args = parser.parse_args(argv)
     if args.policies == "all":
-        from batchgen.policy import policy_names  # noqa: E402
+        from batchgen.policy import policy_names
         args.policies = ",".join(policy_names())
 
     from batchgen.compare import compare, compose_case, measure_rounds
     from batchgen.latency.calibration_file import read, write
     from batchgen.profile.in_run import calibration_cases, in_run_scales
     from batchgen.validate.cases import CPU, cases_from_args
-    from batchgen.validate.__main__ import STAGE_RUNS
-    from batchgen.validate.fresh import interleave, profile_grid
+    from batchgen.validate.fresh import STAGE_RUNS, interleave, profile_grid, stage_copies_runs
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     grid = Path(tempfile.mkdtemp(prefix="validation_paired-")) / "calibration.json"
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> int:
         for i, got in zip(order, measure_rounds([every[i] for i in order])):
             runs[i] += got
         log(f"round {k + 1} of {args.rounds} done")
-    stage_runs = [sum(runs[len(cases) + i::len(stage)], []) for i in range(len(stage))]
+    stage_runs = stage_copies_runs(runs, len(cases), len(stage))
     base = read(grid)  # the grid alone: the file has no in-run ratios yet
     results, by_size = {}, {}
     for tag, stat, sized in VARIANTS[args.variant]:

@@ -67,9 +67,9 @@ def in_run_scales(cases, rounds: list[list] | None = None, log=None, statistic: 
     by_size = ratios_by_size([rounds[i] for i in same], [predictions[i] for i in same], of)
     if log:
         for r in results:
-            same = "equal" if r.difference is None else "differ"
+            decisions = "equal" if r.difference is None else "differ"
             log(f"in-run {r.case.name}: measured {r.measured.bct_s:.3f} s ({statistic} of {len(r.runs_s)}), "
-                f"grid-only prediction {r.predicted.bct_s:.3f} s, decisions {same}")
+                f"grid-only prediction {r.predicted.bct_s:.3f} s, decisions {decisions}")
         log("in-run scales: " + ", ".join(f"{k} x{v:.2f}" for k, v in scales.items()))
         log("in-run scales by call size: " + "; ".join(
             f"{k} " + ", ".join(f"{n:g}: x{r:.2f}" for n, r in pts) for k, pts in by_size.items()))

@@ -12,11 +12,8 @@ from omegaconf.errors import OmegaConfBaseException
 from batchgen.compare import calibrations, compare, compose_case, measure_rounds
 from batchgen.memory import ConfigError
 from batchgen.validate.cases import USAGE, cases_from_args, profiles_first
-from batchgen.validate.fresh import add_in_run, fresh_path, interleave, profile_grid
+from batchgen.validate.fresh import STAGE_RUNS, add_in_run, fresh_path, interleave, profile_grid, stage_copies_runs
 from batchgen.validate.report import differences, header, row, summary_line
-
-
-STAGE_RUNS = 2  # runs of each in-run job per round
 
 
 def main(argv: list[str]) -> int:
@@ -63,7 +60,7 @@ def main(argv: list[str]) -> int:
     for i, case_runs in zip(order, runs):
         rounds[i] = case_runs
     if fresh is not None:
-        stage_rounds = [sum(rounds[len(cases) + i::len(stage)], []) for i in range(len(stage))]
+        stage_rounds = stage_copies_runs(rounds, len(cases), len(stage))
         add_in_run(calibration, fresh, stage, stage_rounds, log=log)
     checked = [path for path in tables if checks and all(path in c for c in checks)]
     one = checked[0] if len(tables) == len(checked) == 1 else None  # one table in the usual run (one model)

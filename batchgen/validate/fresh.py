@@ -20,6 +20,7 @@ from batchgen.validate.cases import CPU
 
 GRID = "quick"
 REPEATS = 5           # calls per grid point (over the grid's rounds)
+STAGE_RUNS = 2        # runs of each in-run job per round
 
 
 def fresh_path(root: Path | None = None) -> Path:
@@ -53,6 +54,11 @@ def interleave(stage: list, cases: list) -> list[int]:
     so that both sample the machine over the same minutes."""
     slots = [((i + 0.5) * len(cases) / len(stage), len(cases) + i) for i in range(len(stage))]
     return [i for _, i in sorted(slots + [(k, k) for k in range(len(cases))])]
+
+
+def stage_copies_runs(runs: list[list], cases: int, stage: int) -> list[list]:
+    """Each stage job's runs, from the runs of `cases` cases followed by STAGE_RUNS copies of the `stage` jobs."""
+    return [sum(runs[cases + i::stage], []) for i in range(stage)]
 
 
 def add_in_run(calibration: dict, out: Path, stage: list, rounds: list[list], log=None) -> None:
