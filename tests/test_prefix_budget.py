@@ -15,14 +15,20 @@ from test_prefix_pages import grouped_job
 class View:
     """A prefix cache as a policy reads it: groups, shared tokens and the prefixes already on ranks."""
 
-    def __init__(self, group, shared, there=None):
-        self._group, self._shared, self._there = np.array(group), np.array(shared), dict(there or {})
+    def __init__(self, group, shared, there=None, span=None):
+        self._group, self._shared = np.array(group), np.array(shared)
+        self._span = self._shared if span is None else np.array(span)
+        # (rank, group) -> tokens, or (tokens, tail): a prefix there (with the tail a taker copies)
+        self._there = {k: v if isinstance(v, tuple) else (v, 0) for k, v in (there or {}).items()}
 
     def group(self, ids):
         return self._group[ids]
 
     def shared_tokens(self, ids):
         return self._shared[ids]
+
+    def shared_span(self, ids):
+        return self._span[ids]
 
     def on_ranks(self):
         return dict(self._there)
@@ -130,3 +136,13 @@ def test_a_restore_goes_home_where_it_takes_its_prefix_and_the_rest_spread():
     # home twice on rank 1 (2 pages each, out of its even share too); the third has no home: rank 1 (first in
     # order, one of its share left) whole; the fourth's home has no room and no rank has 10 pages left: cut there
     assert ranks.tolist() == [1, 1, 1] and pages.tolist() == [2, 2, 10]
+
+
+def test_takers_copy_the_tail_below_a_page_that_the_prefix_has_and_they_share():
+    # six prompts of 1,100 tokens sharing 1,050: 1,024 in whole pages and 26 below a page (`prefix_tail`)
+    view = View([0] * 6, [1024] * 6, span=[1050] * 6)
+    ranks, computed = split_sharing(np.arange(6), np.full(6, 1100), np.array([1400, 1400]), view)
+    assert ranks.tolist() == [0] * 6 and computed.tolist() == [1100] + [50] * 5  # the writer's 26 copied
+    # a prefix kept with 10 of its tail tokens (its writer's chunk ended there), and a member that shares 4 of them
+    view = View([0, 0], [1024, 1024], there={(0, 0): (1024, 10)}, span=[1050, 1028])
+    assert computed_whole(view, np.arange(2), [1100, 1100], 0, view.on_ranks()) == [66, 72]

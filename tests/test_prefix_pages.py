@@ -96,6 +96,24 @@ def test_sharing_computes_each_groups_prefix_about_once_per_gpu(policy, knobs):
     assert bct(on) < bct(off)
 
 
+def test_a_prefix_tail_below_a_page_is_copied_and_priced_not_recomputed(monkeypatch):
+    """A prefix of 200 tokens on pages of 16: 12 whole pages held by reference and 8 tokens below a page, which with
+    `prefix_tail` every member but each group's first copies (its computed tokens fewer by them) and the run pays
+    for (a copy within the GPU, on the simulator's clock)."""
+    from batchgen.latency.roofline import Roofline
+
+    job = grouped_job("continuous", n=32, group_size=8, prefix=200, page_tokens=16, num_gpus=1, token_budget=4096,
+                      prefix_tail=True)
+    off = simulate(dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_tail=False)))
+    on = simulate(job)
+    submitted, takers = int(job.workload.input_lens.sum()), 32 - 4
+    assert off.prepared.state.prefill_computed == submitted - takers * 192
+    assert on.prepared.state.prefill_computed == submitted - takers * 200
+    monkeypatch.setattr(Roofline, "local_copy", lambda self, nbytes: np.where(np.asarray(nbytes) > 0, 1.0, 0.0))
+    assert bct(simulate(job)) > bct(on) + 0.99  # the copies are on the clock (1 s instead of microseconds)
+    assert bct(simulate(dataclasses.replace(job, policy=off.prepared.policy))) == bct(off)  # none without tails
+
+
 def test_partition_refuses_a_sequence_that_holds_a_shared_prefix():
     job = grouped_job(n=8, group_size=8, prefix=64, page_tokens=16, num_gpus=1)
     from batchgen.job import prepare

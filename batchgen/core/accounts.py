@@ -18,11 +18,12 @@ class Moves:
     d2h: np.ndarray       # device -> host (checkpoint KV)
     network: np.ndarray   # node -> node (MIGRATE), charged to the receiving GPU
     peer: np.ndarray      # GPU -> GPU inside a node (NVLink), charged to the receiving GPU
+    local: np.ndarray     # within one GPU's memory (a shared prefix's tail copied to a taker's page)
 
     @classmethod
     def zeros(cls, num_gpus: int) -> "Moves":
-        block = np.zeros((4, num_gpus))
-        moves = cls(*block)  # one allocation, four rows (one per kind)
+        block = np.zeros((5, num_gpus))
+        moves = cls(*block)  # one allocation, a row per tier
         moves._block = block
         return moves
 
@@ -33,7 +34,7 @@ class Moves:
         moves = _NO_MOVES.get(num_gpus)
         if moves is None:
             moves = cls.zeros(num_gpus)
-            for a in (moves._block, moves.h2d, moves.d2h, moves.network, moves.peer):
+            for a in (moves._block, moves.h2d, moves.d2h, moves.network, moves.peer, moves.local):
                 a.flags.writeable = False
             moves._nothing = True
             _NO_MOVES[num_gpus] = moves
@@ -45,14 +46,14 @@ class Moves:
             return False
         b = self.__dict__.get("_block")
         if (b is not None and self.h2d.base is b and self.d2h.base is b
-                and self.network.base is b and self.peer.base is b):
-            return bool(b.any())  # the four rows are still the block's: one pass over it
-        return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any())
+                and self.network.base is b and self.peer.base is b and self.local.base is b):
+            return bool(b.any())  # the rows are still the block's: one pass over it
+        return bool(self.h2d.any() or self.d2h.any() or self.network.any() or self.peer.any() or self.local.any())
 
     def plus(self, other: "Moves") -> "Moves":
         """A new account of both (idle boundaries' copies carried into the next run's)."""
         out = Moves.zeros(self.h2d.size)
-        for kind in ("h2d", "d2h", "network", "peer"):
+        for kind in ("h2d", "d2h", "network", "peer", "local"):
             getattr(out, kind)[:] = getattr(self, kind) + getattr(other, kind)
         return out
 

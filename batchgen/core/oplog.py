@@ -27,9 +27,9 @@ COLUMNS = {
     "migrate": ("ids", "src", "dst", "cross", "from_device", "to_device", "host_copy", "bytes"),
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
-    "share": ("ids", "gpu", "group", "tokens", "creates"),
+    "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes"),
 }
-_UNPRICED = ("free", "evict", "share", "unshare")  # kinds that never move a byte (every other kind, "resume" too, may)
+_UNPRICED = ("free", "evict", "unshare")  # kinds that never move a byte (every other kind, "resume" too, may)
 
 
 class OpLog:
@@ -49,7 +49,7 @@ class OpLog:
             self._priced = self._priced or kind not in _UNPRICED
 
     def moves_anything(self) -> bool:
-        """Whether an op that may move a byte was emitted (frees, evictions and shares move none)."""
+        """Whether an op that may move a byte was emitted (frees and evictions move none; a share may copy a tail)."""
         return self._priced
 
     def empty(self) -> bool:

@@ -104,14 +104,19 @@ class KVOps:
     reshard_to_degree: np.ndarray = _ints()
     reshard_host_copy: np.ndarray = _flags()  # the lead holds a host copy (it follows a new lead)
     reshard_bytes: np.ndarray = _floats()  # the sequence's KV (each part carries its share: core.reshard)
-    share_ids: np.ndarray = _ints()       # a shared prefix (batchgen.core.prefix_pages), no byte moved: ...
+    share_ids: np.ndarray = _ints()       # a shared prefix (batchgen.core.prefix_pages), whole pages by reference:
     share_gpu: np.ndarray = _ints()
     share_group: np.ndarray = _ints()
     share_tokens: np.ndarray = _ints()    # ... the prefix's tokens (whole pages) ...
     share_creates: np.ndarray = _flags()  # ... created: the first `tokens` tokens this pending sequence's prefill
     #                                       writes are its group's prefix on that GPU (its pages taken now); else
     #                                       taken: the pending sequence holds the group's prefix pages by reference
-    #                                       and its prefill starts at `tokens`
+    #                                       and its prefill starts at `tokens` + `tail`
+    share_tail: np.ndarray = _ints()      # ... tokens copied on the GPU below a page: a taker's, past `tokens`, into
+    #                                       its first own page (from its prefix's tail page, or from the creator's
+    #                                       rows in the forward that writes them); a creator's, its next `tail`
+    #                                       tokens into a page the prefix keeps (0: none)
+    share_bytes: np.ndarray = _floats()   # ... the KV those copies write (device to device on one GPU: `local`)
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
     by_heads: bool = True                 # shards split the KV by heads (MLA's latent: replicas)
 
@@ -119,6 +124,11 @@ class KVOps:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
                     or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size
                     or self.reshard_ids.size or self.share_ids.size or self.unshare_group.size)
+
+    def _share_tail(self) -> np.ndarray:
+        """share_tail, or (a plan written without it) none copied."""
+        return self.share_tail if self.share_tail.size == self.share_ids.size else np.zeros(self.share_ids.size,
+                                                                                               np.int64)
 
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
@@ -156,9 +166,11 @@ class KVOps:
         and a host copy follows a lead that changes node (network); a join into the host copy gathers the shards
         into the lead (as a reshard to one GPU) and writes the whole KV down."""
         if not any(getattr(self, f"{k}_bytes").size for k in ("join", "yield", "offload", "migrate", "restore",
-                                                             "reshard")):
+                                                             "reshard", "share")):
             return Moves.none(num_gpus)
         m = Moves.zeros(num_gpus)
+        if self.share_bytes.size:  # the tails of shared prefixes, copied on their GPU
+            np.add.at(m.local, self.share_gpu, self.share_bytes)
         if self.migrate_ids.size:
             b, dst, cross = _sized(self.migrate_ids, self.migrate_bytes), self.migrate_dst, self.migrate_cross
             dev, copy, from_dev = self.migrate_to_device, self._host_copy(), self.migrate_from_device
@@ -229,7 +241,8 @@ class KVOps:
             share=list(zip(self.share_ids[self.share_gpu == gpu].tolist(),
                            self.share_group[self.share_gpu == gpu].tolist(),
                            self.share_tokens[self.share_gpu == gpu].tolist(),
-                           self.share_creates[self.share_gpu == gpu].tolist())),
+                           self.share_creates[self.share_gpu == gpu].tolist(),
+                           self._share_tail()[self.share_gpu == gpu].tolist())),
             nodes=self.nodes() if joins or reshards else {})
 
 
@@ -257,7 +270,7 @@ class GpuOps:
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
-    share: list = field(default_factory=list)    # (id, group, tokens, creates): a shared prefix, last
+    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail): a shared prefix, last
     unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)

@@ -7,8 +7,13 @@ member takes its pages by reference and prefills only the rest of its prompt.
 
 The model, kept exact by every primitive:
 - A group's prefix on a GPU is the whole pages of its shared tokens, `prefix_tokens` (at most the member's context
-  less one token, so that the member's own prefill computes its last token's logits). The partial page where the
-  members diverge is each member's own: it is recomputed, not copied (copy-on-write at page granularity).
+  less one token, so that the member's own prefill computes its last token's logits), held by reference. The partial
+  page where the members diverge is each member's own. With `tails` (copy-on-write below a page), its shared tokens,
+  the prefix's `tail`, are copied into a taker's first own page instead of recomputed (`share_span`): from the
+  creator's rows in the forward that writes them (the executor writes them to every taker's page beside the
+  creator's), or later from one more page the prefix keeps (where it has room), a device-local copy of that many
+  tokens' KV that the `share` op carries and the simulator prices. Without `tails` the partial page is recomputed
+  (vLLM's prefix cache hashes whole blocks only).
 - The prefix is created by the first member whose prefill passes it on that GPU: the chunk that writes its last
   token turns the member's first pages into the group's (`_create`; nothing moves). A member whose prefill starts
   on that GPU in that forward or later takes it (`attach`): it holds the prefix pages by reference and its
@@ -48,26 +53,28 @@ class GroupPrefix:
     """One group's prefix on one GPU."""
 
     tokens: int       # shared tokens: whole pages
-    pages: int        # pages it holds, counted once on its GPU
+    pages: int        # pages it holds, counted once on its GPU (its whole pages, and its tail's page)
     holders: int      # sequences that hold it by reference (the creator included while it does)
     pins: int = 0     # prefills about to take it or reading it in their forward: not dropped meanwhile
+    tail: int = 0     # shared tokens past `tokens`, in one more page of its own: copied into each taker's first page
 
 
 class PrefixPages:
     """Shared prefixes of `ClusterState` (mixed in; it owns the table, `pages_used` and the op logs)."""
 
     sharing = False  # set by `share_prefixes`; off, none of this runs
+    tails = False    # copy-on-write below a page: the shared tokens of the partial page are copied, not recomputed
     cascade = CascadeRule()  # which holders decoding together read their prefix once (batchgen.core.cascade)
 
     def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None,
-                       host: bool = False) -> None:
+                       host: bool = False, tails: bool = False) -> None:
         """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
         those decoding together read them by `cascade`; `host`: their host copies share it on a node too
-        (batchgen.core.host_prefixes)."""
+        (batchgen.core.host_prefixes); `tails`: the shared tokens of the page where members diverge are copied."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
-        self.sharing = True
+        self.sharing, self.tails = True, bool(tails)
         self.cascade = cascade or CascadeRule()
         self.prefix_group = group
         self.prefix_len = prefix_len
@@ -95,10 +102,19 @@ class PrefixPages:
         tokens = np.minimum(self.prefix_len[ids], t.context(ids) - 1) // self.page_tokens * self.page_tokens
         return np.where(self.prefix_group[ids] >= 0, np.maximum(tokens, 0), 0)
 
-    def prefixes_on(self, gpus: np.ndarray) -> dict[tuple[int, int], int]:
-        """(rank, group) -> tokens of each prefix on these GPUs (rank: the GPU's index in `gpus`)."""
+    def share_span(self, ids: np.ndarray) -> np.ndarray:
+        """The shared tokens each sequence can take: its whole pages (`share_tokens`) and, with `tails`, the shared
+        tokens past them that leave its last context token to compute (0 where it takes no whole page)."""
+        whole = self.share_tokens(ids)
+        if not self.tails:
+            return whole
+        span = np.minimum(self.prefix_len[ids], self.table.context(ids) - 1)
+        return np.where(whole > 0, span, 0)
+
+    def prefixes_on(self, gpus: np.ndarray) -> dict[tuple[int, int], tuple[int, int]]:
+        """(rank, group) -> (tokens, tail) of each prefix on these GPUs (rank: the GPU's index in `gpus`)."""
         rank = {int(g): r for r, g in enumerate(gpus.tolist())}
-        return {(rank[g], group): e.tokens for (g, group), e in self.prefixes.items() if g in rank}
+        return {(rank[g], group): (e.tokens, e.tail) for (g, group), e in self.prefixes.items() if g in rank}
 
     def restore_shares(self, ids: np.ndarray, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Suspended sequences' home ranks among `gpus` (the GPU whose cache holds their host copy; -1: none of
@@ -125,45 +141,49 @@ class PrefixPages:
         passes it; the executor runs a creator's attention before the others' on its GPU, as vLLM writes a step's
         KV before attention reads it); every other chunk where it stands."""
         t, out = self.table, starts.copy()
-        made: dict[tuple[int, int], int] = {}  # prefixes this forward creates: (GPU, group) -> tokens
+        # prefixes this forward creates: (GPU, group) -> (tokens, tail its creator's chunk writes)
+        made: dict[tuple[int, int], tuple[int, int]] = {}
         pending = t.where[ids] == PENDING
-        shared = self.share_tokens(ids).tolist()
+        shared, span = self.share_tokens(ids).tolist(), self.share_span(ids).tolist()
         for i in np.flatnonzero(~pending).tolist():  # a prefill under way that passes its prefix now
             sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            tokens = shared[i]
-            if (tokens > 0 and starts[i] < tokens <= starts[i] + lens[i] and not self.prefix_held[sid]
+            tokens, end = shared[i], int(starts[i] + lens[i])
+            if (tokens > 0 and starts[i] < tokens <= end and not self.prefix_held[sid]
                     and key not in self.prefixes and key not in made):
-                made[key] = tokens
+                made[key] = (tokens, min(span[i], end) - tokens)
         for i in np.flatnonzero(pending).tolist():
             key = (int(gpus[i]), int(self.prefix_group[ids[i]]))
             tokens = shared[i]
             if tokens <= 0:
                 continue
-            there = self.prefixes[key].tokens if key in self.prefixes else made.get(key)
+            there = (self.prefixes[key].tokens, self.prefixes[key].tail) if key in self.prefixes else made.get(key)
             if there is not None:
-                if tokens >= there:
-                    out[i] = there
+                if tokens >= there[0]:
+                    out[i] = there[0] + min(there[1], span[i] - there[0])
             elif lens[i] >= tokens:  # its first chunk passes the prefix: it creates it
-                made[key] = tokens
+                made[key] = (tokens, min(span[i], int(lens[i])) - tokens)
         return out
 
     def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
                whole_lookahead: int | None = None) -> None:
         """Pending sequences (already taken from their queue) start on their GPUs holding their group's prefix by
-        reference (`sharing_starts`): their prefill stands at `starts`, their own pages none yet; or, with
-        `whole_lookahead`, the coming forward prefills the rest of each context whole (`prefilled_to_gpu` past the
-        prefix), pages for it and that many more tokens taken now."""
+        reference (`sharing_starts`): their prefill stands at `starts` (past the prefix's whole pages, and the tail
+        tokens copied into their first own page), their own pages none yet; or, with `whole_lookahead`, the coming
+        forward prefills the rest of each context whole (`prefilled_to_gpu` past the prefix), pages for it and that
+        many more tokens taken now."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
         none = np.zeros(ids.size, np.int64)
         ok = (starts > 0) & (starts == self.sharing_starts(ids, gpus, none, none))  # prefixes already there
         self._require(ids, ok, "given the ready prefix of their group on that GPU")
-        for sid, g in zip(ids.tolist(), gpus.tolist()):
+        whole = np.empty(ids.size, np.int64)
+        for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
             entry = self.prefixes[(g, int(self.prefix_group[sid]))]
             if not entry.holders:  # a kept prefix taken again
                 self.unheld_pages[g] -= entry.pages
             entry.holders += 1
-        self.prefix_held[ids] = starts
+            whole[i] = entry.tokens
+        self.prefix_held[ids] = whole
         self.prefix_taken += int(starts.sum())
         if whole_lookahead is None:
             self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
@@ -172,8 +192,15 @@ class PrefixPages:
         else:
             self.prefill_computed += int((t.context(ids) - starts).sum())
             self._join_gpu(instance, ids, gpus, whole_lookahead)
-        self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], starts,
-                                  np.zeros(ids.size, bool))
+        self._log_share(instance, ids, gpus, whole, np.zeros(ids.size, bool), starts - whole)
+
+    def _log_share(self, instance: int, ids: np.ndarray, gpus: np.ndarray, tokens: np.ndarray, creates: np.ndarray,
+                   tail: np.ndarray) -> None:
+        """The `share` ops of prefixes created or taken: whole pages by reference, and `tail` tokens copied on the
+        GPU (a taker's, into its first own page; a creator's, into its prefix's tail page)."""
+        tail = np.asarray(tail, np.int64)
+        self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], tokens, creates, tail,
+                                  tail * float(self.kv_bytes_per_token))
 
     def share_in_forward(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Prompts prefilled to host (`start_prefill_to_host`) share their group's prefix within their forward: on
@@ -198,19 +225,22 @@ class PrefixPages:
         if writes:
             made = np.array(sorted(writes.values()), np.int64)
             tokens = shared[made]
-            self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
-                                      tokens, np.ones(made.size, bool))
-            for i, n in zip(made.tolist(), tokens.tolist()):  # kept for later prefills where its pages fit
+            kept_tail = np.zeros(made.size, np.int64)  # tokens of a kept prefix's tail page
+            tails = self.share_span(ids[made]) - tokens
+            for j, (i, n, tail) in enumerate(zip(made.tolist(), tokens.tolist(), tails.tolist())):
                 g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
                 if self.pages_used[g] + pages <= self.gpu_pages[g]:  # its members park here: kept for them too
-                    self._keep(g, group, GroupPrefix(n, pages, 0))
+                    if tail and self.pages_used[g] + pages < self.gpu_pages[g]:  # and its tail, where a page is left
+                        kept_tail[j], pages = tail, pages + 1
+                    self._keep(g, group, GroupPrefix(n, pages, 0, tail=int(kept_tail[j])))
                     self._gpu_holds(g, int(self.pages_used[g]) + pages)
                     self.unheld_pages[g] += pages
-                else:
+                else:  # kept for the forward only (its takers there copy the tail from the writer's rows)
                     self._after_forward[instance].append((g, group))
+            self._log_share(instance, ids[made], gpus[made], tokens, np.ones(made.size, bool), kept_tail)
         if take.any():
-            self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
-                                      at[take], np.zeros(int(take.sum()), bool))
+            whole = at[take] // self.page_tokens * self.page_tokens  # a tail is less than a page
+            self._log_share(instance, ids[take], gpus[take], whole, np.zeros(whole.size, bool), at[take] - whole)
             # read in the forward: kept until it has run (`sweep_prefixes`)
             self._read_in_forward[instance].append(self.pin_prefixes(ids, gpus, at))
             self.prefill_computed -= int(at.sum())
@@ -221,22 +251,28 @@ class PrefixPages:
                 ends: np.ndarray) -> None:
         """Chunks about to be written (`prefill_chunks`, pages set): the first that passes its group's prefix on a
         GPU without one creates it from the sequence's first pages (its own until now: no page count changes)."""
-        t, made = self.table, []
-        shared = self.share_tokens(ids).tolist()
+        t, made, kept_tail = self.table, [], []
+        shared, span = self.share_tokens(ids).tolist(), self.share_span(ids).tolist()
         for i, (sid, g, s, e) in enumerate(zip(ids.tolist(), gpus.tolist(), starts.tolist(), ends.tolist())):
             group = int(self.prefix_group[sid])
             tokens = shared[i]
             if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
                 continue
             pages = tokens // self.page_tokens
-            self._keep(g, group, GroupPrefix(tokens, pages, 1))
+            tail = min(span[i], e) - tokens  # the tail this chunk writes, kept in a page of its own where one is left
+            if tail and self.pages_used[g] < self.gpu_pages[g]:
+                self._gpu_holds(g, int(self.pages_used[g]) + 1)
+            else:
+                tail = 0
+            self._keep(g, group, GroupPrefix(tokens, pages + (tail > 0), 1, tail=tail))
             self.prefix_held[sid] = tokens
             t.pages[sid] -= pages
             made.append(i)
+            kept_tail.append(tail)
         if made:
             made = np.array(made, np.int64)
-            self.oplogs[instance].add("share", ids[made], gpus[made].astype(np.int64), self.prefix_group[ids[made]],
-                                      self.prefix_held[ids[made]], np.ones(made.size, bool))
+            self._log_share(instance, ids[made], gpus[made], self.prefix_held[ids[made]], np.ones(made.size, bool),
+                            np.array(kept_tail, np.int64))
 
     def pin_prefixes(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray) -> list[GroupPrefix]:
         """Keep the prefixes there that these prefills take (those with a start) from being dropped to make room
@@ -299,8 +335,8 @@ class PrefixPages:
         if take.size:
             self.prefix_held[ids[take]] = at[take]
             self.prefix_restored += int(at.sum())
-            self.oplogs[instance].add("share", ids[take], gpus[take].astype(np.int64), self.prefix_group[ids[take]],
-                                      at[take], np.zeros(take.size, bool))
+            self._log_share(instance, ids[take], gpus[take], at[take], np.zeros(take.size, bool),
+                            np.zeros(take.size, np.int64))
         return at
 
     def _keep(self, gpu: int, group: int, entry: GroupPrefix) -> None:

@@ -287,7 +287,7 @@ class RankWorker:
                 for kind, tier, nbytes in migration_tiers(moved, cross):
                     self._bytes(kind, tier, nbytes)
         restoring = set(ops.restore)
-        for sid, group, tokens, creates in ops.share:  # a restore that takes its prefix: only the rest is copied
+        for sid, group, tokens, creates, _ in ops.share:  # a restore that takes its prefix: only the rest is copied
             if sid in restoring:
                 cache.share_prefix(sid, group, tokens, creates)
         self._counted("restore", "h2d", cache.restore, ops.restore)
@@ -307,9 +307,9 @@ class RankWorker:
             if len(new) > 1 and self.rank in new:
                 # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
                 self._count("partition" if new[0] == self.rank else "partition_shard", 1)
-        for sid, group, tokens, creates in ops.share:  # shared prefixes: nothing copied (batchgen.exec.kv_prefixes)
-            if sid not in restoring:
-                cache.share_prefix(sid, group, tokens, creates)
+        for sid, group, tokens, creates, tail in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a tail
+            if sid not in restoring:                             # below a page copied on the device
+                self._bytes("share", "local", cache.share_prefix(sid, group, tokens, creates, tail))
         if files is not None:
             files.publish(cache)
 

@@ -122,7 +122,10 @@ class _StatePrefixes:
     def shared_tokens(self, ids: np.ndarray) -> np.ndarray:
         return self._state.share_tokens(ids)
 
-    def on_ranks(self) -> dict[tuple[int, int], int]:
+    def shared_span(self, ids: np.ndarray) -> np.ndarray:
+        return self._state.share_span(ids)
+
+    def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]:
         return self._state.prefixes_on(self._gpus)
 
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

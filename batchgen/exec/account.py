@@ -1,7 +1,8 @@
 """The KV bytes an executor copied, per kind of op, per GPU and tier: what a test compares with what the state priced.
 
 Tiers are those of `KVOps.moves` (batchgen.core.ops): host -> device (h2d), device -> host (d2h), device -> device
-within a node (peer) and across nodes (network); and one it has no price for: `host`, a host copy copied from
+within a node (peer) and across nodes (network), within one device (local: a shared prefix's tail copied below a
+page, kind `share`); and one it has no price for: `host`, a host copy copied from
 one host pool to another of the same node (backend=dist, whose processes each keep their own pool). Bytes are
 counted from the tensors copied (element count x element size), charged as the state charges them: a migration
 to the GPU that receives it (every copy it causes there included), a checkpoint or a restore to the GPU whose
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TIERS = ("h2d", "d2h", "peer", "network", "host")
+TIERS = ("h2d", "d2h", "peer", "network", "local", "host")
 
 
 class KVAccount:

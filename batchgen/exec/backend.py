@@ -161,9 +161,9 @@ class ExecBackend:
                 account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
         shares = list(zip(ops.share_ids.tolist(), ops.share_gpu.tolist(), ops.share_group.tolist(),
-                          ops.share_tokens.tolist(), ops.share_creates.tolist()))
+                          ops.share_tokens.tolist(), ops.share_creates.tolist(), ops._share_tail().tolist()))
         restoring = set(ops.restore_ids.tolist())
-        for sid, g, group, tokens, creates in shares:  # a restore that takes its prefix: only the rest is copied
+        for sid, g, group, tokens, creates, _ in shares:  # a restore that takes its prefix: only the rest is copied
             if sid in restoring:
                 caches[g].share_prefix(sid, group, tokens, creates)
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
@@ -177,9 +177,9 @@ class ExecBackend:
                 for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
                     account.add("reshard_host_copy", tier, new[0], nbytes)
             self.moves["partition"] += int(len(new) > 1)
-        for sid, g, group, tokens, creates in shares:
+        for sid, g, group, tokens, creates, tail in shares:  # a tail below a page: copied on the GPU
             if sid not in restoring:
-                caches[g].share_prefix(sid, group, tokens, creates)
+                account.add("share", "local", g, caches[g].share_prefix(sid, group, tokens, creates, tail))
 
     def _share_host_prefixes(self, ids: np.ndarray, gpus: np.ndarray) -> None:
         """The host copies these yields and offloads write hold their node's host prefix where the state's

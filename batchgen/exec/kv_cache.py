@@ -308,8 +308,11 @@ class PagedKVCache(SharedPrefixes, HostResidentSteps, Migration):
                       f"a step of {sum(new_tokens)} new tokens over {len(seq_ids)} sequences")
         for sid, n in zip(seq_ids, new_tokens):
             self._seqs[sid].device_len += int(n)
-        return self._metadata([self._seqs[sid].pages for sid in seq_ids], new_tokens,
-                              start_positions).to(self.device)
+        meta = self._metadata([self._seqs[sid].pages for sid in seq_ids], new_tokens, start_positions)
+        fanout = self.fanout(seq_ids, new_tokens, start_positions)  # a prefix's tail, written by its writer's rows
+        if fanout is not None:
+            meta.fanout_rows, meta.fanout_slots = fanout
+        return meta.to(self.device)
 
     def _metadata(self, page_lists: list[list[int]], new_tokens, start_positions) -> AttentionMetadata:
         starts = torch.tensor(start_positions, dtype=torch.int64).reshape(-1)

@@ -6,6 +6,11 @@ with those pages and its KV at the prefix's end, so its prefill writes only the 
 prefix from the same pages as every other holder. A shared page is never written again (a holder's new tokens land
 past the prefix, in its own pages). The prefix itself holds its pages too, until the state drops it (`unshare`): a
 page goes back to the free list when neither the prefix nor any sequence holds it (`_free_device`).
+
+Below a page (a `tail`, copy-on-write): the shared tokens past the prefix's whole pages are copied into a taker's
+first own page, its KV starting past them. In the forward that writes the prefix, the creator's rows for them are
+written to those slots too, beside its own (`AttentionMetadata.fanout_*`, attached by `prepare`), before any
+taker's attention reads them; the prefix may keep them in one page of its own, from which later takers copy.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.core.sequences import InvariantError
-from batchgen.exec.kv_pages import _Seq
+from batchgen.exec.kv_pages import CacheFullError, _Seq
 
 
 class SharedPrefixes:
@@ -24,13 +29,19 @@ class SharedPrefixes:
         self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
         self._creating: set[int] = set()  # sequences whose coming forward writes a prefix others may read in it
         self._attached: set[int] = set()  # host copies holding a prefix here, about to restore the rest (`restore`)
+        self._prefix_tail: dict[int, tuple[int, int]] = {}  # group -> (its tail's page, tokens in it)
+        self._creator_of: dict[int, int] = {}  # group -> the sequence whose coming forward writes its prefix here
+        self._fanout: dict[int, list[tuple[int, list[int]]]] = {}  # writer -> (first position, slots it fills)
 
-    def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
+    def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool, tail: int = 0) -> int:
         """creates: the sequence's first `tokens` tokens (its prefill writes them) become the group's prefix here,
-        their pages taken now; else the sequence (new to this cache, or a host copy about to be restored) holds the
-        group's prefix pages and its KV on device starts at `tokens`."""
-        if tokens % self.page_size or tokens < self.page_size:
-            raise InvariantError(f"a shared prefix is whole pages of {self.page_size} tokens, got {tokens}")
+        their pages taken now, and its next `tail` tokens the prefix's tail, in a page of its own; else the sequence
+        (new to this cache, or a host copy about to be restored) holds the group's prefix pages and its KV on device
+        starts at `tokens`, past its `tail` tokens copied into its first own page. Returns the bytes the tail's
+        copies write (now, or in the coming forward)."""
+        if tokens % self.page_size or tokens < self.page_size or not 0 <= tail < self.page_size:
+            raise InvariantError(f"a shared prefix is whole pages of {self.page_size} tokens and a tail of less than "
+                                 f"a page, got {tokens} and {tail}")
         n = tokens // self.page_size
         if creates:
             if group in self._prefix_pages:
@@ -38,25 +49,72 @@ class SharedPrefixes:
             self._grow_to({seq_id: max(tokens, self._resident_tokens(seq_id))}, f"group {group}'s prefix")
             pages = self._seqs[seq_id].pages[:n]
             self._creating.add(seq_id)
+            self._creator_of[group] = seq_id
             self._prefix_pages[group] = pages
             for p in pages:  # the prefix's own hold, then its creator's
                 self._refs[p] = self._refs.get(p, 0) + 2
-            return
+            if tail:
+                if not self._free:
+                    raise CacheFullError(f"group {group}'s prefix tail", 1, 0, self.num_pages, self.page_size)
+                page = self._free.pop()
+                self._prefix_tail[group] = (page, tail)
+                self._fanout.setdefault(seq_id, []).append((tokens, [page * self.page_size + j for j in range(tail)]))
+            return tail * self.bytes_per_token
+        pages = self._prefix_pages.get(group)
+        if pages is None or len(pages) != n:
+            raise InvariantError(f"sequence {seq_id} takes group {group}'s prefix of {tokens} tokens, which this "
+                                 "cache does not hold")
+        s = self._seqs.get(seq_id)
+        if s is None:
+            s = self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
+        elif not s.pages and s.synced > tokens and not s.pending and not tail:  # its host copy is restored next
+            s.pages, s.device_len = list(pages), tokens
+            self._attached.add(seq_id)
         else:
-            pages = self._prefix_pages.get(group)
-            if pages is None or len(pages) != n:
-                raise InvariantError(f"sequence {seq_id} takes group {group}'s prefix of {tokens} tokens, which this "
-                                     "cache does not hold")
-            s = self._seqs.get(seq_id)
-            if s is None:
-                self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
-            elif not s.pages and s.synced > tokens and not s.pending:  # its host copy is restored next: the rest only
-                s.pages, s.device_len = list(pages), tokens
-                self._attached.add(seq_id)
-            else:
-                raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV on device in this cache")
+            raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV on device in this cache")
         for p in pages:
             self._refs[p] += 1
+        if tail:
+            self._copy_tail(seq_id, s, group, tokens, tail)
+        return tail * self.bytes_per_token
+
+    def _copy_tail(self, seq_id: int, s: _Seq, group: int, tokens: int, tail: int) -> None:
+        """A taker's first own page gets the prefix's `tail` tokens past `tokens`: from its creator's rows in the
+        forward that writes them, else from the prefix's tail page now."""
+        self._grow_to({seq_id: tokens + tail}, f"group {group}'s prefix tail")
+        s.device_len = tokens + tail
+        slots = [s.pages[tokens // self.page_size] * self.page_size + j for j in range(tail)]
+        creator = self._creator_of.get(group)
+        if creator is not None:
+            self._fanout.setdefault(creator, []).append((tokens, slots))
+            return
+        page, kept = self._prefix_tail.get(group, (-1, 0))
+        if kept < tail:
+            raise InvariantError(f"sequence {seq_id} copies {tail} tail tokens of group {group}'s prefix, of which "
+                                 f"this cache keeps {kept}")
+        flat = self._device_flat()
+        src = torch.arange(page * self.page_size, page * self.page_size + tail, device=self.device)
+        flat.index_copy_(2, torch.tensor(slots, dtype=torch.int64, device=self.device), flat.index_select(2, src))
+
+    def fanout(self, seq_ids: list[int], new_tokens: list[int], start_positions: list[int]):
+        """(rows, slots) of a call's rows that a prefix's writer also writes elsewhere (its tail, for the prefix and
+        its takers), taken now; None when none of its sequences has any."""
+        if not self._fanout:
+            return None
+        rows: list[int] = []
+        slots: list[int] = []
+        offset = 0
+        for sid, n, p in zip(seq_ids, new_tokens, start_positions):
+            for first, dest in self._fanout.pop(sid, ()):
+                if not (p <= first and first + len(dest) <= p + n):
+                    raise InvariantError(f"sequence {sid} writes its prefix's tail [{first}, {first + len(dest)}) "
+                                         f"outside this call's tokens [{p}, {p + n})")
+                rows.extend(range(offset + first - p, offset + first - p + len(dest)))
+                slots.extend(dest)
+            offset += n
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
 
     def unshare_prefix(self, group: int) -> None:
         """The group's prefix leaves this cache: its pages go as their last holder does."""
@@ -64,6 +122,9 @@ class SharedPrefixes:
         if pages is None:
             raise InvariantError(f"group {group} has no prefix in this cache to drop")
         self._release_pages(pages)
+        tail = self._prefix_tail.pop(group, None)
+        if tail is not None:  # its tail's page is its own
+            self._free.append(tail[0])
 
     def cascade_metadata(self, meta, seq_ids: list[int], group: int):
         """`meta` of a call whose decode queries all hold `group`'s prefix here, as a cascaded call
@@ -88,6 +149,8 @@ class SharedPrefixes:
             self.unshare_prefix(group)
         self._creating.clear()
         self._attached.clear()
+        self._creator_of.clear()
+        self._fanout.clear()
 
     def share_host_prefix(self, seq_id: int, group: int, tokens: int, creates: bool) -> None:
         """Before the sequence's first host copy is written (batchgen.core.host_prefixes): its first `tokens` tokens
@@ -107,6 +170,7 @@ class SharedPrefixes:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must
         run first), once: the forward that asks is that one."""
         creating, self._creating = self._creating, set()
+        self._creator_of.clear()  # takers from here on copy from the prefix's tail page
         return creating
 
     def _free_device(self, s: _Seq) -> None:
@@ -135,7 +199,8 @@ class SharedPrefixes:
         """The pages the sequences and the prefixes own, each once; raises InvariantError where a shared page's
         count is wrong."""
         counts: dict[int, int] = {}
-        for p in owned + [p for pages in self._prefix_pages.values() for p in pages]:
+        tails = [page for page, _ in self._prefix_tail.values()]
+        for p in owned + [p for pages in self._prefix_pages.values() for p in pages] + tails:
             counts[p] = counts.get(p, 0) + 1
         for p, n in counts.items():
             if n != self._refs.get(p, 1):

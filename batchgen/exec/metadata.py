@@ -27,6 +27,10 @@ class AttentionMetadata:
     # shared pages; attention reads them once for the call and each row's own pages after them (`own`)
     prefix_pages: torch.Tensor | None = None
     prefix_tokens: int = 0
+    # rows whose K/V is also written to more slots: a shared prefix's tail, copied below a page into the pages of
+    # the prefix and of its takers in the forward that writes it (batchgen.exec.kv_prefixes)
+    fanout_rows: torch.Tensor | None = None
+    fanout_slots: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -44,7 +48,16 @@ class AttentionMetadata:
                                  self.context_lens.to(device), self.block_table.to(device),
                                  self.slot_mapping.to(device), self.page_size,
                                  None if self.prefix_pages is None else self.prefix_pages.to(device),
-                                 self.prefix_tokens)
+                                 self.prefix_tokens,
+                                 None if self.fanout_rows is None else self.fanout_rows.to(device),
+                                 None if self.fanout_slots is None else self.fanout_slots.to(device))
+
+    def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """The new tokens' K/V (`values`, a row per token) into their slots of a flat pool, and the rows fanned out
+        to their other slots."""
+        flat.index_copy_(0, self.slot_mapping, values)
+        if self.fanout_slots is not None:
+            flat.index_copy_(0, self.fanout_slots, values[self.fanout_rows])
 
     def own(self) -> "AttentionMetadata":
         """A cascaded call's rows over their own pages only: positions and contexts counted from the prefix's end

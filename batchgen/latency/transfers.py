@@ -68,6 +68,11 @@ class Transfers:
         """Device-to-host copy over PCIe (same link bandwidth as h2d, the other direction)."""
         return self._copy(nbytes, self.host_link_bw, self._eff["copy"].kernel_s, copies)
 
+    def local_copy(self, nbytes):
+        """A copy within one GPU's memory (a shared prefix's tail into a taker's page): a launch, and the bytes read
+        and written at the achieved HBM bandwidth."""
+        return self._copy(nbytes, self.mem_bw / 2.0, self._eff["copy"].kernel_s)
+
     def network(self, nbytes, cross_node):
         """Point-to-point transfer: NVLink within a node, the network across nodes (`cross_node` broadcasts)."""
         bw = np.where(np.asarray(cross_node, dtype=bool), self.gpu.network_bw, self.gpu.nvlink_bw)

@@ -32,7 +32,9 @@ class PrefixView(Protocol):
 
     def group(self, ids: np.ndarray) -> np.ndarray: ...         # each sequence's group (-1: none)
     def shared_tokens(self, ids: np.ndarray) -> np.ndarray: ...  # the prefix it would take or create (whole pages)
-    def on_ranks(self) -> dict[tuple[int, int], int]: ...       # (rank, group) -> tokens of a prefix there
+    def shared_span(self, ids: np.ndarray) -> np.ndarray: ...    # ... and the tokens of it past them it can take
+    # (rank, group) -> (whole-page tokens, tail tokens a taker copies) of a prefix there
+    def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]: ...
     # suspended sequences' home ranks (whose cache holds their host copy; -1: not this instance's) and the prefix
     # tokens each takes if restored there (0: none)
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...

@@ -69,6 +69,8 @@ class ContinuousPolicy(PolicyDefaults):
     prefix_cache: bool = True        # chunked prefill: a prompt whose group's prefix is on its rank takes its pages
     #                                  and prefills the rest (vLLM's automatic prefix caching, SGLang's radix cache:
     #                                  both on by default; batchgen.core.prefix_pages)
+    prefix_tail: bool = False        # the shared tokens of the page where members diverge copied, not recomputed
+    #                                  (off: vLLM's prefix cache hashes whole blocks only)
     cascade_attention: str = "batch"  # decodes that hold one prefix read it once per call (batchgen.core.cascade):
     #                                   batch (vLLM's rule, on by default), groups, off
     init_new_token_ratio: float = 0.7     # conservative: SGLang's defaults (SGLANG_INIT_NEW_TOKEN_RATIO) ...
@@ -97,6 +99,8 @@ class ContinuousPolicy(PolicyDefaults):
                 continue
             if getattr(self, key) < 1:
                 raise ValueError(f"policy.{key} must be >= 1, got {getattr(self, key)}")
+        if not isinstance(self.prefix_tail, bool):
+            raise ValueError(f"policy.prefix_tail must be true or false, got {self.prefix_tail!r}")
         if self.admission not in ("greedy", "conservative"):
             raise ValueError(f"policy.admission must be greedy or conservative, got {self.admission!r}")
         if self.admission == "conservative" and not self.chunked_prefill:
@@ -399,9 +403,10 @@ def _fill(cand: list[int], start: list[int], context: list[int], budget: int, fr
     for i, (sid, s, c) in enumerate(zip(cand, start, context)):
         if budget <= 0:
             break
-        if seen is not None:
-            s = seen.start(rank, i, s)
         held = -(-s // page_tokens)
+        if seen is not None and seen.start(rank, i, s) != s:  # a prefix taken: its whole pages held, a tail copied
+            s = seen.start(rank, i, s)
+            held = s // page_tokens
         end = min(c, s + budget)
         if whole and -(-(end + (end == c)) // page_tokens) - held > free_pages:
             break  # its pages are not free: it waits for finishes to free them

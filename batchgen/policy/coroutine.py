@@ -88,6 +88,8 @@ class CoroutinePolicy(PolicyDefaults):
     #                               sim and dist), auto (the shorter predicted batch: batchgen.job.plan_prefill)
     prefix_cache: bool = True     # a prompt prefilled on a GPU that holds its group's prefix, or whose forward writes
     #                               it, takes those pages and prefills (and budgets) the rest (core.prefix_pages)
+    prefix_tail: bool = True      # ... and copies the shared tokens of the page where members diverge (copy-on-write
+    #                               below a page) instead of recomputing them
     cascade_attention: str = "groups"  # a group's holders decoding on a rank read its prefix once per call
     name: str = "coroutine"
     can_stream_weights: bool = True
@@ -116,7 +118,7 @@ class CoroutinePolicy(PolicyDefaults):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"policy.{key} must be {what}, got {value!r}")
-        for key in ("comm_overlap", "migrate", "migrate_across_instances", "partition"):
+        for key in ("comm_overlap", "migrate", "migrate_across_instances", "partition", "prefix_tail"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"policy.{key} must be true or false, got {getattr(self, key)!r}")
 
@@ -276,8 +278,13 @@ class CoroutinePolicy(PolicyDefaults):
         if snap.prefixes is not None:  # past the host prefix of its group its node holds (or its forward writes)
             cost = cost - snap.prefixes.host_skips(cand[:ranks.size], snap.rank_node[ranks])
         n = _host_prefix(snap.rank_node[ranks], cost, room)
-        if not snap.layerwise_offload:  # pages during the forward: a prompt's own, past a prefix it takes
-            n = min(n, _host_prefix(ranks[:n], pages_for(computed[:n], snap.page_tokens),
+        if not snap.layerwise_offload:  # pages during the forward: a prompt's own, past a prefix's whole pages
+            own = computed[:n] + (tokens[:n] - computed[:n]) % snap.page_tokens  # a copied tail in its first page
+            if snap.prefixes is not None:  # a prefix's writer: a page more for the tail the prefix may keep
+                shared = snap.prefixes.shared_tokens(cand[:n])
+                writes = (computed[:n] == tokens[:n]) & (shared > 0)
+                own = own + np.where(writes & (snap.prefixes.shared_span(cand[:n]) > shared), snap.page_tokens, 0)
+            n = min(n, _host_prefix(ranks[:n], pages_for(own, snap.page_tokens),
                                     np.maximum(free_pages, 0).astype(np.int64)))
         d.prefill_ids, d.prefill_ranks = cand[:n], ranks[:n]
         d.prefill_to_host = True

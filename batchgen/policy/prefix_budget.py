@@ -18,14 +18,16 @@ from batchgen.policy.base import PrefixView
 class ForwardPrefixes:
     """The prefixes a forward's prompts find on their ranks as the policy builds it, candidate by candidate: those
     there already and those its earlier chunks write (the rule of `sharing_starts`: a chunk that passes its
-    group's prefix on a rank without one writes it; a prompt that starts there later takes it, if its own shared
-    tokens reach it)."""
+    group's prefix on a rank without one writes it, and the tail its chunk writes past it; a prompt that starts there
+    later takes it, if its own shared tokens reach it, and copies as much of the tail as it shares)."""
 
-    def __init__(self, prefixes: PrefixView, ids: np.ndarray, there: dict[tuple[int, int], int] | None = None):
+    def __init__(self, prefixes: PrefixView, ids: np.ndarray,
+                 there: dict[tuple[int, int], tuple[int, int]] | None = None):
         self.group = prefixes.group(ids).tolist()
         self.shared = prefixes.shared_tokens(ids).tolist()
-        # (rank, group) -> tokens, `prefixes.on_ranks()` unless given (one forward's ranks share it); grows with the
-        # prefixes written
+        self.span = prefixes.shared_span(ids).tolist()
+        # (rank, group) -> (tokens, tail), `prefixes.on_ranks()` unless given (one forward's ranks share it); grows
+        # with the prefixes written
         self.there = prefixes.on_ranks() if there is None else there
 
     def start(self, rank: int, i: int, s: int) -> int:
@@ -33,13 +35,15 @@ class ForwardPrefixes:
         if s or self.group[i] < 0:
             return s
         have = self.there.get((rank, self.group[i]))
-        return have if have and self.shared[i] >= have else 0
+        if not have or self.shared[i] < have[0]:
+            return 0
+        return have[0] + min(have[1], self.span[i] - have[0])
 
     def wrote(self, rank: int, i: int, s: int, end: int) -> None:
         """Candidate i's chunk covers [s, end) on `rank`: it writes its group's prefix there if it passes it first."""
         shared = self.shared[i]
         if shared and s < shared <= end and (rank, self.group[i]) not in self.there:
-            self.there[(rank, self.group[i])] = shared
+            self.there[(rank, self.group[i])] = (shared, min(self.span[i], end) - shared)
 
 
 def computed_whole(prefixes: PrefixView, ids: np.ndarray, context: list[int], rank: int,

@@ -218,8 +218,11 @@ class SimBackend:
         host_held = _host_held(self.state, plan)
         transfer = None if still else self._transfer_seconds(plan, produced, finished, host_held)  # None: none moves
         exposed = 0.0 if still else float(transfer.max(initial=0.0))
+        # copies within a GPU's memory (shared prefixes' tails) run on its compute stream: the slowest rank's add
+        local = None if still or not plan.moves.local.any() else self.lat.local_copy(plan.moves.local[plan.gpus])
         compute, boundary, duration, scale = self.timing(cost, ids.size + plan.prefill_ids.size
-                                                         + plan.chunk_ids.size, exposed)
+                                                         + plan.chunk_ids.size, exposed,
+                                                         0.0 if local is None else float(local.max()))
         offsets = finish_offsets(cost, produced, finished, compute, boundary, duration, scale)
         prefill_finished = t.remaining(plan.prefill_ids) == 1 if plan.prefill_ids.size else _NONE
         if 0 < plan.chunk_ids.size <= _FEW_CHUNKS:  # a forward's few chunks: each one's flag on scalars
@@ -231,6 +234,8 @@ class SimBackend:
         yield self.env.timeout(duration)
         # with nothing moved, the exposed copies add max(0 - compute, 0) = 0 on every rank
         rank_comm = cost.rank_comm + (0.0 if transfer is None else np.maximum(transfer - compute, 0.0))
+        if local is not None:
+            rank_comm = rank_comm + local
         return StepResult(duration, iterations, produced, finished, offsets, prefill_finished, cost.rank_busy,
                           rank_comm, float(cost.expert_tokens[0] if cost.expert_tokens.size == 1
                                            else cost.expert_tokens.sum()),
@@ -248,13 +253,14 @@ class SimBackend:
         return cascade_load(plan.decode_rank, group, plan.decode_shared, alive, plan.micro_batch, plan.gpus.size,
                             iterations)
 
-    def timing(self, cost, in_play: int, exposed: float = 0.0) -> tuple[float, float, float, float]:
+    def timing(self, cost, in_play: int, exposed: float = 0.0, local: float = 0.0) -> tuple[float, float, float, float]:
         """(compute, boundary overhead, duration, scale) of a run: its iterations' compute, copies that `exposed`
-        seconds leave unhidden, the boundary's overhead for `in_play` sequences; `scale` stretches each
-        iteration's compute to the run's share of the duration (for the finish times within it)."""
+        seconds leave unhidden, copies within a GPU (`local` seconds, beside the compute), the boundary's overhead
+        for `in_play` sequences; `scale` stretches each iteration's compute to the run's share of the duration (for
+        the finish times within it)."""
         # one iteration: its seconds are the sum (numpy's sum of one element is the element; none is -0.0)
         compute = float(cost.iteration_s[0]) if cost.iteration_s.size == 1 else cost.compute_s
-        run = compute + exposed if self._serial else max(compute, exposed)
+        run = (compute + exposed if self._serial else max(compute, exposed)) + local
         boundary = self._boundary_s.get(in_play)
         if boundary is None:  # a pure function of the count: priced once per count
             boundary = self._boundary_s[in_play] = float(self.lat.boundary_overhead(in_play))

@@ -17,7 +17,7 @@ from batchgen.sim.backend import prefill_to_host_bytes, synced_bytes, synced_gat
 from batchgen.workload.spec import Workload
 from conftest import make_job
 
-TIERS = ("h2d", "d2h", "peer", "network")
+TIERS = ("h2d", "d2h", "peer", "network", "local")
 
 # (policy, its knobs, cluster overrides): every policy, on instances of 1 and 4 GPUs over 2 nodes, with a KV pool
 # small enough that yields, offloads and host-resident decode happen
@@ -41,8 +41,13 @@ CASES = {
     # groups of 4 prompts sharing their first 24 tokens: prefixes shared on device and in each node's host memory
     "coroutine-shared": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8},
                          {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
+    # ... sharing 28: the last 4 shared tokens of a prefix copied below a page, in the forward that writes them and
+    # later from the page the prefix keeps
+    "coroutine-shared-tail": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8},
+                              {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
+    "continuous-shared-tail": ("continuous", {"prefix_tail": True, "token_budget": 64}, {}),
 }
-SHARED = {"coroutine-shared": 24}
+SHARED = {"coroutine-shared": 24, "coroutine-shared-tail": 28, "continuous-shared-tail": 28}
 
 
 def priced_and_performed(name, monkeypatch):
@@ -94,5 +99,7 @@ def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
     for t in TIERS:
         assert np.array_equal(performed[t], priced[t]), (name, t, performed, priced, acc.as_dict())
     assert not any(acc.of(k)["host"].any() for k in acc.kinds())  # no copy the simulator has no price for
-    if name in SHARED:  # host copies took their node's prefix, and wrote only the rest
+    if name.startswith("coroutine-shared"):  # host copies took their node's prefix, and wrote only the rest
         assert out.prepared.state.host_sharing and out.prepared.state.host_prefix_taken > 0
+    if name.endswith("-tail"):  # tails copied on the GPU, priced as copied
+        assert performed["local"].sum() > 0

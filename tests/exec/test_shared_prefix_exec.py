@@ -112,6 +112,37 @@ def test_a_prefix_created_and_taken_in_one_forward_is_written_before_it_is_read(
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("budget", [4096, 60])
+def test_a_prefix_tail_below_a_page_is_copied_not_recomputed(saved, budget):
+    """The prefix of 37 tokens ends 5 tokens into a page: with `prefix_tail` each member copies those 5 into its
+    first own page (in the forward that writes them, from the creator's rows: budget 4,096; later, from the page
+    the prefix keeps: budget 60, one prompt per forward), computes only the rest, and decodes what transformers
+    and the unshared run decode."""
+    model, path = saved
+    inputs = np.array([PREFIX + 80, PREFIX + 3, PREFIX + 5, PREFIX + 4, PREFIX + 9])
+    outputs = np.array([6, 7, 5, 8, 4])
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    runs = {}
+    for tail in (True, False):
+        job = make_job("continuous", "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 1, "gpus_per_instance": None},
+                       policy_overrides={"token_budget": budget, "prefix_tail": tail})
+        runs[tail] = execute(dataclasses.replace(job, workload=Workload("grouped", inputs, outputs,
+                                                                        prefix_group=np.zeros(5, np.int64),
+                                                                        prefix_len=np.full(5, PREFIX))), settings)
+    on, off = runs[True], runs[False]
+    assert on.prepared.state.prefill_computed == int(inputs.sum()) - 4 * PREFIX  # four members took all 37
+    assert off.prepared.state.prefill_computed == int(inputs.sum()) - 4 * 32    # ... or its whole pages only
+    # the creator's 5 into the prefix's page and each taker's 5 into its own: the bytes the state priced
+    per_token = PagedKVCache.page_bytes(**read_config(path).kv_cache_geometry()._asdict(), page_size=1,
+                                        dtype=torch.float32)
+    assert on.kv_account.of("share")["local"].sum() == 5 * 5 * per_token
+    for sid in range(5):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("policy,knobs", [("continuous", {"cascade_attention": "groups"}),
                                           ("coroutine", {"b_moe": 4, "b_attn": 2})])
 def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypatch, policy, knobs):

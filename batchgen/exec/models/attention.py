@@ -63,8 +63,8 @@ class PagedAttention(nn.Module):
             q, k, v = (x.to(k_pool.device) for x in (q, k, v))
         flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)  # a view: the pool must be contiguous
         flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        meta.write(flat_k, k.to(k_pool.dtype))
+        meta.write(flat_v, v.to(v_pool.dtype))
 
         if invariant.enabled():
             out = invariant.attend(q, k_pool, v_pool, meta, self.sliding_window)

@@ -184,7 +184,7 @@ class MLAttention(nn.Module):
                              f"(kv_lora_rank + qk_rope_head_dim), got {list(latent_pool.shape)}: build the cache "
                              "from model.kv_cache_geometry()")
         flat = latent_pool.view(-1, self.rank + self.rope_dim)  # a view: the pool must be contiguous
-        flat.index_copy_(0, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1).to(latent_pool.dtype))
+        meta.write(flat, torch.cat([c_kv, k_pe], dim=-1).to(latent_pool.dtype))
         return torch.cat([q_nope, q_pe], dim=-1)
 
     def _attend(self, q: torch.Tensor, latent_pool: torch.Tensor, meta: AttentionMetadata,

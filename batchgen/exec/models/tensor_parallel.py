@@ -58,8 +58,8 @@ def _gqa_shard(attn: PagedAttention, hidden, meta, kv_layer, shard: int, degree:
     if k_pool.shape[2] != Hkv:  # a whole pool: this shard's slice of its KV heads (a view, written in place)
         heads = slice(shard * Hkv, (shard + 1) * Hkv)
         k_pool, v_pool = k_pool[:, :, heads], v_pool[:, :, heads]
-    k_pool.flatten(0, 1).index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-    v_pool.flatten(0, 1).index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+    meta.write(k_pool.flatten(0, 1), k.to(k_pool.dtype))
+    meta.write(v_pool.flatten(0, 1), v.to(v_pool.dtype))
     out = attn._attend(q, k_pool, v_pool, meta).reshape(T, H * D)
     return F.linear(out, attn.o_proj.weight[:, shard * H * D:(shard + 1) * H * D])
 
