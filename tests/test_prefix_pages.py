@@ -114,6 +114,35 @@ def test_a_prefix_tail_below_a_page_is_copied_and_priced_not_recomputed(monkeypa
     assert bct(simulate(dataclasses.replace(job, policy=off.prepared.policy))) == bct(off)  # none without tails
 
 
+def test_a_prefix_another_gpu_holds_is_copied_and_priced_not_recomputed(monkeypatch):
+    """Eight groups interleaved over the queue on 4 GPUs: a GPU without a group's prefix that another GPU wrote in
+    an earlier forward copies it from there (coroutine's `prefix_fetch`, core.prefix_fetch), computing fewer
+    tokens, and the simulator prices the copy (NVLink: one node's GPUs)."""
+    from batchgen.core.ops import KVOps
+
+    job = grouped_job("coroutine", n=64, group_size=8, prefix=200, page_tokens=16, num_gpus=4,
+                      prefill_tokens_per_rank=1000)
+    w = job.workload
+    job = dataclasses.replace(job, workload=Workload("grouped", w.input_lens, w.output_lens,
+                                                     prefix_group=np.arange(64) % 8, prefix_len=w.prefix_len))
+    on = simulate(job)  # check_invariants: the copied prefixes' pages counted at every boundary
+    off = simulate(dataclasses.replace(job, policy=dataclasses.replace(job.policy, prefix_fetch=False)))
+    fetched = on.prepared.state.prefix_fetched
+    assert fetched > 0 and not off.prepared.state.prefix_fetched
+    assert on.prepared.state.prefill_computed < off.prepared.state.prefill_computed
+    priced = []  # the bytes of the copies, as the simulator prices them (NVLink here: one node)
+    moves = KVOps.moves
+
+    def pricing(self, num_gpus):
+        m = moves(self, num_gpus)
+        priced.append(float(self.share_bytes[self._share_src() >= 0].sum()) if self.share_bytes.size else 0.0)
+        return m
+
+    monkeypatch.setattr(KVOps, "moves", pricing)
+    again = simulate(job)
+    assert bct(again) == bct(on) and sum(priced) == fetched * job.model.kv_bytes_per_token
+
+
 def test_partition_refuses_a_sequence_that_holds_a_shared_prefix():
     job = grouped_job(n=8, group_size=8, prefix=64, page_tokens=16, num_gpus=1)
     from batchgen.job import prepare

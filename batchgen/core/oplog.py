@@ -27,7 +27,7 @@ COLUMNS = {
     "migrate": ("ids", "src", "dst", "cross", "from_device", "to_device", "host_copy", "bytes"),
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
-    "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes"),
+    "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes", "src"),
 }
 _UNPRICED = ("free", "evict", "unshare")  # kinds that never move a byte (every other kind, "resume" too, may)
 

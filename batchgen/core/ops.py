@@ -117,6 +117,8 @@ class KVOps:
     #                                       rows in the forward that writes them); a creator's, its next `tail`
     #                                       tokens into a page the prefix keeps (0: none)
     share_bytes: np.ndarray = _floats()   # ... the KV those copies write (device to device on one GPU: `local`)
+    share_src: np.ndarray = _ints()       # ... a created prefix copied whole from this GPU's (-1: written by the
+    #                                       sequence's prefill; core.prefix_fetch), its bytes over NVLink or network
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
     by_heads: bool = True                 # shards split the KV by heads (MLA's latent: replicas)
 
@@ -130,6 +132,11 @@ class KVOps:
         return self.share_tail if self.share_tail.size == self.share_ids.size else np.zeros(self.share_ids.size,
                                                                                                np.int64)
 
+    def _share_src(self) -> np.ndarray:
+        """share_src, or (a plan written without it) no prefix copied from another GPU."""
+        return self.share_src if self.share_src.size == self.share_ids.size else np.full(self.share_ids.size, -1,
+                                                                                             np.int64)
+
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
         return self.migrate_host_copy if self.migrate_host_copy.size == self.migrate_ids.size else \
@@ -141,6 +148,12 @@ class KVOps:
         return list(zip(self.migrate_ids.tolist(), self.migrate_src.tolist(), self.migrate_dst.tolist(),
                         self.migrate_to_device.tolist(), self._host_copy().tolist(), self.migrate_cross.tolist(),
                         strict=True))
+
+    def shares(self) -> list[tuple[int, int, int, int, bool, int, int]]:
+        """(id, GPU, group, tokens, creates, tail, source GPU) of each shared prefix's op, in plan order."""
+        return list(zip(self.share_ids.tolist(), self.share_gpu.tolist(), self.share_group.tolist(),
+                        self.share_tokens.tolist(), self.share_creates.tolist(), self._share_tail().tolist(),
+                        self._share_src().tolist()))
 
     def group(self, lead: int, degree: int) -> list[int]:
         """A partition group's GPUs: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
@@ -169,8 +182,13 @@ class KVOps:
                                                              "reshard", "share")):
             return Moves.none(num_gpus)
         m = Moves.zeros(num_gpus)
-        if self.share_bytes.size:  # the tails of shared prefixes, copied on their GPU
-            np.add.at(m.local, self.share_gpu, self.share_bytes)
+        if self.share_bytes.size:  # the tails of shared prefixes, copied on their GPU; prefixes copied from another
+            src, b, dst = self._share_src(), self.share_bytes, self.share_gpu
+            np.add.at(m.local, dst[src < 0], b[src < 0])
+            if (src >= 0).any():
+                node = self.nodes()
+                for s, d, nbytes in zip(src[src >= 0].tolist(), dst[src >= 0].tolist(), b[src >= 0].tolist()):
+                    (m.peer if node[s] == node[d] else m.network)[d] += nbytes
         if self.migrate_ids.size:
             b, dst, cross = _sized(self.migrate_ids, self.migrate_bytes), self.migrate_dst, self.migrate_cross
             dev, copy, from_dev = self.migrate_to_device, self._host_copy(), self.migrate_from_device
@@ -242,7 +260,8 @@ class KVOps:
                            self.share_group[self.share_gpu == gpu].tolist(),
                            self.share_tokens[self.share_gpu == gpu].tolist(),
                            self.share_creates[self.share_gpu == gpu].tolist(),
-                           self._share_tail()[self.share_gpu == gpu].tolist())),
+                           self._share_tail()[self.share_gpu == gpu].tolist(),
+                           self._share_src()[self.share_gpu == gpu].tolist())),
             nodes=self.nodes() if joins or reshards else {})
 
 
@@ -270,7 +289,7 @@ class GpuOps:
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
-    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail): a shared prefix, last
+    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src): a shared prefix, last
     unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)

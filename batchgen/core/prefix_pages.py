@@ -67,14 +67,16 @@ class PrefixPages:
     cascade = CascadeRule()  # which holders decoding together read their prefix once (batchgen.core.cascade)
 
     def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None,
-                       host: bool = False, tails: bool = False) -> None:
+                       host: bool = False, tails: bool = False, fetch: bool = False) -> None:
         """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
         those decoding together read them by `cascade`; `host`: their host copies share it on a node too
-        (batchgen.core.host_prefixes); `tails`: the shared tokens of the page where members diverge are copied."""
+        (batchgen.core.host_prefixes); `tails`: the shared tokens of the page where members diverge are copied;
+        `fetch`: a prefix another GPU of the instance holds is copied from there (batchgen.core.prefix_fetch)."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
-        self.sharing, self.tails = True, bool(tails)
+        self.sharing, self.tails, self.fetch = True, bool(tails), bool(fetch)
+        self.prefix_fetched = 0  # prefix tokens copied from another GPU instead of computed there
         self.cascade = cascade or CascadeRule()
         self.prefix_group = group
         self.prefix_len = prefix_len
@@ -195,12 +197,14 @@ class PrefixPages:
         self._log_share(instance, ids, gpus, whole, np.zeros(ids.size, bool), starts - whole)
 
     def _log_share(self, instance: int, ids: np.ndarray, gpus: np.ndarray, tokens: np.ndarray, creates: np.ndarray,
-                   tail: np.ndarray) -> None:
+                   tail: np.ndarray, src: int = -1) -> None:
         """The `share` ops of prefixes created or taken: whole pages by reference, and `tail` tokens copied on the
-        GPU (a taker's, into its first own page; a creator's, into its prefix's tail page)."""
+        GPU (a taker's, into its first own page; a creator's, into its prefix's tail page); or (`src`, a created
+        one) the prefix copied whole from that GPU's."""
         tail = np.asarray(tail, np.int64)
+        copied = tail if src < 0 else tail + tokens
         self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], tokens, creates, tail,
-                                  tail * float(self.kv_bytes_per_token))
+                                  copied * float(self.kv_bytes_per_token), np.full(ids.size, src, np.int64))
 
     def share_in_forward(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Prompts prefilled to host (`start_prefill_to_host`) share their group's prefix within their forward: on
@@ -210,6 +214,7 @@ class PrefixPages:
         Returns where each prefill starts."""
         t = self.table
         ctx = t.context(ids)
+        self.fetch_prefixes(instance, ids, gpus)  # copied from a sibling GPU where it lacks one (core.prefix_fetch)
         at = self.sharing_starts(ids, gpus, np.zeros(ids.size, np.int64), ctx)
         take = at > 0
         taken = {(int(g), int(self.prefix_group[sid])) for sid, g in zip(ids[take].tolist(), gpus[take].tolist())}

@@ -17,7 +17,7 @@ from batchgen.core.host_prefixes import HostPrefixes
 from batchgen.core.move_order import carried_out_in
 from batchgen.core.ops import KVOps
 from batchgen.core.oplog import OpLog
-from batchgen.core.prefix_pages import PrefixPages
+from batchgen.core.prefix_fetch import PrefixFetch
 from batchgen.core.queues import IdQueue
 from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
 from batchgen.core.topology import Topology, node_instance
@@ -25,7 +25,7 @@ from batchgen.core.topology import Topology, node_instance
 __all__ = ["ClusterState", "Topology"]
 
 
-class ClusterState(FewIds, HostPrefixes, PrefixPages, Accounts):
+class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
     def __init__(self, table: SequenceTable, topo: Topology, *, page_tokens: int, gpu_pages: np.ndarray,
                  host_kv_tokens: np.ndarray, kv_bytes_per_token: float, kv_split_by_heads: bool = True):
         """kv_split_by_heads: a PARTITIONed sequence's KV is split by heads over its group (MHA/GQA), so each

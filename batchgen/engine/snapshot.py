@@ -128,6 +128,10 @@ class _StatePrefixes:
     def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]:
         return self._state.prefixes_on(self._gpus)
 
+    @property
+    def fetches(self) -> bool:
+        return self._state.fetch
+
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._state.restore_shares(ids, self._gpus)
 

@@ -15,8 +15,8 @@ into staging buffers (or attend on the host CPU with `plan.cpu_attention`); or, 
 forward of prompt chunks (each written into the paged cache after the KV its earlier chunks wrote) beside every
 decode, sampling only for the decodes and for the chunks that end their context.
 
-Every forward runs whole: one process has no all-to-all for a second micro-batch to hide, so the executor
-declares no two-batch overlap (`exec_capabilities`) and the engine refuses a policy that asks for it.
+Every forward runs whole (one process has no all-to-all for a second micro-batch to hide): the executor declares
+no two-batch overlap (`exec_capabilities`), and the engine refuses a policy that asks for it.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class ExecBackend:
         copy) straight into the destination's device pages (or host copy), which keeps a host copy exactly when
         the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
         Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
-        would. Shared prefixes dropped first and created or taken last (`kv_prefixes`), nothing copied, but taken before
-        a restore that takes one (it then copies only the rest)."""
+        would. Shared prefixes dropped first and created or taken last (`kv_prefixes`; tails, and prefixes from other
+        GPUs, copied then), but taken before a restore that takes one (it then copies only the rest)."""
         caches, account = self.caches, self.account
         for group, g in zip(ops.unshare_group.tolist(), ops.unshare_gpu.tolist()):
             caches[g].unshare_prefix(group)
@@ -160,12 +160,10 @@ class ExecBackend:
             for kind, tier, nbytes in migration_tiers(moved, cross):
                 account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
-        shares = list(zip(ops.share_ids.tolist(), ops.share_gpu.tolist(), ops.share_group.tolist(),
-                          ops.share_tokens.tolist(), ops.share_creates.tolist(), ops._share_tail().tolist()))
+        shares = ops.shares()
         restoring = set(ops.restore_ids.tolist())
-        for sid, g, group, tokens, creates, _ in shares:  # a restore that takes its prefix: only the rest is copied
-            if sid in restoring:
-                caches[g].share_prefix(sid, group, tokens, creates)
+        for sid, g, group, tokens, creates, _, _ in (op for op in shares if op[0] in restoring):
+            caches[g].share_prefix(sid, group, tokens, creates)  # a restore that takes its prefix copies the rest
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
             self._counted("restore", "h2d", g, caches[g].restore, ids)
             self.moves["restore"] += len(ids)
@@ -177,8 +175,11 @@ class ExecBackend:
                 for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
                     account.add("reshard_host_copy", tier, new[0], nbytes)
             self.moves["partition"] += int(len(new) > 1)
-        for sid, g, group, tokens, creates, tail in shares:  # a tail below a page: copied on the GPU
-            if sid not in restoring:
+        for sid, g, group, tokens, creates, tail, src in shares:  # a tail below a page: copied on the GPU
+            if src >= 0:  # a prefix copied whole from another GPU's (batchgen.core.prefix_fetch)
+                tier = "peer" if node[src] == node[g] else "network"
+                account.add("share", tier, g, caches[g].fetch_prefix(group, tokens, tail, caches[src]))
+            elif sid not in restoring:
                 account.add("share", "local", g, caches[g].share_prefix(sid, group, tokens, creates, tail))
 
     def _share_host_prefixes(self, ids: np.ndarray, gpus: np.ndarray) -> None:

@@ -78,6 +78,32 @@ class SharedPrefixes:
             self._copy_tail(seq_id, s, group, tokens, tail)
         return tail * self.bytes_per_token
 
+    def fetch_prefix(self, group: int, tokens: int, tail: int, source: "SharedPrefixes") -> int:
+        """The group's prefix (`tokens` in whole pages, and `tail`) copied from another cache's, held here by the
+        prefix alone until sequences take it. Returns the bytes copied."""
+        n = tokens // self.page_size
+        pages, kept = source._prefix_pages.get(group), source._prefix_tail.get(group, (-1, 0))
+        if group in self._prefix_pages or pages is None or len(pages) != n or kept[1] < tail:
+            raise InvariantError(f"group {group}'s prefix of {tokens} + {tail} tokens copied from a cache that does "
+                                 "not hold it, or into one that does")
+        need = n + (tail > 0)
+        if need > len(self._free):
+            raise CacheFullError(f"group {group}'s prefix copied in", need, len(self._free), self.num_pages,
+                                 self.page_size)
+        mine = [self._free.pop() for _ in range(need)]
+        src = [p * self.page_size + j for p in pages for j in range(self.page_size)]
+        src += [kept[0] * self.page_size + j for j in range(tail)]
+        dst = [p * self.page_size + j for p in mine for j in range(self.page_size)][:len(src)]
+        rows = source._device_flat().index_select(2, torch.tensor(src, dtype=torch.int64, device=source.device))
+        self._device_flat().index_copy_(2, torch.tensor(dst, dtype=torch.int64, device=self.device),
+                                        rows.to(self.device))
+        self._prefix_pages[group] = mine[:n]
+        for p in mine[:n]:
+            self._refs[p] = 1  # the prefix's own hold
+        if tail:
+            self._prefix_tail[group] = (mine[n], tail)
+        return (tokens + tail) * self.bytes_per_token
+
     def _copy_tail(self, seq_id: int, s: _Seq, group: int, tokens: int, tail: int) -> None:
         """A taker's first own page gets the prefix's `tail` tokens past `tokens`: from its creator's rows in the
         forward that writes them, else from the prefix's tail page now."""

@@ -35,6 +35,7 @@ class PrefixView(Protocol):
     def shared_span(self, ids: np.ndarray) -> np.ndarray: ...    # ... and the tokens of it past them it can take
     # (rank, group) -> (whole-page tokens, tail tokens a taker copies) of a prefix there
     def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]: ...
+    fetches: bool  # a rank without its group's prefix copies one another rank holds (batchgen.core.prefix_fetch)
     # suspended sequences' home ranks (whose cache holds their host copy; -1: not this instance's) and the prefix
     # tokens each takes if restored there (0: none)
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
@@ -86,6 +87,8 @@ class Capabilities:
     dp_prefill: bool = True
     # a node's host copies of one group's members hold its prompt prefix once (batchgen.core.host_prefixes)
     host_prefixes: bool = True
+    # a shared prefix copied from a sibling GPU's instead of recomputed (batchgen.core.prefix_fetch)
+    prefix_fetch: bool = True
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import (among, check_attention_tp, fill_ranks, level_slots, pages_for, per_rank,
                                    shed_to_fit, split_by_budget)
-from batchgen.policy.prefix_budget import fill_homes, spread_sharing
+from batchgen.policy.prefix_budget import fetched_tokens, fill_homes, spread_sharing
 from batchgen.policy.tail import growth_fits, moves_fit, rebalance
 
 
@@ -90,6 +90,8 @@ class CoroutinePolicy(PolicyDefaults):
     #                               it, takes those pages and prefills (and budgets) the rest (core.prefix_pages)
     prefix_tail: bool = True      # ... and copies the shared tokens of the page where members diverge (copy-on-write
     #                               below a page) instead of recomputing them
+    prefix_fetch: bool = True     # a GPU without its group's prefix copies another GPU's of the instance instead of
+    #                               recomputing it (core.prefix_fetch; where the backend performs it)
     cascade_attention: str = "groups"  # a group's holders decoding on a rank read its prefix once per call
     name: str = "coroutine"
     can_stream_weights: bool = True
@@ -118,7 +120,8 @@ class CoroutinePolicy(PolicyDefaults):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"policy.{key} must be {what}, got {value!r}")
-        for key in ("comm_overlap", "migrate", "migrate_across_instances", "partition", "prefix_tail"):
+        for key in ("comm_overlap", "migrate", "migrate_across_instances", "partition", "prefix_tail",
+                    "prefix_fetch"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"policy.{key} must be true or false, got {getattr(self, key)!r}")
 
@@ -284,6 +287,8 @@ class CoroutinePolicy(PolicyDefaults):
                 shared = snap.prefixes.shared_tokens(cand[:n])
                 writes = (computed[:n] == tokens[:n]) & (shared > 0)
                 own = own + np.where(writes & (snap.prefixes.shared_span(cand[:n]) > shared), snap.page_tokens, 0)
+                own = own + fetched_tokens(snap.prefixes, cand[:n], ranks[:n], computed[:n], tokens[:n],
+                                           snap.page_tokens)
             n = min(n, _host_prefix(ranks[:n], pages_for(own, snap.page_tokens),
                                     np.maximum(free_pages, 0).astype(np.int64)))
         d.prefill_ids, d.prefill_ranks = cand[:n], ranks[:n]

@@ -19,7 +19,9 @@ class ForwardPrefixes:
     """The prefixes a forward's prompts find on their ranks as the policy builds it, candidate by candidate: those
     there already and those its earlier chunks write (the rule of `sharing_starts`: a chunk that passes its
     group's prefix on a rank without one writes it, and the tail its chunk writes past it; a prompt that starts there
-    later takes it, if its own shared tokens reach it, and copies as much of the tail as it shares)."""
+    later takes it, if its own shared tokens reach it, and copies as much of the tail as it shares). Where the cache
+    `fetches` (batchgen.core.prefix_fetch), a rank without a group's prefix copies the longest another rank held
+    before this forward."""
 
     def __init__(self, prefixes: PrefixView, ids: np.ndarray,
                  there: dict[tuple[int, int], tuple[int, int]] | None = None):
@@ -29,21 +31,55 @@ class ForwardPrefixes:
         # (rank, group) -> (tokens, tail), `prefixes.on_ranks()` unless given (one forward's ranks share it); grows
         # with the prefixes written
         self.there = prefixes.on_ranks() if there is None else there
+        # group -> the prefix a rank without one copies (None: ranks do not copy prefixes)
+        self.anywhere: dict[int, tuple[int, int]] | None = {} if getattr(prefixes, "fetches", False) else None
+        if self.anywhere is not None:
+            for (rank, group), have in sorted(self.there.items()):
+                if group not in self.anywhere or have[0] > self.anywhere[group][0]:
+                    self.anywhere[group] = have
+
+    def _have(self, rank: int, i: int) -> tuple[int, int] | None:
+        """The prefix candidate i finds on `rank`: there, or copied there from another rank."""
+        have = self.there.get((rank, self.group[i]))
+        return have if have is not None or self.anywhere is None else self.anywhere.get(self.group[i])
 
     def start(self, rank: int, i: int, s: int) -> int:
         """Where candidate i's chunk starts on `rank`: past the prefix it takes if it has not started (s == 0)."""
         if s or self.group[i] < 0:
             return s
-        have = self.there.get((rank, self.group[i]))
+        have = self._have(rank, i)
         if not have or self.shared[i] < have[0]:
             return 0
         return have[0] + min(have[1], self.span[i] - have[0])
 
     def wrote(self, rank: int, i: int, s: int, end: int) -> None:
-        """Candidate i's chunk covers [s, end) on `rank`: it writes its group's prefix there if it passes it first."""
-        shared = self.shared[i]
-        if shared and s < shared <= end and (rank, self.group[i]) not in self.there:
-            self.there[(rank, self.group[i])] = (shared, min(self.span[i], end) - shared)
+        """Candidate i's chunk covers [s, end) on `rank`: it writes its group's prefix there if it passes it first
+        (or it took one copied there)."""
+        shared, key = self.shared[i], (rank, self.group[i])
+        if not shared or key in self.there:
+            return
+        if s < shared <= end:
+            self.there[key] = (shared, min(self.span[i], end) - shared)
+        elif s and self.anywhere and self.group[i] in self.anywhere:
+            self.there[key] = self.anywhere[self.group[i]]
+
+
+def fetched_tokens(prefixes: PrefixView, ids: np.ndarray, ranks: np.ndarray, computed: np.ndarray,
+                   tokens: np.ndarray, page_tokens: int) -> np.ndarray:
+    """The tokens of pages each prompt's forward copies onto its rank (batchgen.core.prefix_fetch): a copied
+    prefix's whole pages and its tail's page, charged to the first prompt of its group that takes it there."""
+    out = np.zeros(ids.size, np.int64)
+    if not getattr(prefixes, "fetches", False):
+        return out
+    seen = ForwardPrefixes(prefixes, ids)
+    for i, (r, g) in enumerate(zip(ranks.tolist(), seen.group)):
+        if g < 0 or (r, g) in seen.there:
+            continue
+        if computed[i] < tokens[i] and seen.anywhere and g in seen.anywhere:  # it took a prefix copied here
+            have = seen.anywhere[g]
+            out[i] = have[0] + (page_tokens if have[1] else 0)
+        seen.there[(r, g)] = (0, 0)  # copied, or written by this prompt: there for the next ones
+    return out
 
 
 def computed_whole(prefixes: PrefixView, ids: np.ndarray, context: list[int], rank: int,

@@ -46,8 +46,14 @@ CASES = {
     "coroutine-shared-tail": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8},
                               {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
     "continuous-shared-tail": ("continuous", {"prefix_tail": True, "token_budget": 64}, {}),
+    # ... groups interleaved over the queue and prefills of a few prompts per rank: a rank that lacks a group's
+    # prefix copies it from another's (core.prefix_fetch), over NVLink or across nodes
+    "coroutine-shared-fetch": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8,
+                                             "prefill_tokens_per_rank": 100},
+                               {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
 }
-SHARED = {"coroutine-shared": 24, "coroutine-shared-tail": 28, "continuous-shared-tail": 28}
+SHARED = {"coroutine-shared": 24, "coroutine-shared-tail": 28, "continuous-shared-tail": 28,
+          "coroutine-shared-fetch": 28}
 
 
 def priced_and_performed(name, monkeypatch):
@@ -62,7 +68,8 @@ def priced_and_performed(name, monkeypatch):
     if name in SHARED:
         w = job.workload
         job = dataclasses.replace(job, workload=Workload(w.name, w.input_lens + SHARED[name], w.output_lens,
-                                                         prefix_group=np.arange(n) // 4,
+                                                         prefix_group=np.arange(n) // 4 if "fetch" not in name
+                                                         else np.arange(n) % 4,
                                                          prefix_len=np.full(n, SHARED[name])))
     plans, synced = [], []
     execute_plan = exec_backend.ExecBackend.execute
@@ -103,3 +110,5 @@ def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
         assert out.prepared.state.host_sharing and out.prepared.state.host_prefix_taken > 0
     if name.endswith("-tail"):  # tails copied on the GPU, priced as copied
         assert performed["local"].sum() > 0
+    if name.endswith("-fetch"):  # prefixes copied from another GPU, priced as copied
+        assert out.prepared.state.prefix_fetched > 0 and acc.of("share")["peer"].sum() + acc.of("share")["network"].sum()

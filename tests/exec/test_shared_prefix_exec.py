@@ -143,6 +143,37 @@ def test_a_prefix_tail_below_a_page_is_copied_not_recomputed(saved, budget):
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_prefix_copied_from_another_gpu_decodes_what_a_recomputed_one_does(saved):
+    """Six groups interleaved over the queue, a few prompts prefilled per rank and forward on 4 GPUs: a rank without
+    a group's prefix copies it from a rank that wrote it in an earlier forward (coroutine's `prefix_fetch`)
+    instead of computing it again; the copies are the bytes the state priced, and every output is transformers'
+    and the run without copies'."""
+    model, path = saved
+    rng = np.random.default_rng(3)
+    n = 24
+    inputs, outputs = PREFIX + rng.integers(4, 20, n), rng.integers(4, 30, n)
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    runs = {}
+    for fetch in (True, False):
+        job = make_job("coroutine", "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 4, "gpus_per_instance": None},
+                       policy_overrides={"b_moe": 4, "b_attn": 4, "prefill_tokens_per_rank": 100,
+                                         "prefix_fetch": fetch})
+        runs[fetch] = execute(dataclasses.replace(job, workload=Workload("grouped", inputs, outputs,
+                                                                         prefix_group=np.arange(n) % 6,
+                                                                         prefix_len=np.full(n, PREFIX))), settings)
+    on, off = runs[True], runs[False]
+    fetched = on.prepared.state.prefix_fetched
+    assert fetched > 0 and on.prepared.state.prefill_computed < off.prepared.state.prefill_computed
+    per_token = PagedKVCache.page_bytes(**read_config(path).kv_cache_geometry()._asdict(), page_size=1,
+                                        dtype=torch.float32)
+    assert on.kv_account.of("share")["peer"].sum() == fetched * per_token  # one node: over NVLink
+    for sid in range(n):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("policy,knobs", [("continuous", {"cascade_attention": "groups"}),
                                           ("coroutine", {"b_moe": 4, "b_attn": 2})])
 def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypatch, policy, knobs):
