@@ -114,6 +114,16 @@ def test_a_prefix_tail_below_a_page_is_copied_and_priced_not_recomputed(monkeypa
     assert bct(simulate(dataclasses.replace(job, policy=off.prepared.policy))) == bct(off)  # none without tails
 
 
+def test_a_prefix_tails_page_goes_when_its_holder_needs_it():
+    """A pool of 31 pages holding a prefix of 17 whole pages and its tail's page beside its last holder's 12 own
+    pages: the holder's last page needs the tail's, which goes (later takers would compute those tokens); before,
+    the run stopped with no progress."""
+    job = grouped_job("continuous", n=24, group_size=6, prefix=280, page_tokens=16, seed=15, kv_gb=0.05, num_gpus=1,
+                      token_budget=8192, prefix_tail=True)
+    out = simulate(job)  # check_invariants: pages and prefixes recounted at every boundary
+    assert np.all(out.prepared.state.table.where == FINISHED)
+
+
 def test_a_prefix_another_gpu_holds_is_copied_and_priced_not_recomputed(monkeypatch):
     """Eight groups interleaved over the queue on 4 GPUs: a GPU without a group's prefix that another GPU wrote in
     an earlier forward copies it from there (coroutine's `prefix_fetch`, core.prefix_fetch), computing fewer

@@ -28,8 +28,9 @@ COLUMNS = {
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
     "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes", "src"),
+    "untail": ("group", "gpu"),
 }
-_UNPRICED = ("free", "evict", "unshare")  # kinds that never move a byte (every other kind, "resume" too, may)
+_UNPRICED = ("free", "evict", "unshare", "untail")  # kinds that never move a byte (every other kind, "resume" too, may)
 
 
 class OpLog:

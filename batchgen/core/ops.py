@@ -26,7 +26,8 @@ and the GPU, before any backend moves a tensor.
 
 Execution order within a boundary is the order of `KVOps`' fields: unshare (a shared prompt prefix dropped), join,
 free, evict, yield, offload, migrate, restore, reshard, share (a shared prompt prefix created or taken:
-batchgen.core.prefix_pages); then the run (prefill or chunks, and decode). A sequence is in at most one of free /
+batchgen.core.prefix_pages), untail (a prefix's tail page freed, after the takers that copy it); then the run
+(prefill or chunks, and decode). A sequence is in at most one of free /
 evict / yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
 sequence's group moves to its new lead, then changes degree there: the state's MIGRATE, then its PARTITION).
 """
@@ -119,13 +120,16 @@ class KVOps:
     share_bytes: np.ndarray = _floats()   # ... the KV those copies write (device to device on one GPU: `local`)
     share_src: np.ndarray = _ints()       # ... a created prefix copied whole from this GPU's (-1: written by the
     #                                       sequence's prefill; core.prefix_fetch), its bytes over NVLink or network
+    untail_group: np.ndarray = _ints()    # a shared prefix lets its tail's page go on this GPU (the GPU needed it;
+    untail_gpu: np.ndarray = _ints()      # later takers compute those tokens): no byte moved
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
     by_heads: bool = True                 # shards split the KV by heads (MLA's latent: replicas)
 
     def empty(self) -> bool:
         return not (self.join_ids.size or self.free_ids.size or self.evict_ids.size or self.yield_ids.size
                     or self.offload_ids.size or self.migrate_ids.size or self.restore_ids.size
-                    or self.reshard_ids.size or self.share_ids.size or self.unshare_group.size)
+                    or self.reshard_ids.size or self.share_ids.size or self.unshare_group.size
+                    or self.untail_group.size)
 
     def _share_tail(self) -> np.ndarray:
         """share_tail, or (a plan written without it) none copied."""
@@ -256,6 +260,7 @@ class KVOps:
                              self._host_copy()[recv].tolist())),
             restore=mine(self.restore_ids, self.restore_gpu), reshard=reshards,
             unshare=self.unshare_group[self.unshare_gpu == gpu].tolist(),
+            untail=self.untail_group[self.untail_gpu == gpu].tolist(),
             share=list(zip(self.share_ids[self.share_gpu == gpu].tolist(),
                            self.share_group[self.share_gpu == gpu].tolist(),
                            self.share_tokens[self.share_gpu == gpu].tolist(),
@@ -291,6 +296,7 @@ class GpuOps:
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
     share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src): a shared prefix, last
     unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
+    untail: list = field(default_factory=list)   # groups whose prefix lets its tail's page go, after the shares
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards
     prefill: list = field(default_factory=list)  # ids: whole contexts (prompt + generated, for a recompute)
     chunks: list = field(default_factory=list)   # (id, start, length) of chunked prefill

@@ -176,7 +176,9 @@ class PrefixPages:
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
         none = np.zeros(ids.size, np.int64)
-        ok = (starts > 0) & (starts == self.sharing_starts(ids, gpus, none, none))  # prefixes already there
+        # prefixes already there (a tail its creator writes in this forward may be more than the prefix keeps)
+        P = self.page_tokens
+        ok = (starts > 0) & (starts // P == self.sharing_starts(ids, gpus, none, none) // P)
         self._require(ids, ok, "given the ready prefix of their group on that GPU")
         whole = np.empty(ids.size, np.int64)
         for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
@@ -364,6 +366,15 @@ class PrefixPages:
             self._exhausted.discard(group)
         self.oplogs[instance].add("unshare", np.array([group], np.int64), np.array([gpu], np.int64))
 
+    def _drop_tail(self, instance: int, gpu: int, group: int) -> None:
+        """A prefix lets its tail's page go, the GPU needing it: later takers compute those tokens (`untail`)."""
+        entry = self.prefixes[(gpu, group)]
+        entry.tail, entry.pages = 0, entry.pages - 1
+        self.pages_used[gpu] -= 1
+        self.prefix_pages[gpu] -= 1
+        self.unheld_pages[gpu] -= 0 if entry.holders else 1
+        self.oplogs[instance].add("untail", np.array([group], np.int64), np.array([gpu], np.int64))
+
     def sweep_prefixes(self, instance: int) -> None:
         """After an instance's run: its prefixes that no one holds and no member is left to take are dropped, and
         those its forward wrote only for itself (`share_in_forward`) too."""
@@ -384,25 +395,32 @@ class PrefixPages:
 
     def _make_room(self, gpu: int) -> int:
         """GPU `gpu` holds more pages than it has: drop the prefixes there that no one holds, the longest unheld
-        first, until it fits (or none is left). Returns the pages it holds then."""
-        for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
-            if self.pages_used[gpu] <= self.gpu_pages[gpu]:
-                break
-            if g == gpu and not entry.holders and not entry.pins:
-                self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
+        first, then the tails' pages of those held, until it fits (or none is left). Returns the pages it holds
+        then."""
+        for tails in (False, True):
+            for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
+                if self.pages_used[gpu] <= self.gpu_pages[gpu]:
+                    return int(self.pages_used[gpu])
+                if g != gpu or entry.pins:
+                    continue
+                if not tails and not entry.holders:
+                    self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
+                elif tails and entry.tail:
+                    self._drop_tail(int(self.topo.gpu_instance[gpu]), gpu, group)
         return int(self.pages_used[gpu])
 
     def drop_unheld(self, instance: int) -> bool:
         """An instance's policy runs nothing: the prefixes on its GPUs that no one holds (kept for members still to
-        start, their pages taken from what the policy may admit) go, so that those members can start. Returns
-        whether any went."""
-        if not self.unheld_pages[self._instance_gpus[instance]].any():
-            return False
-        going = [(gpu, group) for (gpu, group), e in self.prefixes.items()
-                 if not e.holders and not e.pins and self.topo.gpu_instance[gpu] == instance]
-        for gpu, group in going:
-            self._drop(instance, gpu, group)
-        return bool(going)
+        start, their pages taken from what the policy may admit) go, so that those members can start, and the
+        tails' pages of those held (the holders may need them to grow). Returns whether any went."""
+        mine = [(gpu, group, e) for (gpu, group), e in self.prefixes.items()
+                if not e.pins and self.topo.gpu_instance[gpu] == instance and (e.tail or not e.holders)]
+        for gpu, group, e in mine:
+            if e.holders:
+                self._drop_tail(instance, gpu, group)
+            else:
+                self._drop(instance, gpu, group)
+        return bool(mine)
 
     def _let_go(self, ids: np.ndarray) -> None:
         """The sequences' device pages go: each lets go of the prefix it holds; the last holder drops it unless a

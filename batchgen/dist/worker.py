@@ -313,6 +313,8 @@ class RankWorker:
                 raise InvariantError(f"group {group}'s prefix copied from GPU {src}: this backend does not")
             if sid not in restoring:
                 self._bytes("share", "local", cache.share_prefix(sid, group, tokens, creates, tail))
+        for group in ops.untail:  # tail pages freed, after the takers that copy them
+            cache.untail_prefix(group)
         if files is not None:
             files.publish(cache)
 

@@ -36,6 +36,7 @@ from batchgen.policy.base import Capabilities
 from batchgen.exec import clock
 from batchgen.exec.account import KVAccount
 from batchgen.exec.kv_cache import Migrated, PagedKVCache, migrate
+from batchgen.exec.kv_prefixes import share_host_prefixes
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
 from batchgen.exec.sequences import SequenceTokens
@@ -148,8 +149,8 @@ class ExecBackend:
         for g, ids in _by_gpu(ops.evict_ids, ops.evict_gpu):  # recomputed later from prompt + generated tokens
             caches[g].release(ids)
             self.moves["evict"] += len(ids)
-        self._share_host_prefixes(np.concatenate([ops.yield_ids, ops.offload_ids]),
-                                  np.concatenate([ops.yield_gpu, ops.offload_gpu]))
+        share_host_prefixes(self.state, caches, np.concatenate([ops.yield_ids, ops.offload_ids]),
+                            np.concatenate([ops.yield_gpu, ops.offload_gpu]))
         for kind, ids_, gpus in (("yield", ops.yield_ids, ops.yield_gpu), ("offload", ops.offload_ids,
                                                                           ops.offload_gpu)):
             for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
@@ -181,19 +182,8 @@ class ExecBackend:
                 account.add("share", tier, g, caches[g].fetch_prefix(group, tokens, tail, caches[src]))
             elif sid not in restoring:
                 account.add("share", "local", g, caches[g].share_prefix(sid, group, tokens, creates, tail))
-
-    def _share_host_prefixes(self, ids: np.ndarray, gpus: np.ndarray) -> None:
-        """The host copies these yields and offloads write hold their node's host prefix where the state's
-        primitives had them take or create it (`ClusterState.host_held`; batchgen.core.host_prefixes), in the
-        order the state made them: the first of a group on a node creates it."""
-        state = self.state
-        if not state.host_sharing:
-            return
-        for sid, g in zip(ids.tolist(), gpus.tolist()):
-            tokens, cache = int(state.host_held[sid]), self.caches[g]
-            if tokens and not cache.host_pages(sid):  # a copy written now (one written earlier holds its prefix)
-                group = int(state.prefix_group[sid])
-                cache.share_host_prefix(sid, group, tokens, creates=group not in cache.host_pool.prefixes)
+        for group, g in zip(ops.untail_group.tolist(), ops.untail_gpu.tolist()):  # tail pages freed, last
+            caches[g].untail_prefix(group)
 
     def _parts(self, kind: str):
         """A `shards.Count` that charges each part of a reshard or gather to the GPU that receives it, as `kind`:

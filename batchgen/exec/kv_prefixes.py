@@ -15,6 +15,7 @@ taker's attention reads them; the prefix may keep them in one page of its own, f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchgen.core.sequences import InvariantError
@@ -152,6 +153,13 @@ class SharedPrefixes:
         if tail is not None:  # its tail's page is its own
             self._free.append(tail[0])
 
+    def untail_prefix(self, group: int) -> None:
+        """The group's prefix lets its tail's page go (later takers compute those tokens)."""
+        tail = self._prefix_tail.pop(group, None)
+        if tail is None:
+            raise InvariantError(f"group {group}'s prefix keeps no tail in this cache to drop")
+        self._free.append(tail[0])
+
     def cascade_metadata(self, meta, seq_ids: list[int], group: int):
         """`meta` of a call whose decode queries all hold `group`'s prefix here, as a cascaded call
         (batchgen.core.cascade): the prefix's pages, read once by the call."""
@@ -233,3 +241,16 @@ class SharedPrefixes:
                 raise InvariantError(f"page {p} is owned twice or lost a holder: {n} sequences hold it, "
                                      f"{self._refs.get(p, 0)} counted as sharing it")
         return list(counts)
+
+
+def share_host_prefixes(state, caches: list, ids: np.ndarray, gpus: np.ndarray) -> None:
+    """The host copies these yields and offloads write hold their node's host prefix where the state's primitives
+    had them take or create it (`ClusterState.host_held`; batchgen.core.host_prefixes), in the order the state made
+    them: the first of a group on a node creates it."""
+    if not state.host_sharing:
+        return
+    for sid, g in zip(ids.tolist(), gpus.tolist()):
+        tokens, cache = int(state.host_held[sid]), caches[g]
+        if tokens and not cache.host_pages(sid):  # a copy written now (one written earlier holds its prefix)
+            group = int(state.prefix_group[sid])
+            cache.share_host_prefix(sid, group, tokens, creates=group not in cache.host_pool.prefixes)
