@@ -181,7 +181,8 @@ class KVOps:
         device (h2d) from a suspended one's host copy (a host-resident arrival moves nothing: the node's host
         memory holds it); a reshard copies the parts of the new group's shards their GPUs lack (core.reshard),
         and a host copy follows a lead that changes node (network); a join into the host copy gathers the shards
-        into the lead (as a reshard to one GPU) and writes the whole KV down."""
+        into the lead (as a reshard to one GPU) and writes the whole KV down; a share copies a prefix's tail within
+        its GPU (local), or a whole prefix from another GPU's (peer within a node, network across)."""
         if not any(getattr(self, f"{k}_bytes").size for k in ("join", "yield", "offload", "migrate", "restore",
                                                              "reshard", "share")):
             return Moves.none(num_gpus)
