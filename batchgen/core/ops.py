@@ -27,9 +27,9 @@ and the GPU, before any backend moves a tensor.
 Execution order within a boundary is the order of `KVOps`' fields: unshare (a shared prompt prefix dropped), join,
 free, evict, yield, offload, migrate, restore, reshard, share (a shared prompt prefix created or taken:
 batchgen.core.prefix_pages), untail (a prefix's tail page freed, after the takers that copy it); then the run
-(prefill or chunks, and decode). A sequence is in at most one of free /
-evict / yield / offload / migrate / restore per boundary, at most one join, and at most two reshards (a partitioned
-sequence's group moves to its new lead, then changes degree there: the state's MIGRATE, then its PARTITION).
+(prefill or chunks, and decode). A sequence is in at most one of free / evict / yield / offload / migrate / restore
+per boundary, at most one join, and at most two reshards (a partitioned sequence's group moves to its new lead, then
+changes degree there: the state's MIGRATE, then its PARTITION).
 """
 
 from __future__ import annotations
@@ -262,12 +262,7 @@ class KVOps:
             restore=mine(self.restore_ids, self.restore_gpu), reshard=reshards,
             unshare=self.unshare_group[self.unshare_gpu == gpu].tolist(),
             untail=self.untail_group[self.untail_gpu == gpu].tolist(),
-            share=list(zip(self.share_ids[self.share_gpu == gpu].tolist(),
-                           self.share_group[self.share_gpu == gpu].tolist(),
-                           self.share_tokens[self.share_gpu == gpu].tolist(),
-                           self.share_creates[self.share_gpu == gpu].tolist(),
-                           self._share_tail()[self.share_gpu == gpu].tolist(),
-                           self._share_src()[self.share_gpu == gpu].tolist())),
+            share=[(sid, *rest) for sid, g, *rest in self.shares() if g == gpu],
             nodes=self.nodes() if joins or reshards else {})
 
 

@@ -403,10 +403,10 @@ def _fill(cand: list[int], start: list[int], context: list[int], budget: int, fr
     for i, (sid, s, c) in enumerate(zip(cand, start, context)):
         if budget <= 0:
             break
-        held = -(-s // page_tokens)
-        if seen is not None and seen.start(rank, i, s) != s:  # a prefix taken: its whole pages held, a tail copied
-            s = seen.start(rank, i, s)
-            held = s // page_tokens
+        taken = s if seen is None else seen.start(rank, i, s)
+        # a prefix taken: its whole pages held (a tail is copied into a page of its own); else the pages written
+        held = taken // page_tokens if taken != s else -(-s // page_tokens)
+        s = taken
         end = min(c, s + budget)
         if whole and -(-(end + (end == c)) // page_tokens) - held > free_pages:
             break  # its pages are not free: it waits for finishes to free them

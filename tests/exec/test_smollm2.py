@@ -161,12 +161,14 @@ def test_stop_string_ends_the_text_before_it(smol):
     assert out.prepared.state.table.output_len[0] == len(out.tokens.generated[0]) < NEW_TOKENS
 
 
-def test_chats_share_their_system_prompts_kv_and_answer_as_transformers(smol, monkeypatch, policy="continuous"):
+@pytest.mark.parametrize("tail", [False, True])
+def test_chats_share_their_system_prompts_kv_and_answer_as_transformers(smol, monkeypatch, tail, policy="continuous"):
     """The chat template puts the same system prompt before both chats: as one prefix group, the second chat
     takes the first one's KV for it (real weights, real attention patterns), the two decode in cascaded calls
     that read it once (every cascade taken to pay: two members never do on the rig's roofline), and both answers
-    stay transformers'. (Chunked prefill; coroutine's prefills to host share the same pages:
-    test_shared_prefix_exec.)"""
+    stay transformers'. The prefix is cut to end inside a page: with `tail`, its tokens past its whole pages are
+    copied too, from the first chat's rows in the forward that writes them. (Chunked prefill; coroutine's prefills to host share the same
+    pages: test_shared_prefix_exec.)"""
     from batchgen import job as job_module
     from batchgen.workload.spec import Workload
 
@@ -177,19 +179,22 @@ def test_chats_share_their_system_prompts_kv_and_answer_as_transformers(smol, mo
     chats = smol.prompts[1:]
     common = next(i for i, (a, b) in enumerate(zip(*chats)) if a != b)
     assert common >= 16  # the system prompt: at least two whole pages of 8 tokens
+    shared = common // 8 * 8 - 3  # shared as a prefix that ends 5 tokens into a page (its tail)
     inputs, outputs = [len(p) for p in chats], [NEW_TOKENS] * len(chats)
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 1},
                    policy_overrides={"b_moe": 4} if policy == "coroutine" else {"token_budget": 4096,
-                                                                                "cascade_attention": "groups"})
+                                                                                "cascade_attention": "groups",
+                                                                                "prefix_tail": tail})
     job = dataclasses.replace(job, workload=Workload("chats", np.array(inputs), np.array(outputs),
                                                      prefix_group=np.zeros(2, np.int64),
-                                                     prefix_len=np.full(2, common)))
+                                                     prefix_len=np.full(2, shared)))
     settings = ExecSettings(device="cpu", dtype="float32", model_path=str(smol.moe_dir), kv_budget_mb=2 * KV_MB,
                             ignore_eos=False)  # room for both: nothing preempted, the prefix taken once
     out = execute(job, settings, prompts=chats)
     state = out.prepared.state
-    assert state.sharing and not state.table.recomputes.any() and state.prefix_taken == common // 8 * 8
+    assert state.sharing and not state.table.recomputes.any()
+    assert state.prefix_taken == (shared if tail else shared // 8 * 8)
     assert state.prefill_computed == sum(inputs) - state.prefix_taken
     assert out.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
     for sid, expected in enumerate(smol.expected[1:]):
