@@ -353,13 +353,14 @@ def prefill_as_performed(job: Job, dp_prefill: bool) -> Job:
 
 def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None = None,
             host_kv_tokens: int | None = None, host_fix: str | None = None, host_prefixes: bool = False,
-            prefix_fetch: bool = False) -> Prepared:
+            prefix_fetch: bool = False, resume_prefix: bool = False) -> Prepared:
     """kv_pages_per_gpu: the KV pool (per scheduler rank: a TP-attention group's) a real backend allocated, instead of
     the one planned from the specs (`pool_fix`: the setting that enlarges it, for the error when a sequence cannot fit
     it). host_kv_tokens: the host KV a real backend's pool of a node surely holds; the state's per node is the smaller
     of it and the cluster spec's (`host_fix`: the setting that enlarges it, for the same error). host_prefixes: the
     backend holds a group's prefix once in a node's host memory (batchgen.core.host_prefixes); prefix_fetch: it
-    copies a prefix from a sibling GPU where the policy asks (batchgen.core.prefix_fetch).
+    copies a prefix from a sibling GPU where the policy asks (batchgen.core.prefix_fetch); resume_prefix: a host copy
+    resumed onto another GPU of its node takes its group's prefix there.
 
     A policy whose b_attn / b_moe / kv_residency / attention are "auto" is planned first (batchgen.plan): the
     plan's choice replaces the "auto" knobs (`Prepared.policy`) and decides which expert weights stream
@@ -388,7 +389,7 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
         state.share_prefixes(w.prefix_group, w.prefix_len, CascadeRule(
             getattr(policy, "cascade_attention", "off"), m.num_heads, m.num_kv_heads, m.attention == "mla",
             lat.gpu.sm_count, cascade_pays(lat)), host=host_prefixes, tails=getattr(policy, "prefix_tail", False),
-            fetch=prefix_fetch and getattr(policy, "prefix_fetch", False))
+            fetch=prefix_fetch and getattr(policy, "prefix_fetch", False), resume_anywhere=resume_prefix)
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
     route = policy.route

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from batchgen.core.sequences import FINISHED, InvariantError
 from batchgen.memory import ConfigError, MemorySettings
+from batchgen.policy.base import Capabilities
 from batchgen.results.metrics import bct
 from batchgen.sim.run import simulate
 from batchgen.workload.prefixes import prefill_tokens_distinct
@@ -122,6 +123,17 @@ def test_a_prefix_tails_page_goes_when_its_holder_needs_it():
                       token_budget=8192, prefix_tail=True)
     out = simulate(job)  # check_invariants: pages and prefixes recounted at every boundary
     assert np.all(out.prepared.state.table.where == FINISHED)
+
+
+def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there_and_restores_the_rest():
+    """Yielded members resumed onto a GPU of their node other than the one whose cache holds their host copy take
+    their group's prefix there when it holds it (`resume_anywhere`): the same decisions restore exactly the
+    prefix's bytes less from host; a backend without it (dist's capability) copies them whole."""
+    job = grouped_job("coroutine", n=96, group_size=8, kv_gb=0.5, num_gpus=4, seed=1)
+    on, off = simulate(job), simulate(job, capabilities=Capabilities(resume_prefix=False))
+    resumed = on.prepared.state.prefix_resumed
+    assert resumed > 0 and off.prepared.state.prefix_resumed == 0 and len(on.records) == len(off.records)
+    assert off.h2d_bytes - on.h2d_bytes == resumed * job.model.kv_bytes_per_token
 
 
 def test_a_prefix_another_gpu_holds_is_copied_and_priced_not_recomputed(monkeypatch):

@@ -393,7 +393,8 @@ class KVLedger:
                        "reshard (a group's KV, device to device)")
             self._fail((lead != to_lead) | (degree != to_degree), ops.reshard_ids[row], lead, "reshard to its group")
             h[sid], sp[sid] = int(to_lead[0]), int(to_degree[0]) if to_degree[0] > 1 else 0
-        restored = np.isin(ops.share_ids, ops.restore_ids)  # taken by a restore: the rest of its KV copied in
+        # taken by a restore, or a resume from another GPU's host copy: the rest of its KV copied in
+        restored = np.isin(ops.share_ids, ops.restore_ids) | np.isin(ops.share_ids, ops.migrate_ids)
         if restored.any():
             ids, gpus = ops.share_ids[restored], ops.share_gpu[restored]
             self._fail((h[ids] == gpus) & dev[ids], ids, gpus, "share (a prefix taken by a restore onto that GPU)")

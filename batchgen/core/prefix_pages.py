@@ -33,8 +33,9 @@ The model, kept exact by every primitive:
   instance whose policy runs nothing drops its unheld prefixes (`drop_unheld`).
 - Prompts prefilled to host share within their forward (`share_in_forward`): the first of a group on a GPU writes
   the prefix, kept there as above when its pages fit beside what the GPU holds; a later prefill takes it.
-- A suspended member restored onto the GPU whose cache holds its host copy takes the prefix there
-  (`attach_restored`): the restore copies only the rest of its KV (its host copy stays whole).
+- A suspended member restored onto the GPU whose cache holds its host copy, or (`resume_anywhere`) resumed onto
+  another GPU of its node, takes the prefix there (`attach_restored`): the restore copies only the rest of its KV
+  (its host copy stays whole).
 - PARTITION refuses a holder.
 """
 
@@ -64,18 +65,23 @@ class PrefixPages:
 
     sharing = False  # set by `share_prefixes`; off, none of this runs
     tails = False    # copy-on-write below a page: the shared tokens of the partial page are copied, not recomputed
+    resume_anywhere = False  # a resume onto another GPU of its node takes the prefix there (`attach_restored`)
     cascade = CascadeRule()  # which holders decoding together read their prefix once (batchgen.core.cascade)
 
     def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None,
-                       host: bool = False, tails: bool = False, fetch: bool = False) -> None:
+                       host: bool = False, tails: bool = False, fetch: bool = False,
+                       resume_anywhere: bool = False) -> None:
         """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
         those decoding together read them by `cascade`; `host`: their host copies share it on a node too
         (batchgen.core.host_prefixes); `tails`: the shared tokens of the page where members diverge are copied;
-        `fetch`: a prefix another GPU of the instance holds is copied from there (batchgen.core.prefix_fetch)."""
+        `fetch`: a prefix another GPU of the instance holds is copied from there (batchgen.core.prefix_fetch);
+        `resume_anywhere`: a host copy resumed onto another GPU of its node takes the prefix there too, not only on
+        the GPU whose cache holds it (`attach_restored`)."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
         self.sharing, self.tails, self.fetch = True, bool(tails), bool(fetch)
+        self.resume_anywhere = bool(resume_anywhere)
         self.prefix_fetched = 0  # prefix tokens copied from another GPU instead of computed there
         self.cascade = cascade or CascadeRule()
         self.prefix_group = group
@@ -83,6 +89,7 @@ class PrefixPages:
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
         self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
         self.prefix_restored = 0  # tokens whose KV a restore took by reference instead of copying it from host
+        self.prefix_resumed = 0  # of those, taken by resumes from another GPU's host copy (`resume_anywhere`)
         self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
         grouped = group[group >= 0]
         # members of each group that have not started their prefill (a preempted one starts again)
@@ -325,9 +332,10 @@ class PrefixPages:
             np.add.at(self.group_parked, grouped, delta)
 
     def attach_restored(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
-        """Suspended sequences about to be restored onto the GPU whose cache holds their host copy: each whose
-        group's prefix is there takes it by reference, so its restore copies only the rest of its KV and its own
-        pages are those past the prefix. Returns the tokens each takes (0: none)."""
+        """Suspended sequences about to be restored onto `gpus` (the GPU whose cache holds their host copy, or with
+        `resume_anywhere` another of its node): each whose group's prefix is there takes it by reference, so its
+        restore copies only the rest of its KV and its own pages are those past the prefix. Returns the tokens each
+        takes (0: none)."""
         at = np.zeros(ids.size, np.int64)
         if not self.prefixes:
             return at
@@ -342,6 +350,7 @@ class PrefixPages:
         if take.size:
             self.prefix_held[ids[take]] = at[take]
             self.prefix_restored += int(at.sum())
+            self.prefix_resumed += int(at[self.table.kv_gpu[ids] != gpus].sum())
             self._log_share(instance, ids[take], gpus[take], at[take], np.zeros(take.size, bool),
                             np.zeros(take.size, np.int64))
         return at

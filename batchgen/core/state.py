@@ -211,10 +211,10 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         remote = self.topo.gpu_node[gpus] != node
         src = t.kv_gpu[ids].astype(np.int64)
         here = src == gpus  # back on the GPU whose host copy it is: restored in place (host-resident: nothing)
-        log = self.oplogs[instance]
-        restore = here & ~host_resident
-        if self.sharing and restore.any():  # back where its group's prefix is: it takes it, and restores the rest
-            bytes_[restore] -= self.attach_restored(instance, ids[restore], src[restore]) * self.kv_bytes_per_token
+        log, restore = self.oplogs[instance], here & ~host_resident
+        takes = ~host_resident & ~remote if self.resume_anywhere else restore  # onto another GPU of its node too
+        if self.sharing and takes.any():  # onto a GPU with its group's prefix: it takes it, and copies the rest
+            bytes_[takes] -= self.attach_restored(instance, ids[takes], gpus[takes]) * self.kv_bytes_per_token
         if restore.all():  # the usual admit: each back onto the device of the GPU it was yielded from
             log.add("restore", ids, src, bytes_)
         else:

@@ -87,7 +87,8 @@ class DistBackend(ExecBackend):
                                                 two_batch_overlap=False, comm_overlap=is_moe, attention_tp=False,
                                                 micro_batch_ffn=False, dp_prefill=is_moe,
                                                 host_prefixes=False,  # each process's host copies stay whole
-                                                prefix_fetch=False)   # and each computes its own prefixes
+                                                prefix_fetch=False,   # and each computes its own prefixes,
+                                                resume_prefix=False)  # taken by a resume on its own GPU only
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]

@@ -156,12 +156,15 @@ class ExecBackend:
             for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
                 self._counted(kind, "d2h", g, caches[g].yield_to_host, ids)
                 self.moves[kind] += len(ids)
-        for sid, src, dst, to_device, host_copy, cross in ops.migrations():
+        shares, migrations = ops.shares(), ops.migrations()
+        resuming = {m[0] for m in migrations}
+        for sid, g, group, tokens, creates, _, _ in (op for op in shares if op[0] in resuming):
+            caches[g].share_prefix(sid, group, tokens, creates, resuming=True)  # a resume copies only the rest
+        for sid, src, dst, to_device, host_copy, cross in migrations:
             moved = migrate(caches[src], caches[dst], sid, to_device=to_device, host_copy=host_copy)
             for kind, tier, nbytes in migration_tiers(moved, cross):
                 account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
-        shares = ops.shares()
         restoring = set(ops.restore_ids.tolist())
         for sid, g, group, tokens, creates, _, _ in (op for op in shares if op[0] in restoring):
             caches[g].share_prefix(sid, group, tokens, creates)  # a restore that takes its prefix copies the rest
@@ -180,7 +183,7 @@ class ExecBackend:
             if src >= 0:  # a prefix copied whole from another GPU's (batchgen.core.prefix_fetch)
                 tier = "peer" if node[src] == node[g] else "network"
                 account.add("share", tier, g, caches[g].fetch_prefix(group, tokens, tail, caches[src]))
-            elif sid not in restoring:
+            elif sid not in restoring and sid not in resuming:
                 account.add("share", "local", g, caches[g].share_prefix(sid, group, tokens, creates, tail))
         for group, g in zip(ops.untail_group.tolist(), ops.untail_gpu.tolist()):  # tail pages freed, last
             caches[g].untail_prefix(group)

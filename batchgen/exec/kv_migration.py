@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.core.sequences import InvariantError
 from batchgen.exec.kv_pages import CacheFullError, _cdiv, _index, _Seq
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,9 +159,14 @@ def migrate(src: "PagedKVCache", dst: "PagedKVCache", seq_id: int, *, to_device:
     host copy, straight into `dst`'s device pages (to_device) or host copy; `dst` keeps a host copy exactly when
     `host_copy` (required without to_device), holding what the source's held. Within one host pool (two GPUs of a
     node) the host copy changes hands and no byte of it moves; into another pool it goes as `PagedKVCache.adopt`
-    says. The sequence leaves `src`. All or nothing: a destination that cannot take it raises before anything
-    changes."""
+    says. A host copy whose sequence took its group's prefix in `dst` just before (`share_prefix(...,
+    resuming=True)`) is restored past it. The sequence leaves `src`. All or nothing: a destination that cannot take it
+    raises before anything changes."""
     s = src._get(seq_id)
+    attached = seq_id in dst._attached
+    if attached and (s.on_device or not to_device or src.host_pool is not dst.host_pool):
+        raise InvariantError(f"sequence {seq_id} took a prefix in the destination: only its host copy in the same "
+                             "pool can be restored past it")
     if src.host_pool is not dst.host_pool or (s.on_device and not to_device):
         rows, source = src.migration_rows(seq_id)
         moved = dst.adopt(seq_id, rows, source, to_device=to_device, host_copy=host_copy, host_tokens=s.synced)
@@ -168,15 +174,15 @@ def migrate(src: "PagedKVCache", dst: "PagedKVCache", seq_id: int, *, to_device:
         return moved
     if s.pending:
         raise ValueError(f"sequence {seq_id} is in a host-resident step: finish it before migrating it")
-    if seq_id in dst:
+    if seq_id in dst and not attached:
         raise ValueError(f"sequence {seq_id} already has KV in the destination: release it there first")
     if not (to_device or host_copy):
         raise ValueError(f"sequence {seq_id}: a migration must land on device pages or as a host copy")
     n = s.device_len if s.on_device else s.synced
-    if to_device and not dst.can_fit({seq_id: n}):
+    if to_device and not dst.can_fit({seq_id: n - (dst._resident_tokens(seq_id) if attached else 0)}):
         raise CacheFullError(f"migrating sequence {seq_id} here ({n} tokens)", _cdiv(n, dst.page_size),
                              len(dst._free), dst.num_pages, dst.page_size)
-    d = dst._seqs[seq_id] = _Seq()
+    d = dst._seqs[seq_id] if attached else dst._seqs.setdefault(seq_id, _Seq())
     if s.on_device:  # pages first (they fit): nothing below can fail
         dst._grow_to({seq_id: n}, f"migrating sequence {seq_id} here ({n} tokens)")
     handed = s.synced if host_copy or not s.on_device else 0

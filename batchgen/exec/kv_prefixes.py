@@ -34,12 +34,14 @@ class SharedPrefixes:
         self._creator_of: dict[int, int] = {}  # group -> the sequence whose coming forward writes its prefix here
         self._fanout: dict[int, list[tuple[int, list[int]]]] = {}  # writer -> (first position, slots it fills)
 
-    def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool, tail: int = 0) -> int:
+    def share_prefix(self, seq_id: int, group: int, tokens: int, creates: bool, tail: int = 0,
+                     resuming: bool = False) -> int:
         """creates: the sequence's first `tokens` tokens (its prefill writes them) become the group's prefix here,
         their pages taken now, and its next `tail` tokens the prefix's tail, in a page of its own; else the sequence
-        (new to this cache, or a host copy about to be restored) holds the group's prefix pages and its KV on device
-        starts at `tokens`, past its `tail` tokens copied into its first own page. Returns the bytes the tail's
-        copies write (now, or in the coming forward)."""
+        (new to this cache, or a host copy about to be restored: here, or with `resuming` from another cache of the
+        node's pool, `kv_migration.migrate`) holds the group's prefix pages and its KV on device starts at `tokens`,
+        past its `tail` tokens copied into its first own page. Returns the bytes the tail's copies write (now, or in
+        the coming forward)."""
         if tokens % self.page_size or tokens < self.page_size or not 0 <= tail < self.page_size:
             raise InvariantError(f"a shared prefix is whole pages of {self.page_size} tokens and a tail of less than "
                                  f"a page, got {tokens} and {tail}")
@@ -68,6 +70,8 @@ class SharedPrefixes:
         s = self._seqs.get(seq_id)
         if s is None:
             s = self._seqs[seq_id] = _Seq(pages=list(pages), device_len=tokens)
+            if resuming:
+                self._attached.add(seq_id)
         elif not s.pages and s.synced > tokens and not s.pending and not tail:  # its host copy is restored next
             s.pages, s.device_len = list(pages), tokens
             self._attached.add(seq_id)

@@ -433,7 +433,8 @@ def _run_once(job: Job, settings: ExecSettings, models: dict, devices: list[torc
     start, cpu_start, meter = time.perf_counter(), time.process_time(), LoadMeter()
     cluster = effective_cluster(job)
     c = models[devices[0]].config
-    prepared = prepare(job, kv_pages_per_gpu=pools.num_pages, host_prefixes=True, prefix_fetch=True, **host_kw(host))
+    prepared = prepare(job, kv_pages_per_gpu=pools.num_pages, host_prefixes=True, prefix_fetch=True,
+                       resume_prefix=True, **host_kw(host))
     node = prepared.state.topo.gpu_node
     device_of = [devices[gpu // cluster.instance_size] for gpu in range(cluster.num_gpus)]
     geometry = pools.geometry

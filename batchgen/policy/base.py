@@ -89,6 +89,9 @@ class Capabilities:
     host_prefixes: bool = True
     # a shared prefix copied from a sibling GPU's instead of recomputed (batchgen.core.prefix_fetch)
     prefix_fetch: bool = True
+    # a host copy resumed onto another GPU of its node takes the group's prefix there, copying only the rest
+    # (batchgen.core.prefix_pages.attach_restored)
+    resume_prefix: bool = True
 
 
 @dataclass(frozen=True)

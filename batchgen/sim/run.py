@@ -64,7 +64,8 @@ def simulate(job: Job, *, capabilities: Capabilities | None = None,
         job = prefill_as_performed(job, capabilities.dp_prefill)
     prepared = prepare(job, kv_pages_per_gpu=kv_pages_per_gpu,
                        host_prefixes=capabilities is None or capabilities.host_prefixes,
-                       prefix_fetch=capabilities is None or capabilities.prefix_fetch)
+                       prefix_fetch=capabilities is None or capabilities.prefix_fetch,
+                       resume_prefix=capabilities is None or capabilities.resume_prefix)
     state, lat = prepared.state, prepared.latency
     env = simpy.Environment()
     policy = prepared.policy or job.policy  # "auto" knobs resolved by the planner

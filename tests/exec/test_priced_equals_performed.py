@@ -51,9 +51,13 @@ CASES = {
     "coroutine-shared-fetch": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8,
                                              "prefill_tokens_per_rank": 100},
                                {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
+    # ... on 2 GPUs with a small pool: yielded members resume onto the GPU that did not write their host copy, and
+    # take their group's prefix there (core.prefix_pages.attach_restored), restoring the rest
+    "coroutine-shared-resume": ("coroutine", {"kv_residency": "device", "b_attn": 4, "b_moe": 8},
+                                {"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2}),
 }
 SHARED = {"coroutine-shared": 24, "coroutine-shared-tail": 28, "continuous-shared-tail": 28,
-          "coroutine-shared-fetch": 28}
+          "coroutine-shared-fetch": 28, "coroutine-shared-resume": 24}
 
 
 def priced_and_performed(name, monkeypatch):
@@ -110,5 +114,7 @@ def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
         assert out.prepared.state.host_sharing and out.prepared.state.host_prefix_taken > 0
     if name.endswith("-tail"):  # tails copied on the GPU, priced as copied
         assert performed["local"].sum() > 0
+    if name.endswith("-resume"):
+        assert out.prepared.state.prefix_resumed > 0
     if name.endswith("-fetch"):  # prefixes copied from another GPU, priced as copied
         assert out.prepared.state.prefix_fetched > 0 and acc.of("share")["peer"].sum() + acc.of("share")["network"].sum()

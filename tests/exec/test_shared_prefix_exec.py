@@ -174,6 +174,31 @@ def test_a_prefix_copied_from_another_gpu_decodes_what_a_recomputed_one_does(sav
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there(saved):
+    """A pool of 300 tokens per GPU on 2 GPUs: yielded members resume onto the other GPU than the one whose cache
+    holds their host copy, which holds their group's prefix: they take it there and copy only the rest of their KV
+    (`resume_anywhere`), and decode what transformers and the unshared run decode."""
+    model, path = saved
+    rng = np.random.default_rng(5)
+    n = 16
+    inputs, outputs = PREFIX + rng.integers(4, 30, n), rng.integers(4, 30, n)
+    outputs[:2] = 60
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 300), threads=1)
+    runs = {}
+    for share in (True, False):
+        job = make_job("coroutine", "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 2, "gpus_per_instance": None},
+                       policy_overrides={"b_moe": 4, "b_attn": 4, "kv_residency": "device", "prefix_cache": share})
+        runs[share] = execute(dataclasses.replace(job, workload=Workload(
+            "grouped", inputs, outputs, prefix_group=np.arange(n) // 4, prefix_len=np.full(n, PREFIX))), settings)
+    on, off = runs[True], runs[False]
+    assert on.prepared.state.prefix_resumed > 0
+    for sid in range(n):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("policy,knobs", [("continuous", {"cascade_attention": "groups"}),
                                           ("coroutine", {"b_moe": 4, "b_attn": 2})])
 def test_cascades_read_on_the_executor_what_the_engine_accounts(saved, monkeypatch, policy, knobs):
