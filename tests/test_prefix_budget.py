@@ -146,3 +146,28 @@ def test_takers_copy_the_tail_below_a_page_that_the_prefix_has_and_they_share():
     # a prefix kept with 10 of its tail tokens (its writer's chunk ended there), and a member that shares 4 of them
     view = View([0, 0], [1024, 1024], there={(0, 0): (1024, 10)}, span=[1050, 1028])
     assert computed_whole(view, np.arange(2), [1100, 1100], 0, view.on_ranks()) == [66, 72]
+
+
+class Fetching(View):
+    """A cache whose ranks copy each other's prefixes (coroutine's `prefix_fetch`)."""
+
+    fetches = True
+
+
+def test_a_prompt_that_would_write_again_a_prefix_this_forward_writes_waits_where_ranks_copy_prefixes():
+    # two groups, each prompt 1,100 tokens sharing 1,024; 1,400 computed tokens per rank
+    group = [0, 0, 0, 0, 0, 0, 1, 1]
+    tokens, budgets = np.full(8, 1100), np.array([1400, 1400])
+    # without copies: group 0's fifth member writes its prefix again on rank 1, and group 1 finds no room
+    ranks, computed = split_sharing(np.arange(8), tokens, budgets, View(group, [1024] * 8))
+    assert ranks.tolist() == [0, 0, 0, 0, 1, 1] and computed.tolist() == [1100, 76, 76, 76, 1100, 76]
+    # with copies: group 0's last two wait (rank -1) for the next forward to copy its prefix; group 1 fills rank 1
+    ranks, computed = split_sharing(np.arange(8), tokens, budgets, Fetching(group, [1024] * 8))
+    assert ranks.tolist() == [0, 0, 0, 0, -1, -1, 1, 1] and computed.tolist() == [1100, 76, 76, 76, 0, 0, 1100, 76]
+    # a prefix another rank held before the forward is copied instead: the prompt takes it where it lands
+    ranks, computed = split_sharing(np.arange(2), np.full(2, 1100), np.array([0, 1400]),
+                                    Fetching([0, 0], [1024] * 2, there={(0, 0): 1024}))
+    assert ranks.tolist() == [1, 1] and computed.tolist() == [76, 76]
+    # one group only: rank 1 would idle while its last two wait, so they write its prefix there after all
+    ranks, computed = split_sharing(np.arange(6), np.full(6, 1100), budgets, Fetching([0] * 6, [1024] * 6))
+    assert ranks.tolist() == [0, 0, 0, 0, 1, 1] and computed.tolist() == [1100, 76, 76, 76, 1100, 76]

@@ -129,7 +129,7 @@ def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there_and_restore
     """Yielded members resumed onto a GPU of their node other than the one whose cache holds their host copy take
     their group's prefix there when it holds it (`resume_anywhere`): the same decisions restore exactly the
     prefix's bytes less from host; a backend without it (dist's capability) copies them whole."""
-    job = grouped_job("coroutine", n=96, group_size=8, kv_gb=0.5, num_gpus=4, seed=1)
+    job = grouped_job("coroutine", n=96, group_size=8, kv_gb=0.5, num_gpus=4, seed=1, prefix_fetch=False)
     on, off = simulate(job), simulate(job, capabilities=Capabilities(resume_prefix=False))
     resumed = on.prepared.state.prefix_resumed
     assert resumed > 0 and off.prepared.state.prefix_resumed == 0 and len(on.records) == len(off.records)
@@ -163,6 +163,21 @@ def test_a_prefix_another_gpu_holds_is_copied_and_priced_not_recomputed(monkeypa
     monkeypatch.setattr(KVOps, "moves", pricing)
     again = simulate(job)
     assert bct(again) == bct(on) and sum(priced) == fetched * job.model.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("n,group_size,chunk,again", [(96, 16, 600, 0), (128, 32, 1000, 0), (64, 64, 2000, 3)])
+def test_coroutine_computes_each_shared_token_once_where_no_rank_idles_for_it(n, group_size, chunk, again):
+    """Groups whose prefix ends inside a page, spread over 4 GPUs in forwards of `chunk` tokens per rank: each
+    group's prefix is written once (a second GPU copies it, the prompts that would write it again wait a forward)
+    and its tail is copied, so the prefill computes the distinct tokens exactly; except where the ranks that would
+    wait have nothing else to do: one group whose 64 prompts all fit the first forward is written on each rank."""
+    job = grouped_job("coroutine", n=n, group_size=group_size, prefix=200, page_tokens=16, num_gpus=4,
+                      prefill_tokens_per_rank=chunk)
+    out = simulate(job)
+    w = job.workload
+    assert out.prepared.state.prefill_computed == prefill_tokens_distinct(w.input_lens, w.prefix_group,
+                                                                          w.prefix_len) + again * 200
+    assert (out.prepared.state.prefix_fetched > 0) == (not again)
 
 
 def test_partition_refuses_a_sequence_that_holds_a_shared_prefix():

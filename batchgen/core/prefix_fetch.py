@@ -7,6 +7,7 @@ node, the network across nodes) and then takes it as a prefix written there. The
 and its tail, kept as a prefix no one holds yet (`GroupPrefix`, holders 0); the source stays pinned until the
 instance's next run has ended. Its bytes ride on a `share` op with a source GPU, priced by tier and performed by
 the executor; one the prefix does not fit (its pages, on the GPU) is not copied and the prompt writes it again.
+A host copy resumed onto a GPU without its prefix has it copied there the same way, and restores only the rest.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ class PrefixFetch(PrefixPages):
                 best = (g, entry)
         return best
 
-    def fetch_prefixes(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
-        """Prompts about to start on `gpus`: where a GPU lacks a prompt's group's prefix and another GPU of the
-        instance holds one the prompt can take, it is copied there first (once per GPU and group)."""
+    def fetch_prefixes(self, instance: int, ids: np.ndarray, gpus: np.ndarray, resuming: bool = False) -> None:
+        """Prompts about to start on `gpus` (or, `resuming`, host copies about to be restored there): where a GPU
+        lacks a sequence's group's prefix and another GPU of the instance holds one it can take, it is copied there
+        first (once per GPU and group)."""
         if not self.fetch or not self.prefixes:
             return
         mine = self._instance_gpus[instance]
         shared = self.share_tokens(ids).tolist()
-        pending = (self.table.where[ids] == PENDING).tolist()
+        pending = [True] * ids.size if resuming else (self.table.where[ids] == PENDING).tolist()
         for sid, g, n, waits in zip(ids.tolist(), gpus.tolist(), shared, pending):
             group = int(self.prefix_group[sid])
             if not waits or n <= 0 or (g, group) in self.prefixes:

@@ -335,10 +335,11 @@ class PrefixPages:
         """Suspended sequences about to be restored onto `gpus` (the GPU whose cache holds their host copy, or with
         `resume_anywhere` another of its node): each whose group's prefix is there takes it by reference, so its
         restore copies only the rest of its KV and its own pages are those past the prefix. Returns the tokens each
-        takes (0: none)."""
+        takes (0: none). A GPU without the prefix may have it copied from another first (`fetch_prefixes`)."""
         at = np.zeros(ids.size, np.int64)
         if not self.prefixes:
             return at
+        self.fetch_prefixes(instance, ids, gpus, resuming=True)
         for i, (g, entry) in enumerate(zip(gpus.tolist(), self._restore_takes(ids, gpus))):
             if entry is None:
                 continue

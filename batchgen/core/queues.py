@@ -97,6 +97,26 @@ class IdQueue:
         if not (popped.tolist() == ids.tolist() if ids.size <= 64 else np.array_equal(popped, ids)):
             raise ValueError("ids taken from a queue must be its head, in FIFO order")
 
+    def take_from_head(self, ids: np.ndarray) -> None:
+        """Pop these ids, in FIFO order from the queue's head; those of the head between them that are not taken
+        stay at its front, in order (a policy that lets some wait a forward)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = ids.size
+        if not n or np.array_equal(self.peek(n), ids):
+            self.take_head_ids(ids)
+            return
+        window = self.peek(2 * n)
+        while not (window == ids[-1]).any() and window.size < self._len:
+            window = self.peek(2 * window.size)
+        at = np.flatnonzero(window == ids[-1])
+        head = window[: at[0] + 1] if at.size else window
+        keep = ~np.isin(head, ids)
+        if not at.size or not np.array_equal(head[~keep], ids):
+            raise ValueError("ids taken from a queue must be in its head, in FIFO order")
+        stay = head[keep].copy()
+        self.pop(head.size)
+        self.push_front(stay)
+
     def remove(self, ids: np.ndarray) -> None:
         """Take these ids out wherever they are (rare: evicting suspended sequences); keeps the order."""
         ids = np.asarray(ids, dtype=np.int64)

@@ -392,8 +392,8 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         t.kv_gpu[ids] = -1
 
     def take_pending(self, instance: int, ids: np.ndarray, gpu: int | None = None) -> None:
-        """Remove sequences about to be prefilled from the head of their queue."""
-        (self.pending[instance] if gpu is None else self.pinned[gpu]).take_head_ids(ids)
+        """Remove sequences about to be prefilled from the head of their queue (some of its head may stay)."""
+        (self.pending[instance] if gpu is None else self.pinned[gpu]).take_from_head(ids)
 
     def start_prefill_to_host(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> None:
         self.prefill_computed += int(self.table.context(ids).sum())

@@ -39,6 +39,7 @@ from batchgen.exec.kv_cache import Migrated, PagedKVCache, migrate
 from batchgen.exec.kv_prefixes import share_host_prefixes
 from batchgen.exec.runner import InstanceRunner, RankBatch
 from batchgen.exec.sampling import sample
+from batchgen.exec.share_ops import ShareOps
 from batchgen.exec.sequences import SequenceTokens
 from batchgen.exec.shards import drop, gather_to_host, reshard, shards_of
 
@@ -133,7 +134,8 @@ class ExecBackend:
         the op says (`kv_cache.migrate`); within a node the host copy changes hands in the node's host pool.
         Reshards last (`shards.reshard`): device to device, a new lead taking the host copy as a migration
         would. Shared prefixes dropped first and created or taken last (`kv_prefixes`; tails, and prefixes from other
-        GPUs, copied then), but taken before a restore that takes one (it then copies only the rest)."""
+        GPUs, copied then), but taken before a restore or resume that takes one (it then copies only the rest;
+        `share_ops`)."""
         caches, account = self.caches, self.account
         for group, g in zip(ops.unshare_group.tolist(), ops.unshare_gpu.tolist()):
             caches[g].unshare_prefix(group)
@@ -156,18 +158,14 @@ class ExecBackend:
             for g, ids in _by_gpu(ids_, gpus):  # checkpoint to the host copy, pages freed
                 self._counted(kind, "d2h", g, caches[g].yield_to_host, ids)
                 self.moves[kind] += len(ids)
-        shares, migrations = ops.shares(), ops.migrations()
-        resuming = {m[0] for m in migrations}
-        for sid, g, group, tokens, creates, _, _ in (op for op in shares if op[0] in resuming):
-            caches[g].share_prefix(sid, group, tokens, creates, resuming=True)  # a resume copies only the rest
+        shares, migrations = ShareOps(ops, caches, account, self.state.topo.gpu_node), ops.migrations()
+        shares.before({m[0] for m in migrations}, resuming=True)  # a resume that takes its prefix copies the rest
         for sid, src, dst, to_device, host_copy, cross in migrations:
             moved = migrate(caches[src], caches[dst], sid, to_device=to_device, host_copy=host_copy)
             for kind, tier, nbytes in migration_tiers(moved, cross):
                 account.add(kind, tier, dst, nbytes)  # one sequence's KV each
             self.moves["migrate"] += 1
-        restoring = set(ops.restore_ids.tolist())
-        for sid, g, group, tokens, creates, _, _ in (op for op in shares if op[0] in restoring):
-            caches[g].share_prefix(sid, group, tokens, creates)  # a restore that takes its prefix copies the rest
+        shares.before(set(ops.restore_ids.tolist()))  # and so does a restore
         for g, ids in _by_gpu(ops.restore_ids, ops.restore_gpu):
             self._counted("restore", "h2d", g, caches[g].restore, ids)
             self.moves["restore"] += len(ids)
@@ -179,12 +177,7 @@ class ExecBackend:
                 for _, tier, nbytes in migration_tiers(moved, bool(node[old[0]] != node[new[0]])):
                     account.add("reshard_host_copy", tier, new[0], nbytes)
             self.moves["partition"] += int(len(new) > 1)
-        for sid, g, group, tokens, creates, tail, src in shares:  # a tail below a page: copied on the GPU
-            if src >= 0:  # a prefix copied whole from another GPU's (batchgen.core.prefix_fetch)
-                tier = "peer" if node[src] == node[g] else "network"
-                account.add("share", tier, g, caches[g].fetch_prefix(group, tokens, tail, caches[src]))
-            elif sid not in restoring and sid not in resuming:
-                account.add("share", "local", g, caches[g].share_prefix(sid, group, tokens, creates, tail))
+        shares.rest()
         for group, g in zip(ops.untail_group.tolist(), ops.untail_gpu.tolist()):  # tail pages freed, last
             caches[g].untail_prefix(group)
 

@@ -277,6 +277,9 @@ class CoroutinePolicy(PolicyDefaults):
             ranks, computed = split_by_budget(tokens, budget), tokens
         else:  # the budget counts the tokens computed, less the prefixes taken (batchgen.policy.prefix_budget)
             ranks, computed = spread_sharing(cand, tokens, chunk, snap.num_ranks, snap.prefixes)
+            placed = np.flatnonzero(ranks >= 0)  # the others wait a forward for their group's prefix to be copied
+            if placed.size < ranks.size:
+                cand, tokens, ranks, computed = cand[placed], tokens[placed], ranks[placed], computed[placed]
         cost = tokens[:ranks.size] + snap.page_tokens
         if snap.prefixes is not None:  # past the host prefix of its group its node holds (or its forward writes)
             cost = cost - snap.prefixes.host_skips(cand[:ranks.size], snap.rank_node[ranks])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from batchgen.core.prefix_fetch import PrefixFetch
 from batchgen.exec.kv_cache import PagedKVCache
 from batchgen.exec.models.loading import read_config
 from batchgen.exec.run import ExecSettings, execute
@@ -174,11 +175,20 @@ def test_a_prefix_copied_from_another_gpu_decodes_what_a_recomputed_one_does(sav
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there(saved):
+def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there(saved, monkeypatch):
     """A pool of 300 tokens per GPU on 2 GPUs: yielded members resume onto the other GPU than the one whose cache
     holds their host copy, which holds their group's prefix: they take it there and copy only the rest of their KV
-    (`resume_anywhere`), and decode what transformers and the unshared run decode."""
+    (`resume_anywhere`); members restored onto a GPU without it have it copied from the other first (`fetch`); and
+    all decode what transformers and the unshared run decode."""
     model, path = saved
+    fetch, copied = PrefixFetch.fetch_prefixes, []
+
+    def counted(state, instance, ids, gpus, resuming=False):
+        before = state.prefix_fetched
+        fetch(state, instance, ids, gpus, resuming)
+        copied.append(resuming * (state.prefix_fetched - before))
+
+    monkeypatch.setattr(PrefixFetch, "fetch_prefixes", counted)
     rng = np.random.default_rng(5)
     n = 16
     inputs, outputs = PREFIX + rng.integers(4, 30, n), rng.integers(4, 30, n)
@@ -192,7 +202,7 @@ def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there(saved):
         runs[share] = execute(dataclasses.replace(job, workload=Workload(
             "grouped", inputs, outputs, prefix_group=np.arange(n) // 4, prefix_len=np.full(n, PREFIX))), settings)
     on, off = runs[True], runs[False]
-    assert on.prepared.state.prefix_resumed > 0
+    assert on.prepared.state.prefix_resumed > 0 and sum(copied) > 0
     for sid in range(n):
         expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
         assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
