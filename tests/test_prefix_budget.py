@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import batchgen.engine.apply as apply
-from batchgen.policy.prefix_budget import computed_whole, split_sharing
+from batchgen.policy.prefix_budget import computed_whole, split_sharing, spread_sharing
 from batchgen.sim.run import simulate
 from test_prefix_pages import grouped_job
 
@@ -168,6 +168,8 @@ def test_a_prompt_that_would_write_again_a_prefix_this_forward_writes_waits_wher
     ranks, computed = split_sharing(np.arange(2), np.full(2, 1100), np.array([0, 1400]),
                                     Fetching([0, 0], [1024] * 2, there={(0, 0): 1024}))
     assert ranks.tolist() == [1, 1] and computed.tolist() == [76, 76]
-    # one group only: rank 1 would idle while its last two wait, so they write its prefix there after all
+    # one group only: its last two wait too, rank 1 idling a forward (spread_sharing spreads the queue's end)
     ranks, computed = split_sharing(np.arange(6), np.full(6, 1100), budgets, Fetching([0] * 6, [1024] * 6))
-    assert ranks.tolist() == [0, 0, 0, 0, 1, 1] and computed.tolist() == [1100, 76, 76, 76, 1100, 76]
+    assert ranks.tolist() == [0, 0, 0, 0, -1, -1]
+    ranks, computed = spread_sharing(np.arange(6), np.full(6, 1100), 10_000, 2, Fetching([0] * 6, [1024] * 6))
+    assert ranks.tolist() == [0, 0, 0, 1, 1, 1] and computed.tolist() == [1100, 76, 76, 1100, 76, 76]

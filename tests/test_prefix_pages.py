@@ -165,12 +165,13 @@ def test_a_prefix_another_gpu_holds_is_copied_and_priced_not_recomputed(monkeypa
     assert bct(again) == bct(on) and sum(priced) == fetched * job.model.kv_bytes_per_token
 
 
-@pytest.mark.parametrize("n,group_size,chunk,again", [(96, 16, 600, 0), (128, 32, 1000, 0), (64, 64, 2000, 3)])
-def test_coroutine_computes_each_shared_token_once_where_no_rank_idles_for_it(n, group_size, chunk, again):
+@pytest.mark.parametrize("n,group_size,chunk,again", [(96, 16, 600, 0), (128, 32, 1000, 0), (64, 64, 6000, 3),
+                                                      (256, 256, 1000, 0)])
+def test_coroutine_computes_each_shared_token_once_but_at_the_queues_end(n, group_size, chunk, again):
     """Groups whose prefix ends inside a page, spread over 4 GPUs in forwards of `chunk` tokens per rank: each
     group's prefix is written once (a second GPU copies it, the prompts that would write it again wait a forward)
-    and its tail is copied, so the prefill computes the distinct tokens exactly; except where the ranks that would
-    wait have nothing else to do: one group whose 64 prompts all fit the first forward is written on each rank."""
+    and its tail is copied, so the prefill computes the distinct tokens exactly; except at the queue's end, spread
+    evenly: one group whose 64 prompts all fit the first forward is written on each rank."""
     job = grouped_job("coroutine", n=n, group_size=group_size, prefix=200, page_tokens=16, num_gpus=4,
                       prefill_tokens_per_rank=chunk)
     out = simulate(job)

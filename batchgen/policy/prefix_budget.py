@@ -96,33 +96,18 @@ def computed_whole(prefixes: PrefixView, ids: np.ndarray, context: list[int], ra
 
 
 def split_sharing(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray,
-                  prefixes: PrefixView) -> tuple[np.ndarray, np.ndarray]:
+                  prefixes: PrefixView, wait: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """`common.split_by_budget` over the tokens each prompt computes: FIFO prompts (`tokens` each, whole) go to
     ranks in order, each rank with budget taking at least one and keeping its computed tokens within its budget
     (`ForwardPrefixes` says what each takes), except that a prompt whose group's prefix a rank holds, or is
     writing in this forward, goes to the first such rank with budget left for it: sharers meet where their prefix
-    is. Where ranks copy each other's prefixes (`prefixes.fetches`), a prompt that would write again on another rank
-    a prefix this forward writes first waits for the next forward, which copies it there (rank -1), unless its rank
-    would otherwise stay idle in this forward: a shared token is computed again only where that costs no time.
+    is. Where ranks copy each other's prefixes (`prefixes.fetches`) and `wait`, a prompt that would write again on
+    another rank a prefix this forward writes first waits for the next forward, which copies it there (rank -1):
+    each shared token is computed once, while ranks that only such prompts would fill idle a forward.
     Returns (rank, computed tokens) of each prompt placed or waiting (a FIFO prefix of `ids`)."""
-    budgets = np.asarray(budget_per_rank)
-    ranks, computed = _split(ids, tokens, budgets, prefixes, wait=True)
-    waits = ranks < 0
-    if waits.any():  # ranks only waiting prompts would fill take them after all
-        idle = np.ones(budgets.size, bool)
-        idle[ranks[~waits]] = False
-        if idle.any():
-            ranks, computed = _split(ids, tokens, budgets, prefixes, wait=True, fill=idle)
-    return ranks, computed
-
-
-def _split(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray, prefixes: PrefixView,
-           wait: bool, fill: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """`split_sharing`'s one pass: `wait`, prompts wait rather than write a prefix again, except on `fill` ranks."""
     seen = ForwardPrefixes(prefixes, ids)
     first_written: set[int] = set()  # groups whose first prefix this forward writes (where ranks copy prefixes)
     budgets = np.asarray(budget_per_rank).tolist()
-    fill = [False] * len(budgets) if fill is None else fill.tolist()
     used, count = [0] * len(budgets), [0] * len(budgets)
     homes: dict[int, list[int]] = {}  # group -> ranks with its prefix, in the order they got it
     for r, g in sorted(seen.there):
@@ -144,7 +129,7 @@ def _split(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray, pre
             if r == len(budgets):
                 break
             at, c = r, int(tokens[i]) - seen.start(r, i, 0)
-            if wait and g in first_written and c == int(tokens[i]) and not fill[r]:
+            if wait and g in first_written and c == int(tokens[i]):
                 ranks.append(-1)  # it would write its group's prefix again: it waits for the next forward
                 computed.append(0)
                 continue
@@ -157,18 +142,18 @@ def _split(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarray, pre
             if (at, g) in seen.there:
                 homes.setdefault(g, []).append(at)
                 if seen.anywhere is not None and c == int(tokens[i]) and g not in seen.anywhere:
-                    first_written.add(g)  # none held it before: a second rank could copy it next forward
+                    first_written.add(g)  # none held it before: a second rank copies it next forward
     return np.array(ranks, np.int64), np.array(computed, np.int64)
 
 
 def spread_sharing(ids: np.ndarray, tokens: np.ndarray, chunk: int, num_ranks: int,
                    prefixes: PrefixView, tries: int = 6) -> tuple[np.ndarray, np.ndarray]:
-    """`split_sharing` with `chunk` computed tokens per rank; where that takes every prompt (none waiting), the
-    same prompts spread over the ranks as evenly as the prefixes allow: the smallest equal budget found (in `tries`
-    halvings from an even split of the computed tokens) under which every prompt is still taken, a prompt writing
-    again a prefix this forward writes where the even spread needs it (the queue's last prompts waiting for a copy
-    would only end the batch later). A budget split evenly over the ranks would make more of them write a group's
-    prefix and take fewer prompts."""
+    """`split_sharing` with `chunk` computed tokens per rank; where that takes every prompt, none waiting (fewer
+    prompt tokens than the ranks' chunks: the queue's end), the same prompts spread over the ranks as evenly as the
+    prefixes allow: the smallest equal budget found (in `tries` halvings from an even split of the computed tokens)
+    under which every prompt is still taken, writing a prefix again where the even spread needs it (at the queue's
+    end, a prompt waiting for a copy would only end the batch later). A budget split evenly over the ranks would
+    make more of them write a group's prefix and take fewer prompts."""
     ranks, computed = split_sharing(ids, tokens, np.full(num_ranks, chunk), prefixes)
     if ranks.size < ids.size or num_ranks == 1 or (ranks < 0).any():  # (some wait for a prefix: no spreading)
         return ranks, computed
@@ -177,7 +162,7 @@ def spread_sharing(ids: np.ndarray, tokens: np.ndarray, chunk: int, num_ranks: i
         if lo >= hi:
             break
         mid = lo if k == 0 else (lo + hi) // 2  # the even split first
-        r, c = _split(ids, tokens, np.full(num_ranks, mid), prefixes, wait=False)
+        r, c = split_sharing(ids, tokens, np.full(num_ranks, mid), prefixes, wait=False)
         if r.size == ids.size:
             ranks, computed, hi = r, c, mid
         else:
