@@ -173,3 +173,22 @@ def test_a_prompt_that_would_write_again_a_prefix_this_forward_writes_waits_wher
     assert ranks.tolist() == [0, 0, 0, 0, -1, -1]
     ranks, computed = spread_sharing(np.arange(6), np.full(6, 1100), 10_000, 2, Fetching([0] * 6, [1024] * 6))
     assert ranks.tolist() == [0, 0, 0, 1, 1, 1] and computed.tolist() == [1100, 76, 76, 1100, 76, 76]
+
+
+def test_a_restore_away_from_home_counts_the_prefix_it_takes_or_copies_there():
+    from batchgen.policy.prefix_budget import RestoreTakes, fill_homes
+    # four members of group 0 sharing 1,024 tokens (16 pages of 64), 20 pages whole each; rank 0 holds the prefix
+    # with a tail, rank 1 does not; ranks copy prefixes
+    view = Fetching([0] * 4, [1024] * 4, there={(0, 0): (1024, 10)})
+    need, none = np.full(4, 20), np.zeros(4, np.int64)
+    takes = RestoreTakes(view, np.arange(4), 64, np.array([True, True]))
+    ranks, pages = fill_homes(need, none, np.full(4, -1), slots=np.array([4, 4]), caps=np.array([1, 3]),
+                              free=np.array([100, 100]), order=np.array([0, 1]), takes=takes)
+    # rank 0 takes one (its even share): 4 pages of its own; rank 1 copies the prefix (16 pages and the tail's) for
+    # the first, 4 + 17 pages, then 4 each
+    assert ranks.tolist() == [0, 1, 1, 1] and pages.tolist() == [4, 21, 4, 4]
+    # a rank of another node takes nothing by reference: whole
+    takes = RestoreTakes(view, np.arange(4), 64, np.array([True, False]))
+    ranks, pages = fill_homes(need, none, np.full(4, -1), slots=np.array([4, 4]), caps=np.array([1, 3]),
+                              free=np.array([100, 100]), order=np.array([0, 1]), takes=takes)
+    assert ranks.tolist() == [0, 1, 1, 1] and pages.tolist() == [4, 20, 20, 20]

@@ -132,6 +132,10 @@ class _StatePrefixes:
     def fetches(self) -> bool:
         return self._state.fetch
 
+    @property
+    def resumes_anywhere(self) -> bool:
+        return self._state.resume_anywhere
+
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._state.restore_shares(ids, self._gpus)
 

@@ -36,6 +36,7 @@ class PrefixView(Protocol):
     # (rank, group) -> (whole-page tokens, tail tokens a taker copies) of a prefix there
     def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]: ...
     fetches: bool  # a rank without its group's prefix copies one another rank holds (batchgen.core.prefix_fetch)
+    resumes_anywhere: bool  # a restore onto any rank of its node takes the prefix there (not only at home)
     # suspended sequences' home ranks (whose cache holds their host copy; -1: not this instance's) and the prefix
     # tokens each takes if restored there (0: none)
     def restore_shares(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...

@@ -45,7 +45,7 @@ from batchgen.memory import BatchShape
 from batchgen.policy.base import Admit, Decision, PolicyDefaults, Snapshot
 from batchgen.policy.common import (among, check_attention_tp, fill_ranks, level_slots, pages_for, per_rank,
                                    shed_to_fit, split_by_budget)
-from batchgen.policy.prefix_budget import fetched_tokens, fill_homes, spread_sharing
+from batchgen.policy.prefix_budget import RestoreTakes, fetched_tokens, fill_homes, spread_sharing
 from batchgen.policy.tail import growth_fits, moves_fit, rebalance
 
 
@@ -350,7 +350,9 @@ class CoroutinePolicy(PolicyDefaults):
         if homes:
             home, shared = snap.prefixes.restore_shares(cand)
             home = np.where(np.isin(home, open_ranks), home, -1)
-            assigned, need = fill_homes(need, shared // P, home, room.slots, caps, free, order)
+            takes = RestoreTakes(snap.prefixes, cand, P, snap.rank_node == node) \
+                if snap.prefixes.resumes_anywhere else None
+            assigned, need = fill_homes(need, shared // P, home, room.slots, caps, free, order, takes)
         else:
             assigned = fill_ranks(need, caps, free, order)
         dest = snap.rank_node[assigned]

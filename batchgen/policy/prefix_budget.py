@@ -170,24 +170,64 @@ def spread_sharing(ids: np.ndarray, tokens: np.ndarray, chunk: int, num_ranks: i
     return ranks, computed
 
 
+class RestoreTakes:
+    """The pages a restore takes by reference on a rank other than its home (the state's `attach_restored` with
+    `resume_anywhere`, on a rank of the candidates' node): its group's prefix there, if it shares as much; where
+    ranks copy prefixes (`fetches`), one another rank holds, copied there first, its pages charged to the first
+    restore that takes it there (the prefix's whole pages and its tail's page)."""
+
+    def __init__(self, prefixes: PrefixView, ids: np.ndarray, page_tokens: int, on_node: np.ndarray):
+        self.group = prefixes.group(ids).tolist()
+        self.share = prefixes.shared_tokens(ids).tolist()
+        self.page_tokens, self.on_node = page_tokens, on_node.tolist()
+        self.there = {key: have[0] for key, have in prefixes.on_ranks().items()}  # (rank, group) -> tokens
+        self.copied: dict[int, tuple[int, int]] = {}  # group -> (tokens, pages) of the prefix a rank would copy
+        if getattr(prefixes, "fetches", False):
+            for (_, group), (tokens, tail) in sorted(prefixes.on_ranks().items()):
+                if tokens > self.copied.get(group, (0, 0))[0]:
+                    self.copied[group] = (tokens, tokens // page_tokens + (tail > 0))
+
+    def pages(self, i: int, rank: int, need: int) -> int:
+        """Pages candidate i (`need` pages whole) takes of rank's free ones if restored there."""
+        g = self.group[i]
+        if g < 0 or not self.on_node[rank]:
+            return need
+        tokens = self.there.get((rank, g))
+        if tokens is not None:
+            return need - tokens // self.page_tokens if self.share[i] >= tokens else need
+        tokens, pages = self.copied.get(g, (0, 0))
+        return need - tokens // self.page_tokens + pages if 0 < tokens <= self.share[i] else need
+
+    def restored(self, i: int, rank: int) -> None:
+        g = self.group[i]
+        if g >= 0 and self.on_node[rank] and (rank, g) not in self.there and g in self.copied \
+                and self.copied[g][0] <= self.share[i]:
+            self.there[(rank, g)] = self.copied[g][0]  # copied there now: the next ones take it
+
+
 def fill_homes(need: np.ndarray, shared_pages: np.ndarray, home: np.ndarray, slots: np.ndarray, caps: np.ndarray,
-               free: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               free: np.ndarray, order: np.ndarray,
+               takes: RestoreTakes | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`common.fill_ranks` for restores that may take a shared prefix: FIFO candidates (`need` pages each, whole)
     go to their home rank (the one whose cache holds their host copy; -1: none open) while it has a slot left
     (`slots`) and room for their own pages (`need` less the `shared_pages` of the prefix they take there), else to
-    the first rank of `order` within its `caps` (the even spread) with room for all of them; the run is cut at the
-    first that fits nowhere (FIFO). Returns (rank, pages) of each assigned candidate."""
+    the first rank of `order` within its `caps` (the even spread) with room for what they take there (`takes`:
+    less the prefix they take on another rank too; None: all of it); the run is cut at the first that fits nowhere
+    (FIFO). Returns (rank, pages) of each assigned candidate."""
     slots, caps = np.asarray(slots, np.int64).tolist(), np.asarray(caps, np.int64).tolist()
     free, order = np.asarray(free, np.int64).tolist(), [int(r) for r in order]
     ranks: list[int] = []
     pages: list[int] = []
-    for n, own, h in zip(need.tolist(), (need - shared_pages).tolist(), home.tolist()):
+    for i, (whole, own, h) in enumerate(zip(need.tolist(), (need - shared_pages).tolist(), home.tolist())):
         if h >= 0 and slots[h] > 0 and own <= free[h]:
             r, n = h, own
         else:
-            r = next((q for q in order if caps[q] > 0 and slots[q] > 0 and n <= free[q]), -1)
+            r, n = next(((q, n) for q in order if caps[q] > 0 and slots[q] > 0
+                         and (n := whole if takes is None else takes.pages(i, q, whole)) <= free[q]), (-1, 0))
             if r < 0:
                 break
+            if takes is not None:
+                takes.restored(i, r)
         slots[r] -= 1
         caps[r] -= 1
         free[r] -= n
