@@ -160,7 +160,7 @@ def _planned_degree(job: Job, c: ClusterSpec, degrees: tuple[int, ...]) -> int:
     planner's tie). DP attention that fits only by streaming experts every iteration can lose to TP groups that
     keep them resident (DeepSeek-R1 on 8 x H20)."""
 
-    stats = WorkloadStats.of(job.workload)
+    stats = WorkloadStats.of(job.workload, job.page_tokens, shares_prefixes(job.policy, job.workload))
     best = None
     for t in degrees:
         policy = dataclasses.replace(job.policy, attention_tp=t)
@@ -253,7 +253,9 @@ def planned(job: Job) -> tuple:
         policy = resolve(Rig.of(m, c, lat, memory_of(job, policy), w, job.page_tokens))
     if len(w) and needs_plan(policy):
         try:
-            plan = plan_job(m, gpus, lat, job.memory, policy, WorkloadStats.of(w), page_tokens=job.page_tokens)
+            plan = plan_job(m, gpus, lat, job.memory, policy, WorkloadStats.of(w, job.page_tokens,
+                                                                               shares_prefixes(policy, w)),
+                            page_tokens=job.page_tokens)
         except ConfigError:
             # weights that fit nowhere are the likelier cause: the memory plan says so more precisely
             plan_memory(m, gpus, lat, job.memory, page_tokens=job.page_tokens,

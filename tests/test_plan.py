@@ -355,3 +355,22 @@ def test_planned_prefill_chunk_is_the_largest_that_costs_decode_nothing():
     assert plan.batch_tokens_per_s > largest.batch_tokens_per_s
     assert plan.resolve(auto).prefill_tokens_per_rank == plan.prefill_tokens
     assert f"prefill chunk {plan.prefill_tokens:,}" in plan.describe()
+
+
+def test_the_memory_plan_counts_a_shared_prefix_once_per_group():
+    """4,096-token system prompt before every one of 2,000 requests (coroutine's device KV): with prefix caching each
+    running sequence holds only its own tokens past the prompt's pages, so the plan fits about as many more on a
+    rank as the context is longer than them; without it, the whole context each."""
+    from batchgen.workload.spec import Workload
+    m, c = load_model("qwen3_30b_a3b"), load_cluster("h100_8")
+    lat = Roofline(m, c.gpu, ep_ranks=8, gpus_per_node=8, host=c.host)
+    n = 2000
+    w = Workload("system", np.full(n, 4096 + 200), np.full(n, 400), prefix_group=np.zeros(n, np.int64),
+                 prefix_len=np.full(n, 4096))
+    policy = CoroutinePolicy(kv_residency="device", b_moe=2048, b_attn=512)
+    shared, whole = WorkloadStats.of(w, 64, sharing=True), WorkloadStats.of(w, 64, sharing=False)
+    assert whole.shared == 0 and shared.shared == pytest.approx(4096 * (n - 1) / n)
+    on = plan_job(m, c, lat, MemorySettings(), policy, shared, page_tokens=64)
+    off = plan_job(m, c, lat, MemorySettings(), policy, whole, page_tokens=64)
+    # (4,096 + 200 + 200 + 64) / (200 + 200 + 64) tokens a sequence, in pages: about 9x as many fit
+    assert on.device_seqs >= 8 * off.device_seqs

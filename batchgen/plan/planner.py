@@ -34,6 +34,7 @@ from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
                              host_weight_bytes, prefill_ring_bytes, staging_bytes, weight_layout)
 from batchgen.plan.decode import DecodeGrid, price_decode
+from batchgen.workload.prefixes import amortized_shared_tokens
 from batchgen.plan.waves import output_sketch, price_points, share_occupancy, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
 
@@ -56,11 +57,16 @@ class WorkloadStats:
     mean_output: float
     max_context: int
     output_sketch: tuple[float, ...] = ()  # percentiles of the output lengths (waves.output_sketch); () = all mean
+    shared: float = 0.0  # device KV tokens per sequence that shared prefixes save (`amortized_shared_tokens`)
 
     @classmethod
-    def of(cls, workload) -> "WorkloadStats":
+    def of(cls, workload, page_tokens: int = 1, sharing: bool = False) -> "WorkloadStats":
+        """`sharing`: the run shares prompt prefixes (a running sequence holds its group's prefix by reference)."""
         inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
-        return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out))
+        shared = amortized_shared_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
+            if sharing and workload.prefix_group is not None else 0.0
+        return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out),
+                   shared)
 
     @property
     def typical_context(self) -> int:
@@ -259,12 +265,14 @@ class _Planner:
         self.capacity = (cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
                          - prefill_ring_bytes(model, lat, policy))
         self.page_bytes = page_tokens * m.kv_bytes_per_token
-        ctx = stats.typical_context
-        # one device-resident sequence, on each GPU of its rank
-        self.seq_bytes = math.ceil((ctx + page_tokens) / page_tokens) * self.page_bytes / kv_split
+        # one device-resident sequence, on each GPU of its rank (its share of its group's prefix, where prefixes are
+        # shared: the policies keep a group's members on the ranks that hold its prefix)
+        own = stats.typical_context - stats.shared
+        self.seq_bytes = math.ceil((own + page_tokens) / page_tokens) * self.page_bytes / kv_split
         self.host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
-        self.final_seq_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
+        # its host copy at its final length (less its share of its group's prefix, held once on a node)
+        self.final_seq_bytes = (stats.mean_input + stats.mean_output - stats.shared) * m.kv_bytes_per_token
         self._share = None   # a rank's share of the output lengths (batch_throughputs), built once
 
     # ---- candidates ----------------------------------------------------------------------------------

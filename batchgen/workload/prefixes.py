@@ -90,6 +90,17 @@ def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_le
     return suffixes + int(prefix_len[grouped][first].sum())
 
 
+def amortized_shared_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> float:
+    """The KV tokens per sequence that sharing saves on average, each group's prefix (its whole pages) held once
+    by its members together: a member of a group of k saves (k - 1) / k of it."""
+    grouped = group != NO_GROUP
+    if not grouped.any():
+        return 0.0
+    _, where, size = np.unique(group[grouped], return_inverse=True, return_counts=True)
+    whole = prefix_len[grouped] // page_tokens * page_tokens
+    return float((whole * (size[where] - 1) / size[where]).sum() / group.size)
+
+
 def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
     """(the sequences as arrays, their lexicographic order, lcp[i]: the common prefix of the i-th and (i-1)-th in
     that order; lcp[0] = 0)."""
