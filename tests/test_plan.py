@@ -359,8 +359,8 @@ def test_planned_prefill_chunk_is_the_largest_that_costs_decode_nothing():
 
 def test_the_memory_plan_counts_a_shared_prefix_once_per_group():
     """4,096-token system prompt before every one of 2,000 requests (coroutine's device KV): with prefix caching each
-    running sequence holds only its own tokens past the prompt's pages, so the plan fits about as many more on a
-    rank as the context is longer than them; without it, the whole context each."""
+    running sequence holds only its own tokens past the prompt's pages, beside the prompt once, so the plan fits
+    about as many more on a rank as the context is longer than them; without it, the whole context each."""
     from batchgen.workload.spec import Workload
     m, c = load_model("qwen3_30b_a3b"), load_cluster("h100_8")
     lat = Roofline(m, c.gpu, ep_ranks=8, gpus_per_node=8, host=c.host)
@@ -369,8 +369,16 @@ def test_the_memory_plan_counts_a_shared_prefix_once_per_group():
                  prefix_len=np.full(n, 4096))
     policy = CoroutinePolicy(kv_residency="device", b_moe=2048, b_attn=512)
     shared, whole = WorkloadStats.of(w, 64, sharing=True), WorkloadStats.of(w, 64, sharing=False)
-    assert whole.shared == 0 and shared.shared == pytest.approx(4096 * (n - 1) / n)
+    assert whole.shared == whole.prefix_tokens == 0 and shared.shared == shared.prefix_tokens == 4096
     on = plan_job(m, c, lat, MemorySettings(), policy, shared, page_tokens=64)
     off = plan_job(m, c, lat, MemorySettings(), policy, whole, page_tokens=64)
     # (4,096 + 200 + 200 + 64) / (200 + 200 + 64) tokens a sequence, in pages: about 9x as many fit
     assert on.device_seqs >= 8 * off.device_seqs
+
+
+def test_a_prefix_per_group_is_counted_at_most_once_per_sequence():
+    """Many groups of one sequence each hold no more than their whole contexts: `_fits` takes the larger count."""
+    from batchgen.plan.planner import _fits
+    assert _fits(1000.0, 0.0, 10.0, 10.0) == 100
+    assert _fits(1000.0, 400.0, 2.0, 10.0) == 300      # the prefixes once, then 2 bytes each
+    assert _fits(1000.0, 5000.0, 2.0, 10.0) == 100     # more prefixes than room: a whole context each

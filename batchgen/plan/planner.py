@@ -34,7 +34,7 @@ from batchgen.latency import LatencyModel
 from batchgen.memory import (BatchShape, ConfigError, MemorySettings, activation_bytes, batch_shape_of,
                              host_weight_bytes, prefill_ring_bytes, staging_bytes, weight_layout)
 from batchgen.plan.decode import DecodeGrid, price_decode
-from batchgen.workload.prefixes import amortized_shared_tokens
+from batchgen.workload.prefixes import shared_prefix_tokens
 from batchgen.plan.waves import output_sketch, price_points, share_occupancy, share_outputs, weighted_seconds
 from batchgen.specs import ClusterSpec, ModelSpec
 
@@ -57,16 +57,19 @@ class WorkloadStats:
     mean_output: float
     max_context: int
     output_sketch: tuple[float, ...] = ()  # percentiles of the output lengths (waves.output_sketch); () = all mean
-    shared: float = 0.0  # device KV tokens per sequence that shared prefixes save (`amortized_shared_tokens`)
+    # where prompt prefixes are shared (`shared_prefix_tokens`): the tokens a sequence holds by reference (mean over
+    # all), and the prefixes of every group together, each once
+    shared: float = 0.0
+    prefix_tokens: float = 0.0
 
     @classmethod
     def of(cls, workload, page_tokens: int = 1, sharing: bool = False) -> "WorkloadStats":
         """`sharing`: the run shares prompt prefixes (a running sequence holds its group's prefix by reference)."""
         inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
-        shared = amortized_shared_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
-            if sharing and workload.prefix_group is not None else 0.0
+        shared, _, prefixes = shared_prefix_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
+            if sharing and workload.prefix_group is not None else (0.0, 0, 0.0)
         return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out),
-                   shared)
+                   shared, prefixes)
 
     @property
     def typical_context(self) -> int:
@@ -222,6 +225,17 @@ def _plan_chunk(lat, model, cluster, settings, policy, stats, page_tokens) -> Pl
 _CACHE: dict = {}
 
 
+def _fits(room: float, prefixes: float, own: float, whole: float) -> int:
+    """How many sequences `room` bytes hold: each its `own` bytes beside every group's prefix once (`prefixes`), or,
+    where that is fewer, each its `whole` bytes (a prefix per sequence at most)."""
+    return max(int((room - prefixes) // own) if room > prefixes else 0, int(room // whole))
+
+
+def _held(n: int, prefixes: float, own: float, whole: float) -> float:
+    """The bytes `n` sequences take by `_fits`' count."""
+    return min(prefixes + n * own, n * whole)
+
+
 def _batch_shape(policy: Any, b_attn: int, b_moe: int, residency: str, max_context: int) -> BatchShape | None:
     """The batch shape a candidate's activations take: the policy's own `batch_shape` on the candidate's
     knobs, so that the plan and the memory budget (`plan_memory`) agree; None if the policy declares none
@@ -265,14 +279,18 @@ class _Planner:
         self.capacity = (cluster.gpu.hbm_bytes * settings.gpu_memory_fraction - settings.activation_reserve_gb * 1e9
                          - prefill_ring_bytes(model, lat, policy))
         self.page_bytes = page_tokens * m.kv_bytes_per_token
-        # one device-resident sequence, on each GPU of its rank (its share of its group's prefix, where prefixes are
-        # shared: the policies keep a group's members on the ranks that hold its prefix)
-        own = stats.typical_context - stats.shared
-        self.seq_bytes = math.ceil((own + page_tokens) / page_tokens) * self.page_bytes / kv_split
+        # one device-resident sequence, on each GPU of its rank; where prefixes are shared, its own pages past its
+        # group's prefix (`whole_seq_bytes`: without), every group's prefix once a rank (`_fits`)
+        ctx = stats.typical_context
+        self.whole_seq_bytes = math.ceil((ctx + page_tokens) / page_tokens) * self.page_bytes / kv_split
+        self.seq_bytes = math.ceil((ctx - stats.shared + page_tokens) / page_tokens) * self.page_bytes / kv_split
+        self.prefix_bytes = stats.prefix_tokens / page_tokens * self.page_bytes / kv_split
         self.host_usable = cluster.host_mem_bytes_per_node * settings.host_memory_fraction
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
-        # its host copy at its final length (less its share of its group's prefix, held once on a node)
-        self.final_seq_bytes = (stats.mean_input + stats.mean_output - stats.shared) * m.kv_bytes_per_token
+        # its host copy at its final length (past its group's prefix, held once on a node, where prefixes are shared)
+        self.whole_final_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
+        self.final_seq_bytes = self.whole_final_bytes - stats.shared * m.kv_bytes_per_token
+        self.host_prefix_bytes = stats.prefix_tokens * m.kv_bytes_per_token
         self._share = None   # a rank's share of the output lengths (batch_throughputs), built once
 
     # ---- candidates ----------------------------------------------------------------------------------
@@ -336,7 +354,8 @@ class _Planner:
             if self.b_attn == AUTO and b_attn // 2 >= b_moe and b_attn != B_ATTN[0]:
                 continue  # one micro-batch either way: the next smaller B_attn covers it
             running = b_moe  # what host memory holds of it: the running KV at its final length
-            held = int((self.host_usable - self.host_weights) // (self.groups_per_node * self.final_seq_bytes))
+            held = _fits(self.host_usable - self.host_weights, self.host_prefix_bytes,
+                         self.groups_per_node * self.final_seq_bytes, self.groups_per_node * self.whole_final_bytes)
             if held < b_moe:
                 if held < 1 or covered(held, b_moe):
                     continue  # nothing fits, or the next smaller candidate covers it
@@ -350,7 +369,7 @@ class _Planner:
                 free = self.capacity - act
                 for k, resident, streamed in self.layouts(free, residency):
                     kv_free = free - resident
-                    cap = int(kv_free // self.seq_bytes)
+                    cap = _fits(kv_free, self.prefix_bytes, self.seq_bytes, self.whole_seq_bytes)
                     if residency == "device":
                         # device KV bounds the running set (the policy yields what does not fit); below the
                         # next smaller candidate, that candidate covers it
@@ -372,12 +391,15 @@ class _Planner:
 
     def _cell(self, b_moe, residency, layout, n_dev, n_host, kv_free, act, staging) -> _Cell:
         k, resident, streamed = layout
-        dev_kv = n_dev * self.seq_bytes if residency == "device" else max(kv_free, 0.0)
+        dev_kv = _held(n_dev, self.prefix_bytes, self.seq_bytes, self.whole_seq_bytes) if residency == "device" \
+            else max(kv_free, 0.0)
         device = {"weights": resident, "kv": dev_kv, "activations": act,
                   "staging": staging_bytes(self.m, staging, self.stats.max_context),
                   "reserve": self.s.activation_reserve_gb * 1e9,
                   "capacity": self.c.gpu.hbm_bytes * self.s.gpu_memory_fraction}
-        host = {"weights": self.host_weights, "kv": (n_dev + n_host) * self.groups_per_node * self.final_seq_bytes,
+        host = {"weights": self.host_weights,
+                "kv": _held(n_dev + n_host, self.host_prefix_bytes, self.groups_per_node * self.final_seq_bytes,
+                            self.groups_per_node * self.whole_final_bytes),
                 "capacity": self.host_usable}
         return _Cell(b_moe, residency, k, streamed, n_dev, n_host, device, host)
 

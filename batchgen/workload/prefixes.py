@@ -90,15 +90,16 @@ def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_le
     return suffixes + int(prefix_len[grouped][first].sum())
 
 
-def amortized_shared_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> float:
-    """The KV tokens per sequence that sharing saves on average, each group's prefix (its whole pages) held once
-    by its members together: a member of a group of k saves (k - 1) / k of it."""
+def shared_prefix_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> tuple[float, int, float]:
+    """(the whole-page prefix tokens a sequence holds by reference, on average over all sequences; how many
+    groups; their prefixes' whole-page tokens together): what a memory plan counts once per group, not per
+    sequence."""
     grouped = group != NO_GROUP
     if not grouped.any():
-        return 0.0
-    _, where, size = np.unique(group[grouped], return_inverse=True, return_counts=True)
+        return 0.0, 0, 0.0
     whole = prefix_len[grouped] // page_tokens * page_tokens
-    return float((whole * (size[where] - 1) / size[where]).sum() / group.size)
+    _, first = np.unique(group[grouped], return_index=True)
+    return float(whole.sum() / group.size), int(first.size), float(whole[first].sum())
 
 
 def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
