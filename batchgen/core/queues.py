@@ -76,7 +76,11 @@ class IdQueue:
     def pop(self, n: int) -> np.ndarray:
         """Remove and return the first n ids."""
         out = self.peek(n).copy()
-        need = out.size
+        self._advance(out.size)
+        return out
+
+    def _advance(self, need: int) -> None:
+        """Drop the first `need` ids (at most the queue's length)."""
         self._len -= need
         while need:
             chunk = self._chunks[0]
@@ -88,7 +92,6 @@ class IdQueue:
             else:
                 self._head += need
                 need = 0
-        return out
 
     def take_head_ids(self, ids: np.ndarray) -> None:
         """Pop exactly these ids, which must be the queue's head in order (what peek returned)."""
@@ -102,8 +105,8 @@ class IdQueue:
         stay at its front, in order (a policy that lets some wait a forward)."""
         ids = np.asarray(ids, dtype=np.int64)
         n = ids.size
-        if not n or np.array_equal(self.peek(n), ids):
-            self.take_head_ids(ids)
+        if n <= self._len and np.array_equal(self.peek(n), ids):  # the usual case: the head itself
+            self._advance(n)
             return
         window = self.peek(2 * n)
         while not (window == ids[-1]).any() and window.size < self._len:
@@ -114,7 +117,7 @@ class IdQueue:
         if not at.size or not np.array_equal(head[~keep], ids):
             raise ValueError("ids taken from a queue must be in its head, in FIFO order")
         stay = head[keep].copy()
-        self.pop(head.size)
+        self._advance(head.size)
         self.push_front(stay)
 
     def remove(self, ids: np.ndarray) -> None:

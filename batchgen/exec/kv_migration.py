@@ -182,7 +182,9 @@ def migrate(src: "PagedKVCache", dst: "PagedKVCache", seq_id: int, *, to_device:
     if to_device and not dst.can_fit({seq_id: n - (dst._resident_tokens(seq_id) if attached else 0)}):
         raise CacheFullError(f"migrating sequence {seq_id} here ({n} tokens)", _cdiv(n, dst.page_size),
                              len(dst._free), dst.num_pages, dst.page_size)
-    d = dst._seqs[seq_id] if attached else dst._seqs.setdefault(seq_id, _Seq())
+    if not attached:
+        dst._seqs[seq_id] = _Seq()
+    d = dst._seqs[seq_id]
     if s.on_device:  # pages first (they fit): nothing below can fail
         dst._grow_to({seq_id: n}, f"migrating sequence {seq_id} here ({n} tokens)")
     handed = s.synced if host_copy or not s.on_device else 0

@@ -66,8 +66,8 @@ class WorkloadStats:
     def of(cls, workload, page_tokens: int = 1, sharing: bool = False) -> "WorkloadStats":
         """`sharing`: the run shares prompt prefixes (a running sequence holds its group's prefix by reference)."""
         inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
-        shared, _, prefixes = shared_prefix_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
-            if sharing and workload.prefix_group is not None else (0.0, 0, 0.0)
+        shared, prefixes = shared_prefix_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
+            if sharing and workload.prefix_group is not None else (0.0, 0.0)
         return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out),
                    shared, prefixes)
 

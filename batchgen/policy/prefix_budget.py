@@ -15,6 +15,16 @@ import numpy as np
 from batchgen.policy.base import PrefixView
 
 
+def longest_prefixes(there: dict[tuple[int, int], tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """group -> (tokens, tail) of the longest of its prefixes on any rank (the first rank's on a tie): the one a
+    rank without it copies (batchgen.core.prefix_fetch's `fetch_source`)."""
+    out: dict[int, tuple[int, int]] = {}
+    for (_, group), have in sorted(there.items()):
+        if group not in out or have[0] > out[group][0]:
+            out[group] = have
+    return out
+
+
 class ForwardPrefixes:
     """The prefixes a forward's prompts find on their ranks as the policy builds it, candidate by candidate: those
     there already and those its earlier chunks write (the rule of `sharing_starts`: a chunk that passes its
@@ -32,11 +42,7 @@ class ForwardPrefixes:
         # with the prefixes written
         self.there = prefixes.on_ranks() if there is None else there
         # group -> the prefix a rank without one copies (None: ranks do not copy prefixes)
-        self.anywhere: dict[int, tuple[int, int]] | None = {} if getattr(prefixes, "fetches", False) else None
-        if self.anywhere is not None:
-            for (rank, group), have in sorted(self.there.items()):
-                if group not in self.anywhere or have[0] > self.anywhere[group][0]:
-                    self.anywhere[group] = have
+        self.anywhere = longest_prefixes(self.there) if getattr(prefixes, "fetches", False) else None
 
     def _have(self, rank: int, i: int) -> tuple[int, int] | None:
         """The prefix candidate i finds on `rank`: there, or copied there from another rank."""
@@ -180,12 +186,12 @@ class RestoreTakes:
         self.group = prefixes.group(ids).tolist()
         self.share = prefixes.shared_tokens(ids).tolist()
         self.page_tokens, self.on_node = page_tokens, on_node.tolist()
-        self.there = {key: have[0] for key, have in prefixes.on_ranks().items()}  # (rank, group) -> tokens
-        self.copied: dict[int, tuple[int, int]] = {}  # group -> (tokens, pages) of the prefix a rank would copy
-        if getattr(prefixes, "fetches", False):
-            for (_, group), (tokens, tail) in sorted(prefixes.on_ranks().items()):
-                if tokens > self.copied.get(group, (0, 0))[0]:
-                    self.copied[group] = (tokens, tokens // page_tokens + (tail > 0))
+        on_ranks = prefixes.on_ranks()
+        self.there = {key: have[0] for key, have in on_ranks.items()}  # (rank, group) -> tokens
+        # group -> (tokens, pages) of the prefix a rank without one would copy
+        self.copied = {group: (tokens, tokens // page_tokens + (tail > 0))
+                       for group, (tokens, tail) in longest_prefixes(on_ranks).items()} \
+            if getattr(prefixes, "fetches", False) else {}
 
     def pages(self, i: int, rank: int, need: int) -> int:
         """Pages candidate i (`need` pages whole) takes of rank's free ones if restored there."""
@@ -195,14 +201,19 @@ class RestoreTakes:
         tokens = self.there.get((rank, g))
         if tokens is not None:
             return need - tokens // self.page_tokens if self.share[i] >= tokens else need
-        tokens, pages = self.copied.get(g, (0, 0))
-        return need - tokens // self.page_tokens + pages if 0 < tokens <= self.share[i] else need
+        copy = self._copy(i)
+        return need if copy is None else need - copy[0] // self.page_tokens + copy[1]
 
     def restored(self, i: int, rank: int) -> None:
+        """Candidate i goes to `rank`: a prefix it has copied there is there for the next ones."""
         g = self.group[i]
-        if g >= 0 and self.on_node[rank] and (rank, g) not in self.there and g in self.copied \
-                and self.copied[g][0] <= self.share[i]:
-            self.there[(rank, g)] = self.copied[g][0]  # copied there now: the next ones take it
+        if g >= 0 and self.on_node[rank] and (rank, g) not in self.there and (copy := self._copy(i)) is not None:
+            self.there[(rank, g)] = copy[0]
+
+    def _copy(self, i: int) -> tuple[int, int] | None:
+        """(tokens, pages) of the copy of its group's prefix candidate i can take (None: none it shares)."""
+        copy = self.copied.get(self.group[i])
+        return copy if copy is not None and 0 < copy[0] <= self.share[i] else None
 
 
 def fill_homes(need: np.ndarray, shared_pages: np.ndarray, home: np.ndarray, slots: np.ndarray, caps: np.ndarray,

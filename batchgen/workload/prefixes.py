@@ -90,16 +90,15 @@ def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_le
     return suffixes + int(prefix_len[grouped][first].sum())
 
 
-def shared_prefix_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> tuple[float, int, float]:
-    """(the whole-page prefix tokens a sequence holds by reference, on average over all sequences; how many
-    groups; their prefixes' whole-page tokens together): what a memory plan counts once per group, not per
-    sequence."""
+def shared_prefix_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> tuple[float, float]:
+    """(the whole-page prefix tokens a sequence holds by reference, on average over all sequences; every group's
+    prefix's whole-page tokens together): what a memory plan counts once per group, not per sequence."""
     grouped = group != NO_GROUP
     if not grouped.any():
-        return 0.0, 0, 0.0
+        return 0.0, 0.0
     whole = prefix_len[grouped] // page_tokens * page_tokens
     _, first = np.unique(group[grouped], return_index=True)
-    return float(whole.sum() / group.size), int(first.size), float(whole[first].sum())
+    return float(whole.sum() / group.size), float(whole[first].sum())
 
 
 def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
