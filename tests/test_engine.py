@@ -99,3 +99,14 @@ def test_copies_an_idle_boundary_starts_are_priced_with_the_next_run():
     resumed = plans[1]
     assert resumed.moves.d2h[:2].tolist() == [2 * 30 * kv, 2 * 30 * kv]  # the yields: prompt KV of two each
     assert resumed.moves.h2d[0] == 4 * 30 * kv  # the resumes, all onto GPU 0
+
+
+@pytest.mark.parametrize("policy", ["coroutine", "flexgen"])  # flexgen: runs merged by engine.repeat
+def test_a_decode_run_ends_with_its_last_sequence(policy):
+    """A run of a page of steps whose sequences all end sooner lasts as long as the longest of them, as the
+    executors run it (they stop when every sequence has finished), not the page it was planned for."""
+    from batchgen.sim.run import simulate
+
+    out = simulate(make_job(policy, n=12, inputs=np.full(12, 40), outputs=np.arange(1, 13)), progress=False)
+    decodes = [r.iterations for r in out.records if r.phase == "decode"]
+    assert decodes and max(decodes) <= 12

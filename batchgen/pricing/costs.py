@@ -129,10 +129,11 @@ def with_cascade(load, cascade: CascadeLoad | None, micro_batch: int, over: np.n
 
 def decode_participation(remaining: np.ndarray, steps: int, stop: str, rank: np.ndarray,
                          num_ranks: int) -> tuple[int, np.ndarray]:
-    """How many iterations the run lasts and how many tokens each sequence makes in it."""
+    """How many iterations the run lasts and how many tokens each sequence makes in it. A run ends when its last
+    sequence does, whatever its stop rule: an executor decodes no iteration with nobody left."""
     if remaining.size == 0:
         return max(steps, 1), remaining
-    k = steps
+    k = min(steps, int(remaining.max()))
     if stop == "first_finish":
         k = min(k, int(remaining.min()))
     elif stop == "rank_drains":

@@ -53,15 +53,16 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
         live = remaining0 > j * P
         ids, rank = ids0[live], plan.decode_rank[live]
         remaining = remaining0[live] - j * P
-        produced = np.minimum(remaining, P)  # decode_participation with stop "none"
+        k = min(P, int(remaining.max()))  # decode_participation with stop "none": the last run ends with its last
+        produced = np.minimum(remaining, k)
         if costs is not None:
-            cost, h2d, d2h, calls, gate_total = costs(j)
+            cost, h2d, d2h, calls, gate_total = costs(j, k)
             backend.count_decode_traffic(h2d, d2h)
         else:  # priced alone, as execute prices it
             cost, calls, gate_total = backend.offload_run(plan, rank, context0[live] + j * P, produced,
-                                                          plan.decode_tp[live], np.zeros(ids.size, bool), P)
+                                                          plan.decode_tp[live], np.zeros(ids.size, bool), k)
         backend.decode_iterations += int((cost.iteration_s > 0).sum())
-        result = _result(backend, cost, calls, gate_total, ids.size, P, produced, remaining == produced)
+        result = _result(backend, cost, calls, gate_total, ids.size, k, produced, remaining == produced)
         durations.append(result.duration)
         out.append((ids, result))
     delay = _landing_delay(float(backend.env.now), durations)
@@ -76,8 +77,8 @@ def execute_repeated(backend, plan: StepPlan, n: int) -> Generator[Any, Any, lis
 
 
 def _priced_together(backend, plan: StepPlan, remaining0: np.ndarray, context0: np.ndarray, n: int, P: int):
-    """j -> (cost, h2d, d2h, calls, gate tokens) of run j from one chain priced over all the runs, or None
-    where the chain does not apply (the runs are then priced one by one)."""
+    """(j, k) -> (cost, h2d, d2h, calls, gate tokens) of run j, k iterations long, from one chain priced over all
+    the runs, or None where the chain does not apply (the runs are then priced one by one)."""
     if not chain_applies(backend.lat) or plan.gpus.size != 1 or backend.similar_calls:
         return None
     K = (n + 1) * P
@@ -88,8 +89,8 @@ def _priced_together(backend, plan: StepPlan, remaining0: np.ndarray, context0: 
         return None
     gate = grid.gate_tokens
 
-    def run(j: int):
-        part = slice(j * P, (j + 1) * P)
+    def run(j: int, k: int):
+        part = slice(j * P, j * P + k)
         cost, h2d, d2h, calls = chain.cost(part, RunCost)
         return cost, h2d, d2h, calls, gate[:, part].sum()
 
