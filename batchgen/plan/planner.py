@@ -473,7 +473,7 @@ class _Planner:
             if not points:
                 out.append(0.0)
                 continue
-            hist = share_occupancy(self.stats.output_sketch, self.per_rank, self.stats.mean_output, points[-1])
+            hist = share_occupancy(self.stats.output_sketch, self.per_rank, self.stats.mean_output, points[-1], self.P)
             total = weighted_seconds(hist, points, [float(x) for x in seconds[start:start + len(points)]])
             out.append(float(self._share.sum()) * self.R / total if total > 0 else 0.0)
         return out

@@ -5,7 +5,7 @@ long-tailed: once the queue is empty the running set drains, and the last sequen
 thousands of iterations. Each of those iterations still pays the iteration's fixed costs (expert weights
 streamed from host above all), so a plan that streams more weights to hold a few more sequences can win in the
 steady state and lose over the batch. `occupancy` replays one rank's share as the engine runs it (a full running
-set, a new sequence admitted as soon as one finishes, prefill not modelled) on the workload's output lengths and
+set, refilled at the end of each run of a page of tokens, prefill not modelled) on the workload's output lengths and
 returns, per running-set size, the iterations spent there; the planner prices a few sizes and weighs them.
 """
 
@@ -36,11 +36,15 @@ def share_outputs(sketch: tuple[float, ...], share: int, mean_output: float) -> 
     return np.random.default_rng(0).permutation(lens)
 
 
-def occupancy(outputs: np.ndarray, running: int) -> dict[int, int]:
+def occupancy(outputs: np.ndarray, running: int, steps: int | None = None) -> dict[int, int]:
     """Iterations at each running-set size while one rank decodes `outputs` (in arrival order) with at most
-    `running` at a time."""
+    `running` at a time. `steps`: the engine decides every `steps` iterations (coroutine's runs, a page of
+    tokens), so a finished sequence's slot is refilled at the next run, and a run ends early only when its last
+    sequence does; None: refilled at once."""
     if running < 1:
         raise ValueError(f"occupancy: running must be >= 1, got {running}")
+    if steps is not None:
+        return _run_occupancy(np.asarray(outputs, np.int64), running, max(int(steps), 1))
     outs = [int(x) for x in outputs]
     heap = [outs[i] for i in range(min(running, len(outs)))]
     heapq.heapify(heap)
@@ -57,12 +61,31 @@ def occupancy(outputs: np.ndarray, running: int) -> dict[int, int]:
     return {m: k for m, k in hist.items() if k > 0}
 
 
+def _run_occupancy(outs: np.ndarray, running: int, steps: int) -> dict[int, int]:
+    """`occupancy` refilled only at run boundaries: each run lasts `steps` iterations or until its longest
+    sequence ends; within it, the i-th shortest leaves the set after its last token."""
+    iters = np.zeros(running + 1, np.int64)
+    left = outs[:running]
+    nxt = left.size
+    while left.size:
+        srt = np.sort(left)
+        k = min(steps, int(srt[-1]))
+        ends = np.minimum(srt, k)
+        iters[srt.size - np.arange(srt.size)] += np.diff(ends, prepend=0)  # sizes n, n-1, ... over each gap
+        left = left[left > k] - k
+        take = min(running - left.size, outs.size - nxt)
+        left = np.concatenate([left, outs[nxt:nxt + take]])
+        nxt += take
+    return {int(m): int(k) for m, k in enumerate(iters) if k > 0}
+
+
 @functools.lru_cache(maxsize=256)
-def share_occupancy(sketch: tuple[float, ...], share: int, mean_output: float, running: int) -> dict[int, int]:
+def share_occupancy(sketch: tuple[float, ...], share: int, mean_output: float, running: int,
+                    steps: int | None = None) -> dict[int, int]:
     """`occupancy` of a rank's share (`share_outputs`), kept: every plan of a job replays the same share (each
     prefill chunk, attention degree and instance size plans again), at the same few running-set caps. The dict
     is shared: read it, never change it."""
-    return occupancy(share_outputs(sketch, share, mean_output), running)
+    return occupancy(share_outputs(sketch, share, mean_output), running, steps)
 
 
 def price_points(running: int) -> list[int]:
