@@ -391,7 +391,8 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
         state.share_prefixes(w.prefix_group, w.prefix_len, CascadeRule(
             getattr(policy, "cascade_attention", "off"), m.num_heads, m.num_kv_heads, m.attention == "mla",
             lat.gpu.sm_count, cascade_pays(lat)), host=host_prefixes, tails=getattr(policy, "prefix_tail", False),
-            fetch=prefix_fetch and getattr(policy, "prefix_fetch", False), resume_anywhere=resume_prefix)
+            fetch=prefix_fetch and getattr(policy, "prefix_fetch", False), resume_anywhere=resume_prefix,
+            tree=w.prefix_tree)
     # The upper-level split of the input over instances: round-robin keeps their loads statistically equal; a
     # policy that gives instances roles routes prompts itself (PD-disaggregation: to its prefill units only).
     route = policy.route

@@ -27,7 +27,7 @@ COLUMNS = {
     "migrate": ("ids", "src", "dst", "cross", "from_device", "to_device", "host_copy", "bytes"),
     "restore": ("ids", "gpu", "bytes"),
     "reshard": ("ids", "lead", "degree", "to_lead", "to_degree", "host_copy", "bytes"),
-    "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes", "src"),
+    "share": ("ids", "gpu", "group", "tokens", "creates", "tail", "bytes", "src", "parent"),
     "untail": ("group", "gpu"),
 }
 _UNPRICED = ("free", "evict", "unshare", "untail")  # kinds that never move a byte (every other kind, "resume" too, may)

@@ -120,6 +120,8 @@ class KVOps:
     share_bytes: np.ndarray = _floats()   # ... the KV those copies write (device to device on one GPU: `local`)
     share_src: np.ndarray = _ints()       # ... a created prefix copied whole from this GPU's (-1: written by the
     #                                       sequence's prefill; core.prefix_fetch), its bytes over NVLink or network
+    share_parent: np.ndarray = _ints()    # ... the group whose prefix on that GPU it extends (-1: none; a copy from
+    #                                       another GPU copies only the tokens past that one's)
     untail_group: np.ndarray = _ints()    # a shared prefix lets its tail's page go on this GPU (the GPU needed it;
     untail_gpu: np.ndarray = _ints()      # later takers compute those tokens): no byte moved
     gpu_node: np.ndarray = _ints()        # node of each of `gpus` (the tier of a partition's pieces)
@@ -141,6 +143,11 @@ class KVOps:
         return self.share_src if self.share_src.size == self.share_ids.size else np.full(self.share_ids.size, -1,
                                                                                              np.int64)
 
+    def _share_parent(self) -> np.ndarray:
+        """share_parent, or (a plan written without it) none extended."""
+        return self.share_parent if self.share_parent.size == self.share_ids.size else np.full(self.share_ids.size,
+                                                                                                   -1, np.int64)
+
     def _host_copy(self) -> np.ndarray:
         """migrate_host_copy, or (a plan written without it) a host copy wherever the KV lands on host only."""
         return self.migrate_host_copy if self.migrate_host_copy.size == self.migrate_ids.size else \
@@ -153,11 +160,12 @@ class KVOps:
                         self.migrate_to_device.tolist(), self._host_copy().tolist(), self.migrate_cross.tolist(),
                         strict=True))
 
-    def shares(self) -> list[tuple[int, int, int, int, bool, int, int]]:
-        """(id, GPU, group, tokens, creates, tail, source GPU) of each shared prefix's op, in plan order."""
+    def shares(self) -> list[tuple[int, int, int, int, bool, int, int, int]]:
+        """(id, GPU, group, tokens, creates, tail, source GPU, parent group) of each shared prefix's op, in plan
+        order."""
         return list(zip(self.share_ids.tolist(), self.share_gpu.tolist(), self.share_group.tolist(),
                         self.share_tokens.tolist(), self.share_creates.tolist(), self._share_tail().tolist(),
-                        self._share_src().tolist()))
+                        self._share_src().tolist(), self._share_parent().tolist()))
 
     def group(self, lead: int, degree: int) -> list[int]:
         """A partition group's GPUs: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
@@ -290,7 +298,7 @@ class GpuOps:
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
-    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src): a shared prefix, last
+    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src, parent): a shared prefix, last
     unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
     untail: list = field(default_factory=list)   # groups whose prefix lets its tail's page go, after the shares
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards

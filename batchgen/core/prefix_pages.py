@@ -1,5 +1,5 @@
 """Prompt prefixes shared by reference on a GPU: the state's side of a prefix cache (vLLM's automatic prefix
-caching, SGLang's radix cache, at one level: a workload's `prefix_group`).
+caching, SGLang's radix cache: a workload's `prefix_group`, nested by its `PrefixTree`).
 
 Why. Sequences of one group (n samples of a prompt, one system prompt or few-shot block before many questions)
 begin with the same tokens, so their KV for those tokens is the same. On a GPU that holds a group's prefix, a new
@@ -37,6 +37,14 @@ The model, kept exact by every primitive:
   another GPU of its node, takes the prefix there (`attach_restored`): the restore copies only the rest of its KV
   (its host copy stays whole).
 - PARTITION refuses a holder.
+- Nested groups (batchgen.workload.prefix_tree): a sequence's prefix is a chain of levels, its group's ancestors
+  outermost first, each level the whole pages of that group's prefix (`_levels`; a level that adds no whole page is
+  left out). A GPU holds one entry per level, whose pages are its own segment past the entry it extends (`parent`,
+  on the same GPU), which it holds like a sequence does: a system prompt's pages once, whatever the number of
+  groups after it. A sequence holds one entry, the deepest it took or created (`prefix_holds`). A prefill takes the
+  deepest level there and creates each deeper level its chunk passes (`batchgen.core.prefix_prefill`); an entry
+  dropped lets go of its parent, which the same rules then keep or drop. Counts of members still to start or
+  parked are kept for each group and every ancestor (`group_left`, `group_parked`).
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.core.cascade import CascadeRule
-from batchgen.core.sequences import PENDING, SUSPENDED, InvariantError
+from batchgen.core.sequences import SUSPENDED, InvariantError
+from batchgen.workload.prefix_tree import PrefixTree
 
 
 @dataclass
@@ -58,6 +67,7 @@ class GroupPrefix:
     holders: int      # sequences that hold it by reference (the creator included while it does)
     pins: int = 0     # prefills about to take it or reading it in their forward: not dropped meanwhile
     tail: int = 0     # shared tokens past `tokens`, in one more page of its own: copied into each taker's first page
+    parent: int = -1  # the group whose entry on this GPU it extends and holds (-1: its pages are all of its tokens)
 
 
 class PrefixPages:
@@ -70,13 +80,13 @@ class PrefixPages:
 
     def share_prefixes(self, group: np.ndarray, prefix_len: np.ndarray, cascade: CascadeRule | None = None,
                        host: bool = False, tails: bool = False, fetch: bool = False,
-                       resume_anywhere: bool = False) -> None:
+                       resume_anywhere: bool = False, tree: PrefixTree | None = None) -> None:
         """Let the sequences of each group share their prefix's pages on a GPU (a job with prefix caching on), and
         those decoding together read them by `cascade`; `host`: their host copies share it on a node too
         (batchgen.core.host_prefixes); `tails`: the shared tokens of the page where members diverge are copied;
         `fetch`: a prefix another GPU of the instance holds is copied from there (batchgen.core.prefix_fetch);
         `resume_anywhere`: a host copy resumed onto another GPU of its node takes the prefix there too, not only on
-        the GPU whose cache holds it (`attach_restored`)."""
+        the GPU whose cache holds it (`attach_restored`); `tree`: groups nested in groups (None: one level)."""
         group, prefix_len = np.asarray(group, np.int64), np.asarray(prefix_len, np.int64)
         if group.size != len(self.table) or prefix_len.size != len(self.table):
             raise ValueError("share_prefixes needs one group and one prefix length per sequence")
@@ -87,20 +97,25 @@ class PrefixPages:
         self.prefix_group = group
         self.prefix_len = prefix_len
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
+        self.prefix_holds = np.full(len(self.table), -1, np.int64)  # the group whose entry it holds (-1: none)
+        tree = tree or PrefixTree.flat(group, prefix_len)
+        self.group_len, self.group_parent = tree.length, tree.parent
+        self._chain = tree.chains()  # group -> its groups, outermost first
+        self.nested = bool((tree.parent >= 0).any())
         self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
         self.prefix_restored = 0  # tokens whose KV a restore took by reference instead of copying it from host
         self.prefix_resumed = 0  # of those, taken by resumes from another GPU's host copy (`resume_anywhere`)
         self.prefixes: dict[tuple[int, int], GroupPrefix] = {}  # (GPU, group) -> its prefix there
-        grouped = group[group >= 0]
-        # members of each group that have not started their prefill (a preempted one starts again)
-        self.group_left = np.bincount(grouped, minlength=int(grouped.max()) + 1 if grouped.size else 0)
+        # members of each group (at it or below) that have not started their prefill (a preempted one starts again)
+        self.group_left = np.zeros(len(tree), np.int64)
+        self._count_up(group[group >= 0], 1, self.group_left)
         self._gpus_of_group: dict[int, set[int]] = {}  # group -> GPUs with its prefix
         self._exhausted: set[int] = set()  # groups none of whose members is left to start, with prefixes to drop
         self._after_forward: list[list[tuple[int, int]]] = [[] for _ in range(self.topo.num_instances)]
         self._read_in_forward: list[list] = [[] for _ in range(self.topo.num_instances)]  # pinned till swept
         self.unheld_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of kept prefixes no one holds, per GPU
         self.prefix_pages = np.zeros(self.topo.num_gpus, np.int64)  # pages of every prefix, per GPU
-        self.group_parked = np.zeros(self.group_left.size, np.int64)  # members waiting in a host pool
+        self.group_parked = np.zeros(self.group_left.size, np.int64)  # members (at it or below) in a host pool
         if host:
             self._host_prefixes_init()
 
@@ -110,6 +125,41 @@ class PrefixPages:
         t = self.table
         tokens = np.minimum(self.prefix_len[ids], t.context(ids) - 1) // self.page_tokens * self.page_tokens
         return np.where(self.prefix_group[ids] >= 0, np.maximum(tokens, 0), 0)
+
+    def _count_up(self, groups: np.ndarray, delta: int, counts: np.ndarray) -> None:
+        """Add `delta` to each group's count and to every ancestor's."""
+        if not self.nested:
+            np.add.at(counts, groups, delta)
+            return
+        for g in groups.tolist():
+            for a in self._chain[g]:
+                counts[a] += delta
+
+    def _levels(self, sid: int, ctx: int) -> list[tuple[int, int]]:
+        """(group, tokens) of each prefix level the sequence can take, outermost first: each group's whole pages on
+        its chain that leave its last context token to compute; a level that adds no whole page is left out."""
+        g = int(self.prefix_group[sid])
+        if g < 0:
+            return []
+        P, cap, out, last = self.page_tokens, ctx - 1, [], 0
+        for a in self._chain[g]:
+            tokens = min(int(self.group_len[a]), cap) // P * P
+            if tokens > last:
+                out.append((a, tokens))
+                last = tokens
+        return out
+
+    def _deepest(self, gpu: int, levels: list[tuple[int, int]],
+                 made: dict | None = None) -> tuple[int, int, int]:
+        """(index in `levels`, group, tokens) of the deepest level on `gpu` (or in `made`: (GPU, group) -> (tokens,
+        tail)) that the sequence shares whole; (-1, -1, 0): none."""
+        for k in range(len(levels) - 1, -1, -1):
+            a, tokens = levels[k]
+            entry = self.prefixes.get((gpu, a))
+            there = entry.tokens if entry is not None else made[(gpu, a)][0] if made and (gpu, a) in made else None
+            if there is not None and tokens >= there:
+                return k, a, there
+        return -1, -1, 0
 
     def share_span(self, ids: np.ndarray) -> np.ndarray:
         """The shared tokens each sequence can take: its whole pages (`share_tokens`) and, with `tails`, the shared
@@ -136,165 +186,23 @@ class PrefixPages:
         return home, tokens
 
     def _restore_takes(self, ids: np.ndarray, gpus: np.ndarray) -> list[GroupPrefix | None]:
-        """The prefix each sequence would take restored onto its GPU: its group's there, if it shares as much."""
-        share = self.share_tokens(ids).tolist()
+        """The prefix each sequence would take restored onto its GPU: the deepest level of its chain there that it
+        shares whole (`_deepest`)."""
         out: list[GroupPrefix | None] = []
-        for sid, g, n in zip(ids.tolist(), gpus.tolist(), share):
-            entry = self.prefixes.get((int(g), int(self.prefix_group[sid])))  # (none for group -1)
-            out.append(entry if entry is not None and n >= entry.tokens else None)
+        for sid, g, c in zip(ids.tolist(), gpus.tolist(), self.table.context(ids).tolist()):
+            _, group, _ = self._deepest(g, self._levels(sid, c))
+            out.append(self.prefixes[(g, group)] if group >= 0 else None)
         return out
-
-    def sharing_starts(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Where each of a forward's chunks starts with prefix caching: a pending sequence's past its group's prefix
-        on its GPU, whether the prefix is there already or a chunk of this forward creates it (the first that
-        passes it; the executor runs a creator's attention before the others' on its GPU, as vLLM writes a step's
-        KV before attention reads it); every other chunk where it stands."""
-        t, out = self.table, starts.copy()
-        # prefixes this forward creates: (GPU, group) -> (tokens, tail its creator's chunk writes)
-        made: dict[tuple[int, int], tuple[int, int]] = {}
-        pending = t.where[ids] == PENDING
-        shared, span = self.share_tokens(ids).tolist(), self.share_span(ids).tolist()
-        for i in np.flatnonzero(~pending).tolist():  # a prefill under way that passes its prefix now
-            sid, key = int(ids[i]), (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            tokens, end = shared[i], int(starts[i] + lens[i])
-            if (tokens > 0 and starts[i] < tokens <= end and not self.prefix_held[sid]
-                    and key not in self.prefixes and key not in made):
-                made[key] = (tokens, min(span[i], end) - tokens)
-        for i in np.flatnonzero(pending).tolist():
-            key = (int(gpus[i]), int(self.prefix_group[ids[i]]))
-            tokens = shared[i]
-            if tokens <= 0:
-                continue
-            there = (self.prefixes[key].tokens, self.prefixes[key].tail) if key in self.prefixes else made.get(key)
-            if there is not None:
-                if tokens >= there[0]:
-                    out[i] = there[0] + min(there[1], span[i] - there[0])
-            elif lens[i] >= tokens:  # its first chunk passes the prefix: it creates it
-                made[key] = (tokens, min(span[i], int(lens[i])) - tokens)
-        return out
-
-    def attach(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
-               whole_lookahead: int | None = None) -> None:
-        """Pending sequences (already taken from their queue) start on their GPUs holding their group's prefix by
-        reference (`sharing_starts`): their prefill stands at `starts` (past the prefix's whole pages, and the tail
-        tokens copied into their first own page), their own pages none yet; or, with `whole_lookahead`, the coming
-        forward prefills the rest of each context whole (`prefilled_to_gpu` past the prefix), pages for it and that
-        many more tokens taken now."""
-        t = self.table
-        self._require(ids, t.where[ids] == PENDING, "pending (a prefix is taken when a prefill starts)")
-        none = np.zeros(ids.size, np.int64)
-        # prefixes already there (a tail its creator writes in this forward may be more than the prefix keeps)
-        P = self.page_tokens
-        ok = (starts > 0) & (starts // P == self.sharing_starts(ids, gpus, none, none) // P)
-        self._require(ids, ok, "given the ready prefix of their group on that GPU")
-        whole = np.empty(ids.size, np.int64)
-        for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
-            entry = self.prefixes[(g, int(self.prefix_group[sid]))]
-            if not entry.holders:  # a kept prefix taken again
-                self.unheld_pages[g] -= entry.pages
-            entry.holders += 1
-            whole[i] = entry.tokens
-        self.prefix_held[ids] = whole
-        self.prefix_taken += int(starts.sum())
-        if whole_lookahead is None:
-            self._join_gpu(instance, ids, gpus, lookahead_tokens=0, reserve=False)
-            t.prefilled[ids] = starts
-            self.num_part_prefilled += ids.size
-        else:
-            self.prefill_computed += int((t.context(ids) - starts).sum())
-            self._join_gpu(instance, ids, gpus, whole_lookahead)
-        self._log_share(instance, ids, gpus, whole, np.zeros(ids.size, bool), starts - whole)
-
-    def _log_share(self, instance: int, ids: np.ndarray, gpus: np.ndarray, tokens: np.ndarray, creates: np.ndarray,
-                   tail: np.ndarray, src: int = -1) -> None:
-        """The `share` ops of prefixes created or taken: whole pages by reference, and `tail` tokens copied on the
-        GPU (a taker's, into its first own page; a creator's, into its prefix's tail page); or (`src`, a created
-        one) the prefix copied whole from that GPU's."""
-        tail = np.asarray(tail, np.int64)
-        copied = tail if src < 0 else tail + tokens
-        self.oplogs[instance].add("share", ids, gpus.astype(np.int64), self.prefix_group[ids], tokens, creates, tail,
-                                  copied * float(self.kv_bytes_per_token), np.full(ids.size, src, np.int64))
-
-    def share_in_forward(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
-        """Prompts prefilled to host (`start_prefill_to_host`) share their group's prefix within their forward: on
-        each GPU the first of a group without a prefix there writes it and the others take it and compute only the
-        rest; every one's KV then goes to its host copy whole, the prefix included. The prefix stays on the GPU
-        (no holder) while members of its group are left to start and its pages fit, else it goes after the forward.
-        Returns where each prefill starts."""
-        t = self.table
-        ctx = t.context(ids)
-        self.fetch_prefixes(instance, ids, gpus)  # copied from a sibling GPU where it lacks one (core.prefix_fetch)
-        at = self.sharing_starts(ids, gpus, np.zeros(ids.size, np.int64), ctx)
-        take = at > 0
-        taken = {(int(g), int(self.prefix_group[sid])) for sid, g in zip(ids[take].tolist(), gpus[take].tolist())}
-        grouped = self.prefix_group[ids]
-        starting = np.bincount(grouped[grouped >= 0], minlength=self.group_left.size)
-        later = self.group_left - starting  # members still to start after this forward (`prefills_started` follows)
-        shared = self.share_tokens(ids)
-        writes: dict[tuple[int, int], int] = {}  # (GPU, group) -> the prompt that writes it for the others
-        for i in np.flatnonzero(~take & (shared > 0)).tolist():
-            key = (int(gpus[i]), int(grouped[i]))
-            if (key in taken or later[key[1]] > 0) and key not in self.prefixes and key not in writes:
-                writes[key] = i
-        if writes:
-            made = np.array(sorted(writes.values()), np.int64)
-            tokens = shared[made]
-            kept_tail = np.zeros(made.size, np.int64)  # tokens of a kept prefix's tail page
-            tails = self.share_span(ids[made]) - tokens
-            for j, (i, n, tail) in enumerate(zip(made.tolist(), tokens.tolist(), tails.tolist())):
-                g, group, pages = int(gpus[i]), int(self.prefix_group[ids[i]]), n // self.page_tokens
-                if self.pages_used[g] + pages <= self.gpu_pages[g]:  # its members park here: kept for them too
-                    if tail and self.pages_used[g] + pages < self.gpu_pages[g]:  # and its tail, where a page is left
-                        kept_tail[j], pages = tail, pages + 1
-                    self._keep(g, group, GroupPrefix(n, pages, 0, tail=int(kept_tail[j])))
-                    self._gpu_holds(g, int(self.pages_used[g]) + pages)
-                    self.unheld_pages[g] += pages
-                else:  # kept for the forward only (its takers there copy the tail from the writer's rows)
-                    self._after_forward[instance].append((g, group))
-            self._log_share(instance, ids[made], gpus[made], tokens, np.ones(made.size, bool), kept_tail)
-        if take.any():
-            whole = at[take] // self.page_tokens * self.page_tokens  # a tail is less than a page
-            self._log_share(instance, ids[take], gpus[take], whole, np.zeros(whole.size, bool), at[take] - whole)
-            # read in the forward: kept until it has run (`sweep_prefixes`)
-            self._read_in_forward[instance].append(self.pin_prefixes(ids, gpus, at))
-            self.prefill_computed -= int(at.sum())
-            self.prefix_taken += int(at.sum())
-        return at
-
-    def _create(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,
-                ends: np.ndarray) -> None:
-        """Chunks about to be written (`prefill_chunks`, pages set): the first that passes its group's prefix on a
-        GPU without one creates it from the sequence's first pages (its own until now: no page count changes)."""
-        t, made, kept_tail = self.table, [], []
-        shared, span = self.share_tokens(ids).tolist(), self.share_span(ids).tolist()
-        for i, (sid, g, s, e) in enumerate(zip(ids.tolist(), gpus.tolist(), starts.tolist(), ends.tolist())):
-            group = int(self.prefix_group[sid])
-            tokens = shared[i]
-            if tokens <= 0 or not s < tokens <= e or self.prefix_held[sid] or (g, group) in self.prefixes:
-                continue
-            pages = tokens // self.page_tokens
-            tail = min(span[i], e) - tokens  # the tail this chunk writes, kept in a page of its own where one is left
-            if tail and self.pages_used[g] < self.gpu_pages[g]:
-                self._gpu_holds(g, int(self.pages_used[g]) + 1)
-            else:
-                tail = 0
-            self._keep(g, group, GroupPrefix(tokens, pages + (tail > 0), 1, tail=tail))
-            self.prefix_held[sid] = tokens
-            t.pages[sid] -= pages
-            made.append(i)
-            kept_tail.append(tail)
-        if made:
-            made = np.array(made, np.int64)
-            self._log_share(instance, ids[made], gpus[made], self.prefix_held[ids[made]], np.ones(made.size, bool),
-                            np.array(kept_tail, np.int64))
 
     def pin_prefixes(self, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray) -> list[GroupPrefix]:
         """Keep the prefixes there that these prefills take (those with a start) from being dropped to make room
         while they are being taken; returns them, for `unpin`."""
         pinned = []
-        for sid, g in zip(ids[starts > 0].tolist(), gpus[starts > 0].tolist()):
-            entry = self.prefixes.get((g, int(self.prefix_group[sid])))
-            if entry is not None:  # (one this forward creates has its creator as a holder)
+        take = starts > 0
+        for sid, g, c in zip(ids[take].tolist(), gpus[take].tolist(), self.table.context(ids[take]).tolist()):
+            _, group, _ = self._deepest(g, self._levels(sid, c))
+            if group >= 0:  # (one this forward creates has its creator as a holder)
+                entry = self.prefixes[(g, group)]
                 entry.pins += 1
                 pinned.append(entry)
         return pinned
@@ -305,18 +213,21 @@ class PrefixPages:
             entry.pins -= 1
 
     def prefills_started(self, ids: np.ndarray) -> None:
-        """Pending sequences started their prefill (after the boundary's shares): their groups have fewer left."""
+        """Pending sequences started their prefill (after the boundary's shares): their groups, and the groups above
+        them, have fewer left."""
         grouped = self.prefix_group[ids]
-        for group in grouped[grouped >= 0].tolist():
-            self.group_left[group] -= 1
-            if not self.group_left[group] and group in self._gpus_of_group:
-                self._exhausted.add(group)
+        for leaf in grouped[grouped >= 0].tolist():
+            for group in self._chain[leaf]:
+                self.group_left[group] -= 1
+                if not self.group_left[group] and group in self._gpus_of_group:
+                    self._exhausted.add(group)
 
     def back_to_pending(self, ids: np.ndarray) -> None:
         """Evicted sequences will start their prefill again."""
         grouped = self.prefix_group[ids]
-        np.add.at(self.group_left, grouped[grouped >= 0], 1)
-        self._exhausted.difference_update(grouped[grouped >= 0].tolist())
+        grouped = grouped[grouped >= 0]
+        self._count_up(grouped, 1, self.group_left)
+        self._exhausted.difference_update(a for g in grouped.tolist() for a in self._chain[g])
 
     def _parked(self, group: int) -> bool:
         """Whether members of the group wait in a host pool: restored onto the GPU whose cache holds their host copy,
@@ -329,7 +240,7 @@ class PrefixPages:
         grouped = self.prefix_group[ids]
         grouped = grouped[grouped >= 0]
         if grouped.size:
-            np.add.at(self.group_parked, grouped, delta)
+            self._count_up(grouped, delta, self.group_parked)
 
     def attach_restored(self, instance: int, ids: np.ndarray, gpus: np.ndarray) -> np.ndarray:
         """Suspended sequences about to be restored onto `gpus` (the GPU whose cache holds their host copy, or with
@@ -340,21 +251,42 @@ class PrefixPages:
         if not self.prefixes:
             return at
         self.fetch_prefixes(instance, ids, gpus, resuming=True)
-        for i, (g, entry) in enumerate(zip(gpus.tolist(), self._restore_takes(ids, gpus))):
-            if entry is None:
-                continue
-            if not entry.holders:
-                self.unheld_pages[g] -= entry.pages
-            entry.holders += 1
-            at[i] = entry.tokens
+        groups = np.full(ids.size, -1, np.int64)
+        for i, (sid, g, c) in enumerate(zip(ids.tolist(), gpus.tolist(), self.table.context(ids).tolist())):
+            _, groups[i], at[i] = self._deepest(g, self._levels(sid, c))
+            if groups[i] >= 0:
+                self._hold(g, int(groups[i]))
         take = np.flatnonzero(at)
         if take.size:
-            self.prefix_held[ids[take]] = at[take]
+            self.prefix_held[ids[take]], self.prefix_holds[ids[take]] = at[take], groups[take]
             self.prefix_restored += int(at.sum())
             self.prefix_resumed += int(at[self.table.kv_gpu[ids] != gpus].sum())
-            self._log_share(instance, ids[take], gpus[take], at[take], np.zeros(take.size, bool),
+            self._log_share(instance, ids[take], gpus[take], groups[take], at[take], np.zeros(take.size, bool),
                             np.zeros(take.size, np.int64))
         return at
+
+    def _hold(self, gpu: int, group: int) -> GroupPrefix:
+        """One more holder of the group's entry on the GPU (a kept entry no one held is held again)."""
+        entry = self.prefixes[(gpu, group)]
+        if not entry.holders:
+            self.unheld_pages[gpu] -= entry.pages
+        entry.holders += 1
+        return entry
+
+    def _log_share(self, instance: int, ids: np.ndarray, gpus: np.ndarray, groups: np.ndarray, tokens: np.ndarray,
+                   creates: np.ndarray, tail: np.ndarray, src: int = -1, parents: np.ndarray | None = None) -> None:
+        """The `share` ops of prefixes created or taken (the entry of `groups` on `gpus`): whole pages by reference,
+        and `tail` tokens copied on the GPU (a taker's, into its first own page; a creator's, into its prefix's tail
+        page); or (`src`, a created one) the prefix copied from that GPU's, past its parent's entry here (`parents`,
+        whose tokens are not copied; -1: none)."""
+        tail = np.asarray(tail, np.int64)
+        parents = np.full(ids.size, -1, np.int64) if parents is None else np.asarray(parents, np.int64)
+        below = np.array([self.prefixes[(int(g), int(p))].tokens if p >= 0 else 0
+                          for g, p in zip(gpus.tolist(), parents.tolist())], np.int64) if src >= 0 else 0
+        copied = tail if src < 0 else tail + tokens - below
+        self.oplogs[instance].add("share", ids, gpus.astype(np.int64), np.asarray(groups, np.int64), tokens, creates,
+                                  tail, copied * float(self.kv_bytes_per_token), np.full(ids.size, src, np.int64),
+                                  parents)
 
     def _keep(self, gpu: int, group: int, entry: GroupPrefix) -> None:
         self.prefixes[(gpu, group)] = entry
@@ -363,7 +295,7 @@ class PrefixPages:
 
     def _drop(self, instance: int, gpu: int, group: int, unheld: bool = True) -> None:
         """A prefix no one holds leaves its GPU (its pages freed there by the `unshare` op); `unheld`: it was kept
-        unheld (counted in `unheld_pages`), not let go just now."""
+        unheld (counted in `unheld_pages`), not let go just now. It lets go of the entry it extends."""
         entry = self.prefixes.pop((gpu, group))
         self.pages_used[gpu] -= entry.pages
         self.prefix_pages[gpu] -= entry.pages
@@ -375,6 +307,21 @@ class PrefixPages:
             del self._gpus_of_group[group]
             self._exhausted.discard(group)
         self.oplogs[instance].add("unshare", np.array([group], np.int64), np.array([gpu], np.int64))
+        if entry.parent >= 0:
+            self._release(gpu, entry.parent)
+
+    def _release(self, gpu: int, group: int) -> None:
+        """One holder lets go of the group's entry on the GPU: the last one drops it unless a member of its group
+        (or below) is still to start, or parked; else it is kept, the newest unheld (dropped last to make room)."""
+        entry = self.prefixes[(gpu, group)]
+        entry.holders -= 1
+        if entry.holders:
+            return
+        if not self.group_left[group] and not entry.pins and not self._parked(group):
+            self._drop(int(self.topo.gpu_instance[gpu]), gpu, group, unheld=False)
+        else:
+            self.prefixes[(gpu, group)] = self.prefixes.pop((gpu, group))
+            self.unheld_pages[gpu] += entry.pages
 
     def _drop_tail(self, instance: int, gpu: int, group: int) -> None:
         """A prefix lets its tail's page go, the GPU needing it: later takers compute those tokens (`untail`)."""
@@ -397,10 +344,10 @@ class PrefixPages:
         if not self._exhausted:
             return
         mine = set(self._instance_gpus[instance].tolist())
-        for group in list(self._exhausted):
+        for group in sorted(self._exhausted, reverse=True):  # deepest first: a child's going frees its parent
             for gpu in sorted(self._gpus_of_group.get(group, set()) & mine):
-                entry = self.prefixes[(gpu, group)]
-                if not entry.holders and not entry.pins and not self._parked(group):
+                entry = self.prefixes.get((gpu, group))
+                if entry is not None and not entry.holders and not entry.pins and not self._parked(group):
                     self._drop(instance, gpu, group)
 
     def _make_room(self, gpu: int) -> int:
@@ -408,45 +355,48 @@ class PrefixPages:
         first, then the tails' pages of those held, until it fits (or none is left). Returns the pages it holds
         then."""
         for tails in (False, True):
-            for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
-                if self.pages_used[gpu] <= self.gpu_pages[gpu]:
-                    return int(self.pages_used[gpu])
-                if g != gpu or entry.pins:
-                    continue
-                if not tails and not entry.holders:
-                    self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
-                elif tails and entry.tail:
-                    self._drop_tail(int(self.topo.gpu_instance[gpu]), gpu, group)
+            progress = True
+            while progress:  # again while drops go on: a child's going leaves its parent unheld
+                progress = False
+                for (g, group), entry in list(self.prefixes.items()):  # in the order they were last let go
+                    if self.pages_used[gpu] <= self.gpu_pages[gpu]:
+                        return int(self.pages_used[gpu])
+                    if g != gpu or entry.pins or self.prefixes.get((g, group)) is not entry:
+                        continue
+                    if not tails and not entry.holders:
+                        self._drop(int(self.topo.gpu_instance[gpu]), gpu, group)
+                        progress = True
+                    elif tails and entry.tail:
+                        self._drop_tail(int(self.topo.gpu_instance[gpu]), gpu, group)
         return int(self.pages_used[gpu])
 
     def drop_unheld(self, instance: int) -> bool:
         """An instance's policy runs nothing: the prefixes on its GPUs that no one holds (kept for members still to
         start, their pages taken from what the policy may admit) go, so that those members can start, and the
         tails' pages of those held (the holders may need them to grow). Returns whether any went."""
-        mine = [(gpu, group, e) for (gpu, group), e in self.prefixes.items()
-                if not e.pins and self.topo.gpu_instance[gpu] == instance and (e.tail or not e.holders)]
-        for gpu, group, e in mine:
-            if e.holders:
-                self._drop_tail(instance, gpu, group)
-            else:
-                self._drop(instance, gpu, group)
-        return bool(mine)
+        went = False
+        while True:  # again while drops go on: a child's going leaves its parent unheld
+            mine = [(gpu, group, e) for (gpu, group), e in self.prefixes.items()
+                    if not e.pins and self.topo.gpu_instance[gpu] == instance and (e.tail or not e.holders)]
+            if not mine:
+                return went
+            for gpu, group, e in mine:
+                if self.prefixes.get((gpu, group)) is not e:
+                    continue
+                if e.holders:
+                    self._drop_tail(instance, gpu, group)
+                else:
+                    self._drop(instance, gpu, group)
+            went = True
 
     def _let_go(self, ids: np.ndarray) -> None:
         """The sequences' device pages go: each lets go of the prefix it holds; the last holder drops it unless a
         member of its group is still to start."""
         held = ids[self.prefix_held[ids] > 0]
         for sid in held.tolist():
-            g, group = int(self.table.where[sid]), int(self.prefix_group[sid])
-            entry = self.prefixes[(g, group)]
-            entry.holders -= 1
-            if entry.holders == 0:
-                if not self.group_left[group] and not entry.pins and not self._parked(group):
-                    self._drop(int(self.topo.gpu_instance[g]), g, group, unheld=False)
-                else:  # kept for the members still to start: the newest unheld, dropped last to make room
-                    self.prefixes[(g, group)] = self.prefixes.pop((g, group))
-                    self.unheld_pages[g] += entry.pages
+            self._release(int(self.table.where[sid]), int(self.prefix_holds[sid]))
         self.prefix_held[held] = 0
+        self.prefix_holds[held] = -1
 
     def prefix_pages_needed(self, ids: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """A holder's own pages: those of its tokens less the prefix's."""
@@ -458,6 +408,7 @@ class PrefixPages:
         if not self.sharing:
             return
         self.prefix_held[:] = 0
+        self.prefix_holds[:] = -1
         self.prefixes.clear()
         self._gpus_of_group.clear()
         self._exhausted.clear()
@@ -477,11 +428,20 @@ class PrefixPages:
             raise InvariantError("a sequence holds a shared prefix while not running device-resident on one GPU")
         count: dict[tuple[int, int], int] = {}
         for sid in holders.tolist():
-            key = (int(t.where[sid]), int(self.prefix_group[sid]))
+            key = (int(t.where[sid]), int(self.prefix_holds[sid]))
             count[key] = count.get(key, 0) + 1
             entry = self.prefixes.get(key)
             if entry is None or entry.tokens != self.prefix_held[sid]:
                 raise InvariantError(f"sequence {sid} holds a prefix GPU {key[0]} does not have for group {key[1]}")
+            if key[1] not in self._chain[int(self.prefix_group[sid])]:
+                raise InvariantError(f"sequence {sid} holds group {key[1]}'s prefix, not on its group's chain")
+        for (g, group), entry in self.prefixes.items():  # an entry holds the one it extends
+            if entry.parent >= 0:
+                parent = self.prefixes.get((g, entry.parent))
+                if parent is None or parent.tokens >= entry.tokens:
+                    raise InvariantError(f"group {group}'s prefix on GPU {g} extends group {entry.parent}'s, which is "
+                                         "not there or not shorter")
+                count[(g, entry.parent)] = count.get((g, entry.parent), 0) + 1
         unheld = np.zeros(self.topo.num_gpus, np.int64)
         for (g, group), entry in self.prefixes.items():
             if count.get((g, group), 0) != entry.holders:
@@ -491,7 +451,8 @@ class PrefixPages:
             unheld[g] += 0 if entry.holders else entry.pages
         if not np.array_equal(unheld, self.unheld_pages) or not np.array_equal(pages, self.prefix_pages):
             raise InvariantError("the pages of prefixes (or of those no one holds) drifted from their count")
-        waiting = self.prefix_group[(t.where == SUSPENDED) & (self.prefix_group >= 0)]
-        if not np.array_equal(np.bincount(waiting, minlength=self.group_parked.size), self.group_parked):
+        parked = np.zeros(self.group_parked.size, np.int64)
+        self._count_up(self.prefix_group[(t.where == SUSPENDED) & (self.prefix_group >= 0)], 1, parked)
+        if not np.array_equal(parked, self.group_parked):
             raise InvariantError("the members of groups waiting in host pools drifted from their count")
         return pages

@@ -288,7 +288,7 @@ class RankWorker:
                 for kind, tier, nbytes in migration_tiers(moved, cross):
                     self._bytes(kind, tier, nbytes)
         restoring = set(ops.restore)
-        for sid, group, tokens, creates, _, _ in ops.share:  # a restore that takes its prefix: only the rest copied
+        for sid, group, tokens, creates, _, _, _ in ops.share:  # a restore that takes its prefix: only the rest copied
             if sid in restoring:
                 cache.share_prefix(sid, group, tokens, creates)
         self._counted("restore", "h2d", cache.restore, ops.restore)
@@ -308,7 +308,7 @@ class RankWorker:
             if len(new) > 1 and self.rank in new:
                 # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
                 self._count("partition" if new[0] == self.rank else "partition_shard", 1)
-        for sid, group, tokens, creates, tail, src in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a
+        for sid, group, tokens, creates, tail, src, _ in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a
             if src >= 0:  # tail below a page copied on the device; none copied from another process (Capabilities)
                 raise InvariantError(f"group {group}'s prefix copied from GPU {src}: this backend does not")
             if sid not in restoring:

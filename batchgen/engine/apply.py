@@ -102,8 +102,8 @@ def _cascades(state: ClusterState, d: Decision, ids: np.ndarray, rank: np.ndarra
     if held.any():
         other_ids = np.concatenate([d.prefill_ids, chunk.get("chunk_ids", _EMPTY)]).astype(np.int64)
         other_rank = np.concatenate([d.prefill_ranks, chunk.get("chunk_rank", _EMPTY)]).astype(np.int64)
-        other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_group[other_ids], -1)
-        group = state.cascade.groups(rank, state.prefix_group[ids], held, state.table.context(ids),
+        other_group = np.where(state.prefix_held[other_ids] > 0, state.prefix_holds[other_ids], -1)
+        group = state.cascade.groups(rank, state.prefix_holds[ids], held, state.table.context(ids),
                                      ~hosted & (tp <= 1), d.micro_batch, other_rank, other_group)
     if hosted.any() and not d.cpu_attention:  # host copies restored into staging: each begins with its prefix
         tokens = np.where(hosted, state.share_tokens(ids), 0)
@@ -186,8 +186,8 @@ def _take_prefill(state: ClusterState, instance: int, d: Decision, gpus: np.ndar
     hit = at > 0
     pinned = state.pin_prefixes(ids[hit], gpus[ranks[hit]], at[hit])  # the others must not drop what is taken
     state.prefilled_to_gpu(instance, ids[~hit], gpus[ranks[~hit]], lookahead_tokens=1)  # creators among them
-    if hit.any():
-        state.attach(instance, ids[hit], gpus[ranks[hit]], at[hit], whole_lookahead=1)
+    for take in _rounds(state, ids, gpus[ranks], at, hit):
+        state.attach(instance, ids[take], gpus[ranks[take]], at[take], whole_lookahead=1)
     state.unpin(pinned)
     state.prefills_started(ids)
     return at if hit.any() else _EMPTY
@@ -258,11 +258,25 @@ def _take_prefixes(state: ClusterState, instance: int, ids: np.ndarray, gpus: np
         state.prefill_chunks(instance, ids[~hit], gpus[~hit], starts[~hit], lens[~hit])
     ctx = state.table.context(ids)
     lens = np.where(hit, np.minimum(lens, ctx - at), lens)
-    state.attach(instance, ids[hit], gpus[hit], at[hit])
+    for take in _rounds(state, ids, gpus, at, hit):
+        state.attach(instance, ids[take], gpus[take], at[take])
+        state.prefill_chunks(instance, ids[take], gpus[take], at[take], lens[take])
     state.unpin(pinned)
-    state.prefill_chunks(instance, ids[hit], gpus[hit], at[hit], lens[hit])
     state.prefills_started(ids[first])
     return at, lens, at + lens == ctx
+
+
+def _rounds(state: ClusterState, ids: np.ndarray, gpus: np.ndarray, at: np.ndarray, hit: np.ndarray):
+    """The prompts that take a prefix, in rounds: each round those whose level is on its GPU now, taken (and
+    prefilled, creating the deeper levels they pass) before the next; a nested level one of them creates is taken
+    in a later round (one round without nested prefixes)."""
+    left = hit.copy()
+    while left.any():
+        ready = left & state.ready_to_take(ids, gpus, at) if state.nested else left
+        if not ready.any():
+            raise InvariantError("prompts wait for a shared prefix that no prompt of the forward creates")
+        yield ready
+        left &= ~ready
 
 
 def record_outcome(state: ClusterState, plan: StepPlan, res: StepResult, start: float,

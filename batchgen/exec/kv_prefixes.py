@@ -54,8 +54,8 @@ class SharedPrefixes:
             self._creating.add(seq_id)
             self._creator_of[group] = seq_id
             self._prefix_pages[group] = pages
-            for p in pages:  # the prefix's own hold, then its creator's
-                self._refs[p] = self._refs.get(p, 0) + 2
+            for p in pages:  # the prefix's own hold, then its creator's (counted already on an outer level's pages)
+                self._refs[p] = self._refs[p] + 1 if p in self._refs else 2
             if tail:
                 if not self._free:
                     raise CacheFullError(f"group {group}'s prefix tail", 1, 0, self.num_pages, self.page_size)
@@ -83,14 +83,20 @@ class SharedPrefixes:
             self._copy_tail(seq_id, s, group, tokens, tail)
         return tail * self.bytes_per_token
 
-    def fetch_prefix(self, group: int, tokens: int, tail: int, source: "SharedPrefixes") -> int:
+    def fetch_prefix(self, group: int, tokens: int, tail: int, source: "SharedPrefixes", parent: int = -1) -> int:
         """The group's prefix (`tokens` in whole pages, and `tail`) copied from another cache's, held here by the
-        prefix alone until sequences take it. Returns the bytes copied."""
+        prefix alone until sequences take it; past `parent`'s prefix here (an outer level: its pages are this one's
+        first, held once more), which is not copied. Returns the bytes copied."""
         n = tokens // self.page_size
         pages, kept = source._prefix_pages.get(group), source._prefix_tail.get(group, (-1, 0))
         if group in self._prefix_pages or pages is None or len(pages) != n or kept[1] < tail:
             raise InvariantError(f"group {group}'s prefix of {tokens} + {tail} tokens copied from a cache that does "
                                  "not hold it, or into one that does")
+        outer = self._prefix_pages.get(parent, []) if parent >= 0 else []
+        if parent >= 0 and (not outer or len(outer) >= n):
+            raise InvariantError(f"group {group}'s prefix copied past group {parent}'s, which this cache does not hold "
+                                 "shorter")
+        pages, n = pages[len(outer):], n - len(outer)
         need = n + (tail > 0)
         if need > len(self._free):
             raise CacheFullError(f"group {group}'s prefix copied in", need, len(self._free), self.num_pages,
@@ -102,12 +108,14 @@ class SharedPrefixes:
         rows = source._device_flat().index_select(2, torch.tensor(src, dtype=torch.int64, device=source.device))
         self._device_flat().index_copy_(2, torch.tensor(dst, dtype=torch.int64, device=self.device),
                                         rows.to(self.device))
-        self._prefix_pages[group] = mine[:n]
+        self._prefix_pages[group] = list(outer) + mine[:n]
+        for p in outer:
+            self._refs[p] += 1
         for p in mine[:n]:
             self._refs[p] = 1  # the prefix's own hold
         if tail:
             self._prefix_tail[group] = (mine[n], tail)
-        return (tokens + tail) * self.bytes_per_token
+        return (n * self.page_size + tail) * self.bytes_per_token
 
     def _copy_tail(self, seq_id: int, s: _Seq, group: int, tokens: int, tail: int) -> None:
         """A taker's first own page gets the prefix's `tail` tokens past `tokens`: from its creator's rows in the

@@ -19,14 +19,14 @@ class ShareOps:
     def __init__(self, ops: KVOps, caches: list, account, gpu_node) -> None:
         self.caches, self.account, self.node = caches, account, gpu_node
         self._ops = ops.shares()
-        self._copies = {(g, group): (tokens, tail, src)  # prefixes copied from another GPU, not yet performed
-                        for _, g, group, tokens, _, tail, src in self._ops if src >= 0}
+        self._copies = {(g, group): (tokens, tail, src, parent)  # prefixes copied from another GPU, not yet performed
+                        for _, g, group, tokens, _, tail, src, parent in self._ops if src >= 0}
         self._done: set[int] = set()  # sequences whose shares ran
 
     def before(self, ids: set[int], resuming: bool = False) -> None:
         """The shares of sequences about to be restored (`resuming`: resumed from another GPU's host copy): each
         takes its group's prefix on its GPU, its copy then writes only the rest."""
-        for sid, g, group, tokens, creates, _, src in self._ops:
+        for sid, g, group, tokens, creates, _, src, _ in self._ops:
             if src < 0 and sid in ids:
                 self._copy_in(g, group)
                 self.caches[g].share_prefix(sid, group, tokens, creates, resuming=resuming)
@@ -34,7 +34,7 @@ class ShareOps:
 
     def rest(self) -> None:
         """Every other share, in plan order (tails below a page copied on the GPU)."""
-        for sid, g, group, tokens, creates, tail, src in self._ops:
+        for sid, g, group, tokens, creates, tail, src, _ in self._ops:
             self._copy_in(g, group)
             if src < 0 and sid not in self._done:
                 self.account.add("share", "local", g, self.caches[g].share_prefix(sid, group, tokens, creates, tail))
@@ -42,6 +42,7 @@ class ShareOps:
     def _copy_in(self, g: int, group: int) -> None:
         copy = self._copies.pop((g, group), None)
         if copy is not None:
-            tokens, tail, src = copy
+            tokens, tail, src, parent = copy
             tier = "peer" if self.node[src] == self.node[g] else "network"
-            self.account.add("share", tier, g, self.caches[g].fetch_prefix(group, tokens, tail, self.caches[src]))
+            self.account.add("share", tier, g, self.caches[g].fetch_prefix(group, tokens, tail, self.caches[src],
+                                                                            parent))

@@ -7,14 +7,18 @@ every request. A workload says so with two per-sequence columns:
 * `prefix_group`: the id of the sequences it shares a prefix with (-1: none);
 * `prefix_len`: how many leading tokens of its prompt are identical in every member of its group (0: none).
 
-One level of sharing is enough for the shapes above; a prompt shared whole (n samples) has prefix_len equal
-to its input length. The counts here need no scheduling: `prefill_tokens_submitted` is what a system without
-sharing prefills, `prefill_tokens_distinct` what one that computes each shared prefix once must prefill.
+A prompt shared whole (n samples) has prefix_len equal to its input length. Where groups nest (a system prompt
+before each prompt's n samples), a `PrefixTree` (batchgen.workload.prefix_tree) says which group's prefix begins
+each group's; the columns then name each sequence's deepest group. The counts here need no scheduling:
+`prefill_tokens_submitted` is what a system without sharing prefills, `prefill_tokens_distinct` what one that
+computes each shared prefix (each segment of the tree) once must prefill.
 
 The `prefix` key of a workload config draws the columns (`PrefixSpec`): `groups` (how many) or `group_size`
 (sequences per group), and `length`: `prompt` (the whole prompt is shared: `input` is drawn once per group) or
 a length distribution drawn once per group (then `input` is each sequence's own suffix, after the prefix).
-Members of a group are adjacent unless `order: shuffled`.
+Members of a group are adjacent unless `order: shuffled`. `outer: {groups or group_size, length}` puts an outer
+prefix (a system prompt, a few-shot block) before the groups' own: `groups` outer groups over the groups, or
+`group_size` groups per outer group, each outer prefix's length drawn once.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from .distributions import Distribution, make_distribution
+from .prefix_tree import NO_PARENT, PrefixTree
 
 NO_GROUP = -1
 ORDERS = ("grouped", "shuffled")
-VALID_KEYS = ("groups", "group_size", "length", "order")
+VALID_KEYS = ("groups", "group_size", "length", "order", "outer")
 WHOLE_PROMPT = "prompt"
 
 
@@ -79,26 +84,27 @@ def prefill_tokens_submitted(input_lens: np.ndarray) -> int:
     return int(np.asarray(input_lens, dtype=np.int64).sum())
 
 
-def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_len: np.ndarray) -> int:
-    """Each group's shared prefix once, plus every sequence's own suffix: what a system that computes a shared
-    prefix once must prefill."""
+def prefill_tokens_distinct(input_lens: np.ndarray, group: np.ndarray, prefix_len: np.ndarray,
+                            tree: PrefixTree | None = None) -> int:
+    """Each group's shared prefix once (each segment of a `tree` once), plus every sequence's own suffix: what a
+    system that computes a shared prefix once must prefill."""
     suffixes = int((input_lens - prefix_len).sum())
-    grouped = group != NO_GROUP
-    if not grouped.any():
+    if not (group != NO_GROUP).any():
         return suffixes
-    _, first = np.unique(group[grouped], return_index=True)
-    return suffixes + int(prefix_len[grouped][first].sum())
+    return suffixes + (tree or PrefixTree.flat(group, prefix_len)).segment_tokens(group)
 
 
-def shared_prefix_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int) -> tuple[float, float]:
+def shared_prefix_tokens(group: np.ndarray, prefix_len: np.ndarray, page_tokens: int,
+                         tree: PrefixTree | None = None) -> tuple[float, float]:
     """(the whole-page prefix tokens a sequence holds by reference, on average over all sequences; every group's
-    prefix's whole-page tokens together): what a memory plan counts once per group, not per sequence."""
+    prefix's whole-page tokens together, each segment of a `tree` once): what a memory plan counts once per group,
+    not per sequence."""
     grouped = group != NO_GROUP
     if not grouped.any():
         return 0.0, 0.0
     whole = prefix_len[grouped] // page_tokens * page_tokens
-    _, first = np.unique(group[grouped], return_index=True)
-    return float(whole.sum() / group.size), float(whole[first].sum())
+    segments = (tree or PrefixTree.flat(group, prefix_len)).segment_tokens(group, page_tokens)
+    return float(whole.sum() / group.size), float(segments)
 
 
 def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
@@ -168,6 +174,66 @@ def distinct_prefix_tokens(sequences) -> int:
     return sum(a.size for a in arrays) - int(lcp.sum())
 
 
+def _size_key(cfg: Mapping, where: str, unit: str) -> tuple[str, int]:
+    """(groups or group_size, its value) of a prefix level's config, checked."""
+    sizes = [k for k in ("groups", "group_size") if cfg.get(k) is not None]
+    if len(sizes) != 1:
+        raise ValueError(f"{where} needs exactly one of groups (how many groups) and group_size ({unit} per group), "
+                         f"got {sizes or 'neither'}")
+    value = cfg[sizes[0]]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{where}.{sizes[0]} must be an integer >= 1, got {value!r}")
+    return sizes[0], int(value)
+
+
+def _blocks(n: int, groups: int | None, group_size: int | None, where: str, count: str) -> np.ndarray:
+    """Each of n items' group, members adjacent: equal blocks (the first ones one longer when n does not divide
+    evenly); `count` names n in an error."""
+    if group_size is not None:
+        if n % group_size:
+            raise ValueError(f"{count}={n} is not a multiple of {where}.group_size={group_size}: give prompts x "
+                             "samples sequences")
+        return np.repeat(np.arange(n // group_size, dtype=np.int64), group_size)
+    if groups > n:
+        raise ValueError(f"{where}.groups={groups} is more than {count}={n}: every group needs at least one member")
+    sizes = np.full(groups, n // groups, dtype=np.int64)
+    sizes[: n % groups] += 1
+    return np.repeat(np.arange(groups, dtype=np.int64), sizes)
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """A validated `prefix.outer` node: an outer prefix before the groups' own (a system prompt, a few-shot block)."""
+
+    groups: int | None = None
+    group_size: int | None = None  # groups per outer group
+    length: Distribution | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> OuterSpec:
+        where = "workload.prefix.outer"
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"{where} must be a mapping like {{groups: 1, length: {{kind: fixed, value: 2048}}}}, "
+                             f"got {cfg!r}")
+        unknown = sorted(set(cfg) - {"groups", "group_size", "length"})
+        if unknown:
+            raise ValueError(f"unknown {where} key(s) {unknown}; valid keys: groups, group_size, length")
+        key, value = _size_key(cfg, where, "groups")
+        if cfg.get("length") is None or cfg.get("length") == WHOLE_PROMPT:
+            raise ValueError(f"{where}.length must be a length distribution, e.g. {{kind: fixed, value: 2048}}")
+        try:
+            length = make_distribution(cfg["length"])
+        except ValueError as e:
+            raise ValueError(f"{where}.length: {e}") from None
+        return cls(**{key: value}, length=length)
+
+    def draw(self, groups: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(each group's outer group, each outer group's prefix length)."""
+        outer = _blocks(groups, self.groups, self.group_size, "workload.prefix.outer", "the groups")
+        count = int(outer[-1]) + 1 if groups else 0
+        return outer, self.length.sample(count, rng)
+
+
 @dataclass(frozen=True)
 class PrefixSpec:
     """A validated `prefix` node of a workload config."""
@@ -176,6 +242,7 @@ class PrefixSpec:
     group_size: int | None = None
     length: Distribution | None = None  # None: the whole prompt is shared
     order: str = "grouped"
+    outer: OuterSpec | None = None  # an outer prefix before the groups' own (a PrefixTree of two levels)
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrefixSpec:
@@ -184,13 +251,7 @@ class PrefixSpec:
         unknown = sorted(set(cfg) - set(VALID_KEYS))
         if unknown:
             raise ValueError(f"unknown workload.prefix key(s) {unknown}; valid keys: {', '.join(VALID_KEYS)}")
-        sizes = [k for k in ("groups", "group_size") if cfg.get(k) is not None]
-        if len(sizes) != 1:
-            raise ValueError("workload.prefix needs exactly one of groups (how many groups) and group_size "
-                             f"(sequences per group), got {sizes or 'neither'}")
-        value = cfg[sizes[0]]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"workload.prefix.{sizes[0]} must be an integer >= 1, got {value!r}")
+        key, value = _size_key(cfg, "workload.prefix", "sequences")
         length = cfg.get("length")
         if length is None:
             raise ValueError("workload.prefix.length is missing: 'prompt' (each group's whole prompt is shared) "
@@ -205,35 +266,41 @@ class PrefixSpec:
         order = cfg.get("order", "grouped")
         if order not in ORDERS:
             raise ValueError(f"workload.prefix.order must be one of {', '.join(ORDERS)}, got {order!r}")
-        return cls(**{sizes[0]: int(value)}, length=length, order=order)
+        outer = None if cfg.get("outer") is None else OuterSpec.from_config(cfg["outer"])
+        return cls(**{key: value}, length=length, order=order, outer=outer)
 
     def group_ids(self, n: int) -> np.ndarray:
         """Each sequence's group, members adjacent: equal blocks (the first ones one longer when n does not
         divide evenly)."""
-        if self.group_size is not None:
-            if n % self.group_size:
-                raise ValueError(f"workload.num_sequences={n} is not a multiple of workload.prefix.group_size="
-                                 f"{self.group_size}: give prompts x samples sequences")
-            return np.repeat(np.arange(n // self.group_size, dtype=np.int64), self.group_size)
-        if self.groups > n:
-            raise ValueError(f"workload.prefix.groups={self.groups} is more than workload.num_sequences={n}: every "
-                             "group needs at least one sequence")
-        sizes = np.full(self.groups, n // self.groups, dtype=np.int64)
-        sizes[: n % self.groups] += 1
-        return np.repeat(np.arange(self.groups, dtype=np.int64), sizes)
+        ids = _blocks(n, self.groups, self.group_size, "workload.prefix", "workload.num_sequences")
+        if self.outer is not None and ids.size:
+            self.outer.draw(int(ids[-1]) + 1, np.random.default_rng(0))  # outer blocks that do not fit fail now
+        return ids
 
     def draw(self, n: int, input: Distribution, input_rng: np.random.Generator, prefix_rng: np.random.Generator,
-             order_rng: np.random.Generator, progress=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(input_lens, prefix_group, prefix_len, order): `order` permutes the sequences (outputs included)."""
+             order_rng: np.random.Generator, progress=None, outer_rng: np.random.Generator | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, PrefixTree | None]:
+        """(input_lens, prefix_group, prefix_len, order, tree): `order` permutes the sequences (outputs included);
+        with `outer`, the outer groups come first in the tree (ids 0..), the groups after them, each prefix the
+        outer one and then its own."""
         group = self.group_ids(n)
         count = int(group[-1]) + 1 if n else 0
+        before, tree = np.zeros(n, np.int64), None
+        if self.outer is not None:
+            outer, outer_len = self.outer.draw(count, outer_rng or np.random.default_rng(0))
+            before = outer_len[outer][group]
         if self.length is None:  # one prompt per group, shared whole
-            inputs = input.sample(count, input_rng)[group]
+            inputs = before + input.sample(count, input_rng)[group]
             prefix = inputs.copy()
             if progress is not None:
                 progress.update(n)
         else:
-            prefix = self.length.sample(count, prefix_rng)[group]
+            prefix = before + self.length.sample(count, prefix_rng)[group]
             inputs = prefix + input.sample(n, input_rng, progress=progress)
+        if self.outer is not None:
+            first = np.unique(group, return_index=True)[1]
+            tree = PrefixTree(np.concatenate([np.full(outer_len.size, NO_PARENT), outer]),
+                              np.concatenate([outer_len, prefix[first]]))
+            group = group + outer_len.size
         order = order_rng.permutation(n) if self.order == "shuffled" else np.arange(n)
-        return inputs, group, prefix, order
+        return inputs, group, prefix, order, tree

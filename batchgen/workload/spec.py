@@ -20,6 +20,7 @@ import numpy as np
 from batchgen.progress import bar
 
 from .distributions import Distribution, make_distribution
+from .prefix_tree import PrefixTree
 from .prefixes import PrefixSpec, check_prefix_columns, prefill_tokens_distinct, prefill_tokens_submitted
 from .traces import SHIPPED_DIR, load_trace, shipped_traces
 
@@ -46,7 +47,8 @@ class Workload:
     learns a sequence's length when it stops. The arrays are read-only copies, so a Workload can be shared
     between runs without one run changing another's input. An empty workload is allowed (a shard of a
     small job may get no requests). ``prefix_group`` and ``prefix_len`` (None: no sharing) say which
-    sequences share how many leading prompt tokens (batchgen.workload.prefixes).
+    sequences share how many leading prompt tokens (batchgen.workload.prefixes); ``prefix_tree`` (None: one level)
+    which groups' prefixes begin with another group's (batchgen.workload.prefix_tree).
     """
 
     name: str
@@ -54,6 +56,7 @@ class Workload:
     output_lens: np.ndarray
     prefix_group: np.ndarray | None = None
     prefix_len: np.ndarray | None = None
+    prefix_tree: PrefixTree | None = None
 
     def __post_init__(self) -> None:
         inputs = _as_lengths("input_lens", self.input_lens)
@@ -63,6 +66,8 @@ class Workload:
                 f"input_lens and output_lens must have the same length, got {inputs.size} and {outputs.size}"
             )
         group, shared = check_prefix_columns(inputs, self.prefix_group, self.prefix_len)
+        if self.prefix_tree is not None:
+            self.prefix_tree.check_members(group, shared)
         object.__setattr__(self, "input_lens", inputs)
         object.__setattr__(self, "output_lens", outputs)
         object.__setattr__(self, "prefix_group", group)
@@ -75,7 +80,11 @@ class Workload:
         """Prompt tokens as submitted, and with each group's shared prefix counted once."""
         return {"prefill_tokens_submitted": prefill_tokens_submitted(self.input_lens),
                 "prefill_tokens_distinct": prefill_tokens_distinct(self.input_lens, self.prefix_group,
-                                                                   self.prefix_len)}
+                                                                   self.prefix_len, self.prefix_tree)}
+
+    def tree(self) -> PrefixTree:
+        """The groups' prefix tree: the one given, or every group on its own."""
+        return self.prefix_tree or PrefixTree.flat(self.prefix_group, self.prefix_len)
 
     def summary(self) -> dict[str, Any]:
         """Headline statistics, flat so they drop straight into a results table or a log line.
@@ -208,18 +217,24 @@ class WorkloadSpec:
     def _build_shared(self, seed: int, input_rng, output_rng, progress: Any) -> Workload:
         """A workload whose groups share a prefix: a shared prefix clipped by max_input stays the group's."""
         assert self.input is not None and self.output is not None and self.num_sequences is not None
-        prefix_rng, order_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)[3:])
+        prefix_rng, order_rng, outer_rng = (np.random.default_rng(s)
+                                            for s in np.random.SeedSequence(seed).spawn(6)[3:])
         n = self.num_sequences
         with bar(2 * n, f"workload {self.name}", unit="seq", setting=progress, unit_scale=True) as shown:
             counter = None if shown.disable else shown
-            inputs, group, shared, order = self.prefix.draw(n, self.input, input_rng, prefix_rng, order_rng,
-                                                            progress=counter)
+            inputs, group, shared, order, tree = self.prefix.draw(n, self.input, input_rng, prefix_rng, order_rng,
+                                                                  progress=counter, outer_rng=outer_rng)
             outputs = self.output.sample(n, output_rng, progress=counter)
         if self.max_input is not None:
             inputs, shared = np.minimum(inputs, self.max_input), np.minimum(shared, self.max_input)
+            if tree is not None:  # an outer prefix stays shorter than the groups' own
+                outer = tree.parent < 0
+                length = np.where(outer, np.minimum(tree.length, self.max_input - 1),
+                                  np.minimum(tree.length, self.max_input))
+                tree = PrefixTree(tree.parent, np.maximum(length, 1))
         if self.max_output is not None:
             outputs = np.minimum(outputs, self.max_output)
-        return Workload(self.name, inputs[order], outputs[order], group[order], shared[order])
+        return Workload(self.name, inputs[order], outputs[order], group[order], shared[order], tree)
 
     def _read_trace(self, rng: np.random.Generator, base_dir: Path | None) -> tuple[np.ndarray, np.ndarray]:
         path = resolve_trace(self.trace, base_dir)
