@@ -408,3 +408,19 @@ def test_a_share_just_past_device_kv_runs_in_one_run_not_two():
     plan = prepare(Job(m, load_cluster("h20_16"), w, make_policy(policy_config("coroutine", m)))).plan
     share = -(-len(w) // 16)
     assert plan.device_seqs < share <= plan.device_seqs + plan.host_seqs
+
+
+def test_the_memory_plan_counts_a_nested_prefix_once_beneath_its_groups():
+    """A system prompt of 4,096 tokens before 100 prompts of 200 sampled 20 times: the plan's prefixes are the system
+    prompt once and each prompt's own 192 whole-page tokens (one level would count the system prompt per prompt)."""
+    from batchgen.workload.prefix_tree import PrefixTree
+    from batchgen.workload.spec import Workload
+
+    n, prompts = 2000, 100
+    group = 1 + np.arange(n) // 20
+    w = Workload("nested", np.full(n, 4296), np.full(n, 400), prefix_group=group, prefix_len=np.full(n, 4296),
+                 prefix_tree=PrefixTree([-1, *[0] * prompts], [4096, *[4296] * prompts]))
+    nested = WorkloadStats.of(w, 64, sharing=True)
+    flat = WorkloadStats.of(dataclasses.replace(w, prefix_tree=None), 64, sharing=True)
+    assert nested.shared == flat.shared == 4288  # each sequence holds its prompt's whole pages
+    assert nested.prefix_tokens == 4096 + prompts * 192 and flat.prefix_tokens == prompts * 4288

@@ -21,16 +21,25 @@ from conftest import make_job
 
 
 def grouped_job(policy="continuous", n=48, group_size=4, prefix=200, suffix=(1, 80), max_out=120, page_tokens=16,
-                seed=0, kv_gb=None, num_gpus=2, host_gb=None, **knobs):
+                seed=0, kv_gb=None, num_gpus=2, host_gb=None, outer=0, **knobs):
+    """Groups of `group_size` sharing `prefix` tokens; with `outer`, the groups' prefixes begin with one of two
+    system prompts of `outer` tokens (nested levels), the groups interleaved over the queue."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
     rng = np.random.default_rng(seed)
     inputs = prefix + rng.integers(suffix[0], suffix[1] + 1, n)
     outputs = rng.integers(1, max_out + 1, n)
     group = np.arange(n) // group_size
+    tree = None
+    if outer:
+        count = int(group[-1]) + 1
+        group = 2 + (np.arange(n) % count)
+        tree = PrefixTree([-1, -1, *(np.arange(count) % 2)], [outer, outer, *[prefix] * count])
     job = make_job(policy, "qwen3_30b_a3b", "h100_8", inputs, outputs, page_tokens=page_tokens,
                    policy_overrides=knobs, cluster_overrides={"num_gpus": num_gpus,
                                                               **({"host_mem_gb_per_node": host_gb} if host_gb else {})})
     job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=group,
-                                                     prefix_len=np.full(n, prefix)))
+                                                     prefix_len=np.full(n, prefix), prefix_tree=tree))
     if kv_gb:  # a KV pool of about kv_gb per GPU: preemptions (evictions) while prefixes are shared
         from batchgen.job import prepare
         probe = prepare(job)
@@ -51,10 +60,11 @@ def grouped_job(policy="continuous", n=48, group_size=4, prefix=200, suffix=(1, 
     "seed": st.integers(0, 2**16),
     "residency": st.sampled_from(["device", "mixed", "host"]),  # coroutine's
     "host_gb": st.sampled_from([None, 68.2, 68.5]),  # GB of host memory per node: 3,216 or 5,962 KV tokens
+    "outer": st.sampled_from([0, 0, 5, 40]),  # tokens of a system prompt before the groups' own (nested levels)
 }))
 @example({  # prefixes kept for members still to start filled a 31-page pool: nothing could start (now dropped then)
     "policy": "continuous", "group_size": 3, "prefix": 158, "page_tokens": 16, "token_budget": 64, "kv_gb": 0.05,
-    "seed": 0, "residency": "device", "host_gb": None})
+    "seed": 0, "residency": "device", "host_gb": None, "outer": 0})
 def test_shared_pages_are_counted_exactly_and_every_sequence_finishes(p):
     knobs = {"token_budget": p["token_budget"]}
     if p["policy"] == "sglang_opt":
@@ -62,8 +72,9 @@ def test_shared_pages_are_counted_exactly_and_every_sequence_finishes(p):
     if p["policy"] == "coroutine":  # its prefill forwards share (to host), and so do its host copies on a node
         knobs = {"kv_residency": p["residency"], "prefill_tokens_per_rank": p["token_budget"]}
     try:
+        outer = min(p["outer"], p["prefix"] - 1)
         job = grouped_job(p["policy"], group_size=p["group_size"], prefix=p["prefix"], page_tokens=p["page_tokens"],
-                          seed=p["seed"], kv_gb=p["kv_gb"], host_gb=p["host_gb"], **knobs)
+                          seed=p["seed"], kv_gb=p["kv_gb"], host_gb=p["host_gb"], outer=outer, **knobs)
         out = simulate(job)  # check_invariants: pages, prefixes and holders recounted at every boundary
     except ConfigError:
         assume(False)  # a pool squeezed below one sequence is refused up front
@@ -75,7 +86,7 @@ def test_shared_pages_are_counted_exactly_and_every_sequence_finishes(p):
     assert state.host_sharing and not state.host_prefixes and not state.host_held.any() and not state.host_used.any()
     assert np.all(state.peak_pages <= state.gpu_pages)
     w = job.workload
-    distinct = prefill_tokens_distinct(w.input_lens, w.prefix_group, w.prefix_len)
+    distinct = prefill_tokens_distinct(w.input_lens, w.prefix_group, w.prefix_len, w.prefix_tree)
     assert state.prefill_computed >= distinct
     if not t.recomputes.any():
         assert state.prefill_computed <= int(w.input_lens.sum())

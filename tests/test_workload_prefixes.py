@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from batchgen.workload import Workload, build_workload
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "workload"
-SHARED = ("rl_rollout_grouped", "fewshot_eval", "system_prompt_shared")
+SHARED = ("rl_rollout_grouped", "fewshot_eval", "system_prompt_shared", "fewshot_pass_at_k")
 
 
 def named(name: str, **changes) -> dict:
@@ -86,10 +86,43 @@ def test_max_input_clips_the_shared_prefix_with_the_prompt():
     ({"groups": 2, "length": {"kind": "fixed", "value": 0}}, "prefix.length: value must be >= 1"),
     ({"groups": 2, "length": "prompt", "order": "random"}, "order must be one of grouped, shuffled"),
     ({"groups": 2, "length": "prompt", "share": 3}, r"unknown workload.prefix key\(s\) \['share'\]"),
+    ({"group_size": 4, "length": "prompt", "outer": {"groups": 3, "length": "prompt"}},
+     "outer.length must be a length distribution"),
+    ({"group_size": 4, "length": "prompt", "outer": {"groups": 11, "length": {"kind": "fixed", "value": 9}}},
+     "outer.groups=11 is more than the groups=10"),
+    ({"group_size": 4, "length": "prompt", "outer": {"group_size": 3, "length": {"kind": "fixed", "value": 9}}},
+     "the groups=10 is not a multiple of workload.prefix.outer.group_size=3"),
+    ({"group_size": 4, "length": "prompt", "outer": {"groups": 2, "length": {"kind": "fixed", "value": 9}, "n": 1}},
+     r"unknown workload.prefix.outer key\(s\) \['n'\]"),
 ])
 def test_bad_prefix_configs_fail_before_drawing(prefix, needle):
     with pytest.raises(ValueError, match=needle):
         build_workload(named("rl_rollout_grouped", num_sequences=40, prefix=prefix), seed=0)
+
+
+def test_an_outer_prefix_nests_the_groups_beneath_it():
+    """Ten prompts sampled four times, in two families whose system prompt (300 tokens) begins each prompt: the
+    families are groups 0 and 1 of the tree, the prompts' groups 2..11 beneath them, and the distinct tokens count
+    each system prompt once and each prompt's own part once."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    cfg = named("rl_rollout_grouped", num_sequences=40, prefix={
+        "group_size": 4, "length": "prompt", "outer": {"groups": 2, "length": {"kind": "fixed", "value": 300}}})
+    w = build_workload(cfg, seed=0)
+    tree = w.prefix_tree
+    assert tree.parent.tolist() == [-1, -1] + [0] * 5 + [1] * 5 and tree.length[:2].tolist() == [300, 300]
+    assert w.prefix_group.tolist() == np.repeat(np.arange(2, 12), 4).tolist()
+    assert (w.prefix_len == w.input_lens).all() and (w.input_lens > 300).all()
+    assert w.prefill_tokens()["prefill_tokens_distinct"] == 2 * 300 + int(w.input_lens[::4].sum()) - 10 * 300
+    assert tree.chains()[6] == (0, 6) and tree.chains()[7] == (1, 7) and tree.segment_tokens(w.prefix_group, 64) == (
+        2 * 256 + int((w.input_lens[::4] // 64 * 64 - 256).sum()))
+    with pytest.raises(ValueError, match="must be longer than its parent"):
+        PrefixTree([-1, 0], [300, 300])
+    with pytest.raises(ValueError, match="parent must be -1 or a smaller group id"):
+        PrefixTree([1, -1], [10, 20])
+    with pytest.raises(ValueError, match="is not its group 1's length"):
+        Workload("w", [30, 30], [1, 1], prefix_group=[1, 1], prefix_len=[25, 25],
+                 prefix_tree=PrefixTree([-1, 0], [10, 20]))
 
 
 def test_a_trace_workload_cannot_draw_prefixes():
@@ -116,6 +149,16 @@ def test_synthetic_prompts_share_their_groups_prefix_tokens():
     assert [p.tolist() for p in shared[:2] + shared[4:]] == [p.tolist() for p in plain[:2] + plain[4:]]
     assert shared[2][4:].tolist() == plain[2][4:].tolist()  # the suffixes are each sequence's own draws
     assert distinct_prefix_tokens(shared) == w.prefill_tokens()["prefill_tokens_distinct"]
+    # nested: group 1's prefix begins with group 0's (3 tokens), which group 2 shares too
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    w = Workload("w", [6, 9, 7, 5], [1] * 4, prefix_group=[1, 1, 2, 2], prefix_len=[5, 5, 4, 4],
+                 prefix_tree=PrefixTree([-1, 0, 0], [3, 5, 4]))
+    nested = random_prompts(w.input_lens, 1000, seed=3, prefix_group=w.prefix_group, prefix_len=w.prefix_len,
+                            tree=w.prefix_tree)
+    assert len({tuple(p[:3].tolist()) for p in nested}) == 1 and nested[0][:5].tolist() == nested[1][:5].tolist()
+    # segments 3 + 2 + 1, then the suffixes 1, 4, 3, 1
+    assert distinct_prefix_tokens(nested) == w.prefill_tokens()["prefill_tokens_distinct"] == 6 + 9
 
 
 def test_distinct_prefix_tokens_counts_a_prefix_tree():

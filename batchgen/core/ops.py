@@ -298,7 +298,7 @@ class GpuOps:
     receive: list = field(default_factory=list)  # (id, source GPU, across nodes, to device, host copy kept)
     restore: list = field(default_factory=list)
     reshard: list = field(default_factory=list)  # (id, old group GPUs, new group GPUs, host copy)
-    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src, parent): a shared prefix, last
+    share: list = field(default_factory=list)    # (id, group, tokens, creates, tail, src, parent): shared prefixes
     unshare: list = field(default_factory=list)  # groups whose shared prefix leaves this GPU, first
     untail: list = field(default_factory=list)   # groups whose prefix lets its tail's page go, after the shares
     nodes: dict = field(default_factory=dict)    # {GPU: node} of the instance, where it has joins or reshards

@@ -28,7 +28,10 @@ class SharedPrefixes:
     def _prefixes_init(self) -> None:
         self._refs: dict[int, int] = {}              # shared page -> holders: its prefix and each sequence
         self._prefix_pages: dict[int, list[int]] = {}  # group -> its prefix's pages in this cache
-        self._creating: set[int] = set()  # sequences whose coming forward writes a prefix others may read in it
+        # sequences whose coming forward writes a prefix others may read in it -> their wave: 0, or one past the
+        # wave of the creator whose prefix (an outer level written in the same forward) they read
+        self._creating: dict[int, int] = {}
+        self._reads_from: dict[int, int] = {}  # takers of a prefix written in the same forward -> its creator
         self._attached: set[int] = set()  # host copies holding a prefix here, about to restore the rest (`restore`)
         self._prefix_tail: dict[int, tuple[int, int]] = {}  # group -> (its tail's page, tokens in it)
         self._creator_of: dict[int, int] = {}  # group -> the sequence whose coming forward writes its prefix here
@@ -51,7 +54,8 @@ class SharedPrefixes:
                 raise InvariantError(f"group {group} already has a prefix in this cache")
             self._grow_to({seq_id: max(tokens, self._resident_tokens(seq_id))}, f"group {group}'s prefix")
             pages = self._seqs[seq_id].pages[:n]
-            self._creating.add(seq_id)
+            reads = self._reads_from.get(seq_id)
+            self._creating[seq_id] = 0 if reads is None else self._creating.get(reads, 0) + 1
             self._creator_of[group] = seq_id
             self._prefix_pages[group] = pages
             for p in pages:  # the prefix's own hold, then its creator's (counted already on an outer level's pages)
@@ -79,6 +83,9 @@ class SharedPrefixes:
             raise InvariantError(f"sequence {seq_id} takes a prefix but already has KV on device in this cache")
         for p in pages:
             self._refs[p] += 1
+        creator = self._creator_of.get(group)
+        if creator is not None:  # it reads a prefix written in the same forward: if it writes one too, after that
+            self._reads_from[seq_id] = creator
         if tail:
             self._copy_tail(seq_id, s, group, tokens, tail)
         return tail * self.bytes_per_token
@@ -194,6 +201,7 @@ class SharedPrefixes:
         for group in list(self._prefix_pages):
             self.unshare_prefix(group)
         self._creating.clear()
+        self._reads_from.clear()
         self._attached.clear()
         self._creator_of.clear()
         self._fanout.clear()
@@ -212,11 +220,13 @@ class SharedPrefixes:
         if not creates:
             s.synced = tokens
 
-    def take_creating(self) -> set[int]:
+    def take_creating(self) -> dict[int, int]:
         """The sequences whose forward writes a prefix that others read in the same forward (their attention must
-        run first), once: the forward that asks is that one."""
-        creating, self._creating = self._creating, set()
+        run first, wave by wave: a nested level's creator after the creator of the level it reads) -> their wave,
+        once: the forward that asks is that one."""
+        creating, self._creating = self._creating, {}
         self._creator_of.clear()  # takers from here on copy from the prefix's tail page
+        self._reads_from.clear()
         return creating
 
     def _free_device(self, s: _Seq) -> None:

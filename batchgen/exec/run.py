@@ -387,7 +387,7 @@ def _checked_prompts(job: Job, settings: ExecSettings, c: ExecModelConfig, promp
     w = job.workload
     if prompts is None:
         return random_prompts(w.input_lens, c.vocab_size, seed=settings.weights_seed + 1, prefix_group=w.prefix_group,
-                              prefix_len=w.prefix_len)
+                              prefix_len=w.prefix_len, tree=w.prefix_tree)
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     lens = [len(p) + d for p, d in zip(prompts, done_before)]
     if len(prompts) != len(w) or lens != [int(n) for n in w.input_lens]:

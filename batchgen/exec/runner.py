@@ -272,9 +272,11 @@ class InstanceRunner:
                 # Prompts and single decode tokens go to separate micro-batches: attention pads every query to
                 # the longest one of its call, so one prompt would otherwise inflate a whole decode batch.
                 mine = [i for i in order if host[i] == resident and tp[i] == 1]
-                # a prompt that writes a shared prefix runs before the prompts that read it (kv_prefixes)
-                creating = batch.cache.take_creating() if not resident else set()
-                first = [i for i in mine if batch.seq_ids[i] in creating]
+                # a prompt that writes a shared prefix runs before the prompts that read it (kv_prefixes), a nested
+                # level's writer after the writer of the level it reads (its wave)
+                creating = batch.cache.take_creating() if not resident else {}
+                waves = [[i for i in mine if creating.get(batch.seq_ids[i]) == w]
+                         for w in sorted(set(creating.values()))]
                 prompts = [i for i in mine if batch.new_counts[i] > 1 and batch.seq_ids[i] not in creating]
                 decodes = [i for i in mine if batch.new_counts[i] == 1 and batch.seq_ids[i] not in creating]
                 cascades: dict[int, list[int]] = {}  # a group's cascaded decodes: calls of at most mb of them
@@ -283,7 +285,8 @@ class InstanceRunner:
                         cascades.setdefault(batch.cascade[i], []).append(i)
                 if cascades:
                     decodes = [i for i in decodes if batch.cascade[i] < 0]
-                calls = [(first, -1), (prompts, -1), (decodes, -1), *[(m, g) for g, m in cascades.items()]]
+                calls = [*[(w, -1) for w in waves], (prompts, -1), (decodes, -1),
+                         *[(m, g) for g, m in cascades.items()]]
                 for members, cascade in calls:
                     ends = [batch.start_positions[i] + batch.new_counts[i] for i in members]
                     if cascade >= 0:  # a cascade: calls of at most mb members, as the engine counts them

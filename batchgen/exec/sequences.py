@@ -9,20 +9,25 @@ import numpy as np
 
 from batchgen.exec.sampling import SamplingParams
 from batchgen.exec.stopping import StopChecker
+from batchgen.workload.prefix_tree import PrefixTree
 
 
 def random_prompts(input_lens: np.ndarray, vocab_size: int, seed: int, prefix_group: np.ndarray | None = None,
-                   prefix_len: np.ndarray | None = None) -> list[np.ndarray]:
+                   prefix_len: np.ndarray | None = None, tree: PrefixTree | None = None) -> list[np.ndarray]:
     """Synthetic prompts of the workload's lengths: what a length-only workload needs to run on real tensors.
     Where the workload says sequences share a prefix (batchgen/workload/prefixes.py), their first prefix_len
-    tokens are the group's first member's; the draws are the same either way."""
+    tokens are the group's first member's, and, where groups nest (`tree`), each outer group's tokens are its
+    first member's before them; the draws are the same either way."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, vocab_size, int(n), dtype=np.int64) for n in input_lens]
     if prefix_group is not None and prefix_len is not None:
-        first: dict[int, np.ndarray] = {}
-        for i in np.flatnonzero(np.asarray(prefix_group) >= 0).tolist():
-            shared = first.setdefault(int(prefix_group[i]), prompts[i])
-            prompts[i][: int(prefix_len[i])] = shared[: int(prefix_len[i])]
+        group = np.asarray(prefix_group)
+        tree = tree or PrefixTree.flat(group, np.asarray(prefix_len))
+        chains, first = tree.chains(), {}
+        for i in np.flatnonzero(group >= 0).tolist():
+            for a in chains[int(group[i])]:  # outermost first: an inner group's first member begins with it too
+                shared, n = first.setdefault(a, prompts[i]), int(tree.length[a])
+                prompts[i][:n] = shared[:n]
     return prompts
 
 

@@ -43,6 +43,8 @@ class ShareOps:
         copy = self._copies.pop((g, group), None)
         if copy is not None:
             tokens, tail, src, parent = copy
+            if parent >= 0:  # a nested level is copied past its outer one, which must be there first
+                self._copy_in(g, parent)
             tier = "peer" if self.node[src] == self.node[g] else "network"
             self.account.add("share", tier, g, self.caches[g].fetch_prefix(group, tokens, tail, self.caches[src],
                                                                             parent))

@@ -58,16 +58,16 @@ class WorkloadStats:
     max_context: int
     output_sketch: tuple[float, ...] = ()  # percentiles of the output lengths (waves.output_sketch); () = all mean
     # where prompt prefixes are shared (`shared_prefix_tokens`): the tokens a sequence holds by reference (mean over
-    # all), and the prefixes of every group together, each once
+    # all), and the prefixes of every group together, each segment of a nested group once
     shared: float = 0.0
     prefix_tokens: float = 0.0
 
     @classmethod
     def of(cls, workload, page_tokens: int = 1, sharing: bool = False) -> "WorkloadStats":
         """`sharing`: the run shares prompt prefixes (a running sequence holds its group's prefix by reference)."""
-        inp, out = np.asarray(workload.input_lens), np.asarray(workload.output_lens)
-        shared, prefixes = shared_prefix_tokens(workload.prefix_group, workload.prefix_len, page_tokens) \
-            if sharing and workload.prefix_group is not None else (0.0, 0.0)
+        w, inp, out = workload, np.asarray(workload.input_lens), np.asarray(workload.output_lens)
+        shared, prefixes = shared_prefix_tokens(w.prefix_group, w.prefix_len, page_tokens, w.prefix_tree) if sharing \
+            and w.prefix_group is not None else (0.0, 0.0)
         return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out),
                    shared, prefixes)
 

@@ -55,9 +55,16 @@ CASES = {
     # take their group's prefix there (core.prefix_pages.attach_restored), restoring the rest
     "coroutine-shared-resume": ("coroutine", {"kv_residency": "device", "b_attn": 4, "b_moe": 8},
                                 {"num_gpus": 2, "gpus_per_node": 2, "gpus_per_instance": 2}),
+    # ... two system prompts of 20 tokens, each before two groups of prompts sharing 36 (nested levels: an outer
+    # one written, taken and copied once, each inner one past it)
+    "coroutine-shared-nested": ("coroutine", {"kv_residency": "mixed", "b_attn": 4, "b_moe": 8,
+                                              "prefill_tokens_per_rank": 100},
+                                {"num_gpus": 4, "gpus_per_node": 2, "gpus_per_instance": 4}),
+    "continuous-shared-nested": ("continuous", {"prefix_tail": True, "token_budget": 64}, {}),
 }
 SHARED = {"coroutine-shared": 24, "coroutine-shared-tail": 28, "continuous-shared-tail": 28,
-          "coroutine-shared-fetch": 28, "coroutine-shared-resume": 24}
+          "coroutine-shared-fetch": 28, "coroutine-shared-resume": 24, "coroutine-shared-nested": 36,
+          "continuous-shared-nested": 36}
 
 
 def priced_and_performed(name, monkeypatch):
@@ -70,11 +77,14 @@ def priced_and_performed(name, monkeypatch):
                    policy_overrides=knobs, cluster_overrides={"num_gpus": 1, "gpus_per_node": 1,
                                                               "gpus_per_instance": None, **cluster})
     if name in SHARED:
-        w = job.workload
+        from batchgen.workload.prefix_tree import PrefixTree
+
+        w, nested = job.workload, name.endswith("-nested")
+        group = np.arange(n) % 4 if "fetch" in name or nested else np.arange(n) // 4
+        tree = PrefixTree([-1, -1, 0, 1, 0, 1], [20, 20] + [SHARED[name]] * 4) if nested else None
         job = dataclasses.replace(job, workload=Workload(w.name, w.input_lens + SHARED[name], w.output_lens,
-                                                         prefix_group=np.arange(n) // 4 if "fetch" not in name
-                                                         else np.arange(n) % 4,
-                                                         prefix_len=np.full(n, SHARED[name])))
+                                                         prefix_group=group + 2 * nested,
+                                                         prefix_len=np.full(n, SHARED[name]), prefix_tree=tree))
     plans, synced = [], []
     execute_plan = exec_backend.ExecBackend.execute
 
@@ -100,18 +110,20 @@ def priced_and_performed(name, monkeypatch):
         priced["network"][gpus] += network
     acc = out.kv_account
     performed = {t: sum((acc.of(k)[t] for k in acc.kinds()), np.zeros(G)).astype(float) for t in TIERS}
-    return priced, performed, out, acc
+    return priced, performed, out, acc, plans
 
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_byte_the_executor_copied_is_priced(name, monkeypatch):
-    priced, performed, out, acc = priced_and_performed(name, monkeypatch)
+    priced, performed, out, acc, plans = priced_and_performed(name, monkeypatch)
     for t in TIERS:
         assert np.array_equal(performed[t], priced[t]), (name, t, performed, priced, acc.as_dict())
     assert not any(acc.of(k)["host"].any() for k in acc.kinds())  # no copy the simulator has no price for
     if name.startswith("coroutine-shared"):  # host copies took their node's prefix, and wrote only the rest
         assert out.prepared.state.host_sharing and out.prepared.state.host_prefix_taken > 0
+    if name.endswith("-nested"):  # inner levels created over the outer one (their share ops name it)
+        assert any((p.ops.share_parent >= 0).any() for p in plans if p.ops is not None)
     if name.endswith("-tail"):  # tails copied on the GPU, priced as copied
         assert performed["local"].sum() > 0
     if name.endswith("-resume"):

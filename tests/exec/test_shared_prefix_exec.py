@@ -277,3 +277,45 @@ def test_host_resident_members_restore_their_prefix_once_per_call(weights, reque
     for sid in range(N):
         expected = hf_greedy(model, on.tokens.prompts[sid], int(state.table.output_len[sid]))
         assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+def nested(policy: str, prefix_cache: bool, tree: bool, num_gpus: int, **knobs):
+    """Two system prompts (21 tokens: 5 into a page), each before three prompts (41 tokens in all) sampled three
+    times; groups interleaved over the queue, so that levels are written, taken and copied in every order."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    rng = np.random.default_rng(5)
+    outer, inner, n = 21, 41, 18
+    group = 2 + (np.arange(n) % 6)  # inner groups 2..7; 2, 4, 6 after system prompt 0, 3, 5, 7 after 1
+    inputs, outputs = inner + rng.integers(4, 20, n), rng.integers(4, 30, n)
+    levels = PrefixTree([-1, -1, 0, 1, 0, 1, 0, 1], [outer, outer, *[inner] * 6])
+    job = make_job(policy, "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": num_gpus, "gpus_per_instance": None},
+                   policy_overrides={"prefix_cache": prefix_cache, **knobs})
+    return dataclasses.replace(job, workload=Workload("nested", inputs, outputs, prefix_group=group,
+                                                      prefix_len=np.full(n, inner),
+                                                      prefix_tree=levels if tree else None))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("policy,gpus,knobs", [
+    ("continuous", 1, {"token_budget": 40}), ("continuous", 2, {"token_budget": 4096}),
+    ("continuous", 1, {"chunked_prefill": False}),
+    ("coroutine", 2, {"b_moe": 4, "b_attn": 4}),
+    ("coroutine", 4, {"b_moe": 4, "b_attn": 4, "prefill_tokens_per_rank": 100, "prefix_fetch": True})])
+def test_nested_prefixes_decode_what_transformers_and_the_unshared_run_do(saved, policy, gpus, knobs):
+    """A system prompt's pages held once on a GPU beneath each prompt's own level: every output is transformers'
+    and the unshared run's (the same prompts), and fewer prompt tokens are computed than with one level of groups
+    (each system prompt then computed again per prompt)."""
+    model, path = saved
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    runs = {name: execute(nested(policy, on, tree, gpus, **knobs), settings)
+            for name, on, tree in (("nested", True, True), ("flat", True, False), ("off", False, True))}
+    on = runs["nested"]
+    assert on.prepared.state.nested and on.tokens.prompts[0][:21].tolist() == on.tokens.prompts[2][:21].tolist()
+    computed = {name: out.prepared.state.prefill_computed for name, out in runs.items()}
+    assert computed["nested"] < computed["flat"] < computed["off"], computed
+    t = on.prepared.state.table
+    for sid in range(len(t)):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(t.output_len[sid]))
+        assert on.tokens.generated[sid] == runs["off"].tokens.generated[sid] == expected, sid
