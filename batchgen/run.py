@@ -132,7 +132,7 @@ def estimate_job(cfg: DictConfig) -> None:
     from batchgen.setup import build_setup, checked_calibration, model_path, model_spec, policy_config
     from batchgen.policy import policy_names
     from batchgen.progress import enabled
-    from batchgen.workload.prefixes import discover_prefix_columns
+    from batchgen.workload.prefixes import discover_prefixes
 
     job = _plain(cfg.job)
     src = Path(str(job.get("input") or "")).expanduser()
@@ -157,12 +157,12 @@ def estimate_job(cfg: DictConfig) -> None:
     choices = np.array([r.n for r in requests])  # every choice of a request is a sequence of its own
     prompts = [r.prompt_ids for r in requests for _ in range(r.n)]
     # shared prefixes found in the prompts' tokens, as the run finds them (a request's choices, a system prompt)
-    group, prefix_len = discover_prefix_columns(prompts, setup.page_tokens)
+    group, prefix_len, tree = discover_prefixes(prompts, setup.page_tokens)
     inp = EstimateInput(np.array([len(p) for p in prompts], np.int64),
                         np.repeat([r.params.max_tokens for r in requests], choices),
                         np.repeat([r.params.ignore_eos for r in requests], choices),
                         approximate_prompts=isinstance(info.tokenizer, ApproximateTokenizer), requests=len(requests),
-                        prefix_group=group, prefix_len=prefix_len)
+                        prefix_group=group, prefix_len=prefix_len, prefix_tree=tree)
     names = list(job.get("estimate_policies") or [])
     unknown = [n for n in names if n not in policy_names()]
     if not names or unknown:

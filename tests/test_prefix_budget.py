@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import batchgen.engine.apply as apply
-from batchgen.policy.prefix_budget import computed_whole, split_sharing, spread_sharing
+from batchgen.policy.prefix_budget import ForwardPrefixes, computed_whole, split_sharing, spread_sharing
 from batchgen.sim.run import simulate
 from test_prefix_pages import grouped_job
 
@@ -15,11 +15,21 @@ from test_prefix_pages import grouped_job
 class View:
     """A prefix cache as a policy reads it: groups, shared tokens and the prefixes already on ranks."""
 
-    def __init__(self, group, shared, there=None, span=None):
+    def __init__(self, group, shared, there=None, span=None, outer=None):
         self._group, self._shared = np.array(group), np.array(shared)
         self._span = self._shared if span is None else np.array(span)
         # (rank, group) -> tokens, or (tokens, tail): a prefix there (with the tail a taker copies)
         self._there = {k: v if isinstance(v, tuple) else (v, 0) for k, v in (there or {}).items()}
+        self._outer = outer or {}  # group -> (its outer group, that one's tokens): nested levels
+
+    def levels(self, ids):
+        out = []
+        for g, n in zip(self._group[ids].tolist(), self._shared[ids].tolist()):
+            chain = [] if g < 0 or not n else [(g, n)]
+            while chain and chain[0][0] in self._outer:
+                chain.insert(0, self._outer[chain[0][0]])
+            out.append(chain)
+        return out
 
     def group(self, ids):
         return self._group[ids]
@@ -173,6 +183,31 @@ def test_a_prompt_that_would_write_again_a_prefix_this_forward_writes_waits_wher
     assert ranks.tolist() == [0, 0, 0, 0, -1, -1]
     ranks, computed = spread_sharing(np.arange(6), np.full(6, 1100), 10_000, 2, Fetching([0] * 6, [1024] * 6))
     assert ranks.tolist() == [0, 0, 0, 1, 1, 1] and computed.tolist() == [1100, 76, 76, 1100, 76, 76]
+
+
+def test_nested_levels_are_taken_where_they_are_and_written_where_they_are_not():
+    """Groups 1 and 2 (1,024 tokens each) begin with group 0's 512 (a system prompt): on a rank with group 0's level
+    a prompt of either computes from 512, on one with its own group's from 1,024; one whose rank lacks both copies
+    what another rank holds (outermost first) and the pages of those copies are charged to it."""
+    from batchgen.policy.prefix_budget import fetched_tokens
+
+    outer = {1: (0, 512), 2: (0, 512)}
+    view = View([1, 2, 2], [1024] * 3, there={(0, 0): 512, (1, 2): 1024}, outer=outer)
+    seen = ForwardPrefixes(view, np.arange(3))
+    assert seen.levels[0] == [(0, 512), (1, 1024)]
+    assert [seen.start(0, 0, 0), seen.start(0, 1, 0), seen.start(1, 1, 0), seen.start(1, 0, 0)] == [512, 512, 1024, 0]
+    seen.wrote(0, 0, 512, 1100)  # group 1's level written on rank 0, past the outer one there
+    assert seen.start(0, 0, 0) == 1024 and seen.there[(0, 1)] == (1024, 0)
+    # rank 1 copies group 0's level (512) for the first prompt and group 2's own segment (512) for the second; rank 2
+    # copies both levels (1,024)
+    fetching = Fetching([1, 2, 2], [1024] * 3, there={(0, 0): 512, (0, 2): 1024}, outer=outer)
+    got = fetched_tokens(fetching, np.arange(3), np.array([1, 1, 2]), np.array([588, 76, 76]), np.full(3, 1100), 64)
+    assert got.tolist() == [512, 512, 1024]
+    # one forward's ranks: the outer level written on rank 0 is written again on rank 1 (only a prompt's own group's
+    # level makes it wait), each group's own level once
+    ranks, computed = split_sharing(np.arange(4), np.full(4, 1100), np.array([1200, 1200]),
+                                    Fetching([1, 1, 2, 2], [1024] * 4, outer=outer))
+    assert ranks.tolist() == [0, 0, 1, 1] and computed.tolist() == [1100, 76, 1100, 76]
 
 
 def test_a_restore_away_from_home_counts_the_prefix_it_takes_or_copies_there():

@@ -206,3 +206,14 @@ def test_partition_refuses_a_sequence_that_holds_a_shared_prefix():
     with pytest.raises(InvariantError, match="holding no shared prefix"):
         state.partition(0, first, np.array([1]))
     state.check()
+
+
+def test_a_restore_home_counts_the_levels_copied_there_before_it():
+    """Nested levels (a 10-token system prompt before groups of 4 sharing 89) over 4 GPUs, coroutine copying levels
+    between GPUs: a host copy restored onto its home GPU, which lacks its group's level, has it copied from a sibling
+    first, tail page and all; the refill counts those pages (`restore_shares`), where it used to count only the level
+    there and overfill the GPU by the copy's tail page."""
+    job = grouped_job("coroutine", n=96, group_size=4, prefix=89, page_tokens=16, seed=20, kv_gb=0.2, num_gpus=4,
+                      outer=10, kv_residency="mixed", prefill_tokens_per_rank=8192, prefix_fetch=True)
+    out = simulate(job)  # check_invariants: no GPU over its pages at any boundary
+    assert np.all(out.prepared.state.table.where == FINISHED) and out.prepared.state.prefix_fetched > 0

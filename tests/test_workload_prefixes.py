@@ -172,6 +172,13 @@ def test_distinct_prefix_tokens_counts_a_prefix_tree():
     assert distinct_prefix_tokens([[256, 1], [1, 256]]) == 4  # token order, not byte order of small ids
 
 
+def _paged(tree, page):
+    """The tree's lengths in whole pages (what a paged cache shares)."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    return PrefixTree(tree.parent, tree.length // page * page)
+
+
 def _saving(sequences, group, prefix_len, page=1):
     """Prompt tokens a one-level grouping saves: each group's prefix (whole pages) once less."""
     out = 0
@@ -181,30 +188,37 @@ def _saving(sequences, group, prefix_len, page=1):
     return out
 
 
-def test_discovered_prefixes_find_choices_and_a_system_prompt():
-    from batchgen.workload.prefixes import discover_prefix_columns
+def test_discovered_prefixes_nest_choices_beneath_a_system_prompt():
+    from batchgen.workload.prefixes import discover_prefixes, distinct_prefix_tokens, prefill_tokens_distinct
 
     system = list(range(1000, 1130))                      # 130 tokens before every request of a family
-    family = [system + [k, k + 1, k + 2] for k in range(6)]
+    family = [system + [k, k + 1, k + 2] for k in range(6) for _ in range(3)]  # six requests, three choices each
     n_choices = [[7, 8, 9, k] for k in range(3) for _ in range(4)]  # three prompts, four choices each
     loner = [[5, 5, 5]]
     sequences = family + n_choices + loner
-    group, prefix_len = discover_prefix_columns(sequences)
-    fam, choices = group[:6], group[6:18]
-    assert (fam == fam[0]).all() and fam[0] >= 0 and (prefix_len[:6] == 130).all()
-    assert [len(set(choices[i:i + 4].tolist())) for i in range(0, 12, 4)] == [1, 1, 1]
-    assert len(set(choices.tolist()) | {int(fam[0])}) == 4 and (prefix_len[6:18] == 4).all()
-    assert group[18] == -1 and prefix_len[18] == 0
-    # whole pages of 64: the family's 130 tokens share two pages; a 4-token prompt shares none
-    group, prefix_len = discover_prefix_columns(sequences, page_tokens=64)
-    assert (group[:6] == group[0]).all() and group[0] >= 0 and (group[6:] == -1).all()
+    group, prefix_len, tree = discover_prefixes(sequences)
+    fam = group[:18]
+    assert [len(set(fam[i:i + 3].tolist())) for i in range(0, 18, 3)] == [1] * 6 and len(set(fam.tolist())) == 6
+    assert (prefix_len[:18] == 133).all() and {int(tree.parent[g]) for g in fam} == {int(tree.parent[fam[0]])}
+    system_group = int(tree.parent[fam[0]])
+    assert tree.length[system_group] == 130 and tree.parent[system_group] == -1  # the system prompt: the outer level
+    choices = group[18:30]
+    assert [len(set(choices[i:i + 4].tolist())) for i in range(0, 12, 4)] == [1, 1, 1] and (prefix_len[18:30] == 4).all()
+    assert len({int(tree.parent[g]) for g in choices}) == 1  # beneath their common 3 tokens
+    assert group[30] == -1 and prefix_len[30] == 0
+    lens = np.array([len(s) for s in sequences])
+    assert prefill_tokens_distinct(lens, group, prefix_len, tree) == distinct_prefix_tokens(sequences)
+    # whole pages of 64: the family's 130 tokens share two pages; a request's 133 no more; a 4-token prompt none
+    group, prefix_len, tree = discover_prefixes(sequences, page_tokens=64)
+    assert (group[:18] == group[0]).all() and group[0] >= 0 and (group[18:] == -1).all() and len(tree) == 1
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_discovered_prefixes_are_shared_and_save_at_least_the_choices_grouping(seed):
+def test_discovered_prefixes_are_shared_and_save_every_whole_page_the_tree_shares(seed):
     """Random families (a system prompt, then requests with n choices): every group's members share their prefix,
-    and the grouping saves at least as much as grouping each request's choices alone (one node of the tree)."""
-    from batchgen.workload.prefixes import discover_prefix_columns
+    each group's prefix begins with its parent's, and the groups save every whole page the prompts' prefix tree
+    shares: at least what grouping each request's choices alone saves."""
+    from batchgen.workload.prefixes import discover_prefixes, prefill_tokens_distinct
 
     rng = np.random.default_rng(seed)
     sequences, request = [], []
@@ -216,13 +230,16 @@ def test_discovered_prefixes_are_shared_and_save_at_least_the_choices_grouping(s
                 sequences.append(prompt)
                 request.append(f * 100 + r)
     page = int(rng.choice([1, 4, 16]))
-    group, prefix_len = discover_prefix_columns(sequences, page)
+    group, prefix_len, tree = discover_prefixes(sequences, page)
+    chains = tree.chains()
     for g in set(group.tolist()) - {-1}:
         members = np.flatnonzero(group == g)
-        n = int(prefix_len[members[0]])
-        assert members.size >= 2 and (prefix_len[members] == n).all()
-        assert all(len(sequences[m]) >= n and sequences[m][:n] == sequences[members[0]][:n] for m in members)
+        for a in chains[g]:  # every level of its chain is shared by all of them
+            n = int(tree.length[a])
+            assert all(len(sequences[m]) >= n and sequences[m][:n] == sequences[members[0]][:n] for m in members)
+        assert (prefix_len[members] == tree.length[g]).all()
+    lens = np.array([len(s) for s in sequences])
     request = np.array(request)
     by_request = np.where(np.bincount(request)[request] > 1, request, -1)
-    whole = np.array([len(s) for s in sequences])
-    assert _saving(sequences, group, prefix_len, page) >= _saving(sequences, by_request, whole, page)
+    saved = int(lens.sum()) - prefill_tokens_distinct(lens, group, prefix_len // page * page, _paged(tree, page))
+    assert saved >= _saving(sequences, by_request, lens, page)

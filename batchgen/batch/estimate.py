@@ -57,6 +57,7 @@ from batchgen.latency import Efficiency, LatencySettings, load_efficiency
 from batchgen.memory import ConfigError, MemorySettings
 from batchgen.setup import plain
 from batchgen.specs import ClusterSpec, ModelSpec
+from batchgen.workload.prefix_tree import PrefixTree
 
 # The shipped Azure conversation trace (19,366 real requests, 2023): output median 129, P95 451, P99 601, max 1000
 # tokens. Real chat answers, not a shape anyone here chose; see batchgen/data/traces/README.md.
@@ -78,6 +79,7 @@ class EstimateInput:
     requests: int | None = None  # the requests those sequences answer (None: one sequence each)
     prefix_group: np.ndarray | None = None  # sequences that share a prompt prefix (a request's n choices), with ...
     prefix_len: np.ndarray | None = None    # ... its length (batchgen.workload.prefixes; None: nothing shared)
+    prefix_tree: PrefixTree | None = None   # ... and the groups nested in groups (batchgen.workload.prefix_tree)
 
     def __post_init__(self) -> None:
         p = np.asarray(self.prompt_lens)
@@ -305,7 +307,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, inp: EstimateInput, policie
         sim_cluster, idx, groups = cluster, np.arange(n), 1
     prompts, outs = inp.prompt_lens[idx], outputs[idx]
     total_tokens = int(outputs.sum())
-    prefixes = None if inp.prefix_group is None else (inp.prefix_group[idx], inp.prefix_len[idx])
+    prefixes = None if inp.prefix_group is None else (inp.prefix_group[idx], inp.prefix_len[idx], inp.prefix_tree)
     args = dict(total_output_tokens=total_tokens, efficiency=efficiency, latency=latency, memory=memory,
                 page_tokens=page_tokens, name="estimate", prefixes=prefixes)
 

@@ -142,10 +142,10 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
 
     writes=False: this process only learns the remaining requests (a torchrun worker, rank > 0): it reads the
     results file and the checkpoint without changing them, writes no error record, and passes no sink.
-    The prompts' shared prefixes are found in their tokens (`discover_prefix_columns`, whole pages of
-    `page_tokens`): a request's n choices, a system prompt or few-shot block before many requests."""
+    The prompts' shared prefixes are found in their tokens (`discover_prefixes`, whole pages of `page_tokens`): a
+    request's n choices, a system prompt or few-shot block before many requests, nested as they are."""
     from batchgen.workload import Workload
-    from batchgen.workload.prefixes import discover_prefix_columns, distinct_prefix_tokens
+    from batchgen.workload.prefixes import discover_prefixes, distinct_prefix_tokens
 
     start = time.perf_counter()
     info = ModelInfo.from_dir(model_path)
@@ -174,7 +174,7 @@ def run_batch(settings: JobSettings, model_path: Path, build_job, execute, *, wr
             workload = Workload(f"batch:{settings.input.name}",
                                 np.array([len(p) for p in prompts], dtype=np.int64) + done_before,
                                 np.array([c.params.max_tokens for c in plan], dtype=np.int64) - done_before,
-                                *discover_prefix_columns(contexts, page_tokens))
+                                *discover_prefixes(contexts, page_tokens))
             summary.sequences = len(plan)
             summary.prefill_tokens_submitted = int(workload.input_lens.sum())
             if writes:  # only the writer prints a summary

@@ -45,30 +45,49 @@ class PrefixFetch(PrefixPrefill):
         ctx = self.table.context(ids).tolist()
         pending = [True] * ids.size if resuming else (self.table.where[ids] == PENDING).tolist()
         for i, (sid, g, waits) in enumerate(zip(ids.tolist(), gpus.tolist(), pending)):
-            if not waits:
-                continue
-            below = -1  # the deepest level of its chain on this GPU so far
-            for a, tokens in self._levels(sid, ctx[i]):
-                if (g, a) in self.prefixes:
-                    below = a
-                    continue
-                source = self.fetch_source(mine, a)
-                if source is None or tokens < source[1].tokens or not self._copy_level(instance, sid, g, a, source,
-                                                                                      below):
-                    break  # not copied: the prompt writes it (and every deeper level)
-                below = a
+            for group, _, pages, (src, entry), parent in self._fetch_plan(sid, g, ctx[i], mine) if waits else ():
+                if self.pages_used[g] + pages > self.gpu_pages[g]:
+                    break  # no room for it there: the prompt writes it (and every deeper level)
+                self._copy_level(instance, sid, g, group, src, entry, parent, pages)
 
-    def _copy_level(self, instance: int, sid: int, gpu: int, group: int, source: tuple[int, GroupPrefix],
-                    below: int) -> bool:
-        """Copy `group`'s level from the source GPU's entry onto `gpu`, over the level `below` there where the
-        source's extends the same one; False, having done nothing, where its pages do not fit."""
-        src, entry = source
-        parent = below if below >= 0 and entry.parent == below else -1
-        pages = entry.pages if parent >= 0 else entry.tokens // self.page_tokens + (entry.tail > 0)
-        if parent < 0 and entry.parent >= 0 and below >= 0:
-            return False  # its parent is another level than the one here: it would hold that one's tokens twice
-        if self.pages_used[gpu] + pages > self.gpu_pages[gpu]:
-            return False  # no room for it there: the prompt writes it
+    def _fetch_plan(self, sid: int, gpu: int, ctx: int, gpus: np.ndarray) -> list[tuple]:
+        """(group, tokens, pages, (source GPU, its entry), parent) of each level of the sequence's chain `gpu`
+        lacks that a GPU among `gpus` would copy there, outermost first, up to the first it cannot: each over the
+        level it extends there (only its own pages), or, where the source's extends another, whole."""
+        below, out = -1, []  # the deepest level of its chain on this GPU so far
+        for a, tokens in self.prefix_levels(sid, ctx):
+            if (gpu, a) in self.prefixes:
+                below = a
+                continue
+            source = self.fetch_source(gpus, a)
+            if source is None or tokens < source[1].tokens:
+                break
+            entry = source[1]
+            parent = below if below >= 0 and entry.parent == below else -1
+            if parent < 0 and entry.parent >= 0 and below >= 0:
+                break  # its parent is another level than the one here: it would hold that one's tokens twice
+            pages = entry.pages if parent >= 0 else entry.tokens // self.page_tokens + (entry.tail > 0)
+            out.append((a, entry.tokens, pages, source, parent))
+            below = a
+        return out
+
+    def restore_shares(self, ids: np.ndarray, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`PrefixPages.restore_shares` where a home GPU lacking levels of a sequence's chain has them copied from
+        another first (`fetch_prefixes`): the tokens each then takes there, less the pages (in tokens) the copies
+        add."""
+        home, tokens = super().restore_shares(ids, gpus)
+        if not self.fetch or not self.prefixes:
+            return home, tokens
+        ctx = self.table.context(ids).tolist()
+        for i in np.flatnonzero(home >= 0).tolist():
+            plan = self._fetch_plan(int(ids[i]), int(gpus[home[i]]), ctx[i], gpus)
+            if plan:
+                tokens[i] = max(int(tokens[i]), plan[-1][1]) - self.page_tokens * sum(p[2] for p in plan)
+        return home, tokens
+
+    def _copy_level(self, instance: int, sid: int, gpu: int, group: int, src: int, entry: GroupPrefix, parent: int,
+                    pages: int) -> None:
+        """Copy `group`'s level from the source GPU's entry onto `gpu` (`pages` there), over the level `parent`."""
         if parent >= 0:
             self._hold(gpu, parent)
         self._keep(gpu, group, GroupPrefix(entry.tokens, pages, 0, tail=entry.tail, parent=parent))
@@ -80,4 +99,3 @@ class PrefixFetch(PrefixPrefill):
                         np.array([entry.tokens], np.int64), np.ones(1, bool), np.array([entry.tail], np.int64),
                         src=src, parents=np.array([parent]))
         self.prefix_fetched += entry.tokens + entry.tail - (self.prefixes[(gpu, parent)].tokens if parent >= 0 else 0)
-        return True

@@ -38,13 +38,14 @@ The model, kept exact by every primitive:
   (its host copy stays whole).
 - PARTITION refuses a holder.
 - Nested groups (batchgen.workload.prefix_tree): a sequence's prefix is a chain of levels, its group's ancestors
-  outermost first, each level the whole pages of that group's prefix (`_levels`; a level that adds no whole page is
-  left out). A GPU holds one entry per level, whose pages are its own segment past the entry it extends (`parent`,
-  on the same GPU), which it holds like a sequence does: a system prompt's pages once, whatever the number of
-  groups after it. A sequence holds one entry, the deepest it took or created (`prefix_holds`). A prefill takes the
-  deepest level there and creates each deeper level its chunk passes (`batchgen.core.prefix_prefill`); an entry
-  dropped lets go of its parent, which the same rules then keep or drop. Counts of members still to start or
-  parked are kept for each group and every ancestor (`group_left`, `group_parked`).
+  outermost first, each level the whole pages of that group's prefix (`prefix_levels`; a level that adds no whole
+  page is left out). A GPU holds one entry per level, whose pages are its own segment past the entry it extends
+  (`parent`, on the same GPU), which it holds like a sequence does: a system prompt's pages once, whatever the
+  number of groups after it. A sequence holds one entry, the deepest it took or created (`prefix_holds`). A prefill
+  takes the deepest level there and creates each deeper level its chunk passes (`batchgen.core.prefix_prefill`); an
+  entry dropped lets go of its parent, which the same rules then keep or drop. Counts of members still to start or
+  parked are kept for each group and every ancestor (`group_left`, `group_parked`). Host copies share their own
+  group's level only (batchgen.core.host_prefixes).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class PrefixPages:
             for a in self._chain[g]:
                 counts[a] += delta
 
-    def _levels(self, sid: int, ctx: int) -> list[tuple[int, int]]:
+    def prefix_levels(self, sid: int, ctx: int) -> list[tuple[int, int]]:
         """(group, tokens) of each prefix level the sequence can take, outermost first: each group's whole pages on
         its chain that leave its last context token to compute; a level that adds no whole page is left out."""
         g = int(self.prefix_group[sid])
@@ -190,7 +191,7 @@ class PrefixPages:
         shares whole (`_deepest`)."""
         out: list[GroupPrefix | None] = []
         for sid, g, c in zip(ids.tolist(), gpus.tolist(), self.table.context(ids).tolist()):
-            _, group, _ = self._deepest(g, self._levels(sid, c))
+            _, group, _ = self._deepest(g, self.prefix_levels(sid, c))
             out.append(self.prefixes[(g, group)] if group >= 0 else None)
         return out
 
@@ -200,7 +201,7 @@ class PrefixPages:
         pinned = []
         take = starts > 0
         for sid, g, c in zip(ids[take].tolist(), gpus[take].tolist(), self.table.context(ids[take]).tolist()):
-            _, group, _ = self._deepest(g, self._levels(sid, c))
+            _, group, _ = self._deepest(g, self.prefix_levels(sid, c))
             if group >= 0:  # (one this forward creates has its creator as a holder)
                 entry = self.prefixes[(g, group)]
                 entry.pins += 1
@@ -253,7 +254,7 @@ class PrefixPages:
         self.fetch_prefixes(instance, ids, gpus, resuming=True)
         groups = np.full(ids.size, -1, np.int64)
         for i, (sid, g, c) in enumerate(zip(ids.tolist(), gpus.tolist(), self.table.context(ids).tolist())):
-            _, groups[i], at[i] = self._deepest(g, self._levels(sid, c))
+            _, groups[i], at[i] = self._deepest(g, self.prefix_levels(sid, c))
             if groups[i] >= 0:
                 self._hold(g, int(groups[i]))
         take = np.flatnonzero(at)

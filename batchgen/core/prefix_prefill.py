@@ -36,12 +36,12 @@ class PrefixPrefill(PrefixPages):
         for i in np.flatnonzero(~pending).tolist():  # a prefill under way that passes levels now
             sid, g = int(ids[i]), int(gpus[i])
             s, end = int(starts[i]), int(starts[i] + lens[i])
-            for a, tokens in self._levels(sid, ctx[i]):
+            for a, tokens in self.prefix_levels(sid, ctx[i]):
                 if tokens > self.prefix_held[sid] and s < tokens <= end and (g, a) not in self.prefixes:
                     made.setdefault((g, a), (tokens, self._tail(sid, a, span[i], end, tokens)))
         for i in np.flatnonzero(pending).tolist():
             sid, g = int(ids[i]), int(gpus[i])
-            levels = self._levels(sid, ctx[i])
+            levels = self.prefix_levels(sid, ctx[i])
             if not levels:
                 continue
             k, a, there = self._deepest(g, levels, made)
@@ -77,7 +77,7 @@ class PrefixPrefill(PrefixPages):
         self._require(ids, self.ready_to_take(ids, gpus, starts), "given the ready prefix of their group on that GPU")
         whole, groups = np.empty(ids.size, np.int64), np.empty(ids.size, np.int64)
         for i, (sid, g, c) in enumerate(zip(ids.tolist(), gpus.tolist(), t.context(ids).tolist())):
-            _, groups[i], _ = self._deepest(g, self._levels(sid, c))
+            _, groups[i], _ = self._deepest(g, self.prefix_levels(sid, c))
             whole[i] = self._hold(g, int(groups[i])).tokens
         self.prefix_held[ids], self.prefix_holds[ids] = whole, groups
         self.prefix_taken += int(starts.sum())
@@ -111,7 +111,7 @@ class PrefixPrefill(PrefixPages):
         made: dict[tuple[int, int], tuple[int, int]] = {}  # levels this forward writes: -> (tokens, tail)
         plans = []  # per prompt: (taken level or -1, [(level, tokens, tail, parent level)] it writes)
         for i, (sid, g) in enumerate(zip(ids.tolist(), gpus.tolist())):
-            levels = self._levels(sid, ctx[i])
+            levels = self.prefix_levels(sid, ctx[i])
             k, a, there = self._deepest(g, levels, made) if levels else (-1, -1, 0)
             if k >= 0:
                 tail = self.prefixes[(g, a)].tail if (g, a) in self.prefixes else made[(g, a)][1]
@@ -179,7 +179,7 @@ class PrefixPrefill(PrefixPages):
         t = self.table
         span, ctx = self.share_span(ids).tolist(), t.context(ids).tolist()
         for i, (sid, g, s, e) in enumerate(zip(ids.tolist(), gpus.tolist(), starts.tolist(), ends.tolist())):
-            for a, tokens in self._levels(sid, ctx[i]):
+            for a, tokens in self.prefix_levels(sid, ctx[i]):
                 if tokens > e:
                     break
                 held = int(self.prefix_held[sid])

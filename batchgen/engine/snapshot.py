@@ -125,6 +125,10 @@ class _StatePrefixes:
     def shared_span(self, ids: np.ndarray) -> np.ndarray:
         return self._state.share_span(ids)
 
+    def levels(self, ids: np.ndarray) -> list[list[tuple[int, int]]]:
+        state = self._state
+        return [state.prefix_levels(sid, c) for sid, c in zip(ids.tolist(), state.table.context(ids).tolist())]
+
     def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]:
         return self._state.prefixes_on(self._gpus)
 

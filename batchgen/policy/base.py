@@ -33,6 +33,9 @@ class PrefixView(Protocol):
     def group(self, ids: np.ndarray) -> np.ndarray: ...         # each sequence's group (-1: none)
     def shared_tokens(self, ids: np.ndarray) -> np.ndarray: ...  # the prefix it would take or create (whole pages)
     def shared_span(self, ids: np.ndarray) -> np.ndarray: ...    # ... and the tokens of it past them it can take
+    # each sequence's prefix levels, outermost first: (group, whole-page tokens) of its group's chain of nested
+    # groups (batchgen.workload.prefix_tree); one level, its group's, where groups do not nest
+    def levels(self, ids: np.ndarray) -> list[list[tuple[int, int]]]: ...
     # (rank, group) -> (whole-page tokens, tail tokens a taker copies) of a prefix there
     def on_ranks(self) -> dict[tuple[int, int], tuple[int, int]]: ...
     fetches: bool  # a rank without its group's prefix copies one another rank holds (batchgen.core.prefix_fetch)

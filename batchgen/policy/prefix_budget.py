@@ -27,16 +27,17 @@ def longest_prefixes(there: dict[tuple[int, int], tuple[int, int]]) -> dict[int,
 
 class ForwardPrefixes:
     """The prefixes a forward's prompts find on their ranks as the policy builds it, candidate by candidate: those
-    there already and those its earlier chunks write (the rule of `sharing_starts`: a chunk that passes its
-    group's prefix on a rank without one writes it, and the tail its chunk writes past it; a prompt that starts there
-    later takes it, if its own shared tokens reach it, and copies as much of the tail as it shares). Where the cache
-    `fetches` (batchgen.core.prefix_fetch), a rank without a group's prefix copies the longest another rank held
-    before this forward."""
+    there already and those its earlier chunks write (the rule of `sharing_starts`: a prompt takes the deepest level
+    of its chain on its rank that it shares whole, copying as much of its own group's tail as it shares; a chunk that
+    passes a level on a rank without one writes it, and the tail its chunk writes past its own group's). Where the
+    cache `fetches` (batchgen.core.prefix_fetch), a rank without a level copies the longest another rank held before
+    this forward, outermost level first."""
 
     def __init__(self, prefixes: PrefixView, ids: np.ndarray,
                  there: dict[tuple[int, int], tuple[int, int]] | None = None):
         self.group = prefixes.group(ids).tolist()
-        self.shared = prefixes.shared_tokens(ids).tolist()
+        self.levels = prefixes.levels(ids)
+        self.shared = [lv[-1][1] if lv else 0 for lv in self.levels]
         self.span = prefixes.shared_span(ids).tolist()
         # (rank, group) -> (tokens, tail), `prefixes.on_ranks()` unless given (one forward's ranks share it); grows
         # with the prefixes written
@@ -44,47 +45,62 @@ class ForwardPrefixes:
         # group -> the prefix a rank without one copies (None: ranks do not copy prefixes)
         self.anywhere = longest_prefixes(self.there) if getattr(prefixes, "fetches", False) else None
 
-    def _have(self, rank: int, i: int) -> tuple[int, int] | None:
-        """The prefix candidate i finds on `rank`: there, or copied there from another rank."""
-        have = self.there.get((rank, self.group[i]))
-        return have if have is not None or self.anywhere is None else self.anywhere.get(self.group[i])
+    def _taken(self, rank: int, i: int) -> tuple[int, int, int]:
+        """(group, tokens, tail) of the level candidate i takes on `rank` (there, or copied there with every level
+        outside it); (-1, 0, 0): none."""
+        out = (-1, 0, 0)
+        for a, tokens in self.levels[i]:
+            have = self.there.get((rank, a))
+            if have is None and self.anywhere is not None:
+                have = self.anywhere.get(a)
+                if have is None or tokens < have[0]:
+                    break  # copies stop at the first level no rank holds
+            if have is not None and tokens >= have[0]:
+                out = (a, *have)
+        return out
 
     def start(self, rank: int, i: int, s: int) -> int:
-        """Where candidate i's chunk starts on `rank`: past the prefix it takes if it has not started (s == 0)."""
+        """Where candidate i's chunk starts on `rank`: past the level it takes if it has not started (s == 0)."""
         if s or self.group[i] < 0:
             return s
-        have = self._have(rank, i)
-        if not have or self.shared[i] < have[0]:
+        group, tokens, tail = self._taken(rank, i)
+        if group < 0:
             return 0
-        return have[0] + min(have[1], self.span[i] - have[0])
+        return tokens + (min(tail, self.span[i] - tokens) if group == self.group[i] else 0)
 
     def wrote(self, rank: int, i: int, s: int, end: int) -> None:
-        """Candidate i's chunk covers [s, end) on `rank`: it writes its group's prefix there if it passes it first
-        (or it took one copied there)."""
-        shared, key = self.shared[i], (rank, self.group[i])
-        if not shared or key in self.there:
-            return
-        if s < shared <= end:
-            self.there[key] = (shared, min(self.span[i], end) - shared)
-        elif s and self.anywhere and self.group[i] in self.anywhere:
-            self.there[key] = self.anywhere[self.group[i]]
+        """Candidate i's chunk covers [s, end) on `rank`: it writes each level of its chain it passes first there,
+        and the levels it took copied there are there for the next ones."""
+        for a, tokens in self.levels[i]:
+            key = (rank, a)
+            if key in self.there:
+                continue
+            if s < tokens <= end:
+                self.there[key] = (tokens, min(self.span[i], end) - tokens if a == self.group[i] else 0)
+            elif tokens <= s and self.anywhere and a in self.anywhere:
+                self.there[key] = self.anywhere[a]
 
 
 def fetched_tokens(prefixes: PrefixView, ids: np.ndarray, ranks: np.ndarray, computed: np.ndarray,
                    tokens: np.ndarray, page_tokens: int) -> np.ndarray:
-    """The tokens of pages each prompt's forward copies onto its rank (batchgen.core.prefix_fetch): a copied
-    prefix's whole pages and its tail's page, charged to the first prompt of its group that takes it there."""
+    """The tokens of pages each prompt's forward copies onto its rank (batchgen.core.prefix_fetch): each copied
+    level's own pages past the level it extends, and its tail's page, charged to the first prompt that takes it
+    there."""
     out = np.zeros(ids.size, np.int64)
     if not getattr(prefixes, "fetches", False):
         return out
     seen = ForwardPrefixes(prefixes, ids)
-    for i, (r, g) in enumerate(zip(ranks.tolist(), seen.group)):
-        if g < 0 or (r, g) in seen.there:
-            continue
-        if computed[i] < tokens[i] and seen.anywhere and g in seen.anywhere:  # it took a prefix copied here
-            have = seen.anywhere[g]
-            out[i] = have[0] + (page_tokens if have[1] else 0)
-        seen.there[(r, g)] = (0, 0)  # copied, or written by this prompt: there for the next ones
+    for i, r in enumerate(ranks.tolist()):
+        below = 0  # tokens of the levels outside the one being copied, there already
+        for a, n in seen.levels[i] if computed[i] < tokens[i] and seen.anywhere else ():  # it took levels copied here
+            if (r, a) not in seen.there:
+                have = seen.anywhere.get(a)
+                if have is None:
+                    break
+                out[i] += have[0] - below + (page_tokens if have[1] else 0)
+            below = n
+        for a, _ in seen.levels[i]:
+            seen.there.setdefault((r, a), (0, 0))  # copied, or written by this prompt: there for the next ones
     return out
 
 
@@ -107,26 +123,30 @@ def split_sharing(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarr
     ranks in order, each rank with budget taking at least one and keeping its computed tokens within its budget
     (`ForwardPrefixes` says what each takes), except that a prompt whose group's prefix a rank holds, or is
     writing in this forward, goes to the first such rank with budget left for it: sharers meet where their prefix
-    is. Where ranks copy each other's prefixes (`prefixes.fetches`) and `wait`, a prompt that would write again on
-    another rank a prefix this forward writes first waits for the next forward, which copies it there (rank -1):
-    each shared token is computed once, while ranks that only such prompts would fill idle a forward.
+    is (its deepest level's first). Where ranks copy each other's prefixes (`prefixes.fetches`) and `wait`, a prompt
+    that would write again on another rank its group's level, which this forward writes first, waits for the next
+    forward, which copies it there (rank -1): each shared token of it is computed once, while ranks that only such
+    prompts would fill idle a forward.
     Returns (rank, computed tokens) of each prompt placed or waiting (a FIFO prefix of `ids`)."""
     seen = ForwardPrefixes(prefixes, ids)
-    first_written: set[int] = set()  # groups whose first prefix this forward writes (where ranks copy prefixes)
+    first_written: set[int] = set()  # levels whose first copy this forward writes (where ranks copy prefixes)
     budgets = np.asarray(budget_per_rank).tolist()
     used, count = [0] * len(budgets), [0] * len(budgets)
-    homes: dict[int, list[int]] = {}  # group -> ranks with its prefix, in the order they got it
+    homes: dict[int, list[int]] = {}  # level -> ranks with it, in the order they got it
     for r, g in sorted(seen.there):
         homes.setdefault(g, []).append(r)
     ranks: list[int] = []
     computed: list[int] = []
     r = 0  # the rank being filled in order
     for i in range(ids.size):
-        g, at = seen.group[i], None
-        for h in homes.get(g, ()) if g >= 0 else ():
-            c = int(tokens[i]) - seen.start(h, i, 0)
-            if used[h] + c <= budgets[h]:
-                at = h
+        levels, at = seen.levels[i], None
+        for a, _ in reversed(levels):  # a rank with its deepest level first
+            for h in homes.get(a, ()):
+                c = int(tokens[i]) - seen.start(h, i, 0)
+                if used[h] + c <= budgets[h]:
+                    at = h
+                    break
+            if at is not None:
                 break
         if at is None:
             while r < len(budgets) and (budgets[r] <= 0 or (count[r] and used[r] + int(tokens[i])
@@ -135,20 +155,24 @@ def split_sharing(ids: np.ndarray, tokens: np.ndarray, budget_per_rank: np.ndarr
             if r == len(budgets):
                 break
             at, c = r, int(tokens[i]) - seen.start(r, i, 0)
-            if wait and g in first_written and c == int(tokens[i]):
-                ranks.append(-1)  # it would write its group's prefix again: it waits for the next forward
+            if wait and any(a in first_written and n > int(tokens[i]) - c for a, n in levels[-1:]):
+                # it would write its own group's level again, which this forward writes first: it waits (an outer
+                # level is written again: waiting for it idled ranks longer than the copy saved; results file)
+                ranks.append(-1)
                 computed.append(0)
                 continue
         ranks.append(at)
         computed.append(c)
         used[at] += c
         count[at] += 1
-        if g >= 0 and (at, g) not in seen.there:
+        new = [a for a, _ in levels if (at, a) not in seen.there]
+        if new:
             seen.wrote(at, i, int(tokens[i]) - c, int(tokens[i]))
-            if (at, g) in seen.there:
-                homes.setdefault(g, []).append(at)
-                if seen.anywhere is not None and c == int(tokens[i]) and g not in seen.anywhere:
-                    first_written.add(g)  # none held it before: a second rank copies it next forward
+            for a in new:
+                if (at, a) in seen.there:
+                    homes.setdefault(a, []).append(at)
+                    if seen.anywhere is not None and a not in seen.anywhere:
+                        first_written.add(a)  # none held it before: a second rank copies it next forward
     return np.array(ranks, np.int64), np.array(computed, np.int64)
 
 

@@ -122,22 +122,24 @@ def _sorted_lcp(sequences) -> tuple[list[np.ndarray], list[int], np.ndarray]:
     return arrays, order, lcp
 
 
-def discover_prefix_columns(sequences, page_tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """`prefix_group` and `prefix_len` found in token ids, for prompts no one labelled (a batch file's): one level
-    of sharing chosen to save the most prefill.
+def discover_prefixes(sequences, page_tokens: int = 1) -> tuple[np.ndarray, np.ndarray, PrefixTree]:
+    """`prefix_group`, `prefix_len` and the `PrefixTree` found in token ids, for prompts no one labelled (a batch
+    file's): a radix tree of the prompts in whole pages of `page_tokens` (what a paged cache can share).
 
     In lexicographic order the sequences that share a prefix of at least h tokens are runs (the nodes of their
-    prefix tree: lcp intervals). A node of depth h over k sequences saves (k - 1) x h tokens as one group, or what
-    its children save as groups of their own; bottom up, each node keeps the larger, counting only whole pages of
-    `page_tokens` (what a paged cache can share). Ties keep the larger group."""
+    prefix tree: lcp intervals). Every node over two or more sequences whose prefix has more whole pages than its
+    nearest ancestor group's is a group, nested beneath that one (its parent); each sequence's group is the deepest
+    that holds it. A system prompt before requests with n choices each is then two levels: the system prompt's
+    group, and each request's beneath it."""
     arrays, order, lcp = _sorted_lcp(sequences)
     n = len(arrays)
     group, prefix_len = np.full(n, NO_GROUP, np.int64), np.zeros(n, np.int64)
+    parents: list[int] = []
+    lengths: list[int] = []
     if n < 2:
-        return group, prefix_len
-    # bottom-up over the lcp intervals (value, first, children), closed at the boundary where lcp falls below
-    nodes: list[tuple[int, int, int, list]] = []  # closed: (value, first, last, children), children by index
-    best: list[int] = []
+        return group, prefix_len, PrefixTree(parents, lengths)
+    # the lcp intervals (value, first, last, children), closed at the boundary where lcp falls below their value
+    nodes: list[tuple[int, int, int, list]] = []
     stack: list[list] = [[0, 0, []]]
     for i in range(1, n + 1):
         h = int(lcp[i]) if i < n else -1
@@ -145,24 +147,24 @@ def discover_prefix_columns(sequences, page_tokens: int = 1) -> tuple[np.ndarray
         while stack and h < stack[-1][0]:
             value, first, children = stack.pop()
             nodes.append((value, first, i - 1, children))
-            whole = (i - 1 - first) * (value // page_tokens * page_tokens)
-            best.append(max(whole, sum(best[c] for c in children)))
             last = len(nodes) - 1
             if stack and h <= stack[-1][0]:
                 stack[-1][2].append(last)
         if not stack or h > stack[-1][0]:
             stack.append([h, first, [last] if last is not None else []])
-    todo, next_group = [len(nodes) - 1], 0
-    while todo:
-        value, first, last, children = nodes[todo.pop()]
-        whole = (last - first) * (value // page_tokens * page_tokens)
-        if whole > 0 and whole >= sum(best[c] for c in children):
+    todo = [(len(nodes) - 1, NO_PARENT, 0)]  # (node, the group above it, that group's whole-page tokens)
+    while todo:  # top down: a parent's id comes before its children's, and a deeper group overwrites its members
+        node, parent, above = todo.pop()
+        value, first, last, children = nodes[node]
+        whole = value // page_tokens * page_tokens
+        if last > first and whole > above:
+            parents.append(parent)
+            lengths.append(value)
+            parent, above = len(parents) - 1, whole
             members = [order[j] for j in range(first, last + 1)]
-            group[members], prefix_len[members] = next_group, value
-            next_group += 1
-        else:
-            todo.extend(children)
-    return group, prefix_len
+            group[members], prefix_len[members] = parent, value
+        todo.extend((c, parent, above) for c in children)
+    return group, prefix_len, PrefixTree(parents, lengths)
 
 
 def distinct_prefix_tokens(sequences) -> int:

@@ -181,8 +181,8 @@ def test_n8_with_a_shared_system_prompt_killed_twice_then_resumed(demo, tmp_path
 
 def test_a_system_prompt_before_distinct_requests_is_found_and_shared(demo, tmp_path, monkeypatch):  # noqa: F811
     """No `n`, no labels: the requests' tokens show the shared system prompt (workload.prefixes'
-    discover_prefix_columns), and the run prefills it once per GPU instead of once per request; the records equal
-    a run that shares nothing."""
+    discover_prefixes), and the run prefills it once per GPU instead of once per request; the records equal a run
+    that shares nothing."""
     from batchgen.exec import run as exec_run
 
     runs = []
