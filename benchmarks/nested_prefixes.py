@@ -7,8 +7,9 @@ prefix then computed and held again per group), under each policy, side by side 
 
 Per policy it prints BCT and prompt tokens computed for both runs, against the workload's distinct tokens (each
 segment of the tree once) and its distinct tokens on one level; the last line reads
-`<policy>:nested/flat=<r> ...` (the BCT ratio: below 1 is faster with the tree). The prompts' lengths, outputs and
-groups are the same in both runs; only the tree differs.
+`<policy>:nested/flat=<r> ...` (the BCT ratio: below 1 is faster with the tree). Each job is the one
+`python -m batchgen.experiment +policy=P model=M cluster=C workload=W` runs (the nested row is that command's); the
+prompts' lengths, outputs and groups are the same in both runs, only the tree differs.
 
 Recorded results (with the machine and the date): benchmarks/results/shared_prefix.md.
 """
@@ -19,16 +20,20 @@ import argparse
 import dataclasses
 import time
 
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
 
 from batchgen.confdir import conf_dir
-from batchgen.job import Job
-from batchgen.policy import make_policy
-from batchgen.setup import policy_config
+from batchgen.config import build_job
 from batchgen.sim.run import simulate
-from batchgen.specs import load_cluster, load_model
-from batchgen.workload import build_workload
 from batchgen.workload.prefixes import prefill_tokens_distinct
+
+
+def job_of(policy: str, model: str, cluster: str, workload: str):
+    """The job `python -m batchgen.experiment +policy=P model=M cluster=C workload=W` runs."""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+policy={policy}", f"model={model}", f"cluster={cluster}",
+                                                       f"workload={workload}", "output.plot=false"])
+    return build_job(cfg)
 
 
 def main() -> None:
@@ -38,8 +43,8 @@ def main() -> None:
     ap.add_argument("--cluster", default="h100_8")
     ap.add_argument("--policies", default="coroutine,continuous,sglang_opt")
     args = ap.parse_args()
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
-    nested = build_workload(OmegaConf.load(conf_dir() / "workload" / f"{args.workload}.yaml"), seed=0, progress=False)
+    names = args.policies.split(",")
+    nested = job_of(names[0], args.model, args.cluster, args.workload).workload
     if nested.prefix_tree is None:
         ap.error(f"workload {args.workload} has no nested groups (workload.prefix.outer)")
     flat = dataclasses.replace(nested, prefix_tree=None)
@@ -50,11 +55,11 @@ def main() -> None:
           "one level")
     print(f"{'policy':<12} {'groups':<7} {'BCT s':>9} {'computed':>12} {'distinct':>12} {'wall s':>7}")
     ratios = []
-    for name in args.policies.split(","):
-        bct = {}
+    for name in names:
+        bct, job = {}, job_of(name, args.model, args.cluster, args.workload)
         for label, workload in (("nested", nested), ("flat", flat)):
             start = time.perf_counter()
-            out = simulate(Job(model, cluster, workload, make_policy(policy_config(name, model))), progress=False)
+            out = simulate(dataclasses.replace(job, workload=workload), progress=False)
             wall = time.perf_counter() - start
             state = out.prepared.state
             bct[label] = float(state.table.finish_time.max())

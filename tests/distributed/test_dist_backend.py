@@ -173,14 +173,19 @@ def test_sampled_outputs_equal_the_single_process_executor(saved, loop_kernel):
     assert out.tokens.generated != greedy.tokens.generated
 
 
-@pytest.mark.parametrize("policy", ["continuous", "coroutine", "coroutine-host"])
+@pytest.mark.parametrize("policy", ["continuous", "coroutine", "coroutine-host", "continuous-nested"])
 def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypatch):
     """Groups of prompts that share a prefix (ending inside a page), over two processes: each process's cache
     holds the prefixes its rank's members share (the state's `share`/`unshare` ops performed there, creators'
     attention first), so each rank computes a group's prefix once, and members decoding together read it once
     per cascaded call, as the engine counted (every cascade taken to pay: a tiny model's never do); greedy outputs
     equal transformers'. coroutine-host: every member decodes host-resident, each cascaded call restoring its
-    prefix once into the process's staging buffers."""
+    prefix once into the process's staging buffers. continuous-nested: the groups' prefixes begin with one of two
+    system prompts of 13 tokens (nested levels), each held once beneath its groups'."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    nested = policy.endswith("-nested")
+    policy = policy.removesuffix("-nested")
     monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     model, path = saved
     n, group, prefix = 16, 4, 29
@@ -194,8 +199,10 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
         staging = {"staging_seqs": 4, "max_context": 64}
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
-    job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(n) // group,
-                                                     prefix_len=np.full(n, prefix)))
+    tree = PrefixTree([-1, -1, 0, 1, 0, 1], [13, 13, *[prefix] * 4]) if nested else None
+    job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs,
+                                                     prefix_group=np.arange(n) // group + 2 * nested,
+                                                     prefix_len=np.full(n, prefix), prefix_tree=tree))
     out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), procs=2, timeout_s=30.0,
                                          kv_budget_mb=kv_mb_for(path, 2000, **staging)))
     if staging:
@@ -204,6 +211,8 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
     assert state.sharing and not state.table.recomputes.any()
     assert state.prefill_computed < int(inputs.sum()) - n * group  # 3 of a group's 4 members took 24 tokens or more
     assert out.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
+    if nested:  # groups 2 and 4 begin with system prompt 0, 3 and 5 with 1
+        assert state.nested and list(out.tokens.prompts[0][:13]) == list(out.tokens.prompts[2 * group][:13])
     for sid in range(n):
         assert list(out.tokens.prompts[sid][:prefix]) == list(out.tokens.prompts[sid // group * group][:prefix]), sid
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
