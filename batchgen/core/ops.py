@@ -167,6 +167,13 @@ class KVOps:
                         self.share_tokens.tolist(), self.share_creates.tolist(), self._share_tail().tolist(),
                         self._share_src().tolist(), self._share_parent().tolist()))
 
+    def prefix_copies(self) -> list[tuple[int, int, int, int, int, int, bool]]:
+        """(source GPU, destination GPU, group, tokens, tail, parent group, across nodes) of each prefix copied from
+        another GPU (batchgen.core.prefix_fetch), in plan order: what every process of backend=dist walks alike."""
+        node = self.nodes() if self.gpu_node.size == self.gpus.size else {}
+        return [(src, g, group, tokens, tail, parent, node.get(src) != node.get(g))
+                for _, g, group, tokens, _, tail, src, parent in self.shares() if src >= 0]
+
     def group(self, lead: int, degree: int) -> list[int]:
         """A partition group's GPUs: the lead and the next degree - 1 GPUs of its instance (wrapping)."""
         rank = int(np.flatnonzero(self.gpus == lead)[0])

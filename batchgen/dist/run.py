@@ -380,7 +380,8 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
     done_before = _done_before(job, resumed)
     worker, is_moe, _ = built
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
-    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, **host_kw(dist_host_pools(job, settings)))
+    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, prefix_fetch=True,
+                       **host_kw(dist_host_pools(job, settings)))
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params),
                             resumed=resumed)
     pieces, recoveries, clock, launched = RunPieces(several=prepared.cluster.num_instances > 1), [], None, prepared
@@ -458,7 +459,7 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
                 except RegroupAborted as again:  # another survivor lost meanwhile: regroup without it
                     err, number, cause = again.cause, number + 1, f"{cause}; then {again.cause}"
             keep = keep if keep is not None else [{} for _ in survivors]
-            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages,
+            next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages, prefix_fetch=True,
                                     **host_kw(dist_host_pools(job_next, settings)))
             restored = restorable = 0
             if files is not None:

@@ -46,10 +46,9 @@ import torch.distributed as dist
 
 from batchgen.core.ops import GpuOps
 from batchgen.core.reshard import Part
-from batchgen.core.sequences import InvariantError
 from batchgen.dist.comm import Comm
 from batchgen.dist.control import REPLY_KINDS, broadcast_command, gather_replies, receive_command, send_reply
-from batchgen.dist.kv_transfer import recv_sequence, send_sequence
+from batchgen.dist.kv_transfer import recv_rows, recv_sequence, send_rows, send_sequence
 from batchgen.dist.partition import HeadShardExchange, gather_to_host_kv, reshard_kv
 from batchgen.exec.backend import migration_tiers
 from batchgen.exec.kv_cache import PagedKVCache
@@ -70,6 +69,9 @@ class Command:
     # sync: (id, group's global ranks, lead first) of each partitioned sequence whose lead brings its host copy up
     # to date, in order, and {rank: node} of the instance's ranks (the tier of the parts gathered)
     gathers: list = field(default_factory=list)
+    # kv: (source rank, destination rank, group, tokens, tail, parent group, across nodes) of each shared prefix
+    # copied between processes (KVOps.prefix_copies), plan order
+    copies: list = field(default_factory=list)
     nodes: dict = field(default_factory=dict)
     micro_batch: int = 0            # forward
     cpu_attention: bool = False
@@ -196,7 +198,7 @@ class RankWorker:
         if cmd.kind == "stop":
             return self.totals()
         if cmd.kind == "kv":
-            self._kv(cmd.parts.get(self.rank) or GpuOps(self.rank), cmd.migrations)
+            self._kv(cmd.parts.get(self.rank) or GpuOps(self.rank), cmd.migrations, cmd.copies)
             out = None
         elif cmd.kind == "forward":
             out = self._forward(cmd.parts[self.rank], cmd)
@@ -246,7 +248,7 @@ class RankWorker:
         after = self.cache.copied
         self._bytes(kind, tier, after[tier] - before[tier], after[f"{tier}_seqs"] - before[f"{tier}_seqs"])
 
-    def _kv(self, ops: GpuOps, migrations: list) -> None:
+    def _kv(self, ops: GpuOps, migrations: list, copies: list = ()) -> None:
         """This rank's KV ops in the order of `KVOps`' fields (unshare, join, free, evict, yield, offload, migrate,
         restore, reshard, share). Joins and reshards are walked in plan order by every rank of their groups, like
         migrations (partition.py): each rank counts the parts it receives; the new lead counts the partition."""
@@ -256,6 +258,17 @@ class RankWorker:
         cache = self.cache
         for group in ops.unshare:  # shared prefixes dropped (batchgen.exec.kv_prefixes)
             cache.unshare_prefix(group)
+        for src, dst, group, tokens, tail, parent, cross in copies:  # prefixes copied between processes: every
+            if self.rank not in (src, dst):                          # rank walks the same list, the pairs line up
+                continue
+            comm, (s, d) = self._between(src, dst)
+            if src == self.rank:  # past the outer level the destination holds (its pages: as many as here)
+                skip = len(cache._prefix_pages.get(parent, [])) if parent >= 0 else 0
+                send_rows(comm, group, cache.prefix_rows(group, tokens, tail, skip), d, self._device_for(comm))
+            else:
+                rows = recv_rows(comm, group, s, self._device_for(comm))
+                self._bytes("share", "network" if cross else "peer", cache.adopt_prefix(group, tokens, tail, rows,
+                                                                                         parent))
         files = self.host_files
         if files is not None:  # the published index must not name a sequence whose pages this boundary may reuse
             files.publish_before_release(cache, [*ops.free, *ops.evict, *(j[0] for j in ops.join),
@@ -309,8 +322,8 @@ class RankWorker:
                 # the lead counts the partition (as rank 0's plan does), each other rank of the group its shard
                 self._count("partition" if new[0] == self.rank else "partition_shard", 1)
         for sid, group, tokens, creates, tail, src, _ in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a
-            if src >= 0:  # tail below a page copied on the device; none copied from another process (Capabilities)
-                raise InvariantError(f"group {group}'s prefix copied from GPU {src}: this backend does not")
+            if src >= 0:  # tail below a page copied on the device; one copied from another process came first
+                continue
             if sid not in restoring:
                 self._bytes("share", "local", cache.share_prefix(sid, group, tokens, creates, tail))
         for group in ops.untail:  # tail pages freed, after the takers that copy them

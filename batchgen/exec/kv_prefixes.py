@@ -94,25 +94,38 @@ class SharedPrefixes:
         """The group's prefix (`tokens` in whole pages, and `tail`) copied from another cache's, held here by the
         prefix alone until sequences take it; past `parent`'s prefix here (an outer level: its pages are this one's
         first, held once more), which is not copied. Returns the bytes copied."""
-        n = tokens // self.page_size
-        pages, kept = source._prefix_pages.get(group), source._prefix_tail.get(group, (-1, 0))
-        if group in self._prefix_pages or pages is None or len(pages) != n or kept[1] < tail:
+        skip = len(self._prefix_pages.get(parent, [])) if parent >= 0 else 0
+        return self.adopt_prefix(group, tokens, tail, source.prefix_rows(group, tokens, tail, skip), parent)
+
+    def prefix_rows(self, group: int, tokens: int, tail: int, skip: int = 0) -> torch.Tensor:
+        """The KV of the group's prefix here past its first `skip` pages, and its tail: what a copy to another
+        cache carries ([layers, planes, tokens, ...], as `migration_rows`)."""
+        pages, kept = self._prefix_pages.get(group), self._prefix_tail.get(group, (-1, 0))
+        if pages is None or len(pages) != tokens // self.page_size or kept[1] < tail or skip >= len(pages):
             raise InvariantError(f"group {group}'s prefix of {tokens} + {tail} tokens copied from a cache that does "
-                                 "not hold it, or into one that does")
+                                 f"not hold it (past {skip} pages)")
+        src = [p * self.page_size + j for p in pages[skip:] for j in range(self.page_size)]
+        src += [kept[0] * self.page_size + j for j in range(tail)]
+        return self._device_flat().index_select(2, torch.tensor(src, dtype=torch.int64, device=self.device))
+
+    def adopt_prefix(self, group: int, tokens: int, tail: int, rows: torch.Tensor, parent: int = -1) -> int:
+        """A copy of the group's prefix (`prefix_rows` of another cache's) lands here: past `parent`'s prefix here
+        when given (its pages are this one's first, held once more), held by the prefix alone until sequences take
+        it. Returns the bytes copied."""
+        n = tokens // self.page_size
         outer = self._prefix_pages.get(parent, []) if parent >= 0 else []
-        if parent >= 0 and (not outer or len(outer) >= n):
-            raise InvariantError(f"group {group}'s prefix copied past group {parent}'s, which this cache does not hold "
-                                 "shorter")
-        pages, n = pages[len(outer):], n - len(outer)
+        if group in self._prefix_pages or (parent >= 0 and (not outer or len(outer) >= n)):
+            raise InvariantError(f"group {group}'s prefix copied into a cache that holds it, or past group {parent}'s, "
+                                 "which it does not hold shorter")
+        n -= len(outer)
+        if rows.shape[2] != n * self.page_size + tail:
+            raise InvariantError(f"group {group}'s prefix copy carries {rows.shape[2]} tokens, not {n} pages + {tail}")
         need = n + (tail > 0)
         if need > len(self._free):
             raise CacheFullError(f"group {group}'s prefix copied in", need, len(self._free), self.num_pages,
                                  self.page_size)
         mine = [self._free.pop() for _ in range(need)]
-        src = [p * self.page_size + j for p in pages for j in range(self.page_size)]
-        src += [kept[0] * self.page_size + j for j in range(tail)]
-        dst = [p * self.page_size + j for p in mine for j in range(self.page_size)][:len(src)]
-        rows = source._device_flat().index_select(2, torch.tensor(src, dtype=torch.int64, device=source.device))
+        dst = [p * self.page_size + j for p in mine for j in range(self.page_size)][:rows.shape[2]]
         self._device_flat().index_copy_(2, torch.tensor(dst, dtype=torch.int64, device=self.device),
                                         rows.to(self.device))
         self._prefix_pages[group] = list(outer) + mine[:n]

@@ -13,10 +13,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from batchgen import job as job_module
 from batchgen.dist.errors import DistConfigError
 from batchgen.dist.run import DistSettings, execute_dist
+from batchgen.exec.kv_cache import PagedKVCache
+from batchgen.exec.models.loading import read_config
 from batchgen.exec.run import ExecSettings, execute
 from batchgen.workload.spec import Workload
 from conftest import make_job
@@ -173,7 +176,8 @@ def test_sampled_outputs_equal_the_single_process_executor(saved, loop_kernel):
     assert out.tokens.generated != greedy.tokens.generated
 
 
-@pytest.mark.parametrize("policy", ["continuous", "coroutine", "coroutine-host", "continuous-nested"])
+@pytest.mark.parametrize("policy", ["continuous", "coroutine", "coroutine-host", "continuous-nested", "coroutine-fetch",
+                                    "coroutine-fetch-nested"])
 def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypatch):
     """Groups of prompts that share a prefix (ending inside a page), over two processes: each process's cache
     holds the prefixes its rank's members share (the state's `share`/`unshare` ops performed there, creators'
@@ -181,18 +185,22 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
     per cascaded call, as the engine counted (every cascade taken to pay: a tiny model's never do); greedy outputs
     equal transformers'. coroutine-host: every member decodes host-resident, each cascaded call restoring its
     prefix once into the process's staging buffers. continuous-nested: the groups' prefixes begin with one of two
-    system prompts of 13 tokens (nested levels), each held once beneath its groups'."""
+    system prompts of 13 tokens (nested levels), each held once beneath its groups'. coroutine-fetch: the groups
+    interleaved over the queue and a few prompts per forward, so that a process lacking a prefix another holds
+    receives it (`prefix_fetch`), its bytes those the state priced."""
     from batchgen.workload.prefix_tree import PrefixTree
 
     nested = policy.endswith("-nested")
     policy = policy.removesuffix("-nested")
+    fetch = policy.endswith("-fetch")
+    policy = policy.removesuffix("-fetch")
     monkeypatch.setattr(job_module, "cascade_pays", always_pays)
     model, path = saved
     n, group, prefix = 16, 4, 29
     rng = np.random.default_rng(5)
     inputs, outputs = prefix + rng.integers(3, 12, n), rng.integers(4, 24, n)
     knobs = ({"token_budget": 64, "cascade_attention": "groups"} if policy == "continuous"
-             else {"b_moe": 4, "prefill_tokens_per_rank": 128})
+             else {"b_moe": 4, "prefill_tokens_per_rank": 48 if fetch else 128, "prefix_fetch": fetch})
     staging = {}
     if policy == "coroutine-host":
         policy, knobs = "coroutine", {**knobs, "b_moe": 8, "b_attn": 4, "kv_residency": "host"}
@@ -200,8 +208,8 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
     job = make_job(policy, model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
                    cluster_overrides={"num_gpus": 2}, policy_overrides=knobs)
     tree = PrefixTree([-1, -1, 0, 1, 0, 1], [13, 13, *[prefix] * 4]) if nested else None
-    job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs,
-                                                     prefix_group=np.arange(n) // group + 2 * nested,
+    members = np.arange(n) % (n // group) if fetch else np.arange(n) // group
+    job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=members + 2 * nested,
                                                      prefix_len=np.full(n, prefix), prefix_tree=tree))
     out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), procs=2, timeout_s=30.0,
                                          kv_budget_mb=kv_mb_for(path, 2000, **staging)))
@@ -212,7 +220,14 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
     assert state.prefill_computed < int(inputs.sum()) - n * group  # 3 of a group's 4 members took 24 tokens or more
     assert out.kv_traffic["cascade_prefix_reads"] == state.cascade_prefix_read > 0
     if nested:  # groups 2 and 4 begin with system prompt 0, 3 and 5 with 1
-        assert state.nested and list(out.tokens.prompts[0][:13]) == list(out.tokens.prompts[2 * group][:13])
+        first = [int(np.flatnonzero(members == k)[0]) for k in range(n // group)]
+        assert state.nested and list(out.tokens.prompts[first[0]][:13]) == list(out.tokens.prompts[first[2]][:13])
+    if fetch:  # copied between the processes: the bytes the state priced (one node: peer)
+        per_token = PagedKVCache.page_bytes(**read_config(path).kv_cache_geometry()._asdict(), page_size=1,
+                                            dtype=torch.float32)
+        assert state.prefix_fetched > 0
+        assert out.kv_account.of("share")["peer"].sum() == state.prefix_fetched * per_token
     for sid in range(n):
-        assert list(out.tokens.prompts[sid][:prefix]) == list(out.tokens.prompts[sid // group * group][:prefix]), sid
+        leader = int(np.flatnonzero(members == members[sid])[0])
+        assert list(out.tokens.prompts[sid][:prefix]) == list(out.tokens.prompts[leader][:prefix]), sid
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
