@@ -114,13 +114,14 @@ def _latency(job: Job, c: ClusterSpec, degree: int) -> LatencyModel:
     return TPAttention(lat, Roofline(shard_spec(m, degree), c.gpu, job.efficiency, **kw), degree)
 
 
-def resolve_attention_tp(job: Job) -> int:
+def resolve_attention_tp(job: Job, host_prefixes: bool = True) -> int:
     """The TP-attention degree the job runs with: the policy's `attention_tp` (1 without the knob), or for
     "auto" data-parallel attention (1) when its weights, activations and longest sequence fit, and otherwise,
     of the degrees that fit, the one whose groups hold the most KV in the instance (as SGLang users run --tp
     without --enable-dp-attention when DP attention does not fit). The smallest degree that fits can leave a
     pool of two sequences: with MLA each group replicates the latent, so fewer, larger groups can hold more.
-    Raises ConfigError for a degree the instance or the model's heads cannot take, or when none fits."""
+    Raises ConfigError for a degree the instance or the model's heads cannot take, or when none fits.
+    `host_prefixes`: the backend's host copies share their prefix on a node (the plan counts them so)."""
     want = job.policy.attention_tp
     m, c = job.model, _gpu_cluster(job)
     if want == 1:
@@ -135,7 +136,7 @@ def resolve_attention_tp(job: Job) -> int:
                               "and the model's heads and intermediates), or auto")
         return int(want)
     if len(job.workload) and needs_plan(job.policy):
-        return _planned_degree(job, c, degrees)
+        return _planned_degree(job, c, degrees, host_prefixes)
     tried, pool = [], {}
     for t in degrees:
         try:
@@ -154,13 +155,18 @@ def resolve_attention_tp(job: Job) -> int:
                       f"{_fraction_needed(job, _latency(job, c, degrees[-1]), c, degrees[-1]):.3f}")
 
 
-def _planned_degree(job: Job, c: ClusterSpec, degrees: tuple[int, ...]) -> int:
+def plan_stats(job: Job, policy, host_prefixes: bool = True) -> WorkloadStats:
+    """What the planner reads of the job's workload, with its prefixes shared as the run shares them."""
+    return WorkloadStats.of(job.workload, job.page_tokens, shares_prefixes(policy, job.workload), host_prefixes)
+
+
+def _planned_degree(job: Job, c: ClusterSpec, degrees: tuple[int, ...], host_prefixes: bool = True) -> int:
     """A planned policy's (coroutine's) degree is one more planned knob: the plan of each degree that fits, and
     the degree whose plan predicts the most decode throughput over the batch (the smaller degree within the
     planner's tie). DP attention that fits only by streaming experts every iteration can lose to TP groups that
     keep them resident (DeepSeek-R1 on 8 x H20)."""
 
-    stats = WorkloadStats.of(job.workload, job.page_tokens, shares_prefixes(job.policy, job.workload))
+    stats = plan_stats(job, job.policy, host_prefixes)
     best = None
     for t in degrees:
         policy = dataclasses.replace(job.policy, attention_tp=t)
@@ -223,9 +229,9 @@ def _budget(job: Job, lat: LatencyModel, c: ClusterSpec, policy, streamed_layers
     return budget
 
 
-def planned(job: Job) -> tuple:
+def planned(job: Job, host_prefixes: bool = True) -> tuple:
     """The first half of `prepare`: (the GPU cluster, the latency model, the cluster as the scheduler sees it, the
-    policy with its "auto" knobs resolved, the plan or None)."""
+    policy with its "auto" knobs resolved, the plan or None). `host_prefixes`: as `prepare`'s."""
     m, w, gpus = job.model, job.workload, _gpu_cluster(job)
     dp = job.policy.prefill_parallel
     if dp == AUTO:
@@ -234,7 +240,7 @@ def planned(job: Job) -> tuple:
         raise ConfigError(f"policy.prefill_parallel=dp runs each GPU's prompts through every expert on its own, "
                           f"which tensor-parallel attention groups (attention_tp={job.policy.attention_tp}) do not: "
                           "set policy.attention_tp=1, or policy.prefill_parallel=ep")
-    degree = 1 if dp == "dp" else resolve_attention_tp(job)  # data-parallel prefill: data-parallel attention
+    degree = 1 if dp == "dp" else resolve_attention_tp(job, host_prefixes)  # dp prefill: dp attention
     lat = _latency(job, gpus, degree)
     c = group_cluster(gpus, degree)
     policy, plan = job.policy, None
@@ -253,8 +259,7 @@ def planned(job: Job) -> tuple:
         policy = resolve(Rig.of(m, c, lat, memory_of(job, policy), w, job.page_tokens))
     if len(w) and needs_plan(policy):
         try:
-            plan = plan_job(m, gpus, lat, job.memory, policy, WorkloadStats.of(w, job.page_tokens,
-                                                                               shares_prefixes(policy, w)),
+            plan = plan_job(m, gpus, lat, job.memory, policy, plan_stats(job, policy, host_prefixes),
                             page_tokens=job.page_tokens)
         except ConfigError:
             # weights that fit nowhere are the likelier cause: the memory plan says so more precisely
@@ -370,7 +375,7 @@ def prepare(job: Job, kv_pages_per_gpu: int | None = None, pool_fix: str | None 
     chosen before, over the whole batch (`plan_prefill`)."""
     if getattr(job.policy, "prefill_parallel", "ep") == AUTO:
         job = plan_prefill(job)
-    gpus, lat, c, policy, plan = planned(job)
+    gpus, lat, c, policy, plan = planned(job, host_prefixes)
     if plan is not None and job.instance_plan:
         plan = dataclasses.replace(plan, instance_sizes=job.instance_plan)
     if plan is not None and job.prefill_plan:

@@ -424,3 +424,20 @@ def test_the_memory_plan_counts_a_nested_prefix_once_beneath_its_groups():
     flat = WorkloadStats.of(dataclasses.replace(w, prefix_tree=None), 64, sharing=True)
     assert nested.shared == flat.shared == 4288  # each sequence holds its prompt's whole pages
     assert nested.prefix_tokens == 4096 + prompts * 192 and flat.prefix_tokens == prompts * 4288
+
+
+def test_the_plan_counts_host_copies_whole_where_the_backend_keeps_them_whole():
+    """backend=dist's processes keep each host copy whole (its capability `host_prefixes` is off): the plan counts
+    them so, where the simulator and exec hold a node's system prompt once beneath them."""
+    from batchgen.job import prepare
+    from conftest import make_job
+    from batchgen.workload.spec import Workload
+
+    n = 2000
+    w = Workload("system", np.full(n, 4096 + 200), np.full(n, 400), prefix_group=np.zeros(n, np.int64),
+                 prefix_len=np.full(n, 4096))
+    job = dataclasses.replace(make_job("coroutine", "qwen3_30b_a3b", "h100_8", n=2, policy_overrides={
+        "kv_residency": "host", "b_moe": 256, "b_attn": 128}), workload=w)
+    shared, whole = prepare(job, host_prefixes=True).plan, prepare(job, host_prefixes=False).plan
+    # 256 running x 8 GPUs: each copy's 4,096 shared tokens once a node, or in every copy
+    assert whole.host_gb["kv"] > 5 * shared.host_gb["kv"]

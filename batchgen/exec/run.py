@@ -210,7 +210,7 @@ def host_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype:
     (`fits.host_kv_room`) split among the pools; unknown free memory: what the cluster spec plans."""
     w, page = job.workload, job.page_tokens
     page_bytes = PagedKVCache.page_bytes(**config.kv_cache_geometry()._asdict(), page_size=page, dtype=dtype)
-    planned = prepare(job).budget.host_kv_tokens_per_node
+    planned = prepare(job, host_prefixes=True).budget.host_kv_tokens_per_node
     smallest, copies = (max(int(w.input_lens.min()), 1), len(w)) if len(w) else (1, 0)
 
     def pages_for(tokens: int) -> int:  # the pages `tokens` in at most `copies` copies can take
@@ -257,7 +257,7 @@ def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: t
     geometry = config.kv_cache_geometry()._asdict()  # GQA: K and V heads; MLA: one latent "head", no V pool
     max_context = int((w.input_lens + w.output_lens).max()) if w.input_lens.size else 1
     # the policy as it will run ("auto" knobs planned), for its staging buffers
-    policy = prepare(job).policy
+    policy = prepare(job, host_prefixes=True).policy
     pool_bytes, pages_each = _split_budget(settings, job, policy, geometry, dtype, max_context, config.is_mla)
     per_page = PagedKVCache.page_bytes(**geometry, page_size=job.page_tokens, dtype=dtype)
     num_pages = pool_bytes // per_page
@@ -269,7 +269,7 @@ def kv_pools(job: Job, settings: ExecSettings, config: ExecModelConfig, dtype: t
     if num_pages < 1:
         raise ConfigError(f"backend.kv_budget_mb={settings.kv_budget_mb:g} holds no KV page of {per_page:,} bytes: "
                           f"{fix}")
-    budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix, **host_kw(host)).budget
+    budget = prepare(job, kv_pages_per_gpu=num_pages, pool_fix=fix, host_prefixes=True, **host_kw(host)).budget
     return KVPools(geometry, pool_bytes, pages_each, num_pages, max_context, budget)
 
 
@@ -337,7 +337,7 @@ def execute(job: Job, settings: ExecSettings, *, prompts: list[np.ndarray] | Non
         config = model_config(job, settings)
         job = cascades_as_performed(job, settings)
         _check_lengths(job, config)
-        check_runs_here(prepare(job).policy, exec_capabilities(config))
+        check_runs_here(prepare(job, host_prefixes=True).policy, exec_capabilities(config))
         pools = kv_pools(job, settings, config, dtype)
         stream = stream_spec_of(pools.budget, job.model)  # the weights the memory plan keeps on the host
         streamed = footprint(meta_model(config, dtype), stream)

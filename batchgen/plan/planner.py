@@ -58,18 +58,20 @@ class WorkloadStats:
     max_context: int
     output_sketch: tuple[float, ...] = ()  # percentiles of the output lengths (waves.output_sketch); () = all mean
     # where prompt prefixes are shared (`shared_prefix_tokens`): the tokens a sequence holds by reference (mean over
-    # all), and the prefixes of every group together, each segment of a nested group once
+    # all), the prefixes of every group together (each segment of a nested group once), and whether host copies
+    # share them once a node too (the backend's `host_prefixes`)
     shared: float = 0.0
     prefix_tokens: float = 0.0
+    host_shared: bool = True
 
     @classmethod
-    def of(cls, workload, page_tokens: int = 1, sharing: bool = False) -> "WorkloadStats":
-        """`sharing`: the run shares prompt prefixes (a running sequence holds its group's prefix by reference)."""
+    def of(cls, workload, page_tokens: int = 1, sharing: bool = False, host: bool = True) -> "WorkloadStats":
+        """`sharing`: prefixes shared (a running sequence holds its group's by reference); `host`: on a node too."""
         w, inp, out = workload, np.asarray(workload.input_lens), np.asarray(workload.output_lens)
         shared, prefixes = shared_prefix_tokens(w.prefix_group, w.prefix_len, page_tokens, w.prefix_tree) if sharing \
             and w.prefix_group is not None else (0.0, 0.0)
         return cls(int(inp.size), float(inp.mean()), float(out.mean()), int((inp + out).max()), output_sketch(out),
-                   shared, prefixes)
+                   shared, prefixes, host)
 
     @property
     def typical_context(self) -> int:
@@ -289,12 +291,11 @@ class _Planner:
         self.host_weights = host_weight_bytes(model, lat, cluster.node_size)
         # its host copy at its final length (past its group's prefix, held once on a node, where prefixes are shared)
         self.whole_final_bytes = (stats.mean_input + stats.mean_output) * m.kv_bytes_per_token
-        self.final_seq_bytes = self.whole_final_bytes - stats.shared * m.kv_bytes_per_token
-        self.host_prefix_bytes = stats.prefix_tokens * m.kv_bytes_per_token
+        self.final_seq_bytes = self.whole_final_bytes - stats.shared * m.kv_bytes_per_token * stats.host_shared
+        self.host_prefix_bytes = stats.prefix_tokens * m.kv_bytes_per_token * stats.host_shared
         self._share = None   # a rank's share of the output lengths (batch_throughputs), built once
 
     # ---- candidates ----------------------------------------------------------------------------------
-
     def _values(self, knob, auto_values):
         return tuple(auto_values) if knob == AUTO else (knob,)
 
@@ -404,7 +405,6 @@ class _Planner:
         return _Cell(b_moe, residency, k, streamed, n_dev, n_host, device, host)
 
     # ---- pricing -----------------------------------------------------------------------------------
-
     def price(self, b_attn: int, cpu: bool, cells: list[_Cell]):
         ctx = self.stats.typical_context
         n_dev = np.array([[c.n_dev for c in cells]], float)
