@@ -102,6 +102,8 @@ def context_for(key: str) -> tuple[str, ...]:
     if section == "backend" and name in SIM_KEYS:
         return ()  # the default backend, the simulator's own settings
     if section == "workload" and name.startswith("prefix"):  # a workload with shared prefixes, of either size key
+        if name.startswith("prefix.outer"):
+            return ("workload=fewshot_pass_at_k",)  # nested groups
         return ("workload=fewshot_eval",) if name == "prefix.groups" else ("workload=rl_rollout_grouped",)
     if section == "policy":
         for file in sorted((conf_dir() / "policy").glob("*.yaml")):

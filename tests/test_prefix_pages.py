@@ -140,7 +140,7 @@ def test_a_host_copy_resumed_onto_another_gpu_takes_the_prefix_there_and_restore
     """Yielded members resumed onto a GPU of their node other than the one whose cache holds their host copy take
     their group's prefix there when it holds it, or has it copied from a sibling GPU (`resume_anywhere`), and the
     refill counts the pages they take (`RestoreTakes`): 12 groups of 16 on 4 GPUs with 0.5 GB of KV each restore
-    15 GB from host instead of 77 and end in 1.70 s instead of 2.08 s; a backend without it (dist's capability)
+    15 GB from host instead of 77 and end in 1.70 s instead of 2.08 s; a backend without it (the capability off)
     copies them whole."""
     job = grouped_job("coroutine", n=192, group_size=16, kv_gb=0.5, num_gpus=4, seed=1)
     on, off = simulate(job), simulate(job, capabilities=Capabilities(resume_prefix=False))

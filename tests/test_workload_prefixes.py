@@ -88,8 +88,6 @@ def test_max_input_clips_the_shared_prefix_with_the_prompt():
     ({"groups": 2, "length": "prompt", "share": 3}, r"unknown workload.prefix key\(s\) \['share'\]"),
     ({"group_size": 4, "length": "prompt", "outer": {"groups": 3, "length": "prompt"}},
      "outer.length must be a length distribution"),
-    ({"group_size": 4, "length": "prompt", "outer": {"groups": 11, "length": {"kind": "fixed", "value": 9}}},
-     "outer.groups=11 is more than the groups=10"),
     ({"group_size": 4, "length": "prompt", "outer": {"group_size": 3, "length": {"kind": "fixed", "value": 9}}},
      "the groups=10 is not a multiple of workload.prefix.outer.group_size=3"),
     ({"group_size": 4, "length": "prompt", "outer": {"groups": 2, "length": {"kind": "fixed", "value": 9}, "n": 1}},
@@ -116,6 +114,10 @@ def test_an_outer_prefix_nests_the_groups_beneath_it():
     assert w.prefill_tokens()["prefill_tokens_distinct"] == 2 * 300 + int(w.input_lens[::4].sum()) - 10 * 300
     assert tree.chains()[6] == (0, 6) and tree.chains()[7] == (1, 7) and tree.segment_tokens(w.prefix_group, 64) == (
         2 * 256 + int((w.input_lens[::4] // 64 * 64 - 256).sum()))
+    # more outer groups than groups (a smaller run of the same workload): one outer group per group
+    small = build_workload(named("rl_rollout_grouped", num_sequences=40, prefix={
+        "group_size": 4, "length": "prompt", "outer": {"groups": 57, "length": {"kind": "fixed", "value": 30}}}), seed=0)
+    assert small.prefix_tree.parent.tolist() == [-1] * 10 + list(range(10))
     with pytest.raises(ValueError, match="must be longer than its parent"):
         PrefixTree([-1, 0], [300, 300])
     with pytest.raises(ValueError, match="parent must be -1 or a smaller group id"):

@@ -86,8 +86,7 @@ class DistBackend(ExecBackend):
         self.capabilities = dataclasses.replace(self.capabilities, partition_degrees=degrees,
                                                 two_batch_overlap=False, comm_overlap=is_moe, attention_tp=False,
                                                 micro_batch_ffn=False, dp_prefill=is_moe,
-                                                host_prefixes=False,  # each process's host copies stay whole,
-                                                resume_prefix=False)  # a prefix is taken by a resume on its GPU only
+                                                host_prefixes=False)  # each process's host copies stay whole
         # per instance (its loop's current run), per rank of the instance: the workers' own measurements
         self._busy = [np.zeros(len(r)) for r in self.instance_ranks]
         self._comm = [np.zeros(len(r)) for r in self.instance_ranks]
@@ -140,7 +139,8 @@ class DistBackend(ExecBackend):
         instances = sorted(set(self._instance_of[ranks].tolist()))
         if len(instances) > 1:
             self.channel.quiesce(instances)
-        self.channel.post(Command("kv", parts, migrations, copies=ops.prefix_copies()), instances)
+        self.channel.post(Command("kv", parts, migrations, copies=ops.prefix_copies(), resumed=ops.resume_prefixes()),
+                          instances)
         self.moves["evict"] += int(ops.evict_ids.size)
         self.moves["yield"] += int(ops.yield_ids.size + ops.join_to_host.sum())  # a partitioned one: its join
         self.moves["offload"] += int(ops.offload_ids.size)

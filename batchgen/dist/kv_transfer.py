@@ -66,18 +66,20 @@ def recv_rows(comm: Comm, seq_id: int, src: int, device: torch.device | str = "c
 
 
 def send_sequence(comm: Comm, cache: PagedKVCache, seq_id: int, dst: int,
-                  device: torch.device | str = "cpu") -> int:
+                  device: torch.device | str = "cpu", skip: int = 0) -> int:
     """MIGRATE out: the sequence's tokens from where they are here, sent (the sequence stays here until
-    released). Returns bytes sent."""
+    released), past the first `skip` (a prefix the destination holds, which the sequence takes there). Returns
+    bytes sent."""
     rows, source = cache.migration_rows(seq_id)
-    return send_rows(comm, seq_id, rows, dst, device, from_device=source == "device",
+    return send_rows(comm, seq_id, rows[:, :, skip:], dst, device, from_device=source == "device",
                      host_tokens=cache.synced_tokens(seq_id))
 
 
 def recv_sequence(comm: Comm, cache: PagedKVCache, seq_id: int, src: int, to_device: bool, host_copy: bool,
-                  device: torch.device | str = "cpu") -> Migrated:
+                  device: torch.device | str = "cpu", past: int = 0) -> Migrated:
     """MIGRATE in: receive and land where the sequence runs here (device pages when to_device, else a host copy;
-    a host copy beside them when host_copy). Returns what was copied."""
+    a host copy beside them when host_copy), past the prefix of `past` tokens it took here. Returns what was
+    copied."""
     rows, from_device, host_tokens = _recv(comm, seq_id, src, device)
     return cache.adopt(seq_id, rows, "device" if from_device else "host", to_device=to_device, host_copy=host_copy,
-                       host_tokens=host_tokens)
+                       host_tokens=host_tokens, past=past)

@@ -380,7 +380,7 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
     done_before = _done_before(job, resumed)
     worker, is_moe, _ = built
     prompts = _checked_prompts(job, settings, config, prompts, done_before)
-    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, prefix_fetch=True,
+    prepared = prepare(job, kv_pages_per_gpu=worker.cache.num_pages, prefix_fetch=True, resume_prefix=True,
                        **host_kw(dist_host_pools(job, settings)))
     tokens = SequenceTokens(prompts, params, config.eos_token_ids, text_decoder(settings.model_path, params),
                             resumed=resumed)
@@ -460,7 +460,7 @@ def _drive(current: list, built, job: Job, settings: DistSettings, prompts, para
                     err, number, cause = again.cause, number + 1, f"{cause}; then {again.cause}"
             keep = keep if keep is not None else [{} for _ in survivors]
             next_prepared = prepare(job_next, kv_pages_per_gpu=worker.cache.num_pages, prefix_fetch=True,
-                                    **host_kw(dist_host_pools(job_next, settings)))
+                                    resume_prefix=True, **host_kw(dist_host_pools(job_next, settings)))
             restored = restorable = 0
             if files is not None:
                 # from processes known dead (fenced) or released (alive, done writing: they hand their files over)

@@ -70,8 +70,10 @@ class Command:
     # to date, in order, and {rank: node} of the instance's ranks (the tier of the parts gathered)
     gathers: list = field(default_factory=list)
     # kv: (source rank, destination rank, group, tokens, tail, parent group, across nodes) of each shared prefix
-    # copied between processes (KVOps.prefix_copies), plan order
+    # copied between processes (KVOps.prefix_copies), plan order; {id: prefix tokens} of the migrations that take
+    # their group's prefix where they land (KVOps.resume_prefixes): only the rest is sent
     copies: list = field(default_factory=list)
+    resumed: dict = field(default_factory=dict)
     nodes: dict = field(default_factory=dict)
     micro_batch: int = 0            # forward
     cpu_attention: bool = False
@@ -198,7 +200,7 @@ class RankWorker:
         if cmd.kind == "stop":
             return self.totals()
         if cmd.kind == "kv":
-            self._kv(cmd.parts.get(self.rank) or GpuOps(self.rank), cmd.migrations, cmd.copies)
+            self._kv(cmd.parts.get(self.rank) or GpuOps(self.rank), cmd.migrations, cmd.copies, cmd.resumed)
             out = None
         elif cmd.kind == "forward":
             out = self._forward(cmd.parts[self.rank], cmd)
@@ -248,7 +250,7 @@ class RankWorker:
         after = self.cache.copied
         self._bytes(kind, tier, after[tier] - before[tier], after[f"{tier}_seqs"] - before[f"{tier}_seqs"])
 
-    def _kv(self, ops: GpuOps, migrations: list, copies: list = ()) -> None:
+    def _kv(self, ops: GpuOps, migrations: list, copies: list = (), resumed: dict | None = None) -> None:
         """This rank's KV ops in the order of `KVOps`' fields (unshare, join, free, evict, yield, offload, migrate,
         restore, reshard, share). Joins and reshards are walked in plan order by every rank of their groups, like
         migrations (partition.py): each rank counts the parts it receives; the new lead counts the partition."""
@@ -288,16 +290,23 @@ class RankWorker:
         self._count("yield", len(ops.yield_))
         self._counted("offload", "d2h", cache.yield_to_host, ops.offload)
         self._count("offload", len(ops.offload))
+        resumed = resumed or {}
+        takes = {sid: share for sid, *share in ops.share  # their prefix, taken here first (not a copy's op)
+                 if sid in resumed and not share[2] and share[4] < 0}
         for sid, src, dst, to_device, host_copy, cross in migrations:  # every rank walks the same list: the pairs
             if self.rank not in (src, dst):                             # line up
                 continue
             comm, (s, d) = self._between(src, dst)
             if src == self.rank:
-                send_sequence(comm, cache, sid, d, self._device_for(comm))
+                send_sequence(comm, cache, sid, d, self._device_for(comm), skip=resumed.get(sid, 0))
                 cache.release([sid])  # the destination has adopted it once the send completed
                 self._count("migrate", 1)
             else:
-                moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm))
+                if sid in takes:  # it holds its group's prefix here, and receives the rest past it
+                    group, tokens, creates, *_ = takes[sid]
+                    cache.share_prefix(sid, group, tokens, creates, resuming=True)
+                moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm),
+                                      past=resumed.get(sid, 0))
                 for kind, tier, nbytes in migration_tiers(moved, cross):
                     self._bytes(kind, tier, nbytes)
         restoring = set(ops.restore)
@@ -324,7 +333,7 @@ class RankWorker:
         for sid, group, tokens, creates, tail, src, _ in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a
             if src >= 0:  # tail below a page copied on the device; one copied from another process came first
                 continue
-            if sid not in restoring:
+            if sid not in restoring and sid not in takes:
                 self._bytes("share", "local", cache.share_prefix(sid, group, tokens, creates, tail))
         for group in ops.untail:  # tail pages freed, after the takers that copy them
             cache.untail_prefix(group)

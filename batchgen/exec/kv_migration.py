@@ -68,11 +68,15 @@ class Migration:
         return self._read_host(self._token_slots([s], "host_pages", [0], [s.synced])), "host"
 
     def adopt(self, seq_id: int, rows: torch.Tensor, source: str, *, to_device: bool, host_copy: bool,
-              host_tokens: int | None = None) -> "Migrated":
+              host_tokens: int | None = None, past: int = 0) -> "Migrated":
         """MIGRATE in: `rows` from another cache's `migration_rows` land where the sequence is to run: in device
         pages (to_device) or a host copy. `host_copy`: keep a host copy here too (required without to_device): the
         first `host_tokens` tokens of the arrival (what the source's host copy held; default all) are checkpointed
-        from its new pages, a second copy (device -> host) here. All or nothing."""
+        from its new pages, a second copy (device -> host) here. `past`: the sequence took its group's prefix of
+        that many tokens here (`share_prefix(..., resuming=True)`) and the rows are the rest of its KV, landing past
+        it on the device. All or nothing."""
+        if past:
+            return self._adopt_past(seq_id, rows, source, past, to_device, host_copy, host_tokens)
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has KV in this cache: release it before it migrates here")
         n = int(rows.shape[2])
@@ -106,6 +110,32 @@ class Migration:
             self.release([seq_id])
             raise
         return Migrated(source, "device" if to_device else "host", moved, local)
+
+    def _adopt_past(self, seq_id: int, rows: torch.Tensor, source: str, past: int, to_device: bool,
+                    host_copy: bool, host_tokens: int | None) -> "Migrated":
+        """`adopt` of the rest of a sequence's KV, past the prefix it took here."""
+        s = self._seqs.get(seq_id)
+        if s is None or seq_id not in self._attached or s.device_len != past or not to_device:
+            raise InvariantError(f"sequence {seq_id}: the rest of its KV lands on the device past the prefix of {past} "
+                                 "tokens it took here, which it has not")
+        n = past + int(rows.shape[2])
+        if not self.can_fit({seq_id: n - past}):
+            raise CacheFullError(f"migrating sequence {seq_id} here ({n} tokens)", _cdiv(n - past, self.page_size),
+                                 len(self._free), self.num_pages, self.page_size)
+        self._attached.discard(seq_id)
+        try:
+            self._grow_to({seq_id: n}, f"migrating sequence {seq_id} here ({n} tokens)")
+            moved = self._write_device(self._token_slots([s], "pages", [past], [n]), rows)
+            s.device_len = n
+            local = 0
+            if host_copy and (host_tokens is None or host_tokens > 0):  # its host copy, whole, from the pages here
+                before = self.copied["d2h"]
+                self._checkpoint(s, n if host_tokens is None else min(int(host_tokens), n))
+                local = self.copied["d2h"] - before
+        except BaseException:
+            self.release([seq_id])
+            raise
+        return Migrated(source, "device", moved, local)
 
     def export(self, seq_id: int) -> HostKV:
         """The whole KV as token-major host rows, for another cache to import (a recovery's host copy from a

@@ -230,8 +230,10 @@ class OuterSpec:
         return cls(**{key: value}, length=length)
 
     def draw(self, groups: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """(each group's outer group, each outer group's prefix length)."""
-        outer = _blocks(groups, self.groups, self.group_size, "workload.prefix.outer", "the groups")
+        """(each group's outer group, each outer group's prefix length). `groups` outer groups, or as many as the
+        groups where there are fewer (a smaller run of the same workload: fewer subjects, each with its questions)."""
+        outer = _blocks(groups, None if self.groups is None else min(self.groups, groups), self.group_size,
+                        "workload.prefix.outer", "the groups")
         count = int(outer[-1]) + 1 if groups else 0
         return outer, self.length.sample(count, rng)
 

@@ -231,3 +231,29 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
         leader = int(np.flatnonzero(members == members[sid])[0])
         assert list(out.tokens.prompts[sid][:prefix]) == list(out.tokens.prompts[leader][:prefix]), sid
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
+
+
+def test_a_host_copy_resumed_onto_the_other_process_takes_the_prefix_there(saved, loop_kernel):
+    """A pool of 300 tokens per process on 2 processes: yielded members resume onto the process other than the one
+    that holds their host copy; where that process holds their group's prefix they take it there and receive only
+    the rest of their KV (`resume_prefix`); outputs are transformers'."""
+    from batchgen.exec.account import KVAccount
+
+    model, path = saved
+    rng = np.random.default_rng(5)
+    n, prefix = 16, 29
+    inputs, outputs = prefix + rng.integers(4, 30, n), rng.integers(4, 30, n)
+    outputs[:2] = 60
+    job = make_job("coroutine", model="tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                   cluster_overrides={"num_gpus": 2}, policy_overrides={"b_moe": 4, "b_attn": 4,
+                                                                         "kv_residency": "device"})
+    job = dataclasses.replace(job, workload=Workload("grouped", inputs, outputs, prefix_group=np.arange(n) // 4,
+                                                     prefix_len=np.full(n, prefix)))
+    out = execute_dist(job, DistSettings(device="cpu", model_path=str(path), procs=2, timeout_s=30.0,
+                                         kv_budget_mb=kv_mb_for(path, 300)))
+    state = out.prepared.state
+    assert state.prefix_resumed > 0
+    acc: KVAccount = out.kv_account
+    assert acc.of("migrate")["h2d"].sum() > 0  # resumes across processes, each of the rest of a sequence's KV
+    for sid in range(n):
+        assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
