@@ -298,6 +298,39 @@ def nested(policy: str, prefix_cache: bool, tree: bool, num_gpus: int, **knobs):
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_three_nested_levels_written_in_one_forward_decode_what_transformers_do(saved):
+    """A system prompt (11 tokens), two few-shot blocks after it (27), two questions after each (43), each question
+    sampled four times, every prompt in one prefill forward (coroutine's, attention in calls of two): its writers
+    run their attention in three waves, each after the writer of the level it reads; every output is transformers'
+    and the unshared run's."""
+    from batchgen.workload.prefix_tree import PrefixTree
+
+    model, path = saved
+    tree = PrefixTree([-1, 0, 0, 1, 1, 2, 2], [11, 27, 27, 43, 43, 43, 43])
+    rng = np.random.default_rng(2)
+    group = np.tile(np.arange(3, 7), 4)
+    inputs, outputs = 43 + rng.integers(3, 15, group.size), rng.integers(4, 25, group.size)
+    settings = ExecSettings(device="cpu", model_path=str(path), kv_budget_mb=kv_mb_for(path, 5000), threads=1)
+    runs = {}
+    for share in (True, False):
+        job = make_job("coroutine", "tiny_moe", inputs=inputs, outputs=outputs, page_tokens=8,
+                       cluster_overrides={"num_gpus": 1, "gpus_per_instance": None},
+                       policy_overrides={"prefix_cache": share, "b_moe": 16, "b_attn": 2,
+                                         "prefill_tokens_per_rank": 4096})
+        runs[share] = execute(dataclasses.replace(job, workload=Workload(
+            "three", inputs, outputs, prefix_group=group, prefix_len=np.full(group.size, 43), prefix_tree=tree)),
+            settings)
+    on, off = runs[True], runs[False]
+    # whole pages of 8: the first prompt writes all three levels (8, 24, 40 tokens); the second takes its block (24),
+    # the third the system prompt (8, writing the other block), the fourth that block (24); the other twelve take
+    # their question (40) and the 3 tokens of its tail
+    assert on.prepared.state.prefill_computed == int(inputs.sum()) - (24 + 8 + 24 + 12 * 43)
+    for sid in range(group.size):
+        expected = hf_greedy(model, on.tokens.prompts[sid], int(outputs[sid]))
+        assert on.tokens.generated[sid] == off.tokens.generated[sid] == expected, sid
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("policy,gpus,knobs", [
     ("continuous", 1, {"token_budget": 40}), ("continuous", 2, {"token_budget": 4096}),
     ("continuous", 1, {"chunked_prefill": False}),
