@@ -167,11 +167,11 @@ class KVOps:
                         self.share_tokens.tolist(), self.share_creates.tolist(), self._share_tail().tolist(),
                         self._share_src().tolist(), self._share_parent().tolist()))
 
-    def resume_prefixes(self) -> dict[int, int]:
-        """{id: prefix tokens} of the migrations that take their group's prefix where they land (a resume onto
-        another GPU of the node, core.prefix_pages.attach_restored): what backend=dist's source leaves unsent."""
+    def resume_prefixes(self) -> dict[int, tuple[int, int]]:
+        """{id: (group, prefix tokens)} of the migrations that take a prefix where they land (a resume onto another
+        GPU of the node, core.prefix_pages.attach_restored): what backend=dist's source leaves unsent."""
         moving = set(self.migrate_ids.tolist())
-        return {sid: tokens for sid, _, _, tokens, creates, _, src, _ in self.shares()
+        return {sid: (group, tokens) for sid, _, group, tokens, creates, _, src, _ in self.shares()
                 if sid in moving and not creates and src < 0}
 
     def prefix_copies(self) -> list[tuple[int, int, int, int, int, int, bool]]:

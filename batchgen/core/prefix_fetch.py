@@ -88,11 +88,7 @@ class PrefixFetch(PrefixPrefill):
     def _copy_level(self, instance: int, sid: int, gpu: int, group: int, src: int, entry: GroupPrefix, parent: int,
                     pages: int) -> None:
         """Copy `group`'s level from the source GPU's entry onto `gpu` (`pages` there), over the level `parent`."""
-        if parent >= 0:
-            self._hold(gpu, parent)
-        self._keep(gpu, group, GroupPrefix(entry.tokens, pages, 0, tail=entry.tail, parent=parent))
-        self._gpu_holds(gpu, int(self.pages_used[gpu]) + pages)
-        self.unheld_pages[gpu] += pages
+        self._keep_unheld(gpu, group, GroupPrefix(entry.tokens, pages, 0, tail=entry.tail, parent=parent))
         entry.pins += 1  # the copy's source stays until the run has ended (`sweep_prefixes` unpins it)
         self._read_in_forward[instance].append([entry])
         self._log_share(instance, np.array([sid], np.int64), np.array([gpu], np.int64), np.array([group]),

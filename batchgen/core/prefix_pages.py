@@ -100,7 +100,7 @@ class PrefixPages:
         self.prefix_held = np.zeros(len(self.table), np.int64)  # shared tokens each sequence holds by reference
         self.prefix_holds = np.full(len(self.table), -1, np.int64)  # the group whose entry it holds (-1: none)
         tree = tree or PrefixTree.flat(group, prefix_len)
-        self.group_len, self.group_parent = tree.length, tree.parent
+        self.group_len = tree.length
         self._chain = tree.chains()  # group -> its groups, outermost first
         self.nested = bool((tree.parent >= 0).any())
         self.prefix_taken = 0  # prompt tokens whose KV a prefill took by reference instead of computing it
@@ -293,6 +293,15 @@ class PrefixPages:
         self.prefixes[(gpu, group)] = entry
         self.prefix_pages[gpu] += entry.pages
         self._gpus_of_group.setdefault(group, set()).add(gpu)
+
+    def _keep_unheld(self, gpu: int, group: int, entry: GroupPrefix) -> None:
+        """A level no one holds yet lands on the GPU (written there for later members, or copied in): it holds the
+        level it extends, and its pages are counted there as a kept prefix's."""
+        if entry.parent >= 0:
+            self._hold(gpu, entry.parent)
+        self._keep(gpu, group, entry)
+        self._gpu_holds(gpu, int(self.pages_used[gpu]) + entry.pages)
+        self.unheld_pages[gpu] += entry.pages
 
     def _drop(self, instance: int, gpu: int, group: int, unheld: bool = True) -> None:
         """A prefix no one holds leaves its GPU (its pages freed there by the `unshare` op); `unheld`: it was kept

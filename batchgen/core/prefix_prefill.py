@@ -164,11 +164,7 @@ class PrefixPrefill(PrefixPages):
             pages += 1
         else:
             tail = 0
-        if below is not None:
-            self._hold(gpu, parent)
-        self._keep(gpu, group, GroupPrefix(tokens, pages, 0, tail=tail, parent=parent))
-        self._gpu_holds(gpu, int(self.pages_used[gpu]) + pages)
-        self.unheld_pages[gpu] += pages
+        self._keep_unheld(gpu, group, GroupPrefix(tokens, pages, 0, tail=tail, parent=parent))
         return True
 
     def _create(self, instance: int, ids: np.ndarray, gpus: np.ndarray, starts: np.ndarray,

@@ -70,8 +70,8 @@ class Command:
     # to date, in order, and {rank: node} of the instance's ranks (the tier of the parts gathered)
     gathers: list = field(default_factory=list)
     # kv: (source rank, destination rank, group, tokens, tail, parent group, across nodes) of each shared prefix
-    # copied between processes (KVOps.prefix_copies), plan order; {id: prefix tokens} of the migrations that take
-    # their group's prefix where they land (KVOps.resume_prefixes): only the rest is sent
+    # copied between processes (KVOps.prefix_copies), plan order; {id: (group, prefix tokens)} of the migrations
+    # that take a prefix where they land (KVOps.resume_prefixes): only the rest is sent
     copies: list = field(default_factory=list)
     resumed: dict = field(default_factory=dict)
     nodes: dict = field(default_factory=dict)
@@ -264,9 +264,8 @@ class RankWorker:
             if self.rank not in (src, dst):                          # rank walks the same list, the pairs line up
                 continue
             comm, (s, d) = self._between(src, dst)
-            if src == self.rank:  # past the outer level the destination holds (its pages: as many as here)
-                skip = len(cache._prefix_pages.get(parent, [])) if parent >= 0 else 0
-                send_rows(comm, group, cache.prefix_rows(group, tokens, tail, skip), d, self._device_for(comm))
+            if src == self.rank:  # past the outer level the destination holds
+                send_rows(comm, group, cache.prefix_rows(group, tokens, tail, parent), d, self._device_for(comm))
             else:
                 rows = recv_rows(comm, group, s, self._device_for(comm))
                 self._bytes("share", "network" if cross else "peer", cache.adopt_prefix(group, tokens, tail, rows,
@@ -291,22 +290,19 @@ class RankWorker:
         self._counted("offload", "d2h", cache.yield_to_host, ops.offload)
         self._count("offload", len(ops.offload))
         resumed = resumed or {}
-        takes = {sid: share for sid, *share in ops.share  # their prefix, taken here first (not a copy's op)
-                 if sid in resumed and not share[2] and share[4] < 0}
         for sid, src, dst, to_device, host_copy, cross in migrations:  # every rank walks the same list: the pairs
             if self.rank not in (src, dst):                             # line up
                 continue
             comm, (s, d) = self._between(src, dst)
             if src == self.rank:
-                send_sequence(comm, cache, sid, d, self._device_for(comm), skip=resumed.get(sid, 0))
+                send_sequence(comm, cache, sid, d, self._device_for(comm), skip=resumed.get(sid, (-1, 0))[1])
                 cache.release([sid])  # the destination has adopted it once the send completed
                 self._count("migrate", 1)
             else:
-                if sid in takes:  # it holds its group's prefix here, and receives the rest past it
-                    group, tokens, creates, *_ = takes[sid]
-                    cache.share_prefix(sid, group, tokens, creates, resuming=True)
-                moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm),
-                                      past=resumed.get(sid, 0))
+                group, past = resumed.get(sid, (-1, 0))
+                if past:  # it holds the prefix here first, and receives the rest of its KV past it
+                    cache.share_prefix(sid, group, past, False, resuming=True)
+                moved = recv_sequence(comm, cache, sid, s, to_device, host_copy, self._device_for(comm), past=past)
                 for kind, tier, nbytes in migration_tiers(moved, cross):
                     self._bytes(kind, tier, nbytes)
         restoring = set(ops.restore)
@@ -333,7 +329,7 @@ class RankWorker:
         for sid, group, tokens, creates, tail, src, _ in ops.share:  # shared prefixes (batchgen.exec.kv_prefixes): a
             if src >= 0:  # tail below a page copied on the device; one copied from another process came first
                 continue
-            if sid not in restoring and sid not in takes:
+            if sid not in restoring and sid not in resumed:
                 self._bytes("share", "local", cache.share_prefix(sid, group, tokens, creates, tail))
         for group in ops.untail:  # tail pages freed, after the takers that copy them
             cache.untail_prefix(group)

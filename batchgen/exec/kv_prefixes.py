@@ -94,12 +94,13 @@ class SharedPrefixes:
         """The group's prefix (`tokens` in whole pages, and `tail`) copied from another cache's, held here by the
         prefix alone until sequences take it; past `parent`'s prefix here (an outer level: its pages are this one's
         first, held once more), which is not copied. Returns the bytes copied."""
-        skip = len(self._prefix_pages.get(parent, [])) if parent >= 0 else 0
-        return self.adopt_prefix(group, tokens, tail, source.prefix_rows(group, tokens, tail, skip), parent)
+        return self.adopt_prefix(group, tokens, tail, source.prefix_rows(group, tokens, tail, parent), parent)
 
-    def prefix_rows(self, group: int, tokens: int, tail: int, skip: int = 0) -> torch.Tensor:
-        """The KV of the group's prefix here past its first `skip` pages, and its tail: what a copy to another
-        cache carries ([layers, planes, tokens, ...], as `migration_rows`)."""
+    def prefix_rows(self, group: int, tokens: int, tail: int, parent: int = -1) -> torch.Tensor:
+        """The KV of the group's prefix here past `parent`'s (an outer level the destination holds: as many pages
+        there as here), and its tail: what a copy to another cache carries ([layers, planes, tokens, ...], as
+        `migration_rows`)."""
+        skip = len(self._prefix_pages.get(parent, [])) if parent >= 0 else 0
         pages, kept = self._prefix_pages.get(group), self._prefix_tail.get(group, (-1, 0))
         if pages is None or len(pages) != tokens // self.page_size or kept[1] < tail or skip >= len(pages):
             raise InvariantError(f"group {group}'s prefix of {tokens} + {tail} tokens copied from a cache that does "

@@ -37,7 +37,6 @@ class ForwardPrefixes:
                  there: dict[tuple[int, int], tuple[int, int]] | None = None):
         self.group = prefixes.group(ids).tolist()
         self.levels = prefixes.levels(ids)
-        self.shared = [lv[-1][1] if lv else 0 for lv in self.levels]
         self.span = prefixes.shared_span(ids).tolist()
         # (rank, group) -> (tokens, tail), `prefixes.on_ranks()` unless given (one forward's ranks share it); grows
         # with the prefixes written
