@@ -233,12 +233,21 @@ def test_shared_prefixes_over_two_processes(saved, loop_kernel, policy, monkeypa
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
 
 
-def test_a_host_copy_resumed_onto_the_other_process_takes_the_prefix_there(saved, loop_kernel):
+def test_a_host_copy_resumed_onto_the_other_process_takes_the_prefix_there(saved, loop_kernel, monkeypatch):
     """A pool of 300 tokens per process on 2 processes: yielded members resume onto the process other than the one
     that holds their host copy; where that process holds their group's prefix they take it there and receive only
-    the rest of their KV (`resume_prefix`); outputs are transformers'."""
+    the rest of their KV (`resume_prefix`), the tokens the state priced; outputs are transformers'."""
+    from batchgen.dist import backend as dist_backend
     from batchgen.exec.account import KVAccount
 
+    execute_plan = dist_backend.DistBackend.execute
+
+    def pricing(self, plan):  # rank 0 (forked with this patch) adds up the host-to-device bytes the state priced
+        result = yield from execute_plan(self, plan)
+        self.traffic["priced h2d"] += int(np.asarray(plan.moves.h2d).sum())
+        return result
+
+    monkeypatch.setattr(dist_backend.DistBackend, "execute", pricing)
     model, path = saved
     rng = np.random.default_rng(5)
     n, prefix = 16, 29
@@ -255,5 +264,11 @@ def test_a_host_copy_resumed_onto_the_other_process_takes_the_prefix_there(saved
     assert state.prefix_resumed > 0
     acc: KVAccount = out.kv_account
     assert acc.of("migrate")["h2d"].sum() > 0  # resumes across processes, each of the rest of a sequence's KV
+    # restores and resumes copied the tokens the state priced (it prices the job's spec, the processes run the
+    # checkpoint: compared in tokens)
+    per_token = PagedKVCache.page_bytes(**read_config(path).kv_cache_geometry()._asdict(), page_size=1,
+                                        dtype=torch.float32)
+    performed = int(acc.of("restore")["h2d"].sum() + acc.of("migrate")["h2d"].sum())
+    assert performed / per_token == out.kv_traffic["priced h2d"] / state.kv_bytes_per_token
     for sid in range(n):
         assert out.tokens.generated[sid] == hf_greedy(model, out.tokens.prompts[sid], int(outputs[sid])), sid
