@@ -2,7 +2,7 @@
 (the clean ablation: same engine, same kernels, only the scheduling differs) and against transformers
 `generate`; same weights, same prompts, same device KV budget, measured side by side in one run.
 
-    python benchmarks/exec_throughput.py [--prompts 256] [--kv-mb 48] [--threads 1] [--device cpu|cuda]
+    python benchmarks/exec_throughput.py [--prompts 256] [--kv-mb 48] [--threads 1] [--device cpu|cuda] [--rounds 1]
         [--b-moe 256] [--b-attn 64] [--staging-mb 16] [--residency host|mixed|device] [--attention auto|gpu|cpu]
 
 The KV budget is device memory for KV, the same for every engine: continuous and static page their running
@@ -20,7 +20,10 @@ cost, not output). Beside each engine: the expert batch (tokens per expert per M
 known), the mean running sequences, and the KV bytes restored from host. On CPU, glibc is told to keep freed
 memory (mallopt) for every engine alike: otherwise every large activation is a fresh mmap whose page faults
 cost as much as the copy itself on these VMs. The last line reads
-`coroutine/hf_generate=<r> coroutine/continuous=<r> coroutine/static=<r>`.
+`coroutine/hf_generate=<r> coroutine/continuous=<r> coroutine/static=<r>`. With `--rounds N` the engines run N times,
+each round in another order (rotated), and each ratio is the median of the rounds' own ratios (one round's engines
+ran minutes apart, so a shared machine's changes of speed move a single round's ratio by more than a tenth); the
+last line then gives each median with the rounds' lowest and highest, `coroutine/continuous=<median> (<lo>-<hi>)`.
 
 Recorded results (with the machine and the date): benchmarks/results/exec_throughput.md.
 """
@@ -137,7 +140,11 @@ def main() -> None:
     ap.add_argument("--engines", default=None,
                     help="comma-separated, of coroutine, coroutine_staged, continuous, static, hf_generate "
                          "(default: all; coroutine_staged on CPU only)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times, each round in a rotated order; ratios: the rounds' medians")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     tuned = keep_freed_memory() if args.device == "cpu" else False
@@ -169,31 +176,31 @@ def main() -> None:
         "continuous": policy_config("continuous", spec),
         "static": policy_config("static", spec),
     }
+    unknown = sorted(set(engines) - set(policies) - {"hf_generate"})
+    if unknown:
+        ap.error(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join([*policies, 'hf_generate'])}")
     tokens = int(workload.output_lens.sum())
-    seconds = {}
+    rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_model(spec, Path(tmp)).to(device=args.device, dtype=getattr(torch, args.dtype))
         settings = ExecSettings(device=args.device, dtype=args.dtype, model_path=tmp, kv_budget_mb=args.kv_mb)
         prompts = None
-        for name in [e for e in engines if e in policies]:
-            staged = name.startswith("coroutine")
-            mine = dataclasses.replace(settings, staging_mb=args.staging_mb) if staged else settings
-            out = execute(Job(spec, cluster, workload, make_policy(policies[name]), page_tokens=PAGE), mine)
-            s = summarize(out)
-            seconds[name] = s["bct_s"]
-            prompts = out.tokens.prompts
-            traffic = out.kv_traffic or {}
-            pool = int(out.prepared.state.gpu_pages[0]) * PAGE
-            decode_batch = s.get("decode_expert_batch")
-            decode_batch = "n/a" if decode_batch is None else f"{decode_batch:.1f}"
-            print(f"{name:16s} {s['bct_s']:7.1f} s  {tokens / s['bct_s']:7.1f} tok/s  expert batch "
-                  f"{s['mean_expert_batch']:5.1f} tokens/expert (decode {decode_batch})"
-                  f"  running {s.get('mean_running', float('nan')):5.1f} (peak {traffic.get('peak_rank_running', 0)})"
-                  f"  KV pool {pool:,} tokens  restored {traffic.get('restored_bytes', 0) / 1e9:.2f} GB"
-                  f"  host-resident steps {traffic.get('host_resident_seq_steps', 0):,}"
-                  f"/{traffic.get('seq_steps', 0):,}"
-                  f"  prefill {s['prefill_s']:.1f} s  yields {s['yields']} recomputes {s['recomputes']}", flush=True)
-        if "hf_generate" in engines:
+        for k in range(args.rounds):
+            order = engines[k % len(engines):] + engines[:k % len(engines)]
+            if args.rounds > 1:
+                print(f"round {k + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+            seconds = {}
+            rounds.append(seconds)
+            prompts = _round(args, order, policies, spec, cluster, workload, settings, hf, kv_tokens, tokens,
+                             seconds, prompts)
+    _ratios(rounds)
+
+
+def _round(args, engines, policies, spec, cluster, workload, settings, hf, kv_tokens, tokens, seconds, prompts):
+    """One run of each engine in `engines`' order, its seconds into `seconds`; returns the prompts they ran
+    (transformers takes the executor's, or draws the same ones where no executor ran before it)."""
+    for name in engines:
+        if name == "hf_generate":
             if prompts is None:
                 from batchgen.exec.sequences import random_prompts
                 prompts = random_prompts(workload.input_lens, spec.vocab_size, seed=settings.weights_seed + 1)
@@ -204,10 +211,39 @@ def main() -> None:
             print(f"{'hf_generate':16s} {secs:7.1f} s  {tokens / secs:7.1f} tok/s  expert batch {hf_batch:5.1f} "
                   f"tokens/expert  ({len(batches)} static batches of {min(sizes)}-{max(sizes)}, mean "
                   f"{np.mean(sizes):.1f}, each padded to its own longest)", flush=True)
-    co = seconds.get("coroutine")
-    if co:
-        print(" ".join(f"coroutine/{k}={seconds[k] / co:.2f}" for k in ("hf_generate", "continuous", "static")
-                       if k in seconds))
+            continue
+        staged = name.startswith("coroutine")
+        mine = dataclasses.replace(settings, staging_mb=args.staging_mb) if staged else settings
+        out = execute(Job(spec, cluster, workload, make_policy(policies[name]), page_tokens=PAGE), mine)
+        s = summarize(out)
+        seconds[name] = s["bct_s"]
+        prompts = out.tokens.prompts
+        traffic = out.kv_traffic or {}
+        pool = int(out.prepared.state.gpu_pages[0]) * PAGE
+        decode_batch = s.get("decode_expert_batch")
+        decode_batch = "n/a" if decode_batch is None else f"{decode_batch:.1f}"
+        print(f"{name:16s} {s['bct_s']:7.1f} s  {tokens / s['bct_s']:7.1f} tok/s  expert batch "
+              f"{s['mean_expert_batch']:5.1f} tokens/expert (decode {decode_batch})"
+              f"  running {s.get('mean_running', float('nan')):5.1f} (peak {traffic.get('peak_rank_running', 0)})"
+              f"  KV pool {pool:,} tokens  restored {traffic.get('restored_bytes', 0) / 1e9:.2f} GB"
+              f"  host-resident steps {traffic.get('host_resident_seq_steps', 0):,}"
+              f"/{traffic.get('seq_steps', 0):,}"
+              f"  prefill {s['prefill_s']:.1f} s  yields {s['yields']} recomputes {s['recomputes']}", flush=True)
+    return prompts
+
+
+def _ratios(rounds: list[dict[str, float]]) -> None:
+    """The last line: each engine's seconds over coroutine's, the median of the rounds' own ratios (with their
+    range where there are several rounds)."""
+    parts = []
+    for k in ("hf_generate", "continuous", "static"):
+        ratios = [r[k] / r["coroutine"] for r in rounds if k in r and r.get("coroutine")]
+        if not ratios:
+            continue
+        text = f"coroutine/{k}={float(np.median(ratios)):.2f}"
+        parts.append(text + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""))
+    if parts:
+        print(" ".join(parts))
 
 
 if __name__ == "__main__":
