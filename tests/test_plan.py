@@ -4,6 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchgen.latency import Efficiency, Roofline
 from batchgen.memory import ConfigError, MemorySettings, activation_bytes, batch_shape_of, staging_bytes
@@ -341,6 +343,32 @@ def test_occupancy_replays_a_rank_share():
     lens = share_outputs((1.0, 2.0, 100.0), 40, 0.0)
     assert lens.size == 40 and lens.min() >= 1 and lens.max() <= 100
     assert (share_outputs((), 3, 7.4) == 7).all()
+
+
+def _replayed_runs(outs: np.ndarray, running: int, steps: int) -> dict[int, int]:
+    """The run-boundary occupancy replayed run by run (the checker): sort the set, run min(steps, longest)
+    iterations, drop who ended, refill in arrival order."""
+    hist: dict[int, int] = {}
+    left, nxt = [int(o) for o in outs[:running]], min(running, outs.size)
+    while left:
+        k, done = min(steps, max(left)), 0
+        for m, end in enumerate(sorted(min(o, k) for o in left)):
+            hist[len(left) - m] = hist.get(len(left) - m, 0) + end - done
+            done = end
+        left = [o - k for o in left if o > k]
+        take = min(running - len(left), outs.size - nxt)
+        left += [int(o) for o in outs[nxt:nxt + take]]
+        nxt += take
+    return {m: k for m, k in sorted(hist.items()) if k > 0}
+
+
+@given(st.lists(st.integers(1, 300), min_size=0, max_size=80), st.integers(1, 25), st.integers(1, 70))
+@settings(max_examples=300, deadline=None)
+def test_run_occupancy_counted_per_sequence_equals_the_run_by_run_replay(outs, running, steps):
+    from batchgen.plan.waves import occupancy
+
+    assert occupancy(np.array(outs, np.int64), running, steps=steps) == _replayed_runs(
+        np.array(outs, np.int64), running, steps)
 
 
 def test_planned_prefill_chunk_is_the_largest_that_costs_decode_nothing():

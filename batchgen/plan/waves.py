@@ -63,20 +63,65 @@ def occupancy(outputs: np.ndarray, running: int, steps: int | None = None) -> di
 
 def _run_occupancy(outs: np.ndarray, running: int, steps: int) -> dict[int, int]:
     """`occupancy` refilled only at run boundaries: each run lasts `steps` iterations or until its longest
-    sequence ends; within it, the i-th shortest leaves the set after its last token."""
+    sequence ends; within it, a sequence leaves the set after its last token.
+
+    Counted per sequence rather than replayed run by run (a rank's share of a million-sequence batch decodes tens
+    of thousands of runs, and a plan replays several shares): a sequence of `o` tokens admitted at the start of
+    run `a` stays ceil(o / steps) runs (any run it outlives is a whole `steps` long: a shorter run ends with its
+    longest sequence) and leaves `o - steps * (ceil(o / steps) - 1)` iterations into its last one. The slots freed
+    in a run are taken at the next boundary by the next sequences in arrival order, so the admissions follow from
+    counting the finishes."""
+    n = outs.size
+    if not n:
+        return {}
+    stays = (outs + steps - 1) // steps
+    leaves = outs - steps * (stays - 1)           # iterations into its last run, 1..steps
+    start = _admissions(stays, running)
+    end = start + stays - 1                       # the run it leaves in
+    runs = int(end.max()) + 1
+    alive = np.cumsum(np.bincount(start, minlength=runs) - np.bincount(end + 1, minlength=runs + 1)[:runs])
+    # each run's leavers in the order they leave: the set is at `alive - k` until the k-th leaver's last token
+    order = np.lexsort((leaves, end))
+    run, at = end[order], leaves[order]
+    first = np.ones(n, bool)
+    np.not_equal(run[1:], run[:-1], out=first[1:])
+    heads = np.flatnonzero(first)
+    k = np.arange(n) - np.repeat(heads, np.diff(np.append(heads, n)))
     iters = np.zeros(running + 1, np.int64)
-    left = outs[:running]
-    nxt = left.size
-    while left.size:
-        srt = np.sort(left)
-        k = min(steps, int(srt[-1]))
-        ends = np.minimum(srt, k)
-        iters[srt.size - np.arange(srt.size)] += np.diff(ends, prepend=0)  # sizes n, n-1, ... over each gap
-        left = left[left > k] - k
-        take = min(running - left.size, outs.size - nxt)
-        left = np.concatenate([left, outs[nxt:nxt + take]])
-        nxt += take
+    np.add.at(iters, alive[run] - k, at - np.where(first, 0, np.roll(at, 1)))
+    # a run that someone outlives lasts `steps`: the rest of it at the size its leavers leave
+    left = np.bincount(end, minlength=runs)
+    last = np.zeros(runs, np.int64)
+    tails = np.append(heads[1:], n) - 1
+    last[run[tails]] = at[tails]
+    full = np.flatnonzero(alive > left)
+    np.add.at(iters, alive[full] - left[full], steps - last[full])
     return {int(m): int(k) for m, k in enumerate(iters) if k > 0}
+
+
+def _admissions(stays: np.ndarray, running: int) -> np.ndarray:
+    """The run each sequence starts in, when `running` slots are filled in arrival order at every run boundary
+    and a sequence holds its slot for `stays` runs."""
+    n = stays.size
+    start = np.zeros(n, np.int64)
+    admitted = min(running, n)
+    leaving = np.zeros(2 * int(stays.max()) + 1, np.int64)  # sequences leaving in each run so far (grown as needed)
+    np.add.at(leaving, stays[:admitted] - 1, 1)
+    longest = stays.tolist()
+    finished, run = 0, 0
+    while admitted < n:
+        finished += int(leaving[run])
+        run += 1
+        total = min(n, running + finished)
+        if total == admitted:
+            continue
+        start[admitted:total] = run
+        top = run + max(longest[admitted:total])
+        if top >= leaving.size:
+            leaving = np.concatenate([leaving, np.zeros(top + 1, np.int64)])
+        np.add.at(leaving, run + stays[admitted:total] - 1, 1)
+        admitted = total
+    return start
 
 
 @functools.lru_cache(maxsize=256)
