@@ -63,8 +63,9 @@ def apply_decision(state: ClusterState, instance: int, d: Decision, progress: In
     if chunked and d.chunks_only:
         # each rank that prefills runs its chunks alone and its running sequences wait; the other ranks decode in
         # the same forward (one scheduler per rank, as SGLang's data-parallel attention ranks)
-        ranks = state.gpu_rank[t.where[decode_ids]]
-        held = np.isin(ranks, d.chunk_ranks)
+        chunking = np.zeros(gpus.size, bool)
+        chunking[np.asarray(d.chunk_ranks, np.int64)] = True
+        held = chunking[state.gpu_rank[t.where[decode_ids]]]
         waiting, decode_ids = int(held.sum()), decode_ids[~held]
     chunk = {}
     if chunked:
