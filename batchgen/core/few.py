@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchgen.core.sequences import FINISHED, PENDING, InvariantError
+from batchgen.core.sequences import FINISHED, PENDING, InvariantError, without
 
 
 class FewIds:
@@ -74,13 +74,7 @@ class FewIds:
         for g, pages in freed.items():
             self.pages_used[g] -= pages
         if running:
-            active = self.active[instance]
-            if len(running) == 1:
-                self.active[instance] = active[active != running[0]]
-            else:
-                self._leaving[running] = True
-                self.active[instance] = active[~self._leaving[active]]
-                self._leaving[running] = False
+            self.active[instance] = without(self.active[instance], np.array(running, np.int64), self._leaving)
         t.where[ids] = FINISHED
         t.finish_time[ids] = times
         self.num_finished += ids.size

@@ -121,3 +121,14 @@ class SequenceTable:
             if bad.size:
                 raise InvariantError(f"sequences {bad[:5].tolist()}: a prompt part-way through a chunked prefill must "
                                      "run device-resident on one GPU with 0 < prefilled < its context")
+
+
+def without(kept: np.ndarray, ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """`kept` (unique ids) in its order with `ids` dropped: np.setdiff1d(kept, ids, assume_unique=True) without its
+    sort, through `scratch`, a mask over every id that is all False between calls."""
+    if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
+        return kept[kept != ids[0]]
+    scratch[ids] = True
+    out = kept[~scratch[kept]]
+    scratch[ids] = False
+    return out

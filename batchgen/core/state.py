@@ -19,7 +19,7 @@ from batchgen.core.ops import KVOps
 from batchgen.core.oplog import OpLog
 from batchgen.core.prefix_fetch import PrefixFetch
 from batchgen.core.queues import IdQueue
-from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable
+from batchgen.core.sequences import FINISHED, PENDING, SUSPENDED, InvariantError, SequenceTable, without
 from batchgen.core.topology import Topology, node_instance
 
 __all__ = ["ClusterState", "Topology"]
@@ -40,7 +40,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         self._instance_gpus = [topo.instance_gpus(i) for i in range(topo.num_instances)]
         for gpus in self._instance_gpus:
             gpus.flags.writeable = False  # shared by every boundary's snapshot and plan (instance_gpus)
-        self._leaving = np.zeros(len(table), bool)  # scratch mask of _leave_gpu (all False between calls)
+        self._leaving = np.zeros(len(table), bool)  # scratch mask of `without` (all False between calls)
         self.node_instance = node_instance(topo)  # computed once: every snapshot carries it
         self.pages_used = np.zeros(topo.num_gpus, np.int64)
         self.peak_pages = np.zeros(topo.num_gpus, np.int64)
@@ -126,14 +126,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         if self.num_part_prefilled:  # a chunked prefill left unfinished restarts from its first token
             self.num_part_prefilled -= int(np.count_nonzero(self.table.prefilled[ids]))
             self.table.prefilled[ids] = 0
-        # np.setdiff1d(active, ids, assume_unique=True) without its search: keep the active order, drop ids
-        active, leaving = self.active[instance], self._leaving
-        if ids.size == 1:  # one sequence leaves (a finish, mostly): one comparison
-            self.active[instance] = active[active != ids[0]]
-            return
-        leaving[ids] = True
-        self.active[instance] = active[~leaving[active]]
-        leaving[ids] = False
+        self.active[instance] = without(self.active[instance], ids, self._leaving)
 
     def _join_gpu(self, instance: int, ids: np.ndarray, gpus: np.ndarray, lookahead_tokens: int,
                   host_resident: np.ndarray | bool = False, reserve: bool = True) -> None:
@@ -406,8 +399,10 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         what each copy holds of its node's host prefix, as the backend wrote it; None: by the state's rule now)."""
         t = self.table
         self._require(ids, t.where[ids] == PENDING, "pending")
-        self._require(ids, np.isin(ids, self.prefilling[instance]), f"being prefilled by instance {instance}")
-        self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
+        kept = without(self.prefilling[instance], ids, self._leaving)
+        if kept.size + ids.size != self.prefilling[instance].size:
+            self._require(ids, np.isin(ids, self.prefilling[instance]), f"being prefilled by instance {instance}")
+        self.prefilling[instance] = kept
         nodes = self.topo.gpu_node[gpus]
         self._host_copies(ids, nodes, t.context(ids), host_held)  # written down whole, or past its node's prefix
         t.host_node[ids] = nodes
@@ -494,7 +489,7 @@ class ClusterState(FewIds, HostPrefixes, PrefixFetch, Accounts):
         elif running.any():
             self._leave_gpu(instance, ids[running])
         if self.prefilling[instance].size:
-            self.prefilling[instance] = np.setdiff1d(self.prefilling[instance], ids, assume_unique=True)
+            self.prefilling[instance] = without(self.prefilling[instance], ids, self._leaving)
         t.where[ids] = FINISHED
         t.finish_time[ids] = times
         self.num_finished += ids.size
