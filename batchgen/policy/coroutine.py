@@ -253,7 +253,7 @@ class CoroutinePolicy(PolicyDefaults):
         if self.residency(snap) != "device":
             return int(slots)
         ctx = snap.active_context if snap.prefixes is None else snap.active_context - snap.active_shared  # own
-        typical = float(ctx.sum()) / ctx.size if ctx.size else float(np.mean(snap.lengths.input_len))
+        typical = float(ctx.sum()) / ctx.size if ctx.size else snap.lengths.mean_input
         per_seq = max(typical / snap.page_tokens + 1, 1.0)
         by_memory = snap.pages_capacity.sum() / per_seq
         return int(min(slots, by_memory))
