@@ -184,52 +184,67 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_model(spec, Path(tmp)).to(device=args.device, dtype=getattr(torch, args.dtype))
         settings = ExecSettings(device=args.device, dtype=args.dtype, model_path=tmp, kv_budget_mb=args.kv_mb)
-        prompts = None
+        bench = _Bench(args, policies, spec, cluster, workload, settings, hf, kv_tokens, tokens)
         for k in range(args.rounds):
             order = engines[k % len(engines):] + engines[:k % len(engines)]
             if args.rounds > 1:
                 print(f"round {k + 1}/{args.rounds}: {', '.join(order)}", flush=True)
-            seconds = {}
-            rounds.append(seconds)
-            prompts = _round(args, order, policies, spec, cluster, workload, settings, hf, kv_tokens, tokens,
-                             seconds, prompts)
+            rounds.append({name: bench.run(name) for name in order})
     _ratios(rounds)
 
 
-def _round(args, engines, policies, spec, cluster, workload, settings, hf, kv_tokens, tokens, seconds, prompts):
-    """One run of each engine in `engines`' order, its seconds into `seconds`; returns the prompts they ran
-    (transformers takes the executor's, or draws the same ones where no executor ran before it)."""
-    for name in engines:
+@dataclasses.dataclass
+class _Bench:
+    """What every engine's run shares: the same weights, prompts and KV budget."""
+
+    args: argparse.Namespace
+    policies: dict
+    spec: object
+    cluster: object
+    workload: object
+    settings: ExecSettings
+    hf: object
+    kv_tokens: int
+    tokens: int
+    prompts: list | None = None  # the executor's prompts, which transformers then runs
+
+    def run(self, name: str) -> float:
+        """One run of engine `name`, printed; returns its seconds."""
         if name == "hf_generate":
-            if prompts is None:
-                from batchgen.exec.sequences import random_prompts
-                prompts = random_prompts(workload.input_lens, spec.vocab_size, seed=settings.weights_seed + 1)
-            batches = hf_batches(workload.input_lens, workload.output_lens, kv_tokens)
-            sizes = [hi - lo for lo, hi in batches]
-            secs, hf_batch = hf_generate(hf, prompts, workload.output_lens, batches)
-            seconds["hf_generate"] = secs
-            print(f"{'hf_generate':16s} {secs:7.1f} s  {tokens / secs:7.1f} tok/s  expert batch {hf_batch:5.1f} "
-                  f"tokens/expert  ({len(batches)} static batches of {min(sizes)}-{max(sizes)}, mean "
-                  f"{np.mean(sizes):.1f}, each padded to its own longest)", flush=True)
-            continue
+            return self._hf_generate()
+        args, workload = self.args, self.workload
         staged = name.startswith("coroutine")
-        mine = dataclasses.replace(settings, staging_mb=args.staging_mb) if staged else settings
-        out = execute(Job(spec, cluster, workload, make_policy(policies[name]), page_tokens=PAGE), mine)
+        mine = dataclasses.replace(self.settings, staging_mb=args.staging_mb) if staged else self.settings
+        out = execute(Job(self.spec, self.cluster, workload, make_policy(self.policies[name]), page_tokens=PAGE), mine)
         s = summarize(out)
-        seconds[name] = s["bct_s"]
-        prompts = out.tokens.prompts
+        self.prompts = out.tokens.prompts
         traffic = out.kv_traffic or {}
         pool = int(out.prepared.state.gpu_pages[0]) * PAGE
         decode_batch = s.get("decode_expert_batch")
         decode_batch = "n/a" if decode_batch is None else f"{decode_batch:.1f}"
-        print(f"{name:16s} {s['bct_s']:7.1f} s  {tokens / s['bct_s']:7.1f} tok/s  expert batch "
+        print(f"{name:16s} {s['bct_s']:7.1f} s  {self.tokens / s['bct_s']:7.1f} tok/s  expert batch "
               f"{s['mean_expert_batch']:5.1f} tokens/expert (decode {decode_batch})"
               f"  running {s.get('mean_running', float('nan')):5.1f} (peak {traffic.get('peak_rank_running', 0)})"
               f"  KV pool {pool:,} tokens  restored {traffic.get('restored_bytes', 0) / 1e9:.2f} GB"
               f"  host-resident steps {traffic.get('host_resident_seq_steps', 0):,}"
               f"/{traffic.get('seq_steps', 0):,}"
               f"  prefill {s['prefill_s']:.1f} s  yields {s['yields']} recomputes {s['recomputes']}", flush=True)
-    return prompts
+        return s["bct_s"]
+
+    def _hf_generate(self) -> float:
+        """transformers on the executor's prompts (the same ones drawn where no executor ran before it)."""
+        workload = self.workload
+        if self.prompts is None:
+            from batchgen.exec.sequences import random_prompts
+            self.prompts = random_prompts(workload.input_lens, self.spec.vocab_size,
+                                          seed=self.settings.weights_seed + 1)
+        batches = hf_batches(workload.input_lens, workload.output_lens, self.kv_tokens)
+        sizes = [hi - lo for lo, hi in batches]
+        secs, hf_batch = hf_generate(self.hf, self.prompts, workload.output_lens, batches)
+        print(f"{'hf_generate':16s} {secs:7.1f} s  {self.tokens / secs:7.1f} tok/s  expert batch {hf_batch:5.1f} "
+              f"tokens/expert  ({len(batches)} static batches of {min(sizes)}-{max(sizes)}, mean "
+              f"{np.mean(sizes):.1f}, each padded to its own longest)", flush=True)
+        return secs
 
 
 def _ratios(rounds: list[dict[str, float]]) -> None:
