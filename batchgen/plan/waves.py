@@ -80,15 +80,15 @@ def _run_occupancy(outs: np.ndarray, running: int, steps: int) -> dict[int, int]
     end = start + stays - 1                       # the run it leaves in
     runs = int(end.max()) + 1
     alive = np.cumsum(np.bincount(start, minlength=runs) - np.bincount(end + 1, minlength=runs + 1)[:runs])
-    # each run's leavers in the order they leave: the set is at `alive - k` until the k-th leaver's last token
+    # each run's leavers in the order they leave: the set is at `alive - gone` until the next one's last token
     order = np.lexsort((leaves, end))
     run, at = end[order], leaves[order]
     first = np.ones(n, bool)
     np.not_equal(run[1:], run[:-1], out=first[1:])
     heads = np.flatnonzero(first)
-    k = np.arange(n) - np.repeat(heads, np.diff(np.append(heads, n)))
+    gone = np.arange(n) - np.repeat(heads, np.diff(np.append(heads, n)))  # leavers of its run before it
     iters = np.zeros(running + 1, np.int64)
-    np.add.at(iters, alive[run] - k, at - np.where(first, 0, np.roll(at, 1)))
+    np.add.at(iters, alive[run] - gone, at - np.where(first, 0, np.roll(at, 1)))
     # a run that someone outlives lasts `steps`: the rest of it at the size its leavers leave
     left = np.bincount(end, minlength=runs)
     last = np.zeros(runs, np.int64)
